@@ -1,0 +1,22 @@
+"""Test setup: 8 simulated CPU devices, set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+    """`../shared` beside the checkout; tests that need it skip when it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip("../shared is absent (only present in the project's own checkouts)")
+    return SHARED
