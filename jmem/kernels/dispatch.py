@@ -1,0 +1,82 @@
+"""`attention`: one entry point for every attention implementation.
+
+`impl="xla"` is plain jnp (XLA fuses it; also the CPU path), `"reference"` is
+the same math written for clarity, `"pallas"` the Pallas flash kernel, and
+`"auto"` picks Pallas on GPU/TPU and XLA elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "pallas", "xla", "reference")
+
+
+def _check(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"attention expects q [batch, q_len, q_heads, head_dim] and k/v "
+            f"[batch, kv_len, kv_heads, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: k {k.shape} and v {v.shape} must match q {q.shape} in batch and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
+
+
+def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None):
+    """Grouped-query attention in plain jnp; softmax in f32.
+
+    Args:
+        q_BTHD: queries [batch, q_len, q_heads, head_dim].
+        k_BSKD, v_BSKD: keys/values [batch, kv_len, kv_heads, head_dim].
+        causal: key j is visible to query i iff j <= q_offset + i.
+        q_offset: i32[batch] absolute position of each row's first query (decode
+            with a cache); 0 when None.
+        kv_lengths: i32[batch] number of valid keys per row; all when None.
+        sm_scale: softmax scale, 1/sqrt(head_dim) when None.
+    """
+    B, T, H, D = q_BTHD.shape
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    G = H // K
+    scale = sm_scale if sm_scale is not None else D**-0.5
+    q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
+    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32) * scale
+    mask_BTS = jnp.ones((B, T, S), bool)
+    key_pos = jnp.arange(S)
+    if causal:
+        off = jnp.zeros((B,), jnp.int32) if q_offset is None else q_offset
+        q_pos_BT = off[:, None] + jnp.arange(T)[None, :]
+        mask_BTS &= key_pos[None, None, :] <= q_pos_BT[:, :, None]
+    if kv_lengths is not None:
+        mask_BTS &= key_pos[None, None, :] < kv_lengths[:, None, None]
+    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, -jnp.inf)
+    # Rows with no visible key (padding) give zeros, not NaN.
+    m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s_BKGTS - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0, 1.0, l)
+    o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
+    return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None, impl="auto"):
+    """Dispatch attention to an implementation; see `xla_attention` for the arguments.
+
+    Example:
+        >>> o = attention(q, k, v, causal=True, impl="xla")
+    """
+    _check(q, k, v)
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    if impl == "pallas":
+        from jmem.kernels.flash_attention import flash_attention
+
+        if q_offset is None and kv_lengths is None:
+            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+        impl = "xla"  # decode against a cache: offsets/lengths go through XLA
+    return xla_attention(q, k, v, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sm_scale=sm_scale)
