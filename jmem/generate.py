@@ -1,0 +1,140 @@
+"""Batched generation with a contiguous KV cache: one jitted prefill, then jitted decode chunks.
+
+Decoding runs `chunk` tokens per device call under `lax.scan` (few host round trips);
+the host then checks EOS and stop strings and stops early when every row is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.cache import ContiguousKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature 0 is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1 or None")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits_BV, key, temperature, top_k, top_p):
+    """Sample ids `i32[batch]` from f32 logits with temperature, top-k (0 = off) and top-p (1 = off)."""
+    logits = logits_BV / jnp.maximum(temperature, 1e-6)
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    vocab = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, logits.shape[:-1])[..., None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # top-p: keep the smallest prefix of the sorted distribution with mass >= top_p.
+    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True) - 1
+    cutoff = jnp.take_along_axis(sorted_desc, cutoff_idx, axis=-1)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _bucket(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill(graphdef, state, ids_BT, lengths_B, cache):
+    model = nnx.merge(graphdef, state)
+    h, cache = model.hidden(ids_BT, cache=cache)
+    h_last = jnp.take_along_axis(h, (lengths_B - 1)[:, None, None], axis=1)
+    return model.logits_from_hidden(h_last)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "greedy"), donate_argnames=("cache",))
+def _decode(graphdef, state, cache, logits_BV, pos_B, key, temperature, top_k, top_p, *, steps, greedy):
+    model = nnx.merge(graphdef, state)
+
+    def step(carry, _):
+        logits, pos, cache, key = carry
+        key, sub = jax.random.split(key)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32) if greedy else sample(logits, sub, temperature, top_k, top_p)
+        new_logits, cache = model(tok[:, None], positions=pos[:, None], cache=cache)
+        return (new_logits[:, 0], pos + 1, cache, key), tok
+
+    (logits, pos, cache, key), toks = jax.lax.scan(step, (logits_BV, pos_B, cache, key), None, length=steps)
+    return toks.T, logits, pos, cache, key
+
+
+def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 eos_id: int | None = None, stop=None, chunk: int = 16) -> list[list[int]]:
+    """Generate continuations for token-id prompts; returns the new ids of each row.
+
+    Args:
+        model: a `jmem.models.Llama`.
+        prompts: one list of ids per row (any lengths, at least one token each).
+        max_new_tokens: upper bound on new tokens per row.
+        params: sampling parameters; rows draw from one key stream seeded by `params.seed`.
+        eos_id: stop a row after it emits this id (the id is not returned).
+        stop: optional `stop(row, ids) -> int | None`, called on the host after each chunk,
+            returning how many ids to keep when a stop condition was met.
+        chunk: decode steps per device call.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    cfg = model.config
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    total = int(lengths.max()) + max_new_tokens + chunk
+    if int(lengths.max()) + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {cfg.max_seq_len} tokens")
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+    B, T = len(prompts), _bucket(int(lengths.max()), 16)
+    ids = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    graphdef, state = nnx.split(model)
+    cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64))
+    logits, cache = _prefill(graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), cache)
+    pos, key = jnp.asarray(lengths), jax.random.key(params.seed)
+    t, k, p = (jnp.float32(params.temperature), jnp.int32(params.top_k or 0), jnp.float32(params.top_p or 1.0))
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * B
+    while not all(done):
+        toks, logits, pos, cache, key = _decode(graphdef, state, cache, logits, pos, key, t, k, p,
+                                                steps=chunk, greedy=params.greedy)
+        toks = np.asarray(toks)
+        for i in range(B):
+            if done[i]:
+                continue
+            row = toks[i].tolist()
+            if eos_id is not None and eos_id in row:
+                row, done[i] = row[: row.index(eos_id)], True
+            out[i].extend(row)
+            if len(out[i]) >= max_new_tokens:
+                out[i], done[i] = out[i][:max_new_tokens], True
+            if stop is not None:
+                keep = stop(i, out[i])
+                if keep is not None:
+                    out[i], done[i] = out[i][:keep], True
+    return out

@@ -1,0 +1,174 @@
+"""Read GGUF model files (v2/v3) into a jmem Llama: config, weights, tokenizer metadata.
+
+Parsing goes through the `gguf` package's reader; block formats are dequantized by
+`jmem.quant.ggml` (vectorised jnp). llama.cpp's converter permutes the rows of
+`attn_q`/`attn_k` for its rotary layout; `unpermute_rotary` undoes it so the model's
+half-split RoPE applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from jmem.models.config import LlamaConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+MAGIC = b"GGUF"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that jmem cannot read, with the reason in one line."""
+
+
+@dataclasses.dataclass
+class GGUFTensor:
+    name: str
+    qtype: str  # GGML type name: F32, Q4_1, ...
+    shape: tuple[int, ...]  # numpy order: (rows, cols) = (out, in) for matrices
+    data: np.ndarray  # raw: uint8 [rows, row_bytes] for block types, typed array for F32/F16/BF16
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    """A parsed GGUF file: metadata fields (python values) and tensors (raw, not dequantized)."""
+
+    path: str
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "?")
+
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        return {k: v for k, v in self.metadata.items() if k.startswith("tokenizer.")}
+
+
+def _field_value(field):
+    import gguf
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file (memory-mapped; tensors stay raw).
+
+    Raises:
+        GGUFError: not a GGUF file, truncated file, or a file the `gguf` parser rejects.
+    """
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the parser raises assorted errors on damaged files
+        raise GGUFError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); the file is truncated or damaged") from None
+    size = os.path.getsize(path)
+    tensors = {}
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
+        if end > size:
+            raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes")
+        tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), t.data)
+    metadata = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    version = int(reader.fields["GGUF.version"].parts[-1][0])
+    return GGUFFile(path, version, metadata, tensors)
+
+
+def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
+    """LlamaConfig from the file's `<arch>.*` hyper-parameters."""
+    arch = gf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported; accepted: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    m = gf.metadata
+    dim = int(m[f"{arch}.embedding_length"])
+    n_heads = int(m[f"{arch}.attention.head_count"])
+    head_dim = int(m.get(f"{arch}.attention.key_length", dim // n_heads))
+    vocab = m.get(f"{arch}.vocab_size") or len(m["tokenizer.ggml.tokens"])
+    return LlamaConfig(
+        vocab_size=int(vocab), dim=dim, n_layers=int(m[f"{arch}.block_count"]), n_heads=n_heads,
+        n_kv_heads=int(m.get(f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
+        ffn_dim=int(m[f"{arch}.feed_forward_length"]), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in gf.tensors,
+        max_seq_len=int(m.get(f"{arch}.context_length", 2048)), **overrides)
+
+
+def unpermute_rotary(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of attn_q/attn_k (`[out, in]` rows)."""
+    out = w_OI.shape[0]
+    return w_OI.reshape(n_heads, out // n_heads // 2, 2, *w_OI.shape[1:]).swapaxes(1, 2).reshape(w_OI.shape)
+
+
+def permute_rotary(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's rotary row permutation (inverse of `unpermute_rotary`)."""
+    out = w_OI.shape[0]
+    return w_OI.reshape(n_heads, 2, out // n_heads // 2, *w_OI.shape[1:]).swapaxes(1, 2).reshape(w_OI.shape)
+
+
+def dequantize_tensor(t: GGUFTensor) -> np.ndarray:
+    """float32 array of a tensor in numpy order (`[out, in]` for matrices)."""
+    from jmem.quant import ggml
+
+    if t.qtype not in ggml.SUPPORTED_TYPES:
+        raise GGUFError(f"tensor {t.name} has type {t.qtype}, which jmem does not read; "
+                        f"accepted: {', '.join(ggml.SUPPORTED_TYPES)}")
+    return np.asarray(ggml.dequantize(t.data, t.qtype)).reshape(t.shape)
+
+
+# jmem block weight name -> llama.cpp tensor name (per block `blk.{i}.`)
+BLOCK_TENSORS = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+                 "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+
+
+def llama_weights(gf: GGUFFile, config: LlamaConfig, transform=None) -> dict[str, Any]:
+    """The model's weights by state path (`layers.wq.kernel` ...), stacked over layers.
+
+    `transform(name, kernel_in_out)` may replace each matrix (for example by a quantized
+    leaf); by default matrices are dequantized to float32 `[in, out]`.
+    """
+
+    def get(name):
+        if name not in gf.tensors:
+            raise GGUFError(f"{gf.path}: tensor {name} is missing")
+        return gf.tensors[name]
+
+    weights: dict[str, Any] = {
+        "embed.embedding": dequantize_tensor(get("token_embd.weight")),
+        "norm.scale": dequantize_tensor(get("output_norm.weight")),
+    }
+    if not config.tie_embeddings:
+        weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
+    for ours, theirs in BLOCK_TENSORS.items():
+        per_layer = []
+        for i in range(config.n_layers):
+            w = dequantize_tensor(get(f"blk.{i}.{theirs}.weight"))
+            if ours == "wq":
+                w = unpermute_rotary(w, config.n_heads)
+            elif ours == "wk":
+                w = unpermute_rotary(w, config.n_kv_heads)
+            per_layer.append(w if w.ndim == 1 else w.T)
+        stacked = np.stack(per_layer)
+        suffix = "scale" if ours.endswith("norm") else "kernel"
+        weights[f"layers.{ours}.{suffix}"] = stacked
+    return weights

@@ -1,0 +1,114 @@
+"""Tokenizers: GGUF byte-level BPE rebuilt with HF `tokenizers`, and a byte tokenizer for small models.
+
+Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `eos_id`,
+`bos_id` and `apply_chat_template(messages)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2.sandbox
+
+# llama.cpp pre-tokenizer names -> the regex split used before byte-level BPE.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama3", "llama-bpe")
+_CONTROL = 3  # GGUF token type of control (special) tokens
+_USER_DEFINED = 4
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the given metadata."""
+
+
+def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"chat message {m!r} must be a dict with 'role' and 'content'")
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+class GGUFTokenizer:
+    """A byte-level BPE tokenizer from GGUF `tokenizer.*` metadata.
+
+    Example:
+        >>> tok = GGUFTokenizer(gguf_file.tokenizer_metadata())
+        >>> tok.decode(tok.encode("Hello world"))
+        'Hello world'
+    """
+
+    def __init__(self, metadata: dict[str, Any]):
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported; accepted: 'gpt2' (byte-level BPE)")
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; accepted: {', '.join(PRE_TOKENIZERS)}")
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        types: list[int] = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        split = _LLAMA3_SPLIT if pre.startswith("llama") else _GPT2_SPLIT
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if pre == "smollm" else []
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)]
+        tok.add_special_tokens(special)
+        self._tok = tok
+        self.vocab_size = len(tokens)
+        self.tokens = tokens
+        self.bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        self.eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        self.chat_template = metadata.get("tokenizer.chat_template")
+        self.special_ids = {i for i, ty in enumerate(types) if ty == _CONTROL}
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model file has no chat template (tokenizer.chat_template)")
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
+        return _render_chat(self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255 plus three specials: 256 BOS, 257 EOS, 258 PAD (vocab 259).
+
+    The random-init presets (`tiny`, `small`) use it: no vocabulary file is needed and
+    every text round-trips exactly.
+    """
+
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+    add_bos = False
+    special_ids = {256, 257, 258}
+    chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return _render_chat(self.chat_template, messages, add_generation_prompt)

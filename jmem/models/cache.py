@@ -1,0 +1,64 @@
+"""KV caches behind one small protocol, so the model runs unchanged on a contiguous or a paged cache.
+
+A cache is a pytree with three methods:
+
+- `layer_arrays()`: the per-layer arrays, each with a leading `layers` axis (scanned over);
+- `attend(layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT) -> (o_BTHD, new_layer_arrays)`:
+  writes the new keys/values of one layer and attends over the cache (fields that are
+  not per layer, such as block tables, are read from `self`);
+- `with_layers(new_arrays) -> cache`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jmem.kernels import attention
+
+
+@flax.struct.dataclass
+class ContiguousKVCache:
+    """One contiguous slab per layer: k/v `[layers, batch, max_len, kv_heads, head_dim]`.
+
+    Each row writes its tokens at their absolute positions; a query at position p sees
+    keys 0..p of its row. Padding written past a row's end is overwritten before any
+    query can see it, because queries only look backwards.
+
+    Example:
+        >>> cache = ContiguousKVCache.create(config, batch=2, max_len=128)
+        >>> logits, cache = model(ids, positions=pos, cache=cache)
+    """
+
+    k: jax.Array
+    v: jax.Array
+    impl: str = flax.struct.field(pytree_node=False, default="xla")
+
+    @classmethod
+    def create(cls, config, batch: int, max_len: int, dtype=None) -> "ContiguousKVCache":
+        from jmem.models.config import as_dtype
+
+        dtype = dtype or as_dtype(config.compute_dtype)
+        shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+        impl = "xla" if config.attention_impl in ("auto", "pallas") else config.attention_impl
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), impl)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def layer_arrays(self):
+        return (self.k, self.v)
+
+    def with_layers(self, arrays) -> "ContiguousKVCache":
+        return self.replace(k=arrays[0], v=arrays[1])
+
+    def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
+        k_BSKD, v_BSKD = layer_arrays
+        rows = jnp.arange(q_BTHD.shape[0])[:, None]
+        k_BSKD = k_BSKD.at[rows, positions_BT].set(k_BTKD.astype(k_BSKD.dtype), mode="drop")
+        v_BSKD = v_BSKD.at[rows, positions_BT].set(v_BTKD.astype(v_BSKD.dtype), mode="drop")
+        o = attention(q_BTHD, k_BSKD.astype(q_BTHD.dtype), v_BSKD.astype(q_BTHD.dtype), causal=True,
+                      q_offset=positions_BT[:, 0], impl=self.impl)
+        return o, (k_BSKD, v_BSKD)

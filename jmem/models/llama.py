@@ -1,0 +1,179 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Blocks are stacked: every block parameter has a leading `layers` axis and the forward
+pass runs one block function under `jax.lax.scan`, so rematerialisation, parameter
+offload and ZeRO-3 gathering happen per layer. Every linear layer goes through
+`jmem.models.dot.dot`, so a weight leaf may be a plain array, a quantized tensor or a
+LoRA-wrapped weight without any change here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jmem.kernels import attention
+from jmem.models.config import LlamaConfig, as_dtype
+from jmem.models.dot import dot
+
+# Logical axis names of every parameter, by state path (read by the sharding rules).
+LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    "embed.embedding": ("vocab", "embed"),
+    "layers.attn_norm.scale": ("layers", "embed"),
+    "layers.wq.kernel": ("layers", "embed", "heads"),
+    "layers.wk.kernel": ("layers", "embed", "kv_heads"),
+    "layers.wv.kernel": ("layers", "embed", "kv_heads"),
+    "layers.wo.kernel": ("layers", "heads", "embed"),
+    "layers.mlp_norm.scale": ("layers", "embed"),
+    "layers.w_gate.kernel": ("layers", "embed", "mlp"),
+    "layers.w_up.kernel": ("layers", "embed", "mlp"),
+    "layers.w_down.kernel": ("layers", "mlp", "embed"),
+    "norm.scale": ("embed",),
+    "head.kernel": ("embed", "vocab"),
+}
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm computed in f32, returned in `x.dtype`."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD, positions_BT, base):
+    """Rotary embedding, half-split layout (pairs dimension i with i + head_dim/2)."""
+    half = x_BTHD.shape[-1] // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angles_BTF)[:, :, None, :], jnp.sin(angles_BTF)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHD.dtype)
+
+
+class Linear(nnx.Module):
+    """`x @ kernel`, kernel `[*stack, in, out]` (stack = (layers,) inside the block stack)."""
+
+    def __init__(self, din: int, dout: int, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(stddev=din**-0.5)
+        self.kernel = nnx.Param(init(rngs.params(), (*stack, din, dout), dtype))
+
+    def __call__(self, x):
+        return dot(x, self.kernel.value)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
+
+
+class Blocks(nnx.Module):
+    """All decoder blocks, parameters stacked on a leading `layers` axis."""
+
+    NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        s, d, dt = (cfg.n_layers,), cfg.dim, as_dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(d, stack=s, dtype=dt)
+        self.wq = Linear(d, cfg.n_heads * cfg.head_dim, stack=s, dtype=dt, rngs=rngs)
+        self.wk = Linear(d, cfg.n_kv_heads * cfg.head_dim, stack=s, dtype=dt, rngs=rngs)
+        self.wv = Linear(d, cfg.n_kv_heads * cfg.head_dim, stack=s, dtype=dt, rngs=rngs)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, d, stack=s, dtype=dt, rngs=rngs)
+        self.mlp_norm = RMSNorm(d, stack=s, dtype=dt)
+        self.w_gate = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
+        self.w_up = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
+        self.w_down = Linear(cfg.ffn_dim, d, stack=s, dtype=dt, rngs=rngs)
+
+    def weights(self) -> dict:
+        """The stacked weight leaves by name (arrays or weight-leaf pytrees)."""
+        return {n: (m.scale if isinstance(m, RMSNorm) else m.kernel).value
+                for n in self.NAMES for m in [getattr(self, n)]}
+
+
+def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None):
+    """One decoder block on one layer's weights `w`; returns (x, new cache layer arrays)."""
+    B, T, _ = x_BTE.shape
+    x_BTE = checkpoint_name(x_BTE, "layer_input")
+    h = checkpoint_name(rms_norm(x_BTE, w["attn_norm"], cfg.norm_eps), "attn_norm")
+    q = dot(h, w["wq"]).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    k = dot(h, w["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    v = checkpoint_name(dot(h, w["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), "value")
+    q = checkpoint_name(rope(q, positions_BT, cfg.rope_base), "query")
+    k = checkpoint_name(rope(k, positions_BT, cfg.rope_base), "key")
+    if cache is None:
+        o, new_layer = attention(q, k, v, causal=True, impl=cfg.attention_impl), None
+    else:
+        o, new_layer = cache.attend(cache_layer, q, k, v, positions_BT)
+    o = checkpoint_name(o, "attention")
+    x_BTE = x_BTE + checkpoint_name(dot(o.reshape(B, T, -1), w["wo"]), "attn_out")
+    h = checkpoint_name(rms_norm(x_BTE, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    gate = checkpoint_name(dot(h, w["w_gate"]), "mlp_gate")
+    up = checkpoint_name(dot(h, w["w_up"]), "mlp_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    x_BTE = x_BTE + checkpoint_name(dot(hidden, w["w_down"]), "mlp_out")
+    return x_BTE, new_layer
+
+
+def _remat(fn, spec: str):
+    if spec == "none":
+        return fn
+    from jmem.memory.remat import get_policy
+
+    return jax.checkpoint(fn, policy=get_policy(spec), prevent_cse=False)
+
+
+class Llama(nnx.Module):
+    """The decoder. `model(ids) -> (logits f32[batch, seq, vocab], cache)`.
+
+    Example:
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> logits, _ = model(jnp.zeros((2, 8), jnp.int32))
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dt = as_dtype(config.param_dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.dim, param_dtype=dt, rngs=rngs,
+                               embedding_init=jax.nn.initializers.normal(stddev=1.0))
+        self.layers = Blocks(config, rngs=rngs)
+        self.norm = RMSNorm(config.dim, dtype=dt)
+        if not config.tie_embeddings:
+            self.head = Linear(config.dim, config.vocab_size, dtype=dt, rngs=rngs)
+
+    def hidden(self, ids_BT, positions=None, cache=None):
+        """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache."""
+        cfg = self.config
+        B, T = ids_BT.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x = jnp.take(self.embed.embedding.value, ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
+        weights = self.layers.weights()
+
+        def body(x, xs):
+            w, layer = xs
+            return block(cfg, w, x, positions, cache, layer)
+
+        body = _remat(body, cfg.remat)
+        layers = None if cache is None else cache.layer_arrays()
+        x, new_layers = jax.lax.scan(body, x, (weights, layers))
+        if cache is not None:
+            cache = cache.with_layers(new_layers)
+        return rms_norm(x, self.norm.scale.value, cfg.norm_eps), cache
+
+    def logits_from_hidden(self, h_BTE):
+        """f32 logits `[batch, seq, vocab]` from hidden states."""
+        if self.config.tie_embeddings:
+            emb = self.embed.embedding.value
+            return jnp.einsum("bte,ve->btv", h_BTE, emb.astype(h_BTE.dtype), preferred_element_type=jnp.float32)
+        return dot(h_BTE, self.head.kernel.value).astype(jnp.float32)
+
+    def __call__(self, ids_BT, positions=None, cache=None):
+        h, cache = self.hidden(ids_BT, positions, cache)
+        return self.logits_from_hidden(h), cache
+
+
+def forward(graphdef, state, ids_BT, positions=None, cache=None):
+    """Pure functional form: `(graphdef, state)` from `nnx.split(model)` -> (logits, cache)."""
+    return nnx.merge(graphdef, state)(ids_BT, positions, cache)
