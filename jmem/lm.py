@@ -104,6 +104,7 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
     dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
+    name_or_path = str(name_or_path)
     if name_or_path in PACKAGED_MODELS:
         path = packaged_model_path(name_or_path)
     elif name_or_path in PRESETS:
@@ -113,7 +114,7 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
         path = str(name_or_path)
     else:
         raise ValueError(f"unknown model {name_or_path!r}; accepted: a .gguf path or one of "
-                         f"{', '.join([*PACKAGED_MODELS, *PRESETS])}")
+                         f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
     gf = read_gguf(path)
     config = config_from_gguf(gf, **dtypes)
     tokenizer = GGUFTokenizer(gf.tokenizer_metadata())
@@ -134,9 +135,9 @@ def set_weights(model: Llama, weights: dict) -> None:
             node = getattr(node, p)
         var = getattr(node, leaf)
         if hasattr(value, "__jmem_dot__"):
-            var.value = value
+            var.set_value(value)
             continue
-        expected = tuple(var.value.shape)
+        expected = tuple(var.get_value().shape)
         if tuple(np.shape(value)) != expected:
             raise ValueError(f"weight {path} has shape {np.shape(value)}, the model expects {expected}")
-        var.value = jnp.asarray(value, dtype)
+        var.set_value(jnp.asarray(value, dtype))

@@ -61,7 +61,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (*stack, din, dout), dtype))
 
     def __call__(self, x):
-        return dot(x, self.kernel.value)
+        return dot(x, self.kernel.get_value())
 
 
 class RMSNorm(nnx.Module):
@@ -88,7 +88,7 @@ class Blocks(nnx.Module):
 
     def weights(self) -> dict:
         """The stacked weight leaves by name (arrays or weight-leaf pytrees)."""
-        return {n: (m.scale if isinstance(m, RMSNorm) else m.kernel).value
+        return {n: (m.scale if isinstance(m, RMSNorm) else m.kernel).get_value()
                 for n in self.NAMES for m in [getattr(self, n)]}
 
 
@@ -148,7 +148,7 @@ class Llama(nnx.Module):
         B, T = ids_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x = jnp.take(self.embed.embedding.value, ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
+        x = jnp.take(self.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
         weights = self.layers.weights()
 
         def body(x, xs):
@@ -160,14 +160,14 @@ class Llama(nnx.Module):
         x, new_layers = jax.lax.scan(body, x, (weights, layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
-        return rms_norm(x, self.norm.scale.value, cfg.norm_eps), cache
+        return rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), cache
 
     def logits_from_hidden(self, h_BTE):
         """f32 logits `[batch, seq, vocab]` from hidden states."""
         if self.config.tie_embeddings:
-            emb = self.embed.embedding.value
+            emb = self.embed.embedding.get_value()
             return jnp.einsum("bte,ve->btv", h_BTE, emb.astype(h_BTE.dtype), preferred_element_type=jnp.float32)
-        return dot(h_BTE, self.head.kernel.value).astype(jnp.float32)
+        return dot(h_BTE, self.head.kernel.get_value()).astype(jnp.float32)
 
     def __call__(self, ids_BT, positions=None, cache=None):
         h, cache = self.hidden(ids_BT, positions, cache)

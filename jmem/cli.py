@@ -1,0 +1,88 @@
+"""The `jmem` command: `jmem generate`, `jmem info`, `jmem serve`, `jmem quantize`.
+
+Each subcommand is a typed function; tyro builds the flags from its signature.
+Bad input ends with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import tyro
+
+
+def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             chat: bool = False) -> None:
+    """Print a completion of PROMPT.
+
+    Args:
+        prompt: Text to continue.
+        model: Preset name (smollm2-135m, tiny, ...) or a .gguf path.
+        max_new_tokens: Upper bound on generated tokens.
+        temperature: 0 is greedy; higher samples more freely.
+        top_k: Keep only the k most likely tokens (off when unset).
+        top_p: Keep the smallest set of tokens with this much probability (off when unset).
+        seed: Sampling seed.
+        chat: Wrap the prompt in the model's chat template as a user message.
+    """
+    import jmem
+
+    lm = jmem.load(model)
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    out = lm.generate([text], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed)[0]
+    print(out)
+
+
+def info(path: tyro.conf.Positional[str]) -> None:
+    """Print a GGUF file's architecture, hyper-parameters, tensor types, parameter count and bytes.
+
+    Args:
+        path: A .gguf file.
+    """
+    from jmem.io.gguf import config_from_gguf, read_gguf
+
+    gf = read_gguf(path)
+    config = config_from_gguf(gf)
+    n_params = sum(int(_numel(t.shape)) for t in gf.tensors.values())
+    n_bytes = sum(int(t.data.nbytes) for t in gf.tensors.values())
+    types = Counter(t.qtype for t in gf.tensors.values())
+    print(f"file:          {gf.path} (GGUF v{gf.version})")
+    print(f"architecture:  {gf.architecture}  name: {gf.metadata.get('general.name', '?')}")
+    print(f"layers:        {config.n_layers}  width: {config.dim}  heads: {config.n_heads}/{config.n_kv_heads} "
+          f"(head dim {config.head_dim})  ffn: {config.ffn_dim}  vocab: {config.vocab_size}")
+    print(f"rope base:     {config.rope_base:g}  context: {config.max_seq_len}  tied embeddings: {config.tie_embeddings}")
+    print(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in types.most_common())}")
+    print(f"parameters:    {n_params:,} ({n_params / 1e6:.1f}M)")
+    print(f"tensor bytes:  {n_bytes:,} ({8 * n_bytes / n_params:.2f} bits/parameter)")
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"generate": generate, "info": info}
+    if argv and argv[0] == "serve":
+        from jmem.serve.cli import serve_main
+
+        return serve_main(argv[1:])
+    if argv and argv[0] == "quantize":
+        from jmem.quant.cli import quantize_main
+
+        return quantize_main(argv[1:])
+    try:
+        tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="jmem")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jmem: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The decoder: cache consistency, functional form, dtypes, configuration errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.models import ContiguousKVCache, Llama, LlamaConfig, forward, get_config
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def test_prefill_then_decode_equals_full_forward(tiny):
+    cfg = tiny.config
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    full, _ = tiny(ids)
+    cache = ContiguousKVCache.create(cfg, 2, 16)
+    first, cache = tiny(ids[:, :7], cache=cache)
+    outs = [first]
+    for t in range(7, 12):
+        step, cache = tiny(ids[:, t:t + 1], positions=jnp.full((2, 1), t, jnp.int32), cache=cache)
+        outs.append(step)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5)
+
+
+def test_causality(tiny):
+    ids = jax.random.randint(jax.random.key(2), (1, 10), 0, tiny.config.vocab_size)
+    a, _ = tiny(ids)
+    b, _ = tiny(ids.at[0, 6].set((ids[0, 6] + 1) % tiny.config.vocab_size))
+    np.testing.assert_array_equal(a[0, :6], b[0, :6])
+    assert not np.allclose(a[0, 6:], b[0, 6:])
+
+
+def test_functional_form_matches_module(tiny):
+    graphdef, state = nnx.split(tiny)
+    ids = jnp.arange(8, dtype=jnp.int32)[None]
+    logits, _ = jax.jit(forward, static_argnums=0)(graphdef, state, ids)
+    np.testing.assert_allclose(logits, tiny(ids)[0], atol=1e-5)
+
+
+def test_parameter_count_and_dtypes():
+    cfg = LlamaConfig.tiny(param_dtype="bf16", compute_dtype="bf16")
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    leaves = jax.tree.leaves(params)
+    assert sum(x.size for x in leaves) == cfg.num_params
+    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+    logits, _ = model(jnp.zeros((1, 4), jnp.int32))
+    assert logits.dtype == jnp.float32
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_heads=6 must be a multiple of n_kv_heads=4"):
+        LlamaConfig.tiny(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match="dtype 'f8' is not supported"):
+        LlamaConfig.tiny(param_dtype="f8")
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        get_config("huge")

@@ -1,0 +1,65 @@
+"""Generation: sampling reproducible by seed, EOS and stop strings, argument errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmem
+from jmem.generate import SamplingParams, generate_ids, sample
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return jmem.load("tiny")
+
+
+def test_sampling_reproducible_by_seed(lm):
+    kw = dict(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.9)
+    a = lm.generate(["hello", "x"], seed=3, **kw)
+    b = lm.generate(["hello", "x"], seed=3, **kw)
+    c = lm.generate(["hello", "x"], seed=4, **kw)
+    assert a == b and a != c
+
+
+def test_greedy_batch_equals_single(lm):
+    prompts = ["short", "a much longer prompt here"]
+    batch = generate_ids(lm.model, [lm.tokenizer.encode(p) for p in prompts], 20)
+    for p, row in zip(prompts, batch):
+        assert generate_ids(lm.model, [lm.tokenizer.encode(p)], 20)[0] == row
+
+
+def test_eos_and_stop_strings(lm):
+    ids = lm.tokenizer.encode("abc")
+    free = generate_ids(lm.model, [ids], 20)[0]
+    eos = free[5]
+    cut = generate_ids(lm.model, [ids], 20, eos_id=eos)[0]
+    assert cut == free[: free.index(eos)]
+    text = lm.generate(["abc"], max_new_tokens=20)[0]
+    stop = text[4:6]
+    stopped = lm.generate(["abc"], max_new_tokens=20, stop=[stop])[0]
+    assert stopped == text[: text.find(stop)]
+
+
+def test_top_k_1_is_greedy_and_top_p_masks():
+    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    toks = sample(logits, jax.random.key(1), 1.0, jnp.int32(1), jnp.float32(1.0))
+    np.testing.assert_array_equal(toks, jnp.argmax(logits, -1))
+    peaked = jnp.zeros((1, 10)).at[0, 3].set(10.0)  # p(3) ~ 0.9996: top_p 0.5 keeps only it
+    draws = [int(sample(peaked, jax.random.key(s), 1.0, jnp.int32(0), jnp.float32(0.5))[0]) for s in range(20)]
+    assert set(draws) == {3}
+
+
+def test_bad_arguments(lm):
+    with pytest.raises(ValueError, match="temperature=-1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        lm.generate(["a"], top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        lm.generate(["a"], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        lm.generate(["a"], max_new_tokens=10_000)
+    with pytest.raises(ValueError, match="list of prompt strings"):
+        lm.generate("a")
+    with pytest.raises(ValueError, match="token ids must be in"):
+        lm.logits(np.array([[1, 100000]]))
