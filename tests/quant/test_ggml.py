@@ -1,0 +1,146 @@
+"""GGML block formats: our jnp dequantize vs `gguf.quants`, quantize round trips."""
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jmem.quant import ggml
+
+# Byte offsets of the f16 scales inside one block, so random payloads get finite scales.
+F16_OFFSETS = {
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
+QUANTIZED = tuple(F16_OFFSETS)
+# Bits per code of each type (the scale overhead is not counted).
+CODE_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5,
+             T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8}
+
+
+def random_raw(rng, qt, lead, n_blocks):
+    """Random payload bytes with finite random f16 scales: u8[*lead, n_blocks * type_size]."""
+    fmt = ggml.FORMATS[qt]
+    if qt == T.F32:
+        return rng.normal(size=(*lead, n_blocks)).astype("<f4").view(np.uint8)
+    if qt == T.F16:
+        return rng.normal(size=(*lead, n_blocks)).astype("<f2").view(np.uint8)
+    if qt == T.BF16:
+        bits = (rng.normal(size=(*lead, n_blocks)).astype("<f4").view(np.uint32) >> 16).astype("<u2")
+        return bits.view(np.uint8)
+    raw = rng.integers(0, 256, (*lead, n_blocks, fmt.type_size), dtype=np.uint8)
+    for off in F16_OFFSETS[qt]:
+        scale = rng.normal(0.0, 1.0, (*lead, n_blocks)).astype("<f2")
+        raw[..., off : off + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(*lead, n_blocks * fmt.type_size)
+
+
+ROW = 1024  # weights per row: whole blocks of every type
+
+
+@pytest.mark.parametrize("qt", list(ggml.FORMATS), ids=lambda t: t.name)
+def test_dequantize_matches_gguf_bit_exactly(qt):
+    rng = np.random.default_rng(int(qt))
+    fmt = ggml.FORMATS[qt]
+    raw = random_raw(rng, qt, (2, 3), ROW // fmt.block_size)  # leading axes as a stacked [layers, out] weight
+    ref = raw.view(np.float32) if qt == T.F32 else gguf.quants.dequantize(raw, qt)
+    ours = np.asarray(ggml.dequantize(raw, qt.name))
+    assert ours.dtype == np.float32 and ours.shape == ref.shape == (2, 3, ROW)
+    np.testing.assert_array_equal(ours, ref)
+    # int qtype and an explicit shape; same compiled decoder.
+    np.testing.assert_array_equal(np.asarray(ggml.dequantize(raw, int(qt), shape=(6, -1))), ref.reshape(6, -1))
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_dequantize_inside_jit(qt):
+    rng = np.random.default_rng(5)
+    raw = random_raw(rng, qt, (4,), 256 // ggml.FORMATS[qt].block_size)
+    x = rng.normal(size=(2, 256)).astype(np.float32)
+    y = jax.jit(lambda x, r: x @ ggml.dequantize(r, qt).T)(x, raw)
+    np.testing.assert_allclose(np.asarray(y), x @ gguf.quants.dequantize(raw, qt).T, rtol=1e-5, atol=1e-5)
+
+
+def test_float_types_accept_typed_arrays():
+    x = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float16)
+    np.testing.assert_array_equal(np.asarray(ggml.dequantize(x, T.F16)), x.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(ggml.dequantize(x.astype(np.float32), "f32")), x.astype(np.float32))
+
+
+@pytest.mark.parametrize("qt", list(ggml.FORMATS), ids=lambda t: t.name)
+def test_quantize_round_trip(qt):
+    rng = np.random.default_rng(100 + int(qt))
+    x = rng.normal(size=(2, 3, ROW)).astype(np.float32)
+    raw = ggml.quantize(x, qt)
+    fmt = ggml.FORMATS[qt]
+    assert raw.dtype == np.uint8 and raw.shape == (2, 3, ROW // fmt.block_size * fmt.type_size)
+    ours = np.asarray(ggml.dequantize(raw, qt))
+    ref = raw.view(np.float32) if qt == T.F32 else gguf.quants.dequantize(raw, qt)
+    np.testing.assert_array_equal(ours, ref)
+    rel_rmse = np.sqrt(((ours - x) ** 2).mean() / (x**2).mean())
+    if qt == T.F32:
+        assert rel_rmse == 0.0
+    elif qt == T.F16:
+        assert rel_rmse < 2.0**-11
+    elif qt == T.BF16:
+        assert rel_rmse < 2.0**-8
+    else:
+        # A uniform quantizer with b-bit codes over each block's range.
+        assert rel_rmse < 1.5 * 2.0 ** -CODE_BITS[qt], rel_rmse
+
+
+@pytest.mark.parametrize("qt", [T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_legacy_quantize_matches_gguf_bytes(qt):
+    x = np.random.default_rng(7).normal(size=(8, 256)).astype(np.float32)
+    np.testing.assert_array_equal(ggml.quantize(x, qt), gguf.quants.quantize(x, qt))
+
+
+def test_k_quant_scale_search_beats_single_scale_formats():
+    x = np.random.default_rng(3).normal(size=(16, 512)).astype(np.float32)
+
+    def err(qt):
+        # gguf's decoder, shown equal to ours above, so no extra compiles here.
+        return float(((gguf.quants.dequantize(ggml.quantize(x, qt), qt) - x) ** 2).mean())
+
+    assert err(T.Q4_K) < err(T.Q4_1)
+    assert err(T.Q5_K) < err(T.Q5_1)
+
+
+@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+def test_quantize_zero_and_constant_rows(qt):
+    n = ggml.FORMATS[qt].block_size
+    x = np.stack([np.zeros(n), np.full(n, -0.75), np.full(n, 0.5)]).astype(np.float32)
+    y = gguf.quants.dequantize(ggml.quantize(x, qt), qt)
+    assert np.isfinite(y).all()
+    np.testing.assert_array_equal(y[0], 0.0)
+    np.testing.assert_allclose(y[1:], x[1:], atol=0.02)
+
+
+def test_unsupported_type_error_names_type_and_lists_supported():
+    for bad in ("IQ2_XXS", T.Q8_1, "nope", 999):
+        with pytest.raises(ValueError, match="supported: F32, F16, BF16, Q4_0") as info:
+            ggml.dequantize(np.zeros((1, 34), np.uint8), bad)
+        assert str(bad if not isinstance(bad, T) else bad.name) in str(info.value)
+    with pytest.raises(ggml.UnsupportedGGMLTypeError, match="IQ4_NL"):
+        ggml.quantize(np.zeros((1, 32), np.float32), T.IQ4_NL)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="block size 256"):
+        ggml.quantize(np.zeros((2, 100), np.float32), "q4_k")
+    with pytest.raises(ValueError, match="18-byte blocks"):
+        ggml.dequantize(np.zeros((2, 20), np.uint8), "Q4_0")
+
+
+def test_format_table_matches_gguf():
+    for qt, fmt in ggml.FORMATS.items():
+        assert (fmt.block_size, fmt.type_size) == gguf.GGML_QUANT_SIZES[qt]
+    assert ggml.row_bytes(512, "Q6_K") == 420
