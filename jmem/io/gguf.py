@@ -160,15 +160,17 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, transform=None) -> dict[str
     if not config.tie_embeddings:
         weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
     for ours, theirs in BLOCK_TENSORS.items():
-        per_layer = []
-        for i in range(config.n_layers):
-            w = dequantize_tensor(get(f"blk.{i}.{theirs}.weight"))
-            if ours == "wq":
-                w = unpermute_rotary(w, config.n_heads)
-            elif ours == "wk":
-                w = unpermute_rotary(w, config.n_kv_heads)
-            per_layer.append(w if w.ndim == 1 else w.T)
-        stacked = np.stack(per_layer)
+        tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]
+        if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
+            stacked = dequantize_tensor(GGUFTensor(theirs, tensors[0].qtype, (len(tensors), *tensors[0].shape),
+                                                   np.stack([t.data for t in tensors])))
+        else:
+            stacked = np.stack([dequantize_tensor(t) for t in tensors])
+        if ours in ("wq", "wk"):
+            heads = config.n_heads if ours == "wq" else config.n_kv_heads
+            stacked = np.stack([unpermute_rotary(w, heads) for w in stacked])
+        if stacked.ndim == 3:
+            stacked = stacked.transpose(0, 2, 1)  # [L, out, in] -> [L, in, out]
         suffix = "scale" if ours.endswith("norm") else "kernel"
-        weights[f"layers.{ours}.{suffix}"] = stacked
+        weights[f"layers.{ours}.{suffix}"] = np.ascontiguousarray(stacked)
     return weights

@@ -1,0 +1,101 @@
+"""Greedy decode tokens/s of jmem vs Hugging Face transformers (torch CPU), same GGUF file.
+
+    python experiments/bench_generate.py            # batch 1 and 8, 64 new tokens
+    python experiments/bench_generate.py --skip-hf  # jmem only
+
+Both sides generate greedily from the same prompts; the table reports new tokens
+per second after one warm-up call (compilation excluded), and whether the greedy
+texts are identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import tyro
+
+import jmem
+from jmem.lm import packaged_model_path
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+           "def fibonacci(n):", "The three laws of thermodynamics are", "In 1969, the first humans",
+           "A good recipe for bread needs", "The main difference between TCP and UDP is", "Photosynthesis converts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    batches: tuple[int, ...] = (1, 8)
+    """Batch sizes to time."""
+    new_tokens: int = 64
+    """New tokens per row (EOS is ignored so every row decodes the same count)."""
+    repeats: int = 3
+    """Timed runs per batch size; the median is reported."""
+    skip_hf: bool = False
+    """Time jmem alone (when torch/transformers are not installed)."""
+    threads: int = 2
+    """CPU threads for torch."""
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def time_jmem(lm, prompts, n):
+    from jmem.generate import generate_ids
+
+    ids = [lm.tokenizer.encode(p) for p in prompts]
+    generate_ids(lm.model, ids, n)  # compile
+    t0 = time.perf_counter()
+    out = generate_ids(lm.model, ids, n)
+    dt = time.perf_counter() - t0
+    return sum(len(o) for o in out) / dt, [lm.tokenizer.decode(o) for o in out]
+
+
+def time_hf(model, tok, prompts, n):
+    import torch
+
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.inference_mode():
+        model.generate(**enc, **kw)
+        t0 = time.perf_counter()
+        out = model.generate(**enc, **kw)
+        dt = time.perf_counter() - t0
+    new = out[:, enc["input_ids"].shape[1]:]
+    return new.numel() / dt, [tok.decode(r, skip_special_tokens=True) for r in new]
+
+
+def main(args: Args) -> None:
+    lm = jmem.load("smollm2-135m")
+    hf = None
+    if not args.skip_hf:
+        import os
+
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(args.threads)
+        path = packaged_model_path("smollm2-135m")
+        folder, name = os.path.dirname(path), os.path.basename(path)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tok.padding_side = "left"
+        tok.pad_token = tok.pad_token or tok.eos_token
+        hf = (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval(), tok)
+    print("| batch | jmem tok/s | HF tok/s | speed-up | greedy text identical |")
+    print("| --- | --- | --- | --- | --- |")
+    for b in args.batches:
+        prompts = (PROMPTS * (b // len(PROMPTS) + 1))[:b]
+        runs = [time_jmem(lm, prompts, args.new_tokens) for _ in range(args.repeats)]
+        ours, texts = _median([r[0] for r in runs]), runs[0][1]
+        if hf is None:
+            print(f"| {b} | {ours:.1f} | - | - | - |", flush=True)
+            continue
+        hruns = [time_hf(*hf, prompts, args.new_tokens) for _ in range(args.repeats)]
+        theirs, htexts = _median([r[0] for r in hruns]), hruns[0][1]
+        same = sum(a == h for a, h in zip(texts, htexts))
+        print(f"| {b} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {same}/{b} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
