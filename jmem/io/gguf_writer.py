@@ -1,0 +1,318 @@
+"""Write a jmem Llama to a llama-architecture GGUF file (float or any GGML block type).
+
+The file follows llama.cpp's conventions, so `llama.cpp`, the `gguf` package and
+`jmem.load` read it: `llama.*` hyper-parameters, the `tokenizer.*` fields copied
+from the source model, matrices stored [out, in] under llama.cpp's tensor names,
+the rotary row permutation of `attn_q`/`attn_k` re-applied (the loader undoes
+it), 1-D norm weights in F32.
+
+Weights already packed as `GGMLWeight` are written byte for byte when their
+target type is their own type; other leaves are decoded to float and encoded
+with `jmem.quant.ggml.quantize`.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
+from jmem.models.config import LlamaConfig
+from jmem.quant import ggml
+from jmem.quant.ggml_weight import GGMLWeight
+
+# Per-type `general.file_type` (llama.cpp's LlamaFileType) when one type dominates the matrices.
+_FILE_TYPES = {
+    "F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1", "Q8_0": "MOSTLY_Q8_0",
+    "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+    "Q6_K": "MOSTLY_Q6_K",
+}
+_FLOAT_BY_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+
+QTypeSpec = str | Mapping[str, str] | Callable[[str, tuple[int, ...]], "str | None"] | None
+
+
+def byte_tokenizer_metadata() -> dict[str, Any]:
+    """`tokenizer.*` fields of a byte-level BPE with no merges that matches `ByteTokenizer`.
+
+    Token i < 256 is byte i (in GPT-2's printable byte alphabet), then three control
+    tokens 256 BOS, 257 EOS, 258 PAD: the ids of `jmem.io.tokenizer.ByteTokenizer`,
+    for writing the random-init presets (vocab 259).
+    """
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    alphabet, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[b] = chr(b)
+        else:  # GPT-2 maps the remaining bytes to code points from 256 up, in order
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>", "<|pad|>"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 3],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 257,
+        "tokenizer.ggml.padding_token_id": 258,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def _value_type(key: str, value):
+    """GGUF value type (and array item type) of a tokenizer field, as llama.cpp writes it."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    known = {"tokenizer.ggml.token_type": V.INT32, "tokenizer.ggml.scores": V.FLOAT32}
+    if isinstance(value, (list, tuple)):
+        if key in known:
+            return V.ARRAY, known[key]
+        first = value[0] if len(value) else ""
+        item = (V.BOOL if isinstance(first, bool) else V.INT32 if isinstance(first, (int, np.integer))
+                else V.FLOAT32 if isinstance(first, (float, np.floating)) else V.STRING)
+        return V.ARRAY, item
+    if isinstance(value, (bool, np.bool_)):
+        return V.BOOL, None
+    if isinstance(value, (int, np.integer)):
+        return (V.UINT32 if key.endswith("_token_id") else V.INT32), None
+    if isinstance(value, (float, np.floating)):
+        return V.FLOAT32, None
+    if isinstance(value, str):
+        return V.STRING, None
+    raise ValueError(f"tokenizer field {key} has a value of type {type(value).__name__}; "
+                     "accepted: str, bool, int, float or a list of them")
+
+
+def _lookup(params, path: str):
+    """A leaf by state path from a Llama module, an nnx.State, a nested or a flat dict."""
+    from flax import nnx
+
+    if isinstance(params, Mapping) and path in params:
+        node = params[path]
+    else:
+        node = params
+        for part in path.split("."):
+            if isinstance(node, Mapping):
+                if part not in node:
+                    raise ValueError(f"params have no entry {path!r} (missing {part!r})")
+                node = node[part]
+            elif hasattr(node, part):
+                node = getattr(node, part)
+            else:
+                raise ValueError(f"params have no entry {path!r} (missing {part!r})")
+    if isinstance(node, nnx.Variable):
+        node = node.get_value()
+    return node
+
+
+def _resolve_target(spec: QTypeSpec, name: str, shape_OI: tuple[int, ...]):
+    """The requested GGML type name for a matrix, or None to keep its own form."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return ggml.resolve_qtype(spec).name
+    if isinstance(spec, Mapping):
+        for pattern, qt in spec.items():
+            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                return None if qt is None else ggml.resolve_qtype(qt).name
+        return None
+    if callable(spec):
+        qt = spec(name, shape_OI)
+        return None if qt is None else ggml.resolve_qtype(qt).name
+    raise ValueError(f"qtype_by_tensor must be a type name, a mapping of tensor-name patterns, a callable or "
+                     f"None; got {type(spec).__name__}")
+
+
+class _Matrix:
+    """One weight matrix to write, stored [out, in] in the file.
+
+    `leaf` is the model's leaf (float array, `GGMLWeight`, or another leaf with a
+    `dequantize()` method), `layer` its index on the stacked axis (None when not
+    stacked); `kernel` says jmem stores it [in, out] (every linear kernel; the
+    embedding is [vocab, dim] in both).
+    """
+
+    def __init__(self, leaf, layer, rotary_heads, *, kernel=True, cache=None):
+        self.leaf, self.layer, self.rotary_heads, self.kernel = leaf, layer, rotary_heads, kernel
+        self.packed = leaf if isinstance(leaf, GGMLWeight) else None
+        self._cache = {} if cache is None else cache
+
+    def shape_OI(self) -> tuple[int, ...]:
+        if self.packed is not None:
+            return (self.packed.out_features, self.packed.in_features)
+        shape = tuple(np.shape(self.leaf) if hasattr(self.leaf, "shape") else self.leaf.dequantize().shape)
+        shape = shape[1:] if self.layer is not None else shape
+        return shape[::-1] if self.kernel else shape
+
+    def _float(self) -> np.ndarray:
+        """The float weight in jmem's layout, this layer only."""
+        if self.packed is not None:
+            raw = self.packed.raw if self.layer is None else self.packed.raw[self.layer]
+            w_OI = np.asarray(ggml.dequantize(raw, self.packed.qtype))
+            return w_OI.T if self.kernel else w_OI
+        leaf = self.leaf
+        if hasattr(leaf, "dequantize") and not isinstance(leaf, np.ndarray):
+            # Another quantized leaf: decode the whole stack once, shared across layers.
+            key = id(leaf)
+            if key not in self._cache:
+                self._cache[key] = np.asarray(leaf.dequantize(), dtype=np.float32)
+            leaf = self._cache[key]
+        w = leaf if self.layer is None else leaf[self.layer]
+        return np.asarray(w, dtype=np.float32)
+
+    def native_type(self) -> str:
+        if self.packed is not None:
+            return self.packed.qtype.name
+        dtype = np.dtype(getattr(self.leaf, "dtype", np.float32))
+        return "BF16" if dtype.name == "bfloat16" else _FLOAT_BY_DTYPE.get(dtype, "F32")
+
+    def encode(self, target: str) -> tuple[np.ndarray, str]:
+        """(array for GGUFWriter, GGML type name): raw u8[out, row_bytes] or typed F32/F16."""
+        if self.packed is not None and target == self.packed.qtype.name:
+            raw = np.asarray(self.packed.raw if self.layer is None else self.packed.raw[self.layer])
+            if self.rotary_heads is not None:  # blocks never straddle rows, so rows permute as bytes
+                raw = permute_rotary(raw, self.rotary_heads)
+            return np.ascontiguousarray(raw), target
+        w = self._float()
+        w_OI = np.ascontiguousarray(w.T if self.kernel else w)
+        if self.rotary_heads is not None:
+            w_OI = permute_rotary(w_OI, self.rotary_heads)
+        if target == "F32":
+            return w_OI, target
+        if target == "F16":
+            return w_OI.astype(np.float16), target
+        return ggml.quantize(w_OI, target), target
+
+
+def _expected_shape_OI(config: LlamaConfig, kind: str) -> tuple[int, int]:
+    c, qd, kd = config, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return {"token_embd": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "attn_q": (qd, c.dim),
+            "attn_k": (kd, c.dim), "attn_v": (kd, c.dim), "attn_output": (c.dim, qd), "ffn_gate": (c.ffn_dim, c.dim),
+            "ffn_up": (c.ffn_dim, c.dim), "ffn_down": (c.dim, c.ffn_dim)}[kind]
+
+
+def _tensors(config: LlamaConfig, params) -> list[tuple[str, Any]]:
+    """(llama.cpp name, `_Matrix` or 1-D norm array) in llama.cpp's usual order."""
+    cache: dict = {}
+    out: list[tuple[str, Any]] = [
+        ("token_embd.weight", _Matrix(_lookup(params, "embed.embedding"), None, None, kernel=False, cache=cache))]
+    leaves = {ours: _lookup(params, f"layers.{ours}.{'scale' if ours.endswith('norm') else 'kernel'}")
+              for ours in BLOCK_TENSORS}
+    heads = {"wq": config.n_heads, "wk": config.n_kv_heads}
+    for i in range(config.n_layers):
+        for ours, theirs in BLOCK_TENSORS.items():
+            name = f"blk.{i}.{theirs}.weight"
+            if ours.endswith("norm"):
+                out.append((name, np.asarray(leaves[ours][i], dtype=np.float32)))
+            else:
+                out.append((name, _Matrix(leaves[ours], i, heads.get(ours), cache=cache)))
+    out.append(("output_norm.weight", np.asarray(_lookup(params, "norm.scale"), dtype=np.float32)))
+    if not config.tie_embeddings:
+        out.append(("output.weight", _Matrix(_lookup(params, "head.kernel"), None, None, cache=cache)))
+    return out
+
+
+def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenizer_metadata: Mapping[str, Any],
+               qtype_by_tensor: QTypeSpec = None, name: str = "jmem-llama") -> dict[str, str]:
+    """Write a llama-architecture GGUF file.
+
+    Args:
+        path: output file.
+        config: the model's `LlamaConfig` (hyper-parameters written as `llama.*`).
+        params: the weights: a `Llama` module, its `nnx.State`, or a dict by state path
+            (`embed.embedding` [vocab, dim], `layers.wq.kernel` [L, in, out], ...). Kernels
+            may be float arrays or `GGMLWeight`s.
+        tokenizer_metadata: fields to copy (for example `GGUFFile.tokenizer_metadata()` of
+            the source file, or `byte_tokenizer_metadata()`); only `tokenizer.*` keys are written.
+        qtype_by_tensor: GGML type per matrix: one type name for every matrix; a mapping from
+            llama.cpp tensor names or fnmatch patterns (`"blk.*.ffn_down.weight"`) to type
+            names, first match wins; or `f(name, shape_out_in) -> type | None`. Matrices
+            without a type keep their form (packed weights as they are, float arrays as
+            F32/F16/BF16 by dtype). Norm weights are always F32.
+        name: `general.name`.
+
+    Returns:
+        The GGML type name written for each tensor, by tensor name.
+
+    Raises:
+        ValueError: an unsupported type, a row length that is not a whole number of
+            blocks, a weight whose shape does not match `config`, or a vocabulary size
+            that differs from the tokenizer's; raised before anything is written.
+
+    Example:
+        >>> lm = jmem.load("smollm2-135m")
+        >>> write_gguf("out.gguf", lm.config, lm.model, qtype_by_tensor="Q4_K",
+        ...            tokenizer_metadata=lm.source.tokenizer_metadata())
+    """
+    import gguf
+
+    tok = {k: v for k, v in tokenizer_metadata.items() if k.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in tok:
+        raise ValueError("tokenizer_metadata has no tokenizer.ggml.tokens; pass the source file's "
+                         "tokenizer metadata or byte_tokenizer_metadata()")
+    if len(tok["tokenizer.ggml.tokens"]) != config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tok['tokenizer.ggml.tokens'])} tokens but "
+                         f"config.vocab_size={config.vocab_size}")
+    # GGUF has no empty arrays (the writer rejects them); an absent field reads the same.
+    typed = {k: (v, *_value_type(k, v)) for k, v in tok.items() if not (isinstance(v, (list, tuple)) and not v)}
+
+    # Plan every tensor (types and shapes) before any heavy work.
+    plan = []
+    for tname, t in _tensors(config, params):
+        if not isinstance(t, _Matrix):
+            if t.shape != (config.dim,):
+                raise ValueError(f"{tname}: norm weight has shape {list(t.shape)}, config expects [{config.dim}]")
+            plan.append((tname, t, "F32"))
+            continue
+        shape = t.shape_OI()
+        expected = _expected_shape_OI(config, tname.split(".")[-2])
+        if shape != expected:
+            raise ValueError(f"{tname}: weight has shape [out, in]={list(shape)}, config expects {list(expected)}")
+        target = _resolve_target(qtype_by_tensor, tname, shape) or t.native_type()
+        fmt = ggml.block_format(target)
+        if shape[1] % fmt.block_size:
+            raise ValueError(f"{tname}: row length {shape[1]} is not a multiple of the {target} block size "
+                             f"{fmt.block_size}; choose another type for this tensor")
+        plan.append((tname, t, target))
+
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_name(name)
+    w.add_context_length(config.max_seq_len)
+    w.add_embedding_length(config.dim)
+    w.add_block_count(config.n_layers)
+    w.add_feed_forward_length(config.ffn_dim)
+    w.add_head_count(config.n_heads)
+    w.add_head_count_kv(config.n_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(float(config.rope_base))
+    w.add_layer_norm_rms_eps(float(config.norm_eps))
+    w.add_vocab_size(config.vocab_size)
+    counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
+    w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[counts.most_common(1)[0][0]]]))
+    if any(t not in ("F32", "F16", "BF16") for t in counts):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, (value, vtype, sub) in typed.items():
+        w.add_key_value(key, list(value) if vtype == gguf.GGUFValueType.ARRAY else value, vtype, sub_type=sub)
+
+    written: dict[str, str] = {}
+    for tname, t, target in plan:
+        array, qtype = t.encode(target) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
+        raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(tname, array, raw_dtype=raw_dtype)
+        written[tname] = qtype
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written

@@ -1,0 +1,137 @@
+"""`GGMLWeight`: a GGUF tensor kept packed in its llama.cpp block format.
+
+GGUF stores a linear weight as W[out, in], each row `in` weights long, packed
+into blocks (`jmem.quant.ggml`). The model computes `x[..., in] @ K[in, out]`
+through `jmem.models.dot.dot`, so this leaf implements `__jmem_dot__` as
+`x @ dequantize(raw).T`: the weights stay packed in memory (4.5 bits per
+weight for Q4_0 instead of 32) and are decoded inside the jitted step, where
+XLA fuses the decode with its consumer.
+
+The only child is the raw byte array; the qtype is static. Every shape is
+derived from `raw`, so stacking layers on a leading axis and slicing it with
+`jax.lax.scan` yields per-layer `GGMLWeight`s with no extra bookkeeping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem.quant import ggml
+
+
+@jax.tree_util.register_pytree_node_class
+class GGMLWeight:
+    """A linear kernel K[..., in, out] stored as GGML blocks of W = K^T.
+
+    Attributes:
+        raw: u8[..., out, row_bytes], `row_bytes = in / block_size * type_size`;
+            leading axes (e.g. stacked layers) are allowed.
+        qtype: the `gguf.GGMLQuantizationType` (static pytree aux data).
+
+    Example:
+        >>> w = GGMLWeight.from_float(np.random.randn(256, 64).astype(np.float32), "Q4_K")
+        >>> y = jmem.models.dot.dot(jnp.ones((2, 256)), w)  # f32[2, 64]
+        >>> w.nbytes  # 64 rows * 144 bytes: 4.5 bits per weight
+        9216
+    """
+
+    def __init__(self, raw, qtype):
+        qt = ggml.resolve_qtype(qtype)
+        fmt = ggml.FORMATS[qt]
+        if getattr(raw, "dtype", None) != np.uint8:
+            raise ValueError(f"GGMLWeight raw must be uint8 blocks, got dtype {getattr(raw, 'dtype', type(raw))}")
+        if raw.ndim < 2 or raw.shape[-1] % fmt.type_size:
+            raise ValueError(
+                f"GGMLWeight raw must be u8[..., out, k * {fmt.type_size}] for {qt.name}, got shape {raw.shape}"
+            )
+        self.raw = raw
+        self.qtype = qt
+
+    # --- pytree: the raw bytes are the only child; no validation here, since
+    # transformations rebuild the node with tracers or placeholders.
+    def tree_flatten(self):
+        return (self.raw,), self.qtype
+
+    @classmethod
+    def tree_unflatten(cls, qtype, children):
+        obj = object.__new__(cls)
+        (obj.raw,) = children
+        obj.qtype = qtype
+        return obj
+
+    @classmethod
+    def from_float(cls, w_in_out, qtype) -> "GGMLWeight":
+        """Quantize a float kernel f32[..., in, out] (numpy, offline); `in` a multiple of the block size."""
+        w = np.asarray(w_in_out, dtype=np.float32)
+        if w.ndim < 2:
+            raise ValueError(f"from_float needs a kernel [..., in, out], got shape {w.shape}")
+        raw = ggml.quantize(np.swapaxes(w, -1, -2), qtype)
+        return cls(jnp.asarray(raw), qtype)
+
+    @property
+    def in_features(self) -> int:
+        fmt = ggml.FORMATS[self.qtype]
+        return self.raw.shape[-1] // fmt.type_size * fmt.block_size
+
+    @property
+    def out_features(self) -> int:
+        return self.raw.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the equivalent float kernel: (..., in, out)."""
+        return (*self.raw.shape[:-2], self.in_features, self.out_features)
+
+    @property
+    def ndim(self) -> int:
+        return self.raw.ndim
+
+    @property
+    def dtype(self):
+        """The dtype the weights decode to."""
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes (the packed blocks, scales included)."""
+        return int(np.prod(self.raw.shape))
+
+    @property
+    def bits_per_weight(self) -> float:
+        return ggml.FORMATS[self.qtype].bits_per_weight
+
+    def __getitem__(self, index) -> "GGMLWeight":
+        """`w[...]` is `w` (as `nnx.Param` reads values); `w[i]` picks layer i of a stacked weight."""
+        if index is Ellipsis or index == (Ellipsis,):
+            return self
+        idx = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis or i is None for i in idx) or len(idx) > self.raw.ndim - 2:
+            raise IndexError(
+                f"GGMLWeight only indexes its leading (stacked) axes, {self.raw.ndim - 2} here; got {index!r}"
+            )
+        return GGMLWeight.tree_unflatten(self.qtype, (self.raw[index],))
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float kernel K[..., in, out] in `dtype`."""
+        return jnp.swapaxes(ggml.dequantize(self.raw, self.qtype), -1, -2).astype(dtype)
+
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        """`x[..., in] @ K[in, out] -> [..., out]` in `x.dtype`, accumulating in f32 (as `dot`)."""
+        if self.raw.ndim != 2:
+            raise ValueError(
+                f"GGMLWeight dot needs one layer's weight u8[out, row_bytes], got raw shape {self.raw.shape}; "
+                "slice the stacked layers axis first"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} input features, the {self.qtype.name} weight has {self.in_features}")
+        w_OI = ggml.dequantize(self.raw, self.qtype).astype(x.dtype)
+        y = jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+
+    def __repr__(self) -> str:
+        # Tree utilities may rebuild the node around a placeholder (a shape, None), so only
+        # describe what is there.
+        raw = getattr(self.raw, "shape", self.raw)
+        return f"GGMLWeight({self.qtype.name}, raw={raw})"
