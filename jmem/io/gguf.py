@@ -141,12 +141,15 @@ BLOCK_TENSORS = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv":
                  "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
-def llama_weights(gf: GGUFFile, config: LlamaConfig, transform=None) -> dict[str, Any]:
+def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> dict[str, Any]:
     """The model's weights by state path (`layers.wq.kernel` ...), stacked over layers.
 
-    `transform(name, kernel_in_out)` may replace each matrix (for example by a quantized
-    leaf); by default matrices are dequantized to float32 `[in, out]`.
+    Matrices are dequantized to float32 `[in, out]`, or with `packed=True` block-quantized
+    matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
+    step). The embedding is always dequantized (it is gathered, not multiplied).
     """
+    from jmem.quant.ggml import FLOAT_TYPES, resolve_qtype
+    from jmem.quant.ggml_weight import GGMLWeight
 
     def get(name):
         if name not in gf.tensors:
@@ -161,13 +164,18 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, transform=None) -> dict[str
         weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
     for ours, theirs in BLOCK_TENSORS.items():
         tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]
+        heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
+        qtypes = {t.qtype for t in tensors}
+        if packed and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
+            raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]  # rows are whole blocks
+            weights[f"layers.{ours}.kernel"] = GGMLWeight(np.stack(raw), tensors[0].qtype)
+            continue
         if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
             stacked = dequantize_tensor(GGUFTensor(theirs, tensors[0].qtype, (len(tensors), *tensors[0].shape),
                                                    np.stack([t.data for t in tensors])))
         else:
             stacked = np.stack([dequantize_tensor(t) for t in tensors])
-        if ours in ("wq", "wk"):
-            heads = config.n_heads if ours == "wq" else config.n_kv_heads
+        if heads:
             stacked = np.stack([unpermute_rotary(w, heads) for w in stacked])
         if stacked.ndim == 3:
             stacked = stacked.transpose(0, 2, 1)  # [L, out, in] -> [L, in, out]
