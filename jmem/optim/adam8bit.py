@@ -1,0 +1,200 @@
+"""8-bit Adam: AdamW with block-wise quantized first and second moments.
+
+Each moment of a large parameter is flattened, cut into blocks of
+`block_size` values, and stored as one uint8 code per value plus one f32
+scale (the block's absolute maximum) per block: about 2 bytes per parameter
+for both moments instead of 8, i.e. ~25% of AdamW's state (the idea of
+Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization").
+Parameters with fewer than `min_8bit_size` elements (norm scales, biases)
+keep f32 moments: they are a negligible share of memory and the most
+sensitive to error.
+
+Codes (`code=`):
+
+    ``"dynamic"`` (default)  a 256-entry non-uniform code that spends more
+                             values near zero: seven decades below the block
+                             maximum, with 2^i linearly spaced values in the
+                             i-th decade from the bottom (larger decades get
+                             finer steps). Signed for the first moment,
+                             unsigned for the second.
+    ``"linear"``             absmax-linear int8 (255 levels for the first
+                             moment, 256 for the second). The second moment is
+                             stored as sqrt(v) here, which halves its dynamic
+                             range, because linear codes round small v to zero.
+
+The update uses the freshly computed (unquantized) moments of this step; only
+what is carried to the next step is quantized.
+
+Example:
+    >>> tx = adam8bit(1e-3, weight_decay=0.01)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+CODES = ("dynamic", "linear")
+
+
+@functools.lru_cache(maxsize=None)
+def dynamic_code(signed: bool) -> np.ndarray:
+    """The sorted 256-entry dynamic code in [-1, 1] (signed) or [0, 1] (unsigned).
+
+    Signed: 0, 1, and +-(2^i midpoints of [0.1, 1] scaled by 10^(i-6)), i=0..6
+    (127 magnitudes). Unsigned: 0, 1, and 2^i midpoints scaled by 10^(i-7),
+    i=1..7 (254 magnitudes).
+    """
+    decades = range(0, 7) if signed else range(1, 8)
+    top = 6 if signed else 7
+    mags = []
+    for i in decades:
+        edges = np.linspace(0.1, 1.0, 2**i + 1)
+        mags.append((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - top))
+    mags = np.concatenate(mags)
+    values = np.concatenate([[0.0, 1.0], mags, -mags] if signed else [[0.0, 1.0], mags])
+    values = np.sort(values).astype(np.float32)
+    assert values.size == 256, values.size
+    return values
+
+
+class QuantizedMoment(NamedTuple):
+    """One block-quantized tensor.
+
+    Attributes:
+        codes: u8[n_blocks, block_size] indices into the code (zero-padded tail).
+        scales: f32[n_blocks] absolute maximum of each block.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+def _blocks(x, block_size: int):
+    flat = x.reshape(-1).astype(jnp.float32)
+    n_blocks = -(-flat.size // block_size)
+    return jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
+
+
+def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
+    """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales."""
+    x_NB = _blocks(x, block_size)
+    scale_N = jnp.max(jnp.abs(x_NB), axis=1)
+    y_NB = x_NB / jnp.where(scale_N == 0, 1.0, scale_N)[:, None]  # in [-1, 1]
+    if code == "linear":
+        idx = jnp.round(y_NB * 127.0) + 127.0 if signed else jnp.round(y_NB * 255.0)
+    else:
+        table = dynamic_code(signed)
+        midpoints = jnp.asarray((table[1:] + table[:-1]) / 2)
+        # Binary search (8 steps) keeps memory O(n), unlike comparing against all 256.
+        idx = jnp.searchsorted(midpoints, y_NB, side="left", method="scan")
+    return QuantizedMoment(idx.astype(jnp.uint8), scale_N.astype(jnp.float32))
+
+
+def dequantize(q: QuantizedMoment, shape, *, signed: bool, code: str = "dynamic") -> jax.Array:
+    """Inverse of `quantize`: f32 array of `shape`."""
+    idx = q.codes.astype(jnp.int32)
+    if code == "linear":
+        y_NB = (idx.astype(jnp.float32) - 127.0) / 127.0 if signed else idx.astype(jnp.float32) / 255.0
+    else:
+        y_NB = jnp.asarray(dynamic_code(signed))[idx]
+    x_NB = y_NB * q.scales[:, None]
+    size = int(np.prod(shape, dtype=np.int64))
+    return x_NB.reshape(-1)[:size].reshape(shape)
+
+
+class ScaleByAdam8bitState(NamedTuple):
+    """Adam moments; per leaf a `QuantizedMoment` (large leaves) or an f32 array.
+
+    For the second moment in "linear" mode, the quantized value is sqrt(v).
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, block_size: int = 256,
+                      min_8bit_size: int = 4096, code: str = "dynamic") -> optax.GradientTransformation:
+    """Adam's scaling (`m_hat / (sqrt(v_hat) + eps)`) with 8-bit block-wise moments."""
+    if code not in CODES:
+        raise ValueError(f"adam8bit code={code!r}; accepted: {', '.join(CODES)}")
+    if block_size < 1 or min_8bit_size < 0:
+        raise ValueError(f"adam8bit block_size={block_size} (>=1), min_8bit_size={min_8bit_size} (>=0)")
+
+    def big(x) -> bool:
+        return x.size >= min_8bit_size
+
+    def init(params):
+        def init_leaf(p, signed):
+            if big(p):
+                n_blocks = -(-p.size // block_size)
+                zero = int(np.argmin(np.abs(dynamic_code(signed)))) if code == "dynamic" else (127 if signed else 0)
+                return QuantizedMoment(jnp.full((n_blocks, block_size), zero, jnp.uint8),
+                                       jnp.zeros((n_blocks,), jnp.float32))
+            return jnp.zeros(p.shape, jnp.float32)
+
+        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), jax.tree.map(lambda p: init_leaf(p, True), params),
+                                    jax.tree.map(lambda p: init_leaf(p, False), params))
+
+    def update(updates, state, params=None):
+        del params
+        treedef = jax.tree.structure(updates)
+        count = optax.safe_increment(state.count)
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** count.astype(jnp.float32)
+        outs, mus, nus = [], [], []
+        for g, mu, nu in zip(treedef.flatten_up_to(updates), treedef.flatten_up_to(state.mu),
+                             treedef.flatten_up_to(state.nu)):
+            g32 = g.astype(jnp.float32)
+            if big(g):
+                m = dequantize(mu, g.shape, signed=True, code=code)
+                v = dequantize(nu, g.shape, signed=False, code=code)
+                if code == "linear":
+                    v = v * v
+            else:
+                m, v = mu, nu
+            m = b1 * m + (1 - b1) * g32
+            v = b2 * v + (1 - b2) * g32 * g32
+            outs.append(((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype))
+            if big(g):
+                mus.append(quantize(m, signed=True, code=code, block_size=block_size))
+                nus.append(quantize(jnp.sqrt(v) if code == "linear" else v, signed=False, code=code,
+                                    block_size=block_size))
+            else:
+                mus.append(m), nus.append(v)
+        un = treedef.unflatten
+        return un(outs), ScaleByAdam8bitState(count, un(mus), un(nus))
+
+    return optax.GradientTransformation(init, update)
+
+
+def adam8bit(learning_rate: "float | optax.Schedule", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+             weight_decay: float = 1e-4, *, mask=None, block_size: int = 256, min_8bit_size: int = 4096,
+             code: str = "dynamic") -> optax.GradientTransformation:
+    """AdamW with 8-bit block-wise quantized moments (same arguments as `optax.adamw`).
+
+    Args:
+        learning_rate: float or schedule.
+        b1, b2, eps: Adam's decays and epsilon.
+        weight_decay, mask: decoupled weight decay (as `optax.adamw`).
+        block_size: values per quantization block (one f32 scale each).
+        min_8bit_size: leaves with fewer elements keep f32 moments.
+        code: "dynamic" (default) or "linear"; see the module docstring.
+
+    Returns:
+        An `optax.GradientTransformation`:
+        `chain(scale_by_adam8bit, add_decayed_weights, scale_by_learning_rate)`.
+    """
+    return optax.chain(
+        scale_by_adam8bit(b1, b2, eps, block_size=block_size, min_8bit_size=min_8bit_size, code=code),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )

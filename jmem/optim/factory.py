@@ -1,0 +1,50 @@
+"""`make_optimizer(name, lr, **kw)`: one name per optimizer, for flags and configs."""
+
+from __future__ import annotations
+
+import inspect
+
+import optax
+
+from jmem.optim.adafactor import adafactor
+from jmem.optim.adam8bit import adam8bit
+
+OPTIMIZERS = {
+    "adamw": optax.adamw,
+    "adafactor": adafactor,
+    "adam8bit": adam8bit,
+    "sgd": optax.sgd,
+}
+
+
+class UnknownOptimizerError(ValueError):
+    """An optimizer name that `make_optimizer` does not know."""
+
+
+def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.GradientTransformation:
+    """Builds an optimizer by name.
+
+    Args:
+        name: one of "adamw", "adafactor", "adam8bit", "sgd" (case-insensitive).
+        lr: learning rate, float or optax schedule.
+        **kw: passed to the constructor (`optax.adamw`, `jmem.optim.adafactor`,
+            `jmem.optim.adam8bit`, `optax.sgd`); unknown keywords are an error.
+
+    Raises:
+        UnknownOptimizerError: unknown name (the message lists valid names).
+        ValueError: a keyword the chosen optimizer does not accept.
+
+    Example:
+        >>> tx = make_optimizer("adafactor", 1e-2, momentum=0.9)
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in OPTIMIZERS:
+        raise UnknownOptimizerError(f"optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+    ctor = OPTIMIZERS[key]
+    params = inspect.signature(ctor).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        bad = sorted(set(kw) - set(params))
+        if bad:
+            accepted = ", ".join(p for p in params if p != "learning_rate")
+            raise ValueError(f"optimizer {key!r} does not accept {', '.join(bad)}; accepted: {accepted}")
+    return ctor(lr, **kw)

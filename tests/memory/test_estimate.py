@@ -1,0 +1,85 @@
+"""The analytic estimate against the compiler's measurement of a real train step."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from jmem.memory.estimate import estimate, format_estimate, param_shapes
+from jmem.memory.measure import measure, tree_bytes
+from jmem.models import Llama, LlamaConfig
+from jmem.optim import make_optimizer
+
+CFG = LlamaConfig.tiny(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=512)
+
+
+def _abstract_params(cfg):
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def test_param_shapes_match_the_model():
+    _, params = _abstract_params(CFG)
+    ours = param_shapes(CFG)
+    model_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    est_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(ours)}
+    # Same leaves (the model's paths end in `.value`), same shapes.
+    assert sorted(model_shapes.values(), key=str) == sorted(est_shapes.values(), key=str)
+    assert tree_bytes(params) == estimate(CFG, 2, 16)["params"] == 4 * CFG.num_params
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "adam8bit", "sgd"])
+def test_optimizer_bytes_equal_the_real_state(name):
+    _, params = _abstract_params(CFG)
+    real = tree_bytes(jax.eval_shape(make_optimizer(name, 1e-3).init, params))
+    assert estimate(CFG, 2, 16, optimizer=name)["optimizer"] == real
+
+
+def test_no_remat_estimate_within_15_percent_of_measured_train_step():
+    graphdef, params = _abstract_params(CFG)
+    tx = optax.adamw(1e-3)
+    opt_state = jax.eval_shape(tx.init, params)
+    B, T = 8, 65
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss_fn(params, ids):
+        logits, _ = nnx.merge(graphdef, params)(ids[:, :-1])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    def train_step(params, opt_state, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(params, ids)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    measured = measure(jax.jit(train_step, donate_argnums=(0, 1)), params, opt_state, ids)
+    est = estimate(CFG, B, T - 1, remat="none", optimizer="adamw")
+    ratio = est["total"] / measured.total_bytes
+    print(measured.table("measured"), format_estimate(est), f"ratio {ratio:.3f}", sep="\n")
+    assert 0.85 <= ratio <= 1.15
+    # The activations are a large share here, so the check is not carried by params alone.
+    assert est["activations"] > 0.5 * est["total"]
+
+
+def test_remat_and_accumulation_order_and_bad_input():
+    none = estimate(CFG, 8, 128, remat="none")
+    full = estimate(CFG, 8, 128, remat="full")
+    minimal = estimate(CFG, 8, 128, remat="minimal")
+    acc4 = estimate(CFG, 8, 128, remat="none", accum=4)
+    assert full["activations"] < minimal["activations"] < none["activations"]
+    assert acc4["activations"] < none["activations"] / 3.5
+    assert acc4["grads"] == none["grads"] + 4 * CFG.num_params  # f32 accumulator
+    off = estimate(CFG, 8, 128, remat="offload")
+    assert off["activations"] == full["activations"] and off["activations_host"] > 0
+    flash = estimate(CFG, 8, 128, attention="pallas")
+    assert flash["activations"] < none["activations"]
+    bf16 = estimate(CFG, 8, 128, compute_dtype="bf16")
+    assert bf16["activations"] < none["activations"]
+    with pytest.raises(ValueError, match="does not divide|divides"):
+        estimate(CFG, 8, 128, accum=3)
+    with pytest.raises(ValueError, match="adamw, adafactor"):
+        estimate(CFG, 8, 128, optimizer="adam9")
+    with pytest.raises(ValueError, match="remat"):
+        estimate(CFG, 8, 128, remat="everything")

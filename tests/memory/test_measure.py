@@ -1,0 +1,108 @@
+"""Compiler-measured memory: exact bytes on small programs, donation, FLOPs, TPU targets."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem.memory.measure import MemoryReport, TargetError, measure, parse_target, tree_bytes
+
+N = 256
+
+
+def _mm(x, w):
+    return jnp.tanh(x @ w)
+
+
+def test_argument_output_and_flops_of_a_matmul():
+    x = jax.ShapeDtypeStruct((N, N), jnp.float32)
+    w = jax.ShapeDtypeStruct((N, 2 * N), jnp.float32)
+    r = measure(_mm, x, w)
+    assert isinstance(r, MemoryReport)
+    assert r.argument_bytes == 4 * (N * N + N * 2 * N)
+    assert r.output_bytes == 4 * N * 2 * N
+    assert r.alias_bytes == 0
+    # One matmul: 2*M*K*N FLOPs (tanh adds a few per element at most).
+    assert 2 * N * N * 2 * N <= r.flops <= 2 * N * N * 2 * N * 1.05
+    assert r.total_bytes == r.argument_bytes + r.output_bytes + r.temp_bytes + r.generated_code_bytes
+    assert "total" in r.table() and "GFLOPs" in r.table()
+    assert r.as_dict()["total_bytes"] == r.total_bytes
+
+
+def test_concrete_arrays_and_jitted_functions_with_donation():
+    x = jnp.ones((N, N))
+    jitted = jax.jit(lambda x, s: x * s, donate_argnums=0, static_argnums=1)
+    r = measure(jitted, x, 2.0)
+    assert r.alias_bytes == 4 * N * N  # output reuses the donated input
+    assert r.total_bytes == r.argument_bytes + r.temp_bytes + r.generated_code_bytes
+    plain = measure(lambda x: x * 2.0, x)
+    assert plain.alias_bytes == 0 and plain.total_bytes > r.total_bytes
+
+
+def test_temp_bytes_track_an_intermediate():
+    """A [N, 8N] f32 intermediate that must be materialised (it is reduced twice
+    over different axes) shows up in temp bytes; a scalar-output sum of a
+    fused elementwise chain does not."""
+    x = jax.ShapeDtypeStruct((N, N), jnp.float32)
+    w = jax.ShapeDtypeStruct((N, 8 * N), jnp.float32)
+
+    def two_reductions(x, w):
+        h = x @ w
+        return h.sum(0), h.max(1)
+
+    r = measure(two_reductions, x, w)
+    assert r.temp_bytes >= 4 * N * 8 * N
+
+
+def test_tree_bytes():
+    tree = {"a": jnp.zeros((3, 4), jnp.bfloat16), "b": jax.ShapeDtypeStruct((5,), jnp.int32), "c": 1.0}
+    assert tree_bytes(tree) == 3 * 4 * 2 + 5 * 4
+
+
+@pytest.mark.parametrize("bad", ["tpu", "gpu:a100", "tpu:v5e", "tpu:v5e:2y2", "v5e:2x2"])
+def test_bad_target_is_one_clear_error(bad):
+    with pytest.raises(TargetError, match="tpu:CHIP:TOPOLOGY"):
+        measure(_mm, jnp.ones((2, 2)), jnp.ones((2, 2)), target=bad)
+    with pytest.raises(TargetError):
+        parse_target(bad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the tpu extra) is not installed")
+def test_tpu_target_compiles_ahead_of_time_and_shows_bf16_savings():
+    x32 = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    x16 = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+
+    def f(x):
+        h = jnp.tanh(x @ x)
+        return h.sum(0), h.max(1)
+
+    r32 = measure(f, x32, target="tpu:v5e:2x2")
+    r16 = measure(f, x16, target="tpu:v5e:2x2")
+    assert r32.target == "tpu:v5e:2x2"
+    assert r32.argument_bytes == 4 * 1024 * 1024 and r16.argument_bytes == 2 * 1024 * 1024
+    assert r32.flops >= 2 * 1024**3
+    assert r16.total_bytes < r32.total_bytes
+    with pytest.raises(TargetError, match="cannot describe"):
+        measure(f, x32, target="tpu:v99:2x2")
+
+
+def test_missing_libtpu_is_one_clear_error(monkeypatch):
+    import jmem.memory.measure as m
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(m.importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    m.target_devices.cache_clear()
+    with pytest.raises(TargetError, match="needs libtpu"):
+        measure(_mm, jnp.ones((2, 2)), jnp.ones((2, 2)), target="tpu:v5e:2x2")
+    m.target_devices.cache_clear()
+
+
+def test_measure_and_compile_returns_a_runnable_executable():
+    from jmem.memory.measure import measure_and_compile
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
+    report, compiled = measure_and_compile(_mm, x, x)
+    assert report.argument_bytes == 2 * 4 * 64
+    np.testing.assert_allclose(compiled(x, x), jnp.tanh(x @ x), rtol=1e-6)

@@ -1,0 +1,117 @@
+"""Adafactor: equal to optax.adafactor on 2-D params; stacked layers factor per layer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jmem.memory.measure import tree_bytes
+from jmem.optim.adafactor import Layout, adafactor, get_rule
+
+STEPS = 5
+
+
+_STEPS = {}
+
+
+def _run(tx, params, grads_seq):
+    state = tx.init(params)
+    step = _STEPS.setdefault(tx, jax.jit(tx.update))  # keyed by tx itself, kept alive
+    for g in grads_seq:
+        u, state = step(g, state, params)
+        params = optax.apply_updates(params, u)
+    return params, state
+
+
+def _problem(shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    grads = [{k: jnp.asarray(rng.normal(size=s) * (1 + i), jnp.float32) for k, s in shapes.items()}
+             for i in range(STEPS)]
+    return params, grads
+
+
+@pytest.mark.parametrize("settings", [
+    dict(learning_rate=0.01),
+    dict(learning_rate=0.05, momentum=0.9, clipping_threshold=None, multiply_by_parameter_scale=False,
+         weight_decay_rate=1e-3, decay_rate=0.7),
+])
+def test_matches_optax_adafactor_on_2d_params(settings):
+    # With min_dim_size_to_factor=16: [32, 20] and [17, 40] are factored, [8, 64] and [12] are not.
+    settings = dict(settings, min_dim_size_to_factor=16)
+    params, grads = _problem({"a": (32, 20), "b": (17, 40), "c": (8, 64), "d": (12,)})
+    mom = dict(dtype_momentum=jnp.float32) if "momentum" in settings else {}
+    ref_p, ref_s = _run(optax.adafactor(**settings, **mom), params, grads)
+    ours = dict(settings, momentum_dtype=jnp.float32) if "momentum" in settings else settings
+    got_p, got_s = _run(adafactor(**ours), params, grads)
+    for k in params:
+        assert float(jnp.abs(got_p[k] - params[k]).max()) > 1e-4  # the test moves the params
+        np.testing.assert_allclose(got_p[k], ref_p[k], rtol=2e-5, atol=1e-6)
+    # Same statistics, same shapes.
+    ref_rms, got_rms = ref_s[0], got_s[0]
+    for k in ("a", "b"):
+        np.testing.assert_allclose(got_rms.v_row[k], ref_rms.v_row[k], rtol=1e-5)
+        np.testing.assert_allclose(got_rms.v_col[k], ref_rms.v_col[k], rtol=1e-5)
+
+
+def test_state_bytes_and_bf16_momentum():
+    L, D, F = 4, 256, 384
+    params = {"layers": {"w": jnp.zeros((L, D, F)), "norm": jnp.zeros((L, D))}, "embed": jnp.zeros((512, D))}
+    state = adafactor(0.01).init(params)
+    rms = state[0]
+    # Per layer: one row (D) and one column (F) statistic; norm keeps a full per-layer v.
+    assert rms.v_row["layers"]["w"].shape == (L, D) and rms.v_col["layers"]["w"].shape == (L, F)
+    assert rms.v["layers"]["norm"].shape == (L, D)
+    assert rms.v_row["embed"].shape == (D,) and rms.v_col["embed"].shape == (512,)
+    stats = L * (D + F) + L * D + (D + 512)
+    placeholders = 4  # an f32[1] in each unused slot: w.v, norm.v_row, norm.v_col, embed.v
+    assert tree_bytes(state) == 4 * stats + 4 * placeholders + 4  # + the i32 step count
+    n_params = L * D * F + L * D + 512 * D
+    assert tree_bytes(state) <= 0.03 * 8 * n_params  # <= 3% of AdamW's two f32 moments
+    with_mom = adafactor(0.01, momentum=0.9).init(params)
+    extra = tree_bytes(with_mom) - tree_bytes(state)
+    assert extra == 2 * n_params + 4  # bf16 momentum: 2 bytes per parameter, + its step count
+
+
+def test_stacked_layers_are_factored_per_layer():
+    """A stacked [L, in, out] leaf updates exactly like L separate 2-D leaves."""
+    L, n_in, n_out = 3, 16, 24
+    rng = np.random.default_rng(1)
+    stacked = {"layers": {"w": jnp.asarray(rng.normal(size=(L, n_in, n_out)), jnp.float32)}}
+    grads = [{"layers": {"w": jnp.asarray(rng.normal(size=(L, n_in, n_out)) * (1 + 3 * np.arange(L))[:, None, None],
+                                          jnp.float32)}} for _ in range(3)]
+    tx = adafactor(0.01, min_dim_size_to_factor=16)
+    got, _ = _run(tx, stacked, grads)
+    for i in range(L):
+        sep, _ = _run(tx, {"w": stacked["layers"]["w"][i]}, [{"w": g["layers"]["w"][i]} for g in grads])
+        np.testing.assert_allclose(got["layers"]["w"][i], sep["w"], rtol=2e-5, atol=1e-6)
+    # optax's rule on a stacked leaf factors over (in, out) of the whole stack:
+    # different statistics, so different updates.
+    flat, _ = _run(adafactor(0.01, factor_rule="optax", min_dim_size_to_factor=16), stacked, grads)
+    assert float(jnp.abs(flat["layers"]["w"] - got["layers"]["w"]).max()) > 1e-4
+
+
+def test_rules_and_bad_names():
+    stacked = get_rule("stacked")
+    assert stacked(("layers", "wq", "kernel"), (4, 256, 512)) == Layout(1, (1, 2))
+    assert stacked(("layers", "attn_norm", "scale"), (4, 256)) == Layout(1, None)
+    assert stacked(("embed", "embedding"), (49152, 576)) == Layout(0, (1, 0))
+    assert get_rule("last_two")((), (2, 3, 256, 512)) == Layout(2, (2, 3))
+    assert get_rule("optax")((), (4, 256, 512)) == Layout(0, (1, 2))
+    assert get_rule("optax")((), (512, 4, 256)) == Layout(0, (2, 0))
+    with pytest.raises(ValueError, match="stacked, last_two, optax"):
+        adafactor(0.01, factor_rule="biggest")
+
+
+def test_relative_step_size_default_descends():
+    params = {"w": jnp.full((8, 8), 0.5)}
+    loss = lambda p: jnp.sum((p["w"] - 1.0) ** 2)  # noqa: E731
+    tx = adafactor()
+    state = tx.init(params)
+    step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
+    first = float(loss(params))
+    for _ in range(20):
+        u, state = step(params, state)
+        params = optax.apply_updates(params, u)
+    assert float(loss(params)) < 0.8 * first
