@@ -1,0 +1,148 @@
+"""SmolLM2 perplexity under sparse attention masks, with the compiler-measured attention memory.
+
+Every layer of the model attends under one mask: dense causal, causal local
+window, the strided pattern of Child et al. (local window | stride), and
+BigBird (global + window + random blocks), all `& Causal()`. The mask reaches
+the model through its KV-cache protocol (`Llama.hidden(..., cache=...)` hands
+q/k/v to `cache.attend`), so the model itself is unchanged.
+
+    python experiments/eval_sparse_attention.py                        # pydoc_data.topics, 4 x 512 tokens
+    python experiments/eval_sparse_attention.py --text FILE --seq 1024 --chunks 8 --window 256 --impl pallas
+
+Memory is `jit(grad of one layer's attention).lower(...).compile().memory_analysis()`
+for the dense-mask reference and for the sparse kernel (interpret mode on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from flax import nnx
+
+import jmem
+from jmem.data import default_text
+from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
+from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Perplexity of one model under several attention masks."""
+
+    model: str = "smollm2-135m"
+    """Preset name or GGUF path."""
+    text: str | None = None
+    """UTF-8 text file; the standard library's pydoc_data.topics when unset."""
+    seq: int = 512
+    """Tokens per evaluated chunk (each chunk is scored independently)."""
+    chunks: int = 4
+    """Number of consecutive chunks scored."""
+    window: int = 128
+    """Local window (tokens) for the local, strided and BigBird masks."""
+    stride: int = 128
+    """Stride of the strided mask."""
+    num_global: int = 16
+    """BigBird global tokens."""
+    num_random: int = 1
+    """BigBird random key blocks per query block."""
+    bigbird_block: int = 64
+    """BigBird random-block size (tokens)."""
+    impl: str = "auto"
+    """pallas (the sparse kernel), reference (dense mask in XLA) or auto (pallas on GPU/TPU)."""
+    out: str | None = None
+    """Write the results as JSON here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedAttention:
+    """Stands in for a KV cache so that every layer attends under `mask`; keeps no state."""
+
+    mask: Mask
+    impl: str
+
+    def layer_arrays(self):
+        return None
+
+    def with_layers(self, arrays):
+        return self
+
+    def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
+        fn = sparse_attention if self.impl == "pallas" else sparse_attention_reference
+        return fn(q_BTHD, k_BTKD, v_BTKD, self.mask), None
+
+
+def masks(cfg: EvalConfig) -> dict[str, Mask]:
+    return {
+        "dense": Causal(),
+        f"local({cfg.window})": Causal() & LocalWindow(cfg.window),
+        f"strided({cfg.window},{cfg.stride})": Causal() & (LocalWindow(cfg.window) | Strided(cfg.stride)),
+        "bigbird": Causal() & BigBird(cfg.num_global, cfg.window, cfg.num_random, seed=0, block=cfg.bigbird_block),
+    }
+
+
+def perplexity(lm, ids_NT: np.ndarray, hook: MaskedAttention) -> float:
+    graphdef, state = nnx.split(lm.model)
+
+    @jax.jit
+    def nll(state, ids_BT):
+        logits, _ = nnx.merge(graphdef, state)(ids_BT, cache=hook)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.take_along_axis(logp, ids_BT[:, 1:, None], axis=-1).sum()
+
+    total = sum(float(nll(state, jnp.asarray(row[None]))) for row in ids_NT)
+    return float(np.exp(total / (ids_NT.shape[0] * (ids_NT.shape[1] - 1))))
+
+
+def attention_memory(lm, seq: int, mask: Mask, impl: str) -> int:
+    """Temp bytes XLA assigns to forward + backward of one layer's attention at this length."""
+    c = lm.config
+    q = jax.ShapeDtypeStruct((1, seq, c.n_heads, c.head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, c.n_kv_heads, c.head_dim), jnp.float32)
+    fn = sparse_attention if impl == "pallas" else sparse_attention_reference
+    loss = lambda q, k, v: fn(q, k, v, mask).sum()  # noqa: E731
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
+    if cfg.impl not in ("auto", "pallas", "reference"):
+        raise SystemExit(f"--impl={cfg.impl!r}; accepted: auto, pallas, reference")
+    impl = cfg.impl if cfg.impl != "auto" else ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
+    lm = jmem.load(cfg.model)
+    text = default_text() if cfg.text is None else open(cfg.text, encoding="utf-8").read()
+    ids = np.asarray(lm.tokenizer.encode(text), np.int32)
+    if ids.size < cfg.seq * cfg.chunks:
+        raise SystemExit(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs {cfg.seq * cfg.chunks}")
+    ids_NT = ids[: cfg.seq * cfg.chunks].reshape(cfg.chunks, cfg.seq)
+    rows = []
+    print(f"{cfg.model}, {cfg.chunks} x {cfg.seq} tokens, attention impl {impl} on {jax.default_backend()}")
+    print(f"{'mask':>16} {'ppl':>9} {'tiles visited':>14} {'attn mem ref':>13} {'attn mem kernel':>16}")
+    for name, mask in masks(cfg).items():
+        stats = sparse_attention_stats(mask, cfg.seq, cfg.seq)
+        row = dict(
+            mask=name,
+            ppl=perplexity(lm, ids_NT, MaskedAttention(mask, impl)),
+            tiles_visited=stats.visited,
+            tiles_total=stats.num_blocks,
+            attn_temp_bytes_reference=attention_memory(lm, cfg.seq, mask, "reference"),
+            attn_temp_bytes_kernel=attention_memory(lm, cfg.seq, mask, "pallas"),
+        )
+        rows.append(row)
+        print(
+            f"{name:>16} {row['ppl']:9.3f} {stats.visited:>6}/{stats.num_blocks:<7} "
+            f"{row['attn_temp_bytes_reference'] / 2**20:10.2f} MiB {row['attn_temp_bytes_kernel'] / 2**20:13.2f} MiB"
+        )
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(dict(config=dataclasses.asdict(cfg), backend=jax.default_backend(), impl=impl, rows=rows), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Flash attention kernel (Pallas, interpret mode on CPU) against the plain-jnp reference."""
+
+import importlib.util
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem.kernels import attention
+from jmem.kernels.flash_attention import attention_reference, flash_attention
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # bf16: a few ulps of values of order 1
+
+
+def _inputs(seed, B, T, S, H, K, D, dtype):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(B, T, H, D), (B, S, K, D), (B, S, K, D), (B, T, H, D)]
+    return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(ks, shapes)]
+
+
+def _check_fwd_bwd(fn, ref, q, k, v, do, tol):
+    o, vjp = jax.vjp(fn, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, vjp_ref = jax.vjp(ref, f32(q), f32(k), f32(v))
+    np.testing.assert_allclose(f32(o), o_ref, atol=tol, rtol=tol)
+    for name, got, want in zip(("dq", "dk", "dv"), vjp(do), vjp_ref(f32(do))):
+        assert got.shape == want.shape and got.dtype == q.dtype, name
+        np.testing.assert_allclose(f32(got), want, atol=tol, rtol=tol, err_msg=name)
+
+
+# Lengths off the block grid, head ratios 1, 3 and 8, both dtypes, both causalities.
+CASES = [
+    (1, 40, 40, 3, 1, 32, True, jnp.float32),
+    (1, 33, 70, 8, 1, 16, False, jnp.float32),
+    (1, 64, 48, 2, 2, 16, True, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("B,T,S,H,K,D,causal,dtype", CASES)
+def test_flash_matches_reference(B, T, S, H, K, D, causal, dtype):
+    q, k, v, do = _inputs(T * S + H, B, T, S, H, K, D, dtype)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=16, block_k=32, interpret=True)  # noqa: E731
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)  # noqa: E731
+    _check_fwd_bwd(fn, ref, q, k, v, do, TOL[dtype])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T,S", [(1, 17), (129, 129), (100, 300), (257, 64)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_sweep(T, S, causal):
+    q, k, v, do = _inputs(T + S, 2, T, S, 6, 2, 64, jnp.float32)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=0.3, interpret=True)  # noqa: E731
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, sm_scale=0.3)  # noqa: E731
+    _check_fwd_bwd(fn, ref, q, k, v, do, TOL[jnp.float32])
+
+
+def test_dispatcher_pallas_branch_matches_xla():
+    q, k, v, _ = _inputs(5, 1, 24, 24, 4, 2, 16, jnp.float32)
+    got = attention(q, k, v, causal=True, impl="pallas")
+    np.testing.assert_allclose(got, attention(q, k, v, causal=True, impl="xla"), atol=2e-5, rtol=2e-5)
+
+
+def test_bad_inputs_raise():
+    q = jnp.zeros((1, 8, 6, 16))
+    kv = jnp.zeros((1, 8, 4, 16))
+    with pytest.raises(ValueError, match=r"q_heads=6 must be a multiple of kv_heads=4"):
+        flash_attention(q, kv, kv)
+    with pytest.raises(ValueError, match=r"head_dim"):
+        flash_attention(q, jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8)))
+    with pytest.raises(ValueError, match=r"k \(1, 8, 2, 16\) and v \(1, 9, 2, 16\)"):
+        flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 9, 2, 16)))
+    with pytest.raises(ValueError, match="block_q=48 must be a power of two"):
+        flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), block_q=48)
+
+
+def tpu_topology_device():
+    """The first device of an ahead-of-time TPU topology, or skip when libtpu is absent."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed")
+    from jax.experimental import topologies
+
+    # Other processes on this host may hold libtpu's lock file; compiling needs no chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1").devices[0]
+    except Exception as e:  # noqa: BLE001 - any failure to build the topology means: cannot check here
+        pytest.skip(f"no TPU topology: {e}")
+
+
+def compile_grad_for_tpu(fn, device, q_shape, kv_shape, dtype):
+    """Compile d(sum fn)/d(q, k, v) for `device` without running it."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct(q_shape, dtype, sharding=sharding)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding)
+    loss = lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile()
+
+
+def lower_grad_for_gpu(fn, q_shape, kv_shape, dtype):
+    """StableHLO text of d(sum fn)/d(q, k, v) lowered for CUDA, checking no deprecation warning is raised."""
+    q = jax.ShapeDtypeStruct(q_shape, dtype)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype)
+    loss = lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        # JAX 0.11 deprecates the Pallas Triton backend (its replacement, Mosaic GPU, needs a
+        # different kernel structure); up to 0.10 this lowering must be warning-free.
+        if jax.__version_info__ < (0, 11):
+            warnings.simplefilter("error", DeprecationWarning)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_lowers_to_triton_for_gpu(causal):
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=False)  # noqa: E731
+    text = lower_grad_for_gpu(fn, (1, 300, 3, 64), (1, 300, 1, 64), jnp.bfloat16)
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+
+
+def test_flash_compiles_for_tpu():
+    device = tpu_topology_device()
+    for causal, dtype, (T, H, K, D) in [(True, jnp.bfloat16, (300, 3, 1, 64)), (False, jnp.float32, (256, 4, 4, 128))]:
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=False)  # noqa: E731
+        compiled = compile_grad_for_tpu(fn, device, (1, T, H, D), (1, T, K, D), dtype)
+        assert compiled.as_text().count("tpu_custom_call") >= 3  # forward, dq, dk/dv kernels
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("T,H,K,causal", [(1000, 8, 2, True), (4096, 4, 4, False)])
+def test_flash_compiled_on_accelerator(T, H, K, causal):
+    q, k, v, do = _inputs(T, 1, T, T, H, K, 128, jnp.bfloat16)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=False)  # noqa: E731
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        _check_fwd_bwd(fn, ref, q, k, v, do, TOL[jnp.bfloat16])
