@@ -1,0 +1,251 @@
+"""Attention kernel benchmark: paged decode bandwidth and flash forward TFLOP/s vs the measured roofline.
+
+Rows: a big device-to-device copy (bandwidth roofline) and a big bf16 matmul
+(compute roofline); jmem paged decode (bf16 and int8 pages) and ragged
+attention on decode tokens; JAX's bundled Pallas paged attention; decode with
+`jax.nn.dot_product_attention` on contiguous K/V; jmem flash forward, cuDNN
+(or XLA) `dot_product_attention` and JAX's bundled Pallas flash at the same
+shape. Each row runs in its own try/except, so one failure costs one row.
+
+Timing: after compile and warmup, each sample dispatches the call `reps`
+times back to back and blocks on the last result (amortising dispatch and
+sync); the median sample / reps is reported.
+
+    python experiments/bench_attention.py --out bench_attention.json
+    python experiments/bench_attention.py --quick   # CPU smoke run, interpreted kernels
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    quick: bool = False
+    """Tiny shapes and interpreted kernels: a smoke run on CPU."""
+    out: str | None = None
+    """Write the rows as JSON here."""
+    batch: int = 64
+    """Decode batch."""
+    context: int = 4096
+    """Decode context length (every sequence full)."""
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    flash_batch: int = 4
+    flash_seq: int = 4096
+    flash_heads: int = 32
+    warmup: int = 3
+    samples: int = 10
+    reps: int = 5
+    """Back-to-back calls per timed sample."""
+
+    def shrunk(self) -> "Config":
+        return dataclasses.replace(
+            self, batch=2, context=64, q_heads=4, kv_heads=2, head_dim=32, page_size=8,
+            flash_batch=1, flash_seq=128, flash_heads=2, warmup=0, samples=1, reps=1,
+        )
+
+
+def log(msg: str) -> None:
+    print(f"[bench_attention {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def time_call(cfg: Config, f, *args) -> float:
+    """Median seconds per call of jitted `f(*args)`."""
+    jax.block_until_ready(f(*args))  # compile
+    for _ in range(cfg.warmup):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(cfg.samples):
+        t0 = time.perf_counter()
+        for _ in range(cfg.reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / cfg.reps)
+    return statistics.median(times)
+
+
+def decode_inputs(cfg: Config, key, dtype=jnp.bfloat16):
+    B, S, H, K, D, P = cfg.batch, cfg.context, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.page_size
+    npg = S // P
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, H, D), dtype)
+    k_pages = jax.random.normal(kk, (K, B * npg, P, D), dtype)
+    v_pages = jax.random.normal(kv, (K, B * npg, P, D), dtype)
+    tables = jax.random.permutation(kp, B * npg).reshape(B, npg).astype(jnp.int32)
+    lengths = jnp.full((B,), S, jnp.int32)
+    return q, k_pages, v_pages, lengths, tables
+
+
+def run(cfg: Config) -> list[dict]:
+    interpret = True if cfg.quick and jax.default_backend() == "cpu" else None
+    platform = jax.default_backend()
+    rows: list[dict] = []
+    roof = {}
+
+    def row(name, fn, *, bytes_=None, flops=None, note=""):
+        log(f"start {name}")
+        try:
+            t = fn()
+        except Exception as e:  # one failing row must not lose the others
+            log(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc()
+            rows.append(dict(name=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
+            return None
+        r = dict(name=name, ms=t * 1e3, note=note)
+        if bytes_ is not None:
+            r["GB/s"] = bytes_ / t / 1e9
+            if "GB/s" in roof:
+                r["% of copy"] = 100 * r["GB/s"] / roof["GB/s"]
+        if flops is not None:
+            r["TFLOP/s"] = flops / t / 1e12
+            if "TFLOP/s" in roof:
+                r["% of matmul"] = 100 * r["TFLOP/s"] / roof["TFLOP/s"]
+        rows.append(r)
+        log(f"done {name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "name"))
+        return r
+
+    # Rooflines.
+    n_copy = (1 << 16) if cfg.quick else (1 << 30)  # bf16 elements: 2 GiB
+    x = jnp.ones((n_copy,), jnp.bfloat16)
+    r = row("copy roofline (x + 1, bf16)", lambda: time_call(cfg, jax.jit(lambda a: a + jnp.bfloat16(1)), x), bytes_=2 * x.nbytes)
+    if r:
+        roof["GB/s"] = r["GB/s"]
+    del x
+    n = 256 if cfg.quick else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    r = row(f"matmul roofline ({n}^3 bf16)", lambda: time_call(cfg, jax.jit(lambda x, y: x @ y), a, a), flops=2 * n**3)
+    if r:
+        roof["TFLOP/s"] = r["TFLOP/s"]
+    del a
+
+    # Paged decode.
+    q, kp, vp, lens, tables = decode_inputs(cfg, jax.random.key(0))
+    B, S, K, D = cfg.batch, cfg.context, cfg.kv_heads, cfg.head_dim
+    kv_bytes = 2 * B * S * K * D * kp.dtype.itemsize
+    shape = f"B={B} ctx={S} H={cfg.q_heads}/{K} D={D} page={cfg.page_size}"
+    pa = jax.jit(lambda *a: paged_attention(*a, interpret=interpret))
+    row("jmem paged_attention bf16", lambda: time_call(cfg, pa, q, kp, vp, lens, tables), bytes_=kv_bytes, note=shape)
+    k8, ks = quantize_pages(kp, jnp.int8)
+    v8, vs = quantize_pages(vp, jnp.int8)
+    pa8 = jax.jit(lambda q, k, v, l, t, ks, vs: paged_attention(q, k, v, l, t, k_scale=ks, v_scale=vs, interpret=interpret))
+    row("jmem paged_attention int8", lambda: time_call(cfg, pa8, q, k8, v8, lens, tables, ks, vs), bytes_=kv_bytes // 2, note=shape)
+    del k8, v8
+    cu = jnp.arange(B + 1, dtype=jnp.int32)
+    rpa = jax.jit(lambda q, k, v, l, t: ragged_paged_attention(q, k, v, l, t, cu, B, interpret=interpret))
+    row("jmem ragged_paged_attention (all decode)", lambda: time_call(cfg, rpa, q, kp, vp, lens, tables), bytes_=kv_bytes, note=shape)
+
+    def bundled_paged():
+        if platform == "gpu":
+            from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa
+
+            f = jax.jit(lambda q, k, v, t, l: gpu_pa.paged_attention(q, k, v, t, l, interpret=bool(interpret)))
+            return time_call(cfg, f, q, kp, vp, tables, lens)
+        if platform == "tpu":
+            from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
+
+            f = jax.jit(lambda q, k, v, l, t: tpu_pa.paged_attention(q, k, v, l, t, pages_per_compute_block=8))
+            return time_call(cfg, f, q, kp, vp, lens, tables)
+        raise RuntimeError(f"no bundled Pallas paged attention for platform {platform}")
+
+    row("jax bundled Pallas paged_attention", bundled_paged, bytes_=kv_bytes, note=shape)
+    k_c = kp[:, tables].reshape(K, B, S, D).transpose(1, 2, 0, 3)
+    v_c = vp[:, tables].reshape(K, B, S, D).transpose(1, 2, 0, 3)
+    del kp, vp
+    impl = "cudnn" if platform == "gpu" else "xla"
+    for im in dict.fromkeys((impl, "xla")):
+        dpa = jax.jit(lambda q, k, v, im=im: jax.nn.dot_product_attention(q[:, None], k, v, implementation=im)[:, 0])
+        row(f"jax.nn.dot_product_attention decode ({im}, contiguous K/V)", lambda: time_call(cfg, dpa, q, k_c, v_c), bytes_=kv_bytes, note=shape)
+    del k_c, v_c
+
+    # Flash forward, causal; FLOPs count the visible half of the score matrix.
+    Bf, T, Hf = cfg.flash_batch, cfg.flash_seq, cfg.flash_heads
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    fq, fk, fv = (jax.random.normal(k_, (Bf, T, Hf, D), jnp.bfloat16) for k_ in (kq, kk, kv))
+    flops = 4 * Bf * Hf * T * T * D / 2
+    fshape = f"B={Bf} T={T} H={Hf} D={D} causal"
+
+    def jmem_flash():
+        from jmem.kernels.flash_attention import flash_attention
+
+        return time_call(cfg, jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret)), fq, fk, fv)
+
+    row("jmem flash_attention fwd", jmem_flash, flops=flops, note=fshape)
+    for im in dict.fromkeys((impl, "xla")):
+        f = jax.jit(lambda q, k, v, im=im: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=im))
+        row(f"jax.nn.dot_product_attention fwd ({im})", lambda f=f: time_call(cfg, f, fq, fk, fv), flops=flops, note=fshape)
+
+    def bundled_flash():
+        scale = D**-0.5
+        if platform == "gpu":
+            from jax.experimental.pallas.ops.gpu import attention as gpu_att
+
+            f = jax.jit(lambda q, k, v: gpu_att.mha(q, k, v, None, sm_scale=scale, causal=True, interpret=bool(interpret)))
+            return time_call(cfg, f, fq, fk, fv)
+        if platform == "tpu":
+            from jax.experimental.pallas.ops.tpu import flash_attention as tpu_fa
+
+            f = jax.jit(lambda q, k, v: tpu_fa.flash_attention(q, k, v, causal=True, sm_scale=scale))
+            return time_call(cfg, f, *(a.transpose(0, 2, 1, 3) for a in (fq, fk, fv)))
+        raise RuntimeError(f"no bundled Pallas flash attention for platform {platform}")
+
+    row("jax bundled Pallas flash fwd", bundled_flash, flops=flops, note=fshape)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["ms", "GB/s", "% of copy", "TFLOP/s", "% of matmul"]
+    lines = ["| row | " + " | ".join(cols) + " | shape / error |", "|---" * (len(cols) + 2) + "|"]
+    for r in rows:
+        cells = [f"{r[c]:.3g}" if c in r else "" for c in cols]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r.get('error', r.get('note', ''))} |")
+    return "\n".join(lines)
+
+
+def main(cfg: Config) -> list[dict]:
+    if cfg.quick:
+        cfg = cfg.shrunk()
+    dev = jax.devices()[0]
+    log(f"jax {jax.__version__} on {dev.platform} ({getattr(dev, 'device_kind', '?')}); config {cfg}")
+    rows = run(cfg)
+    print(markdown(rows), flush=True)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), config=dataclasses.asdict(cfg), rows=rows), f, indent=1)
+        log(f"wrote {cfg.out}")
+    return rows
+
+
+def parse_args() -> Config:
+    """Flags from `Config` via tyro; on a machine without tyro, the same flags via argparse."""
+    try:
+        import tyro
+    except ImportError:
+        import argparse
+
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        for f in dataclasses.fields(Config):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                typ = int if f.type in ("int", int) else str
+                parser.add_argument(flag, type=typ, default=f.default)
+        return Config(**vars(parser.parse_args()))
+    return tyro.cli(Config)
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,127 @@
+"""Paged decode attention: one query token per sequence over paged K/V.
+
+Flash-decoding: each sequence's pages are split into `num_splits` windows
+that run as separate work items (more parallel programs when the batch is
+small and the context long); their partial softmax accumulators are merged
+after the kernel. Grouped-query heads share one kv head's pages, so each
+kernel program reads a page once for all `q_heads // kv_heads` queries.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jmem.kernels.paged_attention import core
+from jmem.kernels.paged_attention.checks import check_pages, check_tables
+
+# Programs to keep a GPU busy (about 2 per SM on an H100/H200); decode splits
+# the context until batch x kv_heads x splits reaches it.
+GPU_TARGET_PROGRAMS = 256
+BLOCK_TOKENS = 128  # keys per kernel step, unless pages_per_compute_block is given
+
+
+def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
+    return max(1, min(core.next_pow2(BLOCK_TOKENS // page_size) if page_size < BLOCK_TOKENS else 1, core.next_pow2(pages_per_seq)))
+
+
+def default_splits(batch: int, kv_heads: int, num_blocks: int, backend: str) -> int:
+    target = GPU_TARGET_PROGRAMS if backend == "triton" else 2
+    return max(1, min(num_blocks, -(-target // (batch * kv_heads))))
+
+
+def sanitize_tables(block_tables, lengths, page_size: int, num_pages: int):
+    """Entries past each row's length -> page 0, and all entries clamped into the pool.
+
+    Under jit bad values cannot raise; clamping keeps the kernel's reads inside
+    the pool (the concrete-value checks have already rejected bad input).
+    """
+    used = jnp.arange(block_tables.shape[1])[None, :] < (lengths[:, None] + page_size - 1) // page_size
+    return jnp.clip(jnp.where(used, block_tables, 0), 0, num_pages - 1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_block", "num_splits", "backend", "interpret"))
+def _paged_attention(q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale, *, sm_scale, pages_per_block, num_splits, backend, interpret):
+    B, H, D = q.shape
+    K, N, page, _ = k_pages.shape
+    G = H // K
+    R = max(16, core.next_pow2(G))
+    ppb = pages_per_block
+    npages = block_tables.shape[1]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, npages * page)
+    tables = sanitize_tables(block_tables, lengths, page, N)
+    nb_total = -(-npages // ppb)
+    S = num_splits
+    nbp = -(-nb_total // S) * ppb  # pages per split
+    tables = jnp.pad(tables, ((0, 0), (0, S * nbp - npages)))
+    split_tokens = nbp * page
+    lo_S = jnp.arange(S, dtype=jnp.int32) * split_tokens
+    hi_BS = jnp.clip(lengths[:, None], lo_S[None, :], lo_S[None, :] + split_tokens)
+    meta = jnp.stack([jnp.broadcast_to(lo_S, (B, S)), hi_BS, jnp.zeros((B, S), jnp.int32), jnp.zeros((B, S), jnp.int32)], -1)
+    q_BKRD = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, R - G), (0, 0)))
+    o, m, l = core.attend_items(
+        q_BKRD, k_pages, v_pages, k_scale, v_scale, tables.reshape(B * S, nbp), meta.reshape(B * S, core.META),
+        q_div=S, gp=R, causal=False, pages_per_block=ppb, sm_scale=sm_scale, backend=backend, interpret=interpret,
+    )
+    o = core.combine_splits(o.reshape(B, S, K, R, D), m.reshape(B, S, K, R), l.reshape(B, S, K, R))
+    return o[:, :, :G].reshape(B, H, D).astype(q.dtype)
+
+
+def paged_attention(
+    q, k_pages, v_pages, lengths, block_tables, *, k_scale=None, v_scale=None, sm_scale=None,
+    pages_per_compute_block=None, num_splits=None, backend=None, interpret=None,
+):
+    """Decode attention of one new token per sequence against its paged K/V cache.
+
+    Args:
+        q: [batch, q_heads, head_dim] (f32, bf16 or f16).
+        k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], float, or
+            int8 / float8_e4m3fn with scales; q_heads a multiple of kv_heads.
+        lengths: i32[batch] keys visible to each sequence (0 gives zeros).
+        block_tables: i32[batch, pages_per_seq]; row b's i-th page holds tokens
+            [i * page_size, (i + 1) * page_size) of sequence b. Entries past
+            cdiv(length, page_size) are ignored.
+        k_scale, v_scale: f32[kv_heads, num_pages] per-page-per-head scales
+            (required for, and only for, int8/fp8 pages).
+        sm_scale: softmax scale, 1/sqrt(head_dim) when None.
+        pages_per_compute_block: pages per kernel step (a power of two);
+            about 128 keys when None.
+        num_splits: context windows per sequence whose partial softmaxes are
+            merged after the kernel (flash-decoding); chosen from the batch
+            and the device when None.
+        backend: "triton" (GPU) or "mosaic" (TPU); from the default device when None.
+        interpret: run the kernel in the Pallas interpreter; True on CPU when None.
+
+    Returns:
+        [batch, q_heads, head_dim] in q's dtype.
+
+    Raises:
+        ValueError: mismatched shapes or heads; with concrete inputs also a
+            length past the table's pages or a used table entry outside the pool.
+
+    Example:
+        >>> o = paged_attention(q, k_pages, v_pages, lengths, block_tables)
+    """
+    if q.ndim != 3:
+        raise ValueError(f"paged_attention: q must be [batch, q_heads, head_dim]; got {q.shape}")
+    B, H, D = q.shape
+    check_pages("paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
+    K, N, page, _ = k_pages.shape
+    check_tables("paged_attention", lengths, block_tables, N, page, rows=B)
+    backend, interpret = core.resolve(backend, interpret)
+    core.check_backend_shapes("paged_attention", backend, interpret, page, D)
+    npages = block_tables.shape[1]
+    ppb = pages_per_compute_block or default_pages_per_block(page, npages)
+    if ppb < 1 or ppb & (ppb - 1):
+        raise ValueError(f"paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
+    nb_total = -(-npages // ppb)
+    splits = num_splits or default_splits(B, K, nb_total, backend)
+    if not 1 <= splits <= nb_total:
+        raise ValueError(f"paged_attention: num_splits={splits} must be in [1, {nb_total}] ({npages} pages / {ppb} per block)")
+    scale = float(D**-0.5 if sm_scale is None else sm_scale)
+    return _paged_attention(
+        q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale,
+        sm_scale=scale, pages_per_block=ppb, num_splits=splits, backend=backend, interpret=interpret,
+    )
