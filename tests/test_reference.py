@@ -56,3 +56,20 @@ def test_packed_gguf_weights_match(ref):
     ids = ref["ids_1"]
     logits = np.asarray(packed.logits(ids[None]))[0]
     np.testing.assert_allclose(logits[-1], ref["last_logits_1"], atol=1e-3, rtol=0)
+
+
+def test_attention_impls_agree(ref, lm):
+    """The Pallas flash kernel (interpret mode on CPU) and the XLA path give the same logits."""
+    from flax import nnx
+
+    from jmem.lm import LM
+    from jmem.models import Llama
+
+    ids = ref["ids_2"][None]
+    xla = np.asarray(lm.logits(ids))
+    cfg = lm.config.replace(attention_impl="pallas")
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(model, nnx.state(lm.model))
+    pallas = np.asarray(LM(model, lm.tokenizer).logits(ids))
+    np.testing.assert_allclose(pallas, xla, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(pallas[0, -1], ref["last_logits_2"], atol=1e-3, rtol=0)
