@@ -136,7 +136,7 @@ class Llama(nnx.Module):
         self.config = config
         dt = as_dtype(config.param_dtype)
         self.embed = nnx.Embed(config.vocab_size, config.dim, param_dtype=dt, rngs=rngs,
-                               embedding_init=jax.nn.initializers.normal(stddev=1.0))
+                               embedding_init=jax.nn.initializers.normal(stddev=config.dim**-0.5))
         self.layers = Blocks(config, rngs=rngs)
         self.norm = RMSNorm(config.dim, dtype=dt)
         if not config.tie_embeddings:

@@ -1,0 +1,97 @@
+"""Compile the train step for every combination of memory settings; tabulate.
+
+Nothing is run: each combination is lowered and compiled, and XLA's buffer
+assignment (argument / temp / output bytes) and cost model (FLOPs) are
+recorded. With `--target tpu:v5e:2x2` the step is compiled ahead of time for
+that TPU topology with libtpu (bf16 savings show only on a TPU/GPU target:
+the CPU backend computes bf16 in f32).
+
+    python experiments/memory_sweep.py                      # bench-8l, the full grid
+    python experiments/memory_sweep.py --remat none,full,minimal,dots --precision f32 \
+        --accum 1 --optimizer adamw --out docs/sweep_remat.json
+    python experiments/memory_sweep.py --precision f32,bf16 --remat none --target tpu:v5e:2x2
+
+Writes `--out` (JSON list of records), `--md` (markdown table) and `--png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import tyro
+
+from jmem.models.config import PRESETS
+from jmem.memory.remat import POLICIES
+from jmem.train.sweep import markdown_table, parse_list, plot_records, sweep
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """A grid of train-step compilations."""
+
+    preset: str = "bench-8l"
+    """Model preset (bench-8l: 8 layers, width 512, 8 heads, MLP 1408, vocab 8192, f32 params)."""
+    batch: int = 8
+    """Global batch size."""
+    seq: int = 1024
+    """Sequence length."""
+    remat: str = ",".join(POLICIES)
+    """Comma-separated remat policies."""
+    precision: str = "f32,bf16"
+    """Comma-separated precision policies."""
+    accum: str = "1,4"
+    """Comma-separated accumulation counts."""
+    optimizer: str = "adamw,adafactor,adam8bit"
+    """Comma-separated optimizers."""
+    target: str | None = None
+    """Compile for a TPU topology such as tpu:v5e:2x2 (needs libtpu); the local backend when unset."""
+    out: str = "docs/memory_sweep.json"
+    """JSON records."""
+    md: str = "docs/memory_sweep.md"
+    """Markdown table."""
+    png: str = "docs/memory_sweep.png"
+    """Bar chart."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(SweepConfig, args=argv, description=__doc__.split("\n\n")[0])
+    try:
+        if cfg.preset not in PRESETS:
+            raise ValueError(f"unknown preset {cfg.preset!r}; accepted: {', '.join(PRESETS)}")
+        accums = []
+        for a in parse_list(cfg.accum, "accum"):
+            if not a.isdigit():
+                raise ValueError(f"--accum {a!r} is not a positive integer")
+            accums.append(int(a))
+        grid = dict(remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
+                    accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"))
+        n = 1
+        for v in grid.values():
+            n *= len(v)
+        print(f"{cfg.preset} batch={cfg.batch} seq={cfg.seq} target={cfg.target or 'local'}: {n} compilations")
+
+        def show(r):
+            print(f"  {r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
+                  f"temp {r['temp_bytes'] / 2**20:9.1f} MiB  total {r['total_bytes'] / 2**20:9.1f} MiB  "
+                  f"{r['flops'] / 1e9:8.1f} GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
+
+        records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
+                        **grid)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in (cfg.out, cfg.md, cfg.png):
+        pathlib.Path(p).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(cfg.out).write_text(json.dumps(records, indent=1))
+    title = f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}]"
+    pathlib.Path(cfg.md).write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
+    plot_records(records, cfg.png, title)
+    print(f"wrote {cfg.out}, {cfg.md}, {cfg.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

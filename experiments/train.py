@@ -1,0 +1,39 @@
+"""Train a Llama-family model with jmem's memory techniques, one flag each.
+
+With no flags: the `small` preset (about 3.6M parameters, byte-level vocab)
+from scratch on the standard library's help text, 200 steps, full remat, bf16
+compute, Adafactor. It prints the compiler-measured and analytic memory of
+one step first, then a progress bar with loss, tokens/s and step time.
+
+    python experiments/train.py
+    python experiments/train.py --model tiny --steps 50 --remat minimal --accum 4 --optimizer adam8bit
+    python experiments/train.py --ckpt-dir /tmp/run --ckpt-every 50   # Ctrl-C saves; add --resume to continue
+    python experiments/train.py --model smollm2-135m --seq 256 --batch 4 --lr 1e-4 --optimizer adamw
+
+Bad flags (unknown policy or optimizer, --accum not dividing --batch, a
+precision string that does not parse, a checkpoint dir of another model) end
+with one line on stderr and exit status 2; nothing is written.
+Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tyro
+
+from jmem.train import TrainConfig, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(TrainConfig, args=argv, description=__doc__.split("\n\n")[0])
+    try:
+        result = train(cfg)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 130 if result.interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

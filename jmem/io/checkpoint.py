@@ -1,0 +1,170 @@
+"""Orbax checkpoints of a train state, with a metadata check before any write.
+
+A checkpoint step holds two items: ``state`` (every array of the train state,
+stored flat under dotted path names such as ``params.layers.wq.kernel``) and
+``meta`` (JSON: the model config, optimizer, precision, and a fingerprint of
+the state's tree structure). Restoring fills a template state built by the
+same code, so any pytree (NamedTuple optimizer states, loss-scale
+dataclasses) round-trips without Orbax knowing its node types.
+
+`Checkpointer.check` compares a directory's metadata with the run's before
+anything is written: a directory that holds another model's checkpoints is
+refused with one line naming the fields that differ, and nothing in it is
+touched.
+
+Example:
+    >>> ckpt = Checkpointer("/tmp/run1")
+    >>> ckpt.check(meta)                # raises CheckpointMismatchError
+    >>> ckpt.save(step, state, meta)
+    >>> state = ckpt.restore(template_state)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+# Meta fields that must agree between a checkpoint and the run restoring it.
+MUST_MATCH = ("model", "optimizer", "precision", "structure")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint directory belongs to a different model or setup."""
+
+
+def flatten_state(state: Any) -> dict[str, Any]:
+    """`{dotted.path: leaf}` for every leaf of `state`."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        key = jax.tree_util.keystr(path, simple=True, separator=".") or "root"
+        if key in flat:
+            raise ValueError(f"checkpoint: two leaves share the path {key!r}")
+        flat[key] = leaf
+    return flat
+
+
+def structure_fingerprint(state: Any) -> str:
+    """Hash of the state's paths, shapes and dtypes (not its values)."""
+    items = [(k, tuple(np.shape(v)), str(getattr(v, "dtype", type(v).__name__))) for k, v in flatten_state(state).items()]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+class Checkpointer:
+    """Numbered checkpoints in one directory (Orbax `CheckpointManager`).
+
+    Args:
+        directory: where step folders go (created on the first save).
+        max_to_keep: older steps are deleted beyond this many.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
+        self.directory = pathlib.Path(directory).expanduser().resolve()
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=False
+        )
+        self._manager: ocp.CheckpointManager | None = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=("state", "meta"))
+        return self._manager
+
+    def latest_step(self) -> int | None:
+        """The newest complete step in the directory, or None (also when absent)."""
+        if not self.directory.is_dir():
+            return None
+        return self.manager.latest_step()
+
+    def read_meta(self, step: int | None = None) -> dict | None:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def check(self, meta: dict, *, resume: bool) -> int | None:
+        """Validate the directory for this run; returns the step to resume from.
+
+        Raises:
+            CheckpointMismatchError: the directory holds checkpoints of another
+                model/optimizer/precision, or holds checkpoints while `resume`
+                is False (starting over would overwrite them).
+        """
+        step = self.latest_step()
+        if step is None:
+            if resume and self.directory.is_dir():
+                return None  # --resume on an empty directory starts from scratch
+            return None
+        old = self.read_meta(step) or {}
+        diff = [k for k in MUST_MATCH if old.get(k) != meta.get(k)]
+        if diff:
+            detail = "; ".join(_describe(k, old.get(k), meta.get(k)) for k in diff)
+            raise CheckpointMismatchError(
+                f"checkpoint dir {self.directory} holds a different run ({detail}); "
+                f"choose another --ckpt-dir (nothing was written)"
+            )
+        if not resume:
+            raise CheckpointMismatchError(
+                f"checkpoint dir {self.directory} already holds step {step}; pass --resume to continue it "
+                f"or choose another --ckpt-dir (nothing was written)"
+            )
+        return step
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Write `state` and `meta` as step `step` (blocking until on disk)."""
+        meta = {**meta, "structure": meta.get("structure") or structure_fingerprint(state), "step": int(step)}
+        flat = flatten_state(state)
+        self.manager.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self.manager.wait_until_finished()
+
+    def restore(self, template: Any, step: int | None = None) -> Any:
+        """The state saved at `step` (latest when None), in `template`'s structure.
+
+        Leaves come back with the template's shardings, so a state saved on one
+        mesh restores onto another.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        flat_t = flatten_state(template)
+
+        def abstract(x):
+            sharding = getattr(x, "sharding", None)
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore({k: abstract(v) for k, v in flat_t.items()}))
+        )["state"]
+        missing = set(flat_t) - set(restored)
+        if missing:
+            raise CheckpointMismatchError(f"checkpoint step {step} lacks {sorted(missing)[:3]}...")
+        leaves = [restored[k] for k in flat_t]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+def _describe(key: str, old: Any, new: Any) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)][:4]
+        return ", ".join(f"{key}.{k}: checkpoint {_short(old.get(k))} vs run {_short(new.get(k))}" for k in keys)
+    return f"{key}: checkpoint {_short(old)} vs run {_short(new)}"
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
+    return s if len(s) <= 80 else s[:77] + "..."

@@ -1,0 +1,63 @@
+"""`TrainConfig`: every knob of a training run, one field per command-line flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. The defaults train the `small` preset (about 3.2M
+    parameters, byte-level vocabulary) from scratch on the standard library's
+    help text for 200 steps with remat, bf16 compute and Adafactor."""
+
+    model: str = "small"
+    """Model preset (tiny, small, bench-8l), `smollm2-135m` to fine-tune the real model, or a GGUF path."""
+    data: str = "default"
+    """Training text: 'default' (pydoc_data.topics) or a path to a UTF-8 text file."""
+    steps: int = 200
+    """Optimizer steps (total, counting steps done before a --resume)."""
+    batch: int = 16
+    """Global batch size in sequences (split into --accum microbatches)."""
+    seq: int = 128
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (linear warmup, then cosine decay to 10%)."""
+    warmup: int = 20
+    """Warmup steps of the learning-rate schedule."""
+    remat: str = "full"
+    """Remat policy: none, full, dots, dots_no_batch, minimal, save_dot_except_mlp, offload, or 'name=remat|device|offload,...'."""
+    precision: str = "bf16"
+    """Precision policy: f32, bf16, f16, bf16-pure or 'p=f32,c=bf16,o=f32'."""
+    accum: int = 1
+    """Gradient-accumulation microbatches per step (must divide --batch)."""
+    optimizer: str = "adafactor"
+    """Optimizer: adamw, adafactor, adam8bit, sgd."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw, adam8bit)."""
+    clip: float = 1.0
+    """Global gradient-norm clipping (0 disables)."""
+    seed: int = 0
+    """Seed of the parameter init and the batch order."""
+    ckpt_dir: str | None = None
+    """Directory for Orbax checkpoints (none when unset)."""
+    ckpt_every: int = 100
+    """Checkpoint every N steps (and at the end, and on SIGINT/SIGTERM) when --ckpt-dir is set."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --ckpt-dir."""
+    stop_after: int | None = None
+    """Stop (with a checkpoint) after this many steps in this invocation; --resume continues."""
+    eval_every: int = 0
+    """Evaluate on held-out windows every N steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Held-out batches per evaluation."""
+    log: str | None = None
+    """Write one JSON line per step (and per evaluation) to this file."""
+    plot: str | None = None
+    """Write a PNG of the loss curve and the memory table to this file."""
+    loss_chunk: int | None = None
+    """Sequence chunk of the cross-entropy (the preset's when unset)."""
+    progress: bool = True
+    """Show a progress bar (plain lines every 10 steps when off)."""

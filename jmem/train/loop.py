@@ -1,0 +1,279 @@
+"""The training loop: memory table, progress bar, eval, JSON logs, checkpoints.
+
+`train(cfg)` is what `experiments/train.py` calls. It compiles the step once
+(through `jmem.memory.measure`, whose compile the jitted step then reuses),
+prints the measured and estimated memory, then runs the steps.
+
+Checkpoints: every `ckpt_every` steps, at the end, after `stop_after` steps,
+and when SIGINT/SIGTERM arrives (the signal only sets a flag; the loop saves
+after the step in flight, so a checkpoint is never half a step). Batches are a
+function of the step number, so a resumed run repeats the uninterrupted run's
+losses exactly.
+
+Example:
+    >>> from jmem.train import TrainConfig, train
+    >>> result = train(TrainConfig(model="tiny", steps=20))
+    >>> result.losses[-1] < result.losses[0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem.io.checkpoint import Checkpointer
+from jmem.memory.measure import MemoryReport, measure
+from jmem.train.config import TrainConfig
+from jmem.train.setup import Run, build
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did: per-step train losses (by absolute step), eval losses, memory."""
+
+    losses: dict[int, float]
+    eval_losses: dict[int, float]
+    memory: MemoryReport
+    estimate: dict[str, int]
+    final_step: int
+    interrupted: bool
+    skipped_steps: int
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Yields a one-item list that becomes [True] on SIGINT/SIGTERM."""
+    flag = [False]
+
+    def handler(signum, frame):
+        if flag[0] and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        flag[0] = True
+
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: no signal handling
+            pass
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def estimate_bytes(run: Run) -> dict[str, int]:
+    """Analytic bytes of one step (`jmem.memory.estimate`) beside the measurement."""
+    from jmem.memory.estimate import estimate
+
+    cfg, mc = run.cfg, run.model_config
+    return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, accum=cfg.accum,
+                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32))
+
+
+def memory_table(report: MemoryReport, estimate: dict[str, int]) -> str:
+    """Measured (compiler) and estimated (analytic) memory of one step, MiB."""
+    rows = [("measured", "arguments (params, opt state, batch)", report.argument_bytes),
+            ("measured", "temp (activations, grads, logits)", report.temp_bytes),
+            ("measured", "outputs", report.output_bytes),
+            ("measured", "  of which aliased to arguments", report.alias_bytes),
+            ("measured", "total live", report.total_bytes)]
+    if report.host_total_bytes:
+        rows.append(("measured", "host memory (offloaded)", report.host_total_bytes))
+    rows += [("estimated", k, v) for k, v in estimate.items() if v or k == "total"]
+    lines = [f"memory of one train step [{report.target}]" + " " * 19 + "MiB"]
+    lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
+    lines.append(f"  {'cost model GFLOPs per step':<48s}{report.flops / 1e9:10.3f}")
+    return "\n".join(lines)
+
+
+class _Logger:
+    def __init__(self, path: str | None, append: bool):
+        # A resumed run continues its log; a fresh run starts a new one.
+        self.f: TextIO | None = open(path, "a" if append else "w") if path else None
+
+    def write(self, record: dict):
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self):
+        if self.f:
+            self.f.close()
+
+
+def _evaluate(eval_fn, params, run: Run) -> float | None:
+    bs = min(run.cfg.batch, len(run.data.valid))
+    total = count = 0.0
+    for b in run.data.eval_batches(bs, run.cfg.eval_batches):
+        s, c = eval_fn(params, b)
+        total, count = total + float(s), count + float(c)
+    return total / count if count else None
+
+
+def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dict], None] | None = None) -> TrainResult:
+    """Run training as configured; see the module docstring.
+
+    Args:
+        cfg: the run.
+        out: where the table, bar and messages go (stdout by default).
+        on_step: called with each step's log record (after the step).
+
+    Raises:
+        ValueError: bad configuration or a checkpoint dir of another run
+            (before anything is compiled or written).
+    """
+    out = out or sys.stdout
+    run = build(cfg)
+    fns = run.fns
+    state = fns.init_state(run.model)
+    ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    start = 0
+    if ckpt is not None:
+        resume_step = ckpt.check(run.meta, resume=cfg.resume)
+        if resume_step is not None:
+            state = ckpt.restore(state, resume_step)
+            start = int(state.step)
+            print(f"resumed from {ckpt.directory} at step {start}", file=out)
+
+    step_fn = _jitted(fns)
+    batch0 = run.data.batch(start, cfg.batch, cfg.seed)
+    report = measure(step_fn, state, batch0)  # compiles; the loop reuses it
+    estimate = estimate_bytes(run)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    print(f"model {cfg.model}: {n_params / 1e6:.2f}M params, remat={cfg.remat}, precision={run.policy}, "
+          f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
+          f"{run.data.num_tokens / 1e3:.0f}k tokens", file=out)
+    print(memory_table(report, estimate), file=out)
+
+    log = _Logger(cfg.log, append=start > 0)
+    log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params})
+    losses: dict[int, float] = {}
+    evals: dict[int, float] = {}
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    tokens = cfg.batch * cfg.seq
+    interrupted = False
+    bar = _progress(cfg, start, end, out)
+    try:
+        with _stop_on_signals() as stop:
+            for step in range(start, end):
+                batch = batch0 if step == start else run.data.batch(step, cfg.batch, cfg.seed)
+                t0 = time.perf_counter()
+                state, m = step_fn(state, batch)
+                loss = float(m["loss"])  # waits for the step
+                dt = time.perf_counter() - t0
+                losses[step] = loss
+                rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
+                       "step_time_s": dt, "tokens_per_s": tokens / dt, "loss_scale": float(m["loss_scale"]),
+                       "finite": bool(m["finite"])}
+                log.write(rec)
+                bar.update(rec)
+                if on_step is not None:
+                    on_step(rec)
+                done = step + 1
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
+                    ev = _evaluate(_jitted_eval(fns), state.params, run)
+                    if ev is not None:
+                        evals[done] = ev
+                        log.write({"step": done, "eval_loss": ev})
+                        bar.note(f"step {done}: eval loss {ev:.4f}")
+                if ckpt is not None and (done % cfg.ckpt_every == 0 or stop[0]):
+                    ckpt.save(done, state, run.meta)
+                if stop[0]:
+                    interrupted = True
+                    break
+    finally:
+        bar.close()
+    final = int(state.step)
+    if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
+        ckpt.save(final, state, run.meta)
+    if interrupted:
+        print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
+    if not interrupted and final == cfg.steps:
+        ev = _evaluate(_jitted_eval(fns), state.params, run)
+        if ev is not None:
+            evals[final] = ev
+            log.write({"step": final, "eval_loss": ev})
+            print(f"final eval loss {ev:.4f} (train loss {losses.get(final - 1, float('nan')):.4f})", file=out)
+    skipped = _skipped(state.opt_state)
+    if skipped:
+        print(f"{skipped} non-finite steps skipped (loss scale {float(state.loss_scale.scale_value):g})", file=out)
+    log.close()
+    if ckpt is not None:
+        ckpt.close()
+    result = TrainResult(losses, evals, report, estimate, final, interrupted, skipped)
+    if cfg.plot:
+        from jmem.train.plot import plot_run
+
+        plot_run(result, cfg.plot, title=f"{cfg.model} remat={cfg.remat} {run.policy} {cfg.optimizer}")
+        print(f"wrote {cfg.plot}", file=out)
+    return result
+
+
+def _skipped(opt_state) -> int:
+    n = 0
+    for leaf_state in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "skipped_steps")):
+        if hasattr(leaf_state, "skipped_steps"):
+            n += int(leaf_state.skipped_steps)
+    return n
+
+
+_JIT_CACHE: dict[int, Any] = {}
+
+
+def _jitted(fns):
+    # One jitted callable per TrainFns so a cached build reuses its compile.
+    key = id(fns)
+    if key not in _JIT_CACHE:
+        _JIT_CACHE[key] = (jax.jit(fns.step, donate_argnums=0), jax.jit(fns.eval_loss))
+    return _JIT_CACHE[key][0]
+
+
+def _jitted_eval(fns):
+    _jitted(fns)
+    return _JIT_CACHE[id(fns)][1]
+
+
+class _progress:
+    """tqdm bar with loss, tokens/s and step time; plain lines when disabled."""
+
+    def __init__(self, cfg: TrainConfig, start: int, end: int, out: TextIO):
+        self.out, self.plain = out, not cfg.progress
+        self.bar = None
+        if not self.plain:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=end, initial=start, file=out, dynamic_ncols=True, desc="train")
+
+    def update(self, rec: dict):
+        txt = dict(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", step_ms=f"{rec['step_time_s'] * 1e3:.0f}")
+        if self.bar is not None:
+            self.bar.set_postfix(txt, refresh=False)
+            self.bar.update(1)
+        elif rec["step"] % 10 == 0 or rec["step"] == 1:
+            print(f"step {rec['step']}: " + " ".join(f"{k}={v}" for k, v in txt.items()), file=self.out)
+
+    def note(self, msg: str):
+        if self.bar is not None:
+            self.bar.write(msg, file=self.out)
+        else:
+            print(msg, file=self.out)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def losses_array(result: TrainResult) -> jnp.ndarray:
+    """Train losses in step order (for tests and plots)."""
+    return jnp.asarray([result.losses[k] for k in sorted(result.losses)])

@@ -1,0 +1,37 @@
+"""PNG of a run: the loss curve beside the memory of one step (measured and estimated)."""
+
+from __future__ import annotations
+
+import pathlib
+
+
+def plot_run(result, path: str, *, title: str = "") -> None:
+    """Write `path`: train/eval loss by step (left), memory bars in MiB (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = sorted(result.losses)
+    ax_l.plot([s + 1 for s in steps], [result.losses[s] for s in steps], label="train")
+    if result.eval_losses:
+        ev = sorted(result.eval_losses)
+        ax_l.plot(ev, [result.eval_losses[s] for s in ev], "o-", label="eval")
+    ax_l.set_xlabel("step")
+    ax_l.set_ylabel("loss (nats/token)")
+    ax_l.legend()
+    ax_l.grid(alpha=0.3)
+    r = result.memory
+    names = ["arguments", "temp", "outputs", "total"]
+    vals = [r.argument_bytes, r.temp_bytes, r.output_bytes, r.total_bytes]
+    names += [f"est. {k}" for k in result.estimate]
+    vals += list(result.estimate.values())
+    colors = ["tab:blue"] * 4 + ["tab:orange"] * len(result.estimate)
+    ax_m.barh(names[::-1], [v / 2**20 for v in vals][::-1], color=colors[::-1])
+    ax_m.set_xlabel(f"MiB per step [{r.target}] (blue: compiler, orange: analytic)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    pathlib.Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,168 @@
+"""From a `TrainConfig` to the pieces of a run: validated settings, model,
+tokenizer, data, optimizer chain, train functions and checkpoint metadata.
+
+Everything that can be wrong with the input is checked in `validate` before
+any model is built or compiled, so bad flags cost one line and no time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import optax
+from flax import nnx
+
+from jmem.data import BYTE_VOCAB, ByteTokenizer, PackedDataset, load_documents
+from jmem.io.checkpoint import structure_fingerprint
+from jmem.memory.accumulate import check_divisible
+from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
+from jmem.memory.remat import validate as validate_remat
+from jmem.models.config import PRESETS, LlamaConfig
+from jmem.train.config import OPTIMIZERS, TrainConfig
+from jmem.train.step import TrainFns, make_train_fns
+
+# Config fields that do not change the parameters (free to differ on resume).
+_NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_dtype")
+_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def validate(cfg: TrainConfig) -> Policy:
+    """Check every flag; returns the parsed precision policy.
+
+    Raises:
+        ValueError: one line naming the bad value and what is accepted.
+    """
+    for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
+    if cfg.eval_every < 0 or cfg.warmup < 0 or cfg.clip < 0:
+        raise ValueError("--eval-every, --warmup and --clip must be >= 0")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr={cfg.lr} must be > 0")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    validate_remat(cfg.remat)
+    policy = Policy.parse(cfg.precision)
+    check_divisible(cfg.batch, cfg.accum)
+    if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
+        raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+    if cfg.stop_after is not None and cfg.stop_after < 1:
+        raise ValueError(f"--stop-after={cfg.stop_after} must be >= 1")
+    if cfg.resume and not cfg.ckpt_dir:
+        raise ValueError("--resume needs --ckpt-dir")
+    if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
+        raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
+    return policy
+
+
+def _dtype_name(dt) -> str:
+    return _SHORT_DTYPE[str(jax.numpy.dtype(dt))]
+
+
+@dataclasses.dataclass
+class Run:
+    """The built pieces of one run (see `build`)."""
+
+    cfg: TrainConfig
+    policy: Policy
+    model_config: LlamaConfig
+    model: nnx.Module
+    tokenizer: object
+    data: PackedDataset
+    tx: optax.GradientTransformation
+    fns: TrainFns
+    meta: dict
+
+
+def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
+    overrides = dict(
+        param_dtype=_dtype_name(policy.param),
+        compute_dtype=_dtype_name(policy.compute),
+        remat=cfg.remat,
+    )
+    if cfg.loss_chunk is not None:
+        overrides["loss_chunk"] = cfg.loss_chunk
+    if cfg.model in PRESETS and cfg.model != "smollm2-135m":
+        from jmem.models.llama import Llama
+
+        mc = PRESETS[cfg.model]()
+        overrides["max_seq_len"] = max(mc.max_seq_len, cfg.seq)
+        mc = mc.replace(**overrides)
+        if mc.vocab_size < BYTE_VOCAB:
+            raise ValueError(f"--model {cfg.model}: vocab {mc.vocab_size} < {BYTE_VOCAB} byte-level ids")
+        return mc, Llama(mc, rngs=nnx.Rngs(cfg.seed)), ByteTokenizer()
+    # A real model: float weights and tokenizer from its GGUF file.
+    import jmem
+
+    lm = jmem.load(cfg.model, param_dtype=overrides["param_dtype"], compute_dtype=overrides["compute_dtype"])
+    mc = lm.config.replace(**overrides)
+    # The loaded module keeps its weights; this run's remat and loss chunk are config.
+    lm.model.config = mc
+    return mc, lm.model, lm.tokenizer
+
+
+def make_tx(cfg: TrainConfig, policy: Policy) -> optax.GradientTransformation:
+    """Clipping + the named optimizer on a warmup-cosine schedule, wrapped for
+    non-f32 params (f32 master copy) and fp16 (skip non-finite steps)."""
+    from jmem.optim.factory import make_optimizer
+
+    warmup = min(cfg.warmup, cfg.steps // 5)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0 if warmup else cfg.lr, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1
+    )
+    kw = {"weight_decay": cfg.weight_decay} if cfg.weight_decay and cfg.optimizer in ("adamw", "adam8bit") else {}
+    tx = make_optimizer(cfg.optimizer, schedule, **kw)
+    if cfg.clip:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
+    if policy.param != jax.numpy.dtype(jax.numpy.float32):
+        tx = with_master_weights(tx)
+    if policy.needs_loss_scale:
+        tx = skip_nonfinite(tx)
+    return tx
+
+
+def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstract_state) -> dict:
+    """Checkpoint metadata; `MUST_MATCH` fields decide whether a dir is this run's."""
+    model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_STATE}
+    return {
+        "model": model,
+        "optimizer": cfg.optimizer,
+        "precision": f"p={_dtype_name(policy.param)}",
+        "structure": structure_fingerprint(abstract_state),
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_fns(cfg_key: TrainConfig):
+    """Model config, model, tokenizer, optimizer and train fns for a config.
+
+    Cached so that runs in one process with the same program (a resumed run in
+    a test or a notebook) reuse the compiled step instead of compiling again.
+    """
+    policy = Policy.parse(cfg_key.precision)
+    mc, model, tok = _model_and_tokenizer(cfg_key, policy)
+    tx = make_tx(cfg_key, policy)
+    fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy))
+    return mc, model, tok, tx, fns
+
+
+def _program_key(cfg: TrainConfig) -> TrainConfig:
+    """The config with the fields that do not change the compiled program reset."""
+    return dataclasses.replace(cfg, data="default", ckpt_dir=None, ckpt_every=1, resume=False, stop_after=None,
+                               eval_every=0, eval_batches=1, log=None, plot=None, progress=True)
+
+
+def build(cfg: TrainConfig) -> Run:
+    """Validate, then build model, data, optimizer and the train functions."""
+    policy = validate(cfg)
+    mc, model, tok, tx, fns = _cached_fns(_program_key(cfg))
+    vocab = getattr(tok, "vocab_size", None)
+    if vocab is not None and vocab > mc.vocab_size:
+        raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
+    data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
+    abstract = jax.eval_shape(lambda: fns.init_state(model))
+    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract))

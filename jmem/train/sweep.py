@@ -1,0 +1,144 @@
+"""Compile (never run) the train step over a grid of memory settings.
+
+Each record is what XLA's buffer assignment and cost model report for one
+combination of remat policy x precision x accumulation x optimizer, on the
+local backend or an ahead-of-time TPU target. The model is built abstractly
+(`nnx.eval_shape`), so no parameter is allocated: a sweep of a model that does
+not fit on this machine still runs.
+
+Example:
+    >>> recs = sweep(LlamaConfig.bench_8l(), batch=8, seq=1024, remats=["none", "full"],
+    ...              precisions=["f32"], accums=[1], optimizers=["adamw"])
+    >>> recs[1]["temp_bytes"] / recs[0]["temp_bytes"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.memory.accumulate import check_divisible
+from jmem.memory.measure import measure, parse_target, tree_bytes
+from jmem.memory.precision import Policy, loss_scale_for
+from jmem.memory.remat import validate as validate_remat
+from jmem.models.config import LlamaConfig
+from jmem.train.config import OPTIMIZERS, TrainConfig
+from jmem.train.setup import _dtype_name, make_tx
+from jmem.train.step import make_train_fns
+
+RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "temp_bytes", "output_bytes",
+               "total_bytes", "flops", "param_bytes", "opt_state_bytes")
+
+
+def parse_list(text: str, name: str) -> list[str]:
+    """`"none, full"` -> ["none", "full"]; an empty list is an error."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{name} is empty; give a comma-separated list")
+    return items
+
+
+def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None) -> None:
+    """Every value of every list, checked before the first compile."""
+    for r in remats:
+        validate_remat(r)
+    for p in precisions:
+        Policy.parse(p)
+    for a in accums:
+        check_divisible(batch, a)
+    for o in optimizers:
+        if o not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {o!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if target is not None:
+        parse_target(target)
+
+
+def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precision: str, accum: int,
+                   optimizer: str, target: str | None = None) -> dict:
+    """Memory and FLOPs of one jitted train step (donated state), compiled only."""
+    from jmem.models.llama import Llama
+
+    policy = Policy.parse(precision)
+    mc = mc.replace(param_dtype=_dtype_name(policy.param), compute_dtype=_dtype_name(policy.compute), remat=remat,
+                    max_seq_len=max(mc.max_seq_len, seq))
+    model = nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0)))
+    tx = make_tx(TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0), policy)
+    fns = make_train_fns(model, tx, accum=accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy))
+    # Initialise inside eval_shape: shapes only, no parameter is allocated.
+    state = jax.eval_shape(lambda: fns.init_state(Llama(mc, rngs=nnx.Rngs(0))))
+    batch_abs = {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+                 "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+                 "mask": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
+    t0 = time.perf_counter()
+    r = measure(jax.jit(fns.step, donate_argnums=0), state, batch_abs, target=target)
+    return {
+        "remat": remat, "precision": precision, "accum": accum, "optimizer": optimizer,
+        "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
+        "total_bytes": r.total_bytes, "flops": r.flops,
+        "param_bytes": tree_bytes(state.params), "opt_state_bytes": tree_bytes(state.opt_state),
+        "alias_bytes": r.alias_bytes, "host_temp_bytes": r.host_temp_bytes, "target": r.target,
+        "batch": batch, "seq": seq, "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], precisions: Iterable[str],
+          accums: Iterable[int], optimizers: Iterable[str], target: str | None = None,
+          on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """One `compile_record` per combination (remat varies slowest, optimizer fastest)."""
+    remats, precisions, accums, optimizers = map(list, (remats, precisions, accums, optimizers))
+    validate_grid(batch, remats, precisions, accums, optimizers, target)
+    out = []
+    for remat, precision, accum, optimizer in itertools.product(remats, precisions, accums, optimizers):
+        rec = compile_record(mc, batch=batch, seq=seq, remat=remat, precision=precision, accum=accum,
+                             optimizer=optimizer, target=target)
+        out.append(rec)
+        if on_record is not None:
+            on_record(rec)
+    return out
+
+
+def markdown_table(records: list[dict]) -> str:
+    """One row per record: MiB columns, GFLOPs, and temp/FLOPs relative to the first row's
+    matching baseline (remat none, same precision/accum/optimizer) when present."""
+    base = {(r["precision"], r["accum"], r["optimizer"]): r for r in records if r["remat"] == "none"}
+    head = ("| remat | precision | accum | optimizer | params MiB | opt state MiB | arguments MiB | temp MiB "
+            "| total MiB | GFLOPs | temp / none | FLOPs / none |")
+    lines = [head, "|" + "---|" * 12]
+    for r in records:
+        b = base.get((r["precision"], r["accum"], r["optimizer"]))
+        rel_t = f"{r['temp_bytes'] / b['temp_bytes']:.3f}" if b else ""
+        rel_f = f"{r['flops'] / b['flops']:.3f}" if b and b["flops"] else ""
+        mib = lambda k: f"{r[k] / 2**20:.1f}"  # noqa: E731,B023
+        lines.append(f"| {r['remat']} | {r['precision']} | {r['accum']} | {r['optimizer']} | {mib('param_bytes')} "
+                     f"| {mib('opt_state_bytes')} | {mib('argument_bytes')} | {mib('temp_bytes')} | {mib('total_bytes')} "
+                     f"| {r['flops'] / 1e9:.1f} | {rel_t} | {rel_f} |")
+    return "\n".join(lines)
+
+
+def plot_records(records: list[dict], path: str, title: str = "") -> None:
+    """Stacked bars (arguments + temp) per record, MiB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['remat']}/{r['precision']}/a{r['accum']}/{r['optimizer']}" for r in records]
+    arg = np.array([r["argument_bytes"] for r in records]) / 2**20
+    tmp = np.array([r["temp_bytes"] for r in records]) / 2**20
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(records) + 2), 5))
+    x = np.arange(len(records))
+    ax.bar(x, arg, label="arguments (params, opt state, batch)")
+    ax.bar(x, tmp, bottom=arg, label="temp (activations, grads, logits)")
+    ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("MiB per device")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,50 @@
+"""`experiments/memory_sweep.py`: records with the documented keys; bad lists fail in one line."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+from jmem.train.sweep import RECORD_KEYS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _main(argv, capsys):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import memory_sweep
+    finally:
+        sys.path.pop(0)
+    rc = memory_sweep.main(argv)
+    return rc, capsys.readouterr()
+
+
+def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
+    out, md, png = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
+    rc, cap = _main(["--preset", "tiny", "--batch", "4", "--seq", "32", "--remat", "full", "--precision", "f32",
+                     "--accum", "2", "--optimizer", "adafactor", "--out", str(out), "--md", str(md),
+                     "--png", str(png)], capsys)
+    assert rc == 0, cap.err
+    (rec,) = json.loads(out.read_text())
+    assert set(RECORD_KEYS) <= set(rec)
+    assert (rec["remat"], rec["precision"], rec["accum"], rec["optimizer"]) == ("full", "f32", 2, "adafactor")
+    assert rec["temp_bytes"] > 0 and rec["flops"] > 0
+    assert rec["total_bytes"] >= rec["argument_bytes"] > rec["param_bytes"] > 0
+    assert "| full | f32 | 2 | adafactor |" in md.read_text() and png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--remat", "none,bogus"], "unknown remat policy 'bogus'"),
+    (["--precision", "f32,q8"], "precision 'q8'"),
+    (["--accum", "3"], "accum=3 does not divide batch=8"),
+    (["--optimizer", "adamw,lion"], "unknown optimizer 'lion'"),
+    (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
+    (["--accum", "two"], "--accum 'two' is not a positive integer"),
+])
+def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
+    rc, cap = _main(argv + ["--out", str(tmp_path / "x.json")], capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and expected in lines[0], cap.err
+    assert not (tmp_path / "x.json").exists()
