@@ -9,6 +9,7 @@ Example:
 """
 
 from jmem.parallel.distributed import DistributedError, ProcessInfo, initialize, local_value, to_global
+from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
 from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
 from jmem.parallel.pipeline import PipelineError, pipeline, pipeline_hidden, pipeline_lm_loss_fn, split_stages
@@ -17,14 +18,15 @@ from jmem.parallel.rules import (DEFAULT_RULES, Rules, ShardingError, batch_shar
 from jmem.parallel.step import (ParallelState, ShardedTrainStep, dp_accumulate_value_and_grad, jit_train_step,
                                 make_sharded_train_step, model_loss_fn)
 from jmem.parallel.zero import (ZERO_STAGES, ZeroShardings, ZeroStageError, bytes_per_device, check_stage,
-                                constrain_gradients, state_shardings, zero_model_bytes, zero_shardings)
+                                constrain_gradients, model_state_bytes, state_shardings, zero_model_bytes,
+                                zero_shardings)
 
 __all__ = [
-    "AXES", "DATA_AXES", "DistributedError", "PipelineError", "ProcessInfo", "initialize", "local_value",
+    "AXES", "DATA_AXES", "GatheredWeight", "gather_on_use", "DistributedError", "PipelineError", "ProcessInfo", "initialize", "local_value",
     "pipeline", "pipeline_hidden", "pipeline_lm_loss_fn", "split_stages", "to_global", "DEFAULT_RULES", "MeshError", "ParallelState", "Rules", "ShardedTrainStep",
     "ShardingError", "ZERO_STAGES", "ZeroShardings", "ZeroStageError", "batch_sharding", "bytes_per_device",
     "check_stage", "collectives", "constrain", "constrain_gradients", "data_parallel_size",
     "dp_accumulate_value_and_grad", "jit_train_step", "logical_tree", "make_mesh", "make_sharded_train_step",
-    "mesh_summary", "model_loss_fn", "parse_mesh", "shard", "shardings", "state_shardings", "zero_model_bytes",
+    "mesh_summary", "model_loss_fn", "model_state_bytes", "parse_mesh", "shard", "shardings", "state_shardings", "zero_model_bytes",
     "zero_shardings",
 ]

@@ -1,0 +1,181 @@
+"""Mixture-of-experts SwiGLU MLP: top-k router, expert capacity, load-balancing losses.
+
+Tokens pick their `top_k` experts by router probability. Each expert takes at
+most `capacity = ceil(capacity_factor * tokens * top_k / n_experts)` tokens;
+places are given first choices first, then in token order (GShard), and the
+assignments past capacity are dropped (their share of the output is zero, the
+residual stream carries the token on). Dispatch and combine are one-hot
+einsums, so the expert weights `[exp, ...]` can sit on the `expert` mesh axis
+and XLA moves tokens with all-to-alls.
+
+Losses (returned in `MoEStats`, to be weighted by the caller):
+    aux_loss  Switch/GShard load balancing: n_experts * sum_e f_e * P_e, with f_e
+              the fraction of routed assignments that chose expert e and P_e the
+              mean router probability of e. 1.0 at uniform load.
+    z_loss    router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+
+Example:
+    >>> moe = MoEMLP(64, 128, n_experts=4, top_k=2, rngs=nnx.Rngs(0))
+    >>> y, stats = moe(x_BTE)          # stats.aux_loss, stats.z_loss, stats.dropped, stats.load
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmem.models.dot import dot
+
+# Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
+MOE_LOGICAL_AXES: dict[str, tuple] = {
+    "router.kernel": ("embed", None),
+    "expert_gate": ("exp", "embed", "mlp"),
+    "expert_up": ("exp", "embed", "mlp"),
+    "expert_down": ("exp", "mlp", "embed"),
+    "layers.moe.router.kernel": ("layers", "embed", None),
+    "layers.moe.expert_gate": ("layers", "exp", "embed", "mlp"),
+    "layers.moe.expert_up": ("layers", "exp", "embed", "mlp"),
+    "layers.moe.expert_down": ("layers", "exp", "mlp", "embed"),
+}
+
+
+class MoEStats(NamedTuple):
+    """Per-call router statistics (scalars f32 unless noted)."""
+
+    aux_loss: jax.Array  # load-balancing loss (1.0 when uniform)
+    z_loss: jax.Array  # router z-loss
+    dropped: jax.Array  # i32[]: (token, choice) assignments past capacity
+    load: jax.Array  # f32[n_experts]: fraction of assignments per expert (before dropping)
+
+
+def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Places per expert: ceil(capacity_factor * n_tokens * top_k / n_experts), at least 1."""
+    return max(1, math.ceil(capacity_factor * n_tokens * top_k / n_experts))
+
+
+def check_moe(n_experts: int, top_k: int, capacity_factor: float) -> None:
+    """One clear error for bad MoE settings."""
+    if n_experts < 1:
+        raise ValueError(f"moe n_experts={n_experts} must be >= 1")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"moe top_k={top_k} must be in 1..n_experts={n_experts}")
+    if not capacity_factor > 0:
+        raise ValueError(f"moe capacity_factor={capacity_factor} must be > 0")
+
+
+def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
+    """Top-k routing with capacity.
+
+    Args:
+        logits_NX: f32[tokens, experts] router logits.
+        top_k: experts per token.
+        cap: places per expert.
+        normalize: rescale the k gates of a token to sum to 1 (top-k > 1).
+
+    Returns:
+        (dispatch f32[tokens, experts, cap] one-hot, combine f32[tokens, experts, cap] gate-weighted,
+         MoEStats)
+    """
+    N, X = logits_NX.shape
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    gate_NK, idx_NK = jax.lax.top_k(probs_NX, top_k)
+    if normalize and top_k > 1:
+        gate_NK = gate_NK / jnp.sum(gate_NK, axis=-1, keepdims=True)
+    # Priority: all first choices (in token order), then all second choices, ...
+    mask_KNX = jax.nn.one_hot(idx_NK.T, X, dtype=jnp.float32)
+    flat_QX = mask_KNX.reshape(top_k * N, X)
+    pos_QX = jnp.cumsum(flat_QX, axis=0) - 1.0
+    pos_Q = jnp.sum(pos_QX * flat_QX, axis=-1).astype(jnp.int32)
+    keep_Q = (pos_Q < cap).astype(jnp.float32)
+    slot_QC = jax.nn.one_hot(pos_Q, cap, dtype=jnp.float32) * keep_Q[:, None]
+    disp_QXC = flat_QX[:, :, None] * slot_QC[:, None, :]
+    disp_KNXC = disp_QXC.reshape(top_k, N, X, cap)
+    dispatch_NXC = jnp.sum(disp_KNXC, axis=0)
+    combine_NXC = jnp.sum(disp_KNXC * gate_NK.T[:, :, None, None], axis=0)
+    load_X = jnp.sum(flat_QX, axis=0) / (N * top_k)
+    aux = X * jnp.sum(load_X * jnp.mean(probs_NX, axis=0))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
+    dropped = (top_k * N - jnp.sum(keep_Q)).astype(jnp.int32)
+    return dispatch_NXC, combine_NXC, MoEStats(aux, z, dropped, load_X)
+
+
+def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, capacity_factor: float = 1.25,
+            normalize: bool = True, expert_constraint=None):
+    """The MoE SwiGLU MLP as a pure function (usable inside a layer scan on one layer's weights).
+
+    Args:
+        x_BTE: [batch, seq, embed] activations.
+        router_EX: [embed, experts] router kernel.
+        gate_XEF, up_XEF: [experts, embed, ffn]; down_XFE: [experts, ffn, embed].
+        top_k: experts per token; capacity_factor: see `capacity`.
+        normalize: renormalise the top-k gates of each token to sum to 1.
+        expert_constraint: optional `f(x[experts, cap, ...]) -> x` applied to the expert
+            inputs/outputs (e.g. `jmem.parallel.constrain(x, ("exp", None, None), rules, mesh)`).
+
+    Returns:
+        (y [batch, seq, embed] in x's dtype, MoEStats)
+    """
+    B, T, E = x_BTE.shape
+    X = router_EX.shape[-1]
+    check_moe(X, top_k, capacity_factor)
+    cap = capacity(B * T, X, top_k, capacity_factor)
+    x_NE = x_BTE.reshape(B * T, E)
+    logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
+    dispatch_NXC, combine_NXC, stats = route(logits_NX, top_k, cap, normalize=normalize)
+    fix = expert_constraint or (lambda v: v)
+    in_XCE = fix(jnp.einsum("nxc,ne->xce", dispatch_NXC.astype(x_NE.dtype), x_NE))
+    g_XCF = jnp.einsum("xce,xef->xcf", in_XCE, gate_XEF.astype(x_NE.dtype))
+    u_XCF = jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(x_NE.dtype))
+    out_XCE = fix(jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(x_NE.dtype)))
+    y_NE = jnp.einsum("nxc,xce->ne", combine_NXC.astype(x_NE.dtype), out_XCE)
+    return y_NE.reshape(B, T, E), stats
+
+
+def moe_loss(stats: MoEStats, aux_weight: float = 0.01, z_weight: float = 1e-3):
+    """The weighted router losses to add to the training loss."""
+    return aux_weight * stats.aux_loss + z_weight * stats.z_loss
+
+
+class Router(nnx.Module):
+    """Holds the router kernel `[*stack, embed, experts]`."""
+
+    def __init__(self, kernel):
+        self.kernel = nnx.Param(kernel)
+
+
+class MoEMLP(nnx.Module):
+    """Standalone MoE SwiGLU block: `moe(x [batch, seq, embed]) -> (y, MoEStats)`.
+
+    Parameters: `router.kernel [embed, experts]`, `expert_gate`/`expert_up [experts, embed, ffn]`,
+    `expert_down [experts, ffn, embed]` (logical axes in `MOE_LOGICAL_AXES`; `stack=(L,)`
+    adds a leading `layers` axis for use in a stacked block).
+
+    Example:
+        >>> moe = MoEMLP(64, 128, n_experts=4, top_k=2, rngs=nnx.Rngs(0))
+        >>> y, stats = moe(jnp.ones((2, 8, 64)))
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, *, top_k: int = 2, capacity_factor: float = 1.25,
+                 stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        check_moe(n_experts, top_k, capacity_factor)
+        self.top_k, self.capacity_factor = top_k, capacity_factor
+        init_in = jax.nn.initializers.normal(stddev=dim**-0.5)
+        init_out = jax.nn.initializers.normal(stddev=ffn_dim**-0.5)
+        self.router = Router(init_in(rngs.params(), (*stack, dim, n_experts), dtype))
+        self.expert_gate = nnx.Param(init_in(rngs.params(), (*stack, n_experts, dim, ffn_dim), dtype))
+        self.expert_up = nnx.Param(init_in(rngs.params(), (*stack, n_experts, dim, ffn_dim), dtype))
+        self.expert_down = nnx.Param(init_out(rngs.params(), (*stack, n_experts, ffn_dim, dim), dtype))
+
+    def weights(self) -> dict:
+        """The weight arrays by role (stacked when built with `stack`)."""
+        return {"router": self.router.kernel.get_value(), "gate": self.expert_gate.get_value(),
+                "up": self.expert_up.get_value(), "down": self.expert_down.get_value()}
+
+    def __call__(self, x_BTE, *, expert_constraint=None):
+        w = self.weights()
+        return moe_mlp(x_BTE, w["router"], w["gate"], w["up"], w["down"], top_k=self.top_k,
+                       capacity_factor=self.capacity_factor, expert_constraint=expert_constraint)

@@ -1,0 +1,130 @@
+"""Multi-host start-up: a thin, checked wrapper of `jax.distributed.initialize`.
+
+JAX's multi-controller runtime is the distributed engine: every host runs the
+same program, `jax.devices()` then lists the devices of all hosts, and a mesh
+from `make_mesh` spans them. On TPU pods and SLURM clusters JAX finds the
+coordinator, process count and index by itself (`initialize()` with no
+arguments); elsewhere pass them explicitly (the same on every host except
+`process_id`).
+
+Example:
+    >>> from jmem.parallel import initialize, make_mesh
+    >>> initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # on host 0; process_id=1 on host 1
+    >>> mesh = make_mesh("fsdp=-1")                                  # all devices of both hosts
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+class DistributedError(ValueError):
+    """Missing or inconsistent multi-host settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits after `initialize`."""
+
+    process_id: int
+    num_processes: int
+    local_devices: int
+    global_devices: int
+
+
+def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Validate explicit settings (all three together, or none for auto-detection)."""
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()) and coordinator is not None:
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise DistributedError(f"explicit multi-host start needs {', '.join(missing)} as well "
+                                   f"(give coordinator, num_processes and process_id, or none of them)")
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise DistributedError(f"coordinator {coordinator!r} is not HOST:PORT (e.g. 10.0.0.1:1234)")
+    if num_processes is not None and num_processes < 1:
+        raise DistributedError(f"num_processes={num_processes} must be >= 1")
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise DistributedError(f"process_id={process_id} must be in 0..{num_processes - 1}")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, local_device_ids=None, cpu_collectives: str | None = "gloo",
+               initialization_timeout: int = 300) -> ProcessInfo:
+    """Join (or start) a multi-process JAX job.
+
+    Args:
+        coordinator: `HOST:PORT` of process 0's coordinator service; None to let JAX detect it
+            (TPU pods, SLURM, Open MPI) or, with `num_processes` 1/None, to run single-process.
+        num_processes: total processes.
+        process_id: this process's index in `0..num_processes-1`.
+        local_device_ids: restrict this process to some local devices (e.g. one GPU per process).
+        cpu_collectives: collectives backend for CPU devices (`"gloo"`, `"mpi"` or None to keep
+            JAX's setting); CPU-only multi-process runs need one.
+        initialization_timeout: seconds to wait for all processes.
+
+    Returns:
+        `ProcessInfo(process_id, num_processes, local_devices, global_devices)`.
+
+    Raises:
+        DistributedError: an incomplete or inconsistent set of arguments.
+    """
+    check_args(coordinator, num_processes, process_id)
+    is_init = getattr(jax.distributed, "is_initialized", lambda: False)
+    if is_init():
+        return _info()  # already joined (a second call in the same process)
+    if coordinator is None and num_processes in (None, 1) and process_id in (None, 0) and not _auto_env():
+        return _info()  # single process: nothing to join
+    if cpu_collectives is not None:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    kwargs = {"initialization_timeout": initialization_timeout}
+    if local_device_ids is not None:
+        kwargs["local_device_ids"] = local_device_ids
+    if coordinator is None:
+        jax.distributed.initialize(**kwargs)
+    else:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, **kwargs)
+    return _info()
+
+
+def _auto_env() -> bool:
+    """True where JAX's cluster auto-detection has something to find (SLURM job, TPU pod, MPI)."""
+    import os
+
+    return any(k in os.environ for k in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE",
+                                         "MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def _info() -> ProcessInfo:
+    return ProcessInfo(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def to_global(tree, shardings):
+    """Make global arrays from values every process holds in full (same seed, same data order).
+
+    Single-process: `jax.device_put`. Multi-process: each process fills its own
+    shards from its full host copy (`jax.make_array_from_callback`).
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def local_value(x):
+    """A replicated (e.g. metric) array as a host numpy value, in any process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)

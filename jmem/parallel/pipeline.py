@@ -1,0 +1,138 @@
+"""Pipeline parallelism (GPipe) over the `stage` mesh axis, in plain `jit`.
+
+The layer stack `[L, ...]` is reshaped to `[S, L/S, ...]` with the stage axis
+on the `stage` mesh axis: stage `s` holds layers `s*L/S .. (s+1)*L/S - 1`. A
+buffer `[S, micro, ...]` holds the activation each stage works on. At every
+tick all stages run at once (`vmap` over the stage axis, which XLA splits over
+the `stage` devices), then the buffer shifts by one stage (`jnp.roll`, which
+XLA lowers to a `collective-permute` between neighbouring stages) and the next
+microbatch enters stage 0. With M microbatches the forward pass takes
+M + S - 1 ticks; the backward pass is the reverse (autodiff of the same scan),
+so this is the GPipe schedule with its (S - 1)/(M + S - 1) bubble. Bubble ticks
+compute on zeros (Llama blocks map zeros to zeros) and never reach an output.
+
+Example:
+    >>> y_MBTE = pipeline(stage_fn, stage_weights, x_MBTE, mesh=mesh)
+    >>> loss_fn = pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+class PipelineError(ValueError):
+    """Stages or microbatches that do not divide the layers or the batch."""
+
+
+def split_stages(stacked, n_stages: int, *, name: str = "layers"):
+    """`[L, ...]` leaves -> `[S, L/S, ...]` (stage s gets a contiguous run of layers)."""
+    def one(x):
+        if x.shape[0] % n_stages:
+            raise PipelineError(f"{name}: {x.shape[0]} layers do not split into {n_stages} pipeline stages; "
+                                f"accepted stage counts divide {x.shape[0]}")
+        return x.reshape((n_stages, x.shape[0] // n_stages) + x.shape[1:])
+
+    return jax.tree.map(one, stacked)
+
+
+def _constrain(tree, mesh: Mesh | None, axis: str):
+    if mesh is None or mesh.shape.get(axis, 1) == 1:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axis))), tree)
+
+
+def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M, *, mesh: Mesh | None = None,
+             stage_axis: str = "stage", remat: bool = True):
+    """Run `S` stages over `M` microbatches with the GPipe schedule.
+
+    Args:
+        stage_fn: `(params of one stage, x[micro, ...]) -> y` of the same shape and dtype.
+        stage_params: pytree with leading stage axis `[S, ...]` (e.g. from `split_stages`).
+        x_M: microbatched input `[M, micro, ...]`.
+        mesh: puts the stage axis of params and buffer on `stage_axis` (None: no constraint).
+        stage_axis: the mesh axis of the stages.
+        remat: recompute each tick's stage activations in the backward pass
+            (keeps one buffer per tick instead of every layer's activations).
+
+    Returns:
+        `[M, micro, ...]`: the last stage's output for every microbatch.
+    """
+    n_stages = jax.tree.leaves(stage_params)[0].shape[0]
+    n_micro = x_M.shape[0]
+    stage_params = _constrain(stage_params, mesh, stage_axis)
+    run = jax.vmap(stage_fn)
+    if remat:
+        run = jax.checkpoint(run, prevent_cse=False)
+
+    def tick(carry, t):
+        buf_S, out_M = carry
+        buf_S = buf_S.at[0].set(x_M[jnp.minimum(t, n_micro - 1)])
+        y_S = _constrain(run(stage_params, _constrain(buf_S, mesh, stage_axis)), mesh, stage_axis)
+        done = jnp.maximum(t - (n_stages - 1), 0)
+        out_M = jax.lax.dynamic_update_index_in_dim(out_M, y_S[n_stages - 1], done, 0)
+        return (jnp.roll(y_S, 1, axis=0), out_M), None
+
+    buf0 = _constrain(jnp.zeros((n_stages,) + x_M.shape[1:], x_M.dtype), mesh, stage_axis)
+    (_, out_M), _ = jax.lax.scan(tick, (buf0, jnp.zeros_like(x_M)), jnp.arange(n_micro + n_stages - 1))
+    return out_M
+
+
+def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: Mesh | None = None):
+    """`model.hidden(ids)` of a `jmem.models.Llama` with its blocks pipelined over `n_stages`.
+
+    Returns final-normed hidden states `[batch, seq, dim]`, equal to `model.hidden(ids_BT)[0]`.
+    """
+    from jmem.models.config import as_dtype
+    from jmem.models.llama import block, rms_norm
+
+    cfg = model.config
+    B, T = ids_BT.shape
+    if n_microbatches < 1 or B % n_microbatches:
+        raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B // n_microbatches, T))
+    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
+    weights = split_stages(model.layers.weights(), n_stages)
+
+    def layer(x, w):
+        return block(cfg, w, x, positions)[0], None
+
+    if cfg.remat != "none":
+        from jmem.memory.remat import get_policy
+
+        layer = jax.checkpoint(layer, policy=get_policy(cfg.remat), prevent_cse=False)
+
+    def stage_fn(w_stage, x_BTE):
+        return jax.lax.scan(layer, x_BTE, w_stage)[0]
+
+    x_M = x.reshape((n_microbatches, B // n_microbatches) + x.shape[1:])
+    y = pipeline(stage_fn, weights, x_M, mesh=mesh).reshape(x.shape)
+    return rms_norm(y, model.norm.scale.get_value(), cfg.norm_eps)
+
+
+def pipeline_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh: Mesh | None = None,
+                        chunk: int | None = None):
+    """`(loss_fn, params)` like `jmem.parallel.model_loss_fn`, with the blocks pipelined.
+
+    Use with `make_sharded_train_step(..., rules="layers=stage")` so each stage's
+    devices hold only their layers.
+    """
+    from flax import nnx
+
+    from jmem.train.loss import chunked_cross_entropy
+
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(param_state)
+    treedef = jax.tree.structure(param_state)
+    chunk = model.config.loss_chunk if chunk is None else chunk
+
+    def loss_fn(p, batch):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(p)), rest)
+        h = pipeline_hidden(m, batch["inputs"], n_stages=n_stages, n_microbatches=n_microbatches, mesh=mesh)
+        return chunked_cross_entropy(h, batch["targets"], batch["mask"], m.logits_from_hidden, chunk)
+
+    return loss_fn, params

@@ -1,0 +1,239 @@
+"""Logical axis names -> mesh axes: one `Rules` object for parameters and activations.
+
+A model names each parameter dimension with a logical axis (`embed`, `mlp`,
+`heads`, `kv_heads`, `vocab`, `layers`, `exp`) in a table keyed by state path
+(`jmem.models.LOGICAL_AXES`); activations use `batch` and `length`. `Rules`
+maps each logical name to zero or more mesh axes. The defaults give Megatron
+tensor parallelism (heads, kv_heads and mlp on `tensor`: column-parallel
+wq/wk/wv/w_gate/w_up, row-parallel wo/w_down), experts on `expert` and the
+batch on the data axes; ZeRO (`jmem.parallel.zero`) adds the data axes to
+whatever it shards.
+
+Example:
+    >>> rules = Rules.parse("embed=fsdp,length=tensor")    # defaults + overrides
+    >>> rules.spec(("layers", "embed", "mlp"), (8, 512, 1408), mesh)
+    PartitionSpec(None, 'fsdp', 'tensor')
+    >>> params = shard(params, rules, mesh)                  # a user's own model: logical_axes=MY_TABLE
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem.parallel.mesh import AXES
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": (),
+    "embed": (),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": (),
+    "layers": (),
+    "exp": ("expert",),
+    "stage": ("stage",),
+}
+"""Default mapping. `vocab` stays whole (byte-level vocabularies are odd-sized);
+`length` stays whole (set `length=tensor` for sequence sharding between blocks)."""
+
+
+class ShardingError(ValueError):
+    """A rule or a dimension that cannot be sharded as asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical axis name -> tuple of mesh axes (empty tuple: replicated).
+
+    Build with `Rules.parse(spec)`: the defaults plus overrides from a string
+    `"embed=fsdp,mlp=tensor,vocab=none,batch=data+fsdp"` or a dict. Logical names
+    outside the defaults are accepted (a user's own model may define its own).
+    """
+
+    table: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def parse(cls, spec: "str | Mapping[str, Any] | Rules | None" = None) -> "Rules":
+        """Defaults updated by `spec` (see the class docstring).
+
+        Raises:
+            ShardingError: a mesh axis name that does not exist, or an entry that is not `name=axes`.
+        """
+        if isinstance(spec, Rules):
+            return spec
+        table = dict(DEFAULT_RULES)
+        if isinstance(spec, str):
+            items = []
+            for part in (p.strip() for p in spec.split(",")):
+                if not part:
+                    continue
+                if "=" not in part:
+                    raise ShardingError(f"sharding rule {part!r} is not 'logical=mesh_axes'; example: 'embed=fsdp'")
+                name, axes = (s.strip() for s in part.split("=", 1))
+                items.append((name, axes))
+        elif spec is None:
+            items = []
+        elif isinstance(spec, Mapping):
+            items = list(spec.items())
+        else:
+            raise ShardingError(f"sharding rules {spec!r}: give a string like 'embed=fsdp' or a dict")
+        for name, axes in items:
+            table[name] = _mesh_axes(name, axes)
+        return cls(tuple(sorted(table.items())))
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """Mesh axes of one logical name (empty for None or unknown names)."""
+        if logical is None:
+            return ()
+        return dict(self.table).get(logical, ())
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+             mesh: Mesh | None = None, *, name: str = "array") -> P:
+        """PartitionSpec for an array whose dims have `logical_axes`.
+
+        A mesh axis is used at most once per array (the first dim that asks wins),
+        and axes of size 1 in `mesh` are dropped.
+
+        Raises:
+            ShardingError: `shape[i]` is not divisible by the size of its mesh axes.
+        """
+        used: set[str] = set()
+        out = []
+        for i, logical in enumerate(logical_axes):
+            axes = tuple(a for a in self.mesh_axes(logical) if a not in used
+                         and (mesh is None or mesh.shape.get(a, 1) > 1))
+            if mesh is not None and shape is not None and axes:
+                size = math.prod(mesh.shape[a] for a in axes)
+                if shape[i] % size:
+                    raise ShardingError(
+                        f"{name}: dim {i} ({logical}) has size {shape[i]}, not divisible by mesh axes "
+                        f"{'+'.join(axes)} of size {size}; change the mesh or the rule "
+                        f"'{logical}={'+'.join(axes)}' (e.g. '{logical}=none')")
+            used.update(axes)
+            out.append(_entry(axes))
+        return P(*out)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={'+'.join(v) or 'none'}" for k, v in self.table)
+
+
+def _mesh_axes(name: str, axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        axes = () if axes.lower() in ("", "none", "null") else tuple(a.strip() for a in axes.split("+"))
+    axes = tuple(axes)
+    for a in axes:
+        if a not in AXES:
+            raise ShardingError(f"rule {name}={'+'.join(axes)}: unknown mesh axis {a!r}; accepted: {', '.join(AXES)}")
+    return axes
+
+
+def _entry(axes: tuple[str, ...]):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def path_str(path) -> str:
+    """A pytree key path as `"layers.wq.kernel"` (NNX `.value` / `[0]` markers kept as plain keys)."""
+    keys = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                keys.append(str(getattr(k, attr)))
+                break
+        else:
+            keys.append(str(k))
+    if keys and keys[-1] == "value":  # nnx.Variable leaves
+        keys = keys[:-1]
+    return ".".join(keys)
+
+
+def lookup_axes(path: str, logical_axes: Mapping[str, Sequence[str | None]]) -> tuple | None:
+    """Logical axes of a state path: exact match, else the longest table key that is a dotted suffix.
+
+    The suffix match lets optimizer states (`"0.mu.layers.wq.kernel"`) find their parameter.
+    """
+    if path in logical_axes:
+        return tuple(logical_axes[path])
+    best = None
+    for key in logical_axes:
+        if path.endswith("." + key) and (best is None or len(key) > len(best)):
+            best = key
+    return None if best is None else tuple(logical_axes[best])
+
+
+def default_logical_axes() -> dict[str, tuple[str, ...]]:
+    """The Llama table (`jmem.models.LOGICAL_AXES`) plus the MoE block's."""
+    from jmem.models.llama import LOGICAL_AXES
+    from jmem.models.moe import MOE_LOGICAL_AXES
+
+    return {**LOGICAL_AXES, **MOE_LOGICAL_AXES}
+
+
+def logical_tree(tree, logical_axes: Mapping | None = None):
+    """Tree of logical-axes tuples (None where the path is unknown or the rank disagrees)."""
+    table = default_logical_axes() if logical_axes is None else logical_axes
+
+    def one(path, x):
+        axes = lookup_axes(path_str(path), table)
+        if axes is None or len(axes) != len(getattr(x, "shape", ())):
+            return None
+        return axes
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shardings(tree, rules: "Rules | str | None", mesh: Mesh, logical_axes: Mapping | None = None):
+    """A tree of `NamedSharding` for `tree` (arrays or ShapeDtypeStructs), from its logical axes.
+
+    Leaves whose path is not in the table (or whose rank differs) are replicated.
+
+    Raises:
+        ShardingError: a dim not divisible by its mesh axes (names the path, dim, size and axes).
+    """
+    rules = Rules.parse(rules)
+    table = default_logical_axes() if logical_axes is None else logical_axes
+
+    def one(path, x):
+        name = path_str(path)
+        axes = lookup_axes(name, table)
+        shape = tuple(getattr(x, "shape", ()))
+        if axes is None or len(axes) != len(shape):
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, rules.spec(axes, shape, mesh, name=name))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shard(tree, rules: "Rules | str | None", mesh: Mesh, logical_axes: Mapping | None = None):
+    """Place `tree` on `mesh` by its logical axes (see `shardings`); returns the sharded tree.
+
+    Example:
+        >>> mesh = make_mesh("fsdp=4,tensor=2")
+        >>> params = shard(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "embed=fsdp", mesh)
+    """
+    return jax.device_put(tree, shardings(tree, rules, mesh, logical_axes))
+
+
+def batch_sharding(mesh: Mesh, rules: "Rules | str | None" = None, ndim: int = 2) -> NamedSharding:
+    """Sharding of a `[batch, length, ...]` input: batch on the rules' batch axes, length by `length`."""
+    rules = Rules.parse(rules)
+    return NamedSharding(mesh, rules.spec(("batch", "length") + (None,) * (ndim - 2), None, mesh))
+
+
+def constrain(x, logical_axes: Sequence[str | None], rules: "Rules | str | None", mesh: Mesh):
+    """`with_sharding_constraint` by logical names, e.g. `("batch", "length", "embed")` between blocks.
+
+    With `Rules.parse("length=tensor")` this is sequence sharding of the residual stream.
+    """
+    rules = Rules.parse(rules)
+    spec = rules.spec(tuple(logical_axes), x.shape, mesh, name="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,225 @@
+"""ZeRO stages 0-3 as shardings over the data-parallel mesh axes (`data`, `fsdp`).
+
+A stage only decides which of the three model-state trees get the data axes
+added to their sharding (on top of the model-parallel sharding from `Rules`):
+
+    stage  params      grads       optimizer state     bytes/device (Psi params, K opt bytes/param)
+    0      replicated  replicated  replicated          (P + G + K) Psi
+    1      replicated  replicated  sharded             (P + G) Psi + K Psi / N
+    2      replicated  sharded     sharded             P Psi + (G + K) Psi / N
+    3      sharded     sharded     sharded             (P + G + K) Psi / N
+
+The collectives follow from the layouts. `jmem.parallel.step` reduces the
+gradient explicitly: an all-reduce into replicated grads (0-1) or a
+reduce-scatter into sharded grads (2-3). With sharded optimizer state the
+update is computed on the shard and the new params are all-gathered (1-2).
+With sharded params (3) the stacked `layers` axis stays whole and another dim
+is split, so the layer scan slices a sharded layer and the weight is
+all-gathered inside the loop body, one layer at a time
+(`jmem.parallel.gather.GatheredWeight` pins that choice).
+
+The data axes go on one dimension per array: the one with the largest shard
+whose size stays divisible (after any model-parallel split of the same dim),
+never the scanned `layers` axis. Arrays with no such dimension (scalars, odd
+sizes) stay replicated.
+
+Example:
+    >>> sh = zero_shardings(params, opt_state, mesh, stage=2)
+    >>> sh.grads["layers"]["wq"]["kernel"].spec
+    PartitionSpec(None, ('data', 'fsdp'), 'tensor')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem.parallel.mesh import DATA_AXES
+from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
+
+ZERO_STAGES = (0, 1, 2, 3)
+_NEVER_ZERO = ("layers", "stage")  # scanned / pipelined axes are never split by ZeRO
+
+
+class ZeroStageError(ValueError):
+    """A ZeRO stage outside 0-3."""
+
+
+def check_stage(stage) -> int:
+    """`stage` as an int in 0..3, else one clear error."""
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in ZERO_STAGES:
+        raise ZeroStageError(f"zero={stage!r} is not a ZeRO stage; accepted: 0, 1, 2, 3")
+    return int(stage)
+
+
+def _spec_entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    out = []
+    for i in range(ndim):
+        e = spec[i] if i < len(spec) else None
+        out.append(() if e is None else ((e,) if isinstance(e, str) else tuple(e)))
+    return out
+
+
+def leaf_spec(name: str, shape, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool,
+              data_axes=DATA_AXES) -> P:
+    """PartitionSpec of one array: the rules' model-parallel spec, plus the data axes when `zero`."""
+    shape = tuple(shape)
+    axes = lookup_axes(name, table)
+    if axes is None or len(axes) != len(shape):
+        axes = (None,) * len(shape)
+    entries = _spec_entries(rules.spec(axes, shape, mesh, name=name), len(shape))
+    if not zero:
+        return P(*[e[0] if len(e) == 1 else (e or None) for e in entries])
+    used = {a for e in entries for a in e}
+    dp = tuple(a for a in data_axes if mesh.shape.get(a, 1) > 1 and a not in used)
+    dp_size = math.prod(mesh.shape[a] for a in dp)
+    if dp_size > 1:
+        best = None
+        for i, n in enumerate(shape):
+            if axes[i] in _NEVER_ZERO:
+                continue
+            have = math.prod(mesh.shape[a] for a in entries[i])
+            if n % (have * dp_size) == 0 and (best is None or n // have > shape[best] // math.prod(
+                    mesh.shape[a] for a in entries[best])):
+                best = i
+        if best is not None:
+            entries[best] = entries[best] + dp
+    return P(*[(e[0] if len(e) == 1 else e) if e else None for e in entries])
+
+
+def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *, zero: bool,
+                   data_axes=DATA_AXES):
+    """NamedShardings for every array leaf of `tree` (see `leaf_spec`)."""
+    rules = Rules.parse(rules)
+    table = default_logical_axes() if logical_axes is None else logical_axes
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(path_str(p), getattr(x, "shape", ()), mesh, rules, table,
+                                                   zero=zero, data_axes=data_axes)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroShardings:
+    """NamedSharding trees for params, grads (same structure as params) and optimizer state."""
+
+    params: Any
+    grads: Any
+    opt_state: Any
+    stage: int
+
+
+def zero_shardings(params, opt_state, mesh: Mesh, *, stage: int, rules=None,
+                   logical_axes: Mapping | None = None, data_axes=DATA_AXES) -> ZeroShardings:
+    """Shardings of the three model-state trees for a ZeRO `stage` (0-3).
+
+    Args:
+        params: parameter tree (arrays or `jax.ShapeDtypeStruct`s), paths matching `logical_axes`.
+        opt_state: the optimizer state tree (its leaves find their parameter by path suffix;
+            others, such as factored second moments, are sharded on their largest divisible dim).
+        mesh: a mesh from `make_mesh`.
+        stage: 0, 1, 2 or 3.
+        rules: `Rules`, a rules string or None (defaults).
+        logical_axes: path -> logical axes table (default: `jmem.models.LOGICAL_AXES` + MoE).
+
+    Returns:
+        `ZeroShardings(params, grads, opt_state, stage)`.
+
+    Raises:
+        ZeroStageError: stage outside 0-3.
+        ShardingError: a dimension not divisible by its model-parallel mesh axes.
+    """
+    stage = check_stage(stage)
+    kw = dict(mesh=mesh, rules=rules, logical_axes=logical_axes, data_axes=data_axes)
+    return ZeroShardings(
+        params=tree_shardings(params, zero=stage >= 3, **kw),
+        grads=tree_shardings(params, zero=stage >= 2, **kw),
+        opt_state=tree_shardings(opt_state, zero=stage >= 1, **kw),
+        stage=stage,
+    )
+
+
+def state_shardings(state, mesh: Mesh, *, stage: int, rules=None, logical_axes: Mapping | None = None):
+    """Shardings for a train-state NamedTuple with `params` and `opt_state` fields
+    (`jmem.train.TrainState` or `jmem.parallel.ParallelState`); other fields replicated."""
+    zs = zero_shardings(state.params, state.opt_state, mesh, stage=stage, rules=rules, logical_axes=logical_axes)
+    rep = jax.tree.map(lambda _: NamedSharding(mesh, P()), state)
+    return rep._replace(params=zs.params, opt_state=zs.opt_state)
+
+
+def grad_shardings_for(params, mesh: Mesh, *, stage: int, rules=None, logical_axes: Mapping | None = None):
+    """Gradient shardings for `stage` (sharded over the data axes from stage 2)."""
+    return tree_shardings(params, mesh, rules, logical_axes, zero=check_stage(stage) >= 2)
+
+
+def constrain_gradients(tx: optax.GradientTransformation, mesh: Mesh, *, stage: int, rules=None,
+                        logical_axes: Mapping | None = None) -> optax.GradientTransformation:
+    """Wrap `tx` so its incoming gradients carry the ZeRO-`stage` sharding.
+
+    For a step whose gradient reduction is left to XLA (plain `jit` of a
+    `value_and_grad`), this is what asks for sharded gradients at stage 2-3: the
+    GPU/TPU compilers then emit a reduce-scatter (the CPU compiler keeps an
+    all-reduce and slices it). `dp_accumulate_value_and_grad` makes the
+    reduce-scatter explicit on every backend. The optimizer state's structure is
+    unchanged, so checkpoints and shardings of `tx.init` still fit.
+
+    Example:
+        >>> tx = constrain_gradients(optax.adamw(1e-3), mesh, stage=2)
+    """
+    stage = check_stage(stage)
+
+    def update(updates, state, params=None, **extra):
+        sh = grad_shardings_for(updates, mesh, stage=stage, rules=rules, logical_axes=logical_axes)
+        updates = jax.lax.with_sharding_constraint(updates, sh)
+        return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def bytes_per_device(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `shardings`.
+
+    Uses each sharding's shard shape, so it is exact for what the compiled step's
+    inputs/outputs occupy (padding aside; jmem only shards divisible dims).
+    """
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
+        shape = s.shard_shape(tuple(x.shape)) if hasattr(s, "shard_shape") else tuple(x.shape)
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def zero_model_bytes(n_params: int, *, stage: int, n: int, param_bytes: int = 4, grad_bytes: int = 4,
+                     opt_bytes: int = 8) -> dict[str, float]:
+    """The ZeRO paper's per-device model-state bytes: Psi=n_params, K=opt_bytes, N=n devices."""
+    stage = check_stage(stage)
+    return {
+        "params": n_params * param_bytes / (n if stage >= 3 else 1),
+        "grads": n_params * grad_bytes / (n if stage >= 2 else 1),
+        "opt_state": n_params * opt_bytes / (n if stage >= 1 else 1),
+    }
+
+
+def model_state_bytes(abstract_state, mesh: Mesh, *, stage: int, rules=None,
+                      logical_axes: Mapping | None = None) -> dict[str, int]:
+    """Per-device bytes of a train state's params, grads and optimizer state under ZeRO `stage`.
+
+    `abstract_state` has `params` and `opt_state` fields (e.g.
+    `jax.eval_shape(lambda: fns.init_state(model))`). The keys are the
+    `memory_sweep` record fields.
+
+    Example:
+        >>> model_state_bytes(abstract, make_mesh("data=8"), stage=2)
+        {'param_bytes_per_device': ..., 'grad_bytes_per_device': ..., 'opt_bytes_per_device': ...}
+    """
+    zs = zero_shardings(abstract_state.params, abstract_state.opt_state, mesh, stage=stage, rules=rules,
+                        logical_axes=logical_axes)
+    return {
+        "param_bytes_per_device": bytes_per_device(abstract_state.params, zs.params),
+        "grad_bytes_per_device": bytes_per_device(abstract_state.params, zs.grads),
+        "opt_bytes_per_device": bytes_per_device(abstract_state.opt_state, zs.opt_state),
+    }
