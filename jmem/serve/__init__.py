@@ -1,0 +1,12 @@
+"""Serving: paged KV cache, continuous batching, OpenAI-compatible HTTP server.
+
+Layers, bottom up (import the module you need; the first three import no JAX):
+    block_pool.BlockPool        blocks, ref counts, LRU free queue, prefix hashes
+    kv_cache.KVCacheManager     blocks per request, prefix hits, capacity
+    scheduler.Scheduler         token budget, decode first, chunked prefill, preemption by recompute
+    sampling.sample             batched per-request sampling (jitted)
+    paged_cache.PagedKVCache    the model's KV-cache protocol over paged K/V
+    runner.ModelRunner          device arrays and the jitted mixed prefill/decode step
+    engine.Engine               scheduler + runner + detokenizer, background loop, streams
+    api.create_app              FastAPI app; cli.serve_main is `jmem serve`
+"""

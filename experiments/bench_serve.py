@@ -1,0 +1,197 @@
+"""Serving benchmark: continuous batching vs static batching vs Hugging Face one request at a time.
+
+One request trace (prompts cut from `pydoc_data.topics`, varied prompt and
+output lengths, all at once or with Poisson arrivals) is replayed through
+(a) the jmem engine with continuous batching, (b) the same engine with static
+batching (a batch is admitted only when the previous one has finished), and
+(c) Hugging Face transformers generating one request at a time (torch CPU).
+Reports output tokens/s, time to first token and inter-token latency
+percentiles, KV utilization (token slots holding tokens over slots in
+allocated blocks, mean over steps) and preemptions. Each engine mode runs the
+trace once untimed first, so compilation is not timed.
+
+    python experiments/bench_serve.py                       # SmolLM2-135M, 64 requests at once
+    python experiments/bench_serve.py --arrival poisson --rate 4
+    python experiments/bench_serve.py --model tiny --num-requests 16 --hf-requests 0   # smoke run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.request import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: str = "smollm2-135m"
+    """Preset or .gguf path."""
+    random_weights: bool = False
+    """Use the preset's architecture with random weights (no model file needed; speed only)."""
+    num_requests: int = 64
+    arrival: str = "burst"
+    """burst (all at t=0) or poisson."""
+    rate: float = 4.0
+    """Poisson arrivals per second."""
+    prompt_len: tuple[int, int] = (16, 256)
+    """Prompt tokens, uniform in [lo, hi]."""
+    output_len: tuple[int, int] = (16, 128)
+    """Output tokens, uniform in [lo, hi] (EOS ignored, so lengths are exact)."""
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    num_blocks: int | None = None
+    """KV pool size in blocks; default: enough for every request at once."""
+    compute_dtype: str = "f32"
+    hf_requests: int = 8
+    """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
+    seed: int = 0
+
+
+def make_trace(cfg: Config, tokenizer):
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode(" ".join(topics.values())[:400_000])
+    rng = np.random.default_rng(cfg.seed)
+    reqs = []
+    t = 0.0
+    for _ in range(cfg.num_requests):
+        n = int(rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1))
+        start = int(rng.integers(0, len(ids) - n))
+        out = int(rng.integers(cfg.output_len[0], cfg.output_len[1] + 1))
+        if cfg.arrival == "poisson":
+            t += float(rng.exponential(1.0 / cfg.rate))
+        reqs.append((t, ids[start : start + n], out))
+    return reqs
+
+
+def run_engine(engine: Engine, trace) -> dict:
+    """Replay `trace` stepping the engine inline; per-token timestamps from the streams."""
+    t0 = time.monotonic()
+    pending = list(range(len(trace)))
+    streams, times, util = {}, {}, []
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - t0
+        while pending and trace[pending[0]][0] <= now:
+            i = pending.pop(0)
+            _, prompt, out = trace[i]
+            sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+            streams[i] = engine.add_request(prompt, sp)
+            times[i] = [trace[i][0]]
+        if not engine.has_unfinished():
+            time.sleep(min(0.01, max(0.0, trace[pending[0]][0] - now)))
+            continue
+        engine.step()
+        m = engine.metrics()
+        if m["kv_cache_blocks_in_use"]:
+            util.append(m["kv_cache_token_utilization"])
+        now = time.monotonic() - t0
+        for i, s in streams.items():
+            while (o := s.get_nowait()) is not None:
+                times[i] += [now] * len(o.token_ids)
+    elapsed = time.monotonic() - t0
+    n_out = sum(len(v) - 1 for v in times.values())
+    ttft = [v[1] - v[0] for v in times.values()]
+    itl = [b - a for v in times.values() for a, b in zip(v[1:], v[2:])]
+    return {"tok_s": n_out / elapsed, "elapsed": elapsed, "tokens": n_out, "ttft": ttft, "itl": itl,
+            "kv_util": float(np.mean(util)) if util else 0.0, "preemptions": engine.metrics()["preemptions_total"],
+            "compilations": engine.runner.num_compilations}
+
+
+def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
+    """One request at a time with transformers on torch CPU; None (with a message) when unavailable."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        print("(c) skipped: torch and transformers are not installed (pip install 'jmem[bench]')")
+        return None
+    torch.manual_seed(0)
+    if model_path and not cfg.random_weights:
+        import os
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
+                                                                  gguf_file=os.path.basename(model_path))
+    else:
+        hf_cfg = transformers.LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim,
+                                          intermediate_size=mcfg.ffn_dim, num_hidden_layers=mcfg.n_layers,
+                                          num_attention_heads=mcfg.n_heads, num_key_value_heads=mcfg.n_kv_heads,
+                                          head_dim=mcfg.head_dim, rope_theta=mcfg.rope_base,
+                                          tie_word_embeddings=mcfg.tie_embeddings)
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    model.eval()
+    sub = trace[: cfg.hf_requests]
+    times = []
+    t0 = time.monotonic()
+    with torch.no_grad():
+        for _, prompt, out in sub:
+            start = time.monotonic()
+            ids = torch.tensor([prompt])
+            model.generate(ids, max_new_tokens=out, min_new_tokens=out, do_sample=False)
+            times.append(time.monotonic() - start)
+    elapsed = time.monotonic() - t0
+    n_out = sum(out for _, _, out in sub)
+    return {"tok_s": n_out / elapsed, "elapsed": elapsed, "tokens": n_out, "ttft": [], "itl": [],
+            "kv_util": float("nan"), "preemptions": 0, "compilations": 0}
+
+
+def pct(xs, q):
+    return 1000 * float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def main(cfg: Config) -> None:
+    import jmem
+    from flax import nnx
+
+    from jmem.lm import PACKAGED_MODELS, packaged_model_path
+    from jmem.models import Llama, get_config
+
+    model_path = packaged_model_path(cfg.model) if cfg.model in PACKAGED_MODELS and not cfg.random_weights else None
+    if cfg.random_weights:
+        from jmem.io.tokenizer import ByteTokenizer
+
+        mcfg = get_config(cfg.model, compute_dtype=cfg.compute_dtype, param_dtype=cfg.compute_dtype)
+        model, tok = Llama(mcfg, rngs=nnx.Rngs(0)), ByteTokenizer()
+    else:
+        lm = jmem.load(cfg.model, compute_dtype=cfg.compute_dtype)
+        model, tok, mcfg = lm.model, lm.tokenizer, lm.config
+    trace = make_trace(cfg, tok)
+    longest = max(len(p) + o for _, p, o in trace)
+    blocks = cfg.num_blocks or sum(-(-(len(p) + o) // cfg.block_size) for _, p, o in trace)
+    rows = {}
+    for name, static in (("(a) jmem continuous batching", False), ("(b) jmem static batching", True)):
+        ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
+                            kv_cache_dtype=cfg.kv_cache_dtype, num_blocks=blocks, static_batching=static,
+                            enable_prefix_caching=False)
+        run_engine(Engine(model, tok, ecfg), trace)  # warm-up: compiles every shape the timed run uses
+        rows[name] = run_engine(Engine(model, tok, ecfg), trace)
+        print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl")}, flush=True)
+    if cfg.hf_requests:
+        hf = run_hf(cfg, trace, model_path, mcfg)
+        if hf is not None:
+            rows[f"(c) HF transformers, one at a time ({cfg.hf_requests} req)"] = hf
+    print(f"\nmodel {cfg.model}{' (random weights)' if cfg.random_weights else ''}, {cfg.num_requests} requests, "
+          f"{cfg.arrival} arrivals, prompts {cfg.prompt_len}, outputs {cfg.output_len}, "
+          f"max_num_seqs {cfg.max_num_seqs}, {blocks} KV blocks x {cfg.block_size}, kv {cfg.kv_cache_dtype}\n")
+    print("| run | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV util | preemptions |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['tok_s']:.1f} | {pct(r['ttft'], 50):.0f} / {pct(r['ttft'], 99):.0f} | "
+              f"{pct(r['itl'], 50):.1f} / {pct(r['itl'], 99):.1f} | {r['kv_util']:.1%} | {r['preemptions']:.0f} |")
+    a = rows["(a) jmem continuous batching"]["tok_s"]
+    print(f"\ncontinuous / static: {a / rows['(b) jmem static batching']['tok_s']:.2f}x")
+    for name, r in rows.items():
+        if name.startswith("(c)"):
+            print(f"continuous / HF one-at-a-time: {a / r['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Config))

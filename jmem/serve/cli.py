@@ -1,0 +1,109 @@
+"""`jmem serve`: an OpenAI-compatible server for one model.
+
+Example:
+    $ jmem serve --model smollm2-135m --port 8000 --kv-cache-dtype fp8_e4m3
+    $ python -m jmem.serve --model tiny --port 8001
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import tyro
+
+log = logging.getLogger("jmem.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeArgs:
+    """Serve a model over HTTP with the OpenAI API."""
+
+    model: str = "smollm2-135m"
+    """Preset name (smollm2-135m, tiny, ...) or a .gguf path."""
+    host: str = "127.0.0.1"
+    """Interface to bind (127.0.0.1: this machine only)."""
+    port: int = 8000
+    """TCP port."""
+    max_num_seqs: int = 32
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 256
+    """Most tokens computed per engine step (decodes + prefill chunks)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; the model's context when unset."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_dtype: str = "auto"
+    """KV storage: auto (compute dtype), bf16, fp8_e4m3, int8."""
+    memory_utilization: float | None = None
+    """Fraction of accelerator memory for weights + KV cache (0.9 when unset on GPU/TPU)."""
+    kv_cache_memory: int | None = None
+    """KV-cache budget in bytes (wins over --memory-utilization)."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks (wins over both budgets; for tests)."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on /v1 routes."""
+    param_dtype: str = "f32"
+    """Dtype of unquantized parameters."""
+    compute_dtype: str = "f32"
+    """Dtype of activations."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of shared prompt prefixes."""
+    attention_impl: str = "auto"
+    """Paged attention: auto (Pallas kernel on GPU/TPU, plain jnp on CPU), tiled, kernel."""
+    warmup: bool = True
+    """Compile the decode step before listening."""
+    log_level: str = "info"
+    """uvicorn / jmem log level."""
+
+
+def build_engine(args: ServeArgs):
+    """Load the model and build the engine described by `args`; returns (engine, model name)."""
+    import jmem
+    from jmem.serve.engine import Engine, EngineConfig
+    from jmem.serve.paged_cache import KV_DTYPES
+
+    if args.kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        raise ValueError("--block-size, --max-num-seqs and --max-num-batched-tokens must be >= 1")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    cfg = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                       memory_utilization=args.memory_utilization, num_blocks=args.num_blocks,
+                       enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl)
+    return Engine(lm.model, lm.tokenizer, cfg), args.model
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """Entry point of `jmem serve`: parse flags, load, log capacity and address, serve until interrupted."""
+    args = tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from jmem.serve.api import create_app
+        from jmem.serve.request import SamplingParams
+
+        engine, name = build_engine(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jmem serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    m = engine.metrics()
+    log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
+             m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
+             args.kv_cache_dtype, engine.max_request_tokens)
+    if args.warmup:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.start()
+    app = create_app(engine, name, args.api_key)
+    log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
+             name, args.host, args.port, engine.num_kv_tokens)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        engine.stop()

@@ -1,0 +1,385 @@
+"""Engine: scheduler + runner + detokenizer, stepped inline or by a background thread.
+
+Callers add requests and read a `RequestStream` of `RequestOutput`s (new text,
+new token ids, finish reason). Everything that touches the scheduler or the
+device runs on one thread (the loop thread when started, the caller's thread
+when stepping inline); other threads only enqueue commands, so no lock guards
+the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from jmem.serve.kv_cache import KVCacheManager
+from jmem.serve.request import Request, SamplingParams, Status
+from jmem.serve.runner import ModelRunner, kv_cache_budget
+from jmem.serve.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("jmem.serve")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits and KV-cache sizing.
+
+    Attributes:
+        block_size: tokens per KV block.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed per step.
+        max_model_len: longest prompt + output; None: the model's `max_seq_len`.
+        kv_cache_dtype: auto | bf16 | fp8_e4m3 | int8.
+        kv_cache_memory: KV-cache budget in bytes (wins over memory_utilization).
+        memory_utilization: fraction of device memory for weights + KV cache.
+        num_blocks: exact pool size in blocks (tests); wins over both budgets.
+        enable_prefix_caching: share cached prompt blocks between requests.
+        static_batching: admit a new batch only when the previous one has finished (benchmark baseline).
+        attention_impl: paged attention: auto | tiled | kernel (see `PagedKVCache.create`).
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    memory_utilization: float | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    static_batching: bool = False
+    attention_impl: str = "auto"
+
+
+@dataclass
+class RequestOutput:
+    """One update of one request: the text and tokens added since the previous update."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list = field(default_factory=list)  # per new token: (logprob, [(id, logprob), ...])
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class RequestStream:
+    """Outputs of one request, readable synchronously (`get`) or with `async for`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id = request_id
+        self._loop = loop
+        self._q: queue.Queue | asyncio.Queue = asyncio.Queue() if loop else queue.Queue()
+
+    def put(self, item: RequestOutput) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        else:
+            self._q.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        return self._q.get(timeout=timeout)
+
+    def get_nowait(self) -> RequestOutput | None:
+        try:
+            return self._q.get_nowait()
+        except (queue.Empty, asyncio.QueueEmpty):
+            return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if getattr(self, "_done", False):
+            raise StopAsyncIteration
+        item = await self._q.get()
+        self._done = item.finished
+        return item
+
+
+class _Detok:
+    """Incremental text of one request, with stop strings and held-back partial characters."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok = tokenizer
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.sent = 0
+
+    def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
+        """New text to emit and whether a stop string ended the output."""
+        text = self.tok.decode(ids)
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s)))
+            if i >= 0:
+                text, finished = text[:i], True
+                out = text[self.sent :]
+                self.sent = len(text)
+                return out, True
+        end = len(text)
+        if not finished:
+            end -= self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
+                end -= 1
+        out = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out, False
+
+
+class Engine:
+    """Continuous-batching engine for one model.
+
+    Args:
+        model: a `jmem.models.Llama`.
+        tokenizer: with `encode`, `decode`, `eos_id` (as `jmem.load(...).tokenizer`).
+        config: limits and KV sizing.
+
+    Example:
+        >>> lm = jmem.load("tiny")
+        >>> engine = Engine(lm.model, lm.tokenizer, EngineConfig(num_blocks=64))
+        >>> engine.generate([lm.tokenizer.encode("hello")], SamplingParams(max_tokens=4, temperature=0))
+    """
+
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        max_len = config.max_model_len or mcfg.max_seq_len
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            weights = sum(getattr(x, "nbytes", 0) for x in _leaves(model))
+            budget = kv_cache_budget(weights, config.kv_cache_memory, config.memory_utilization)
+            num_blocks = ModelRunner.num_blocks_for_budget(mcfg, budget, config.block_size, config.kv_cache_dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                                    static_batching=config.static_batching)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
+                                  config.kv_cache_dtype, config.attention_impl)
+        self.eos_ids = tuple(i for i in [getattr(tokenizer, "eos_id", None)] if i is not None)
+        self.num_kv_tokens = num_blocks * config.block_size
+        self._streams: dict[str, RequestStream] = {}
+        self._detok: dict[str, _Detok] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards the stats read by `metrics` from other threads
+        self.stats = collections.Counter()
+        self._token_times: collections.deque = collections.deque()
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_request_tokens(self) -> int:
+        return self.scheduler.max_request_tokens
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request (thread-safe); ValueError for bad parameters or a prompt that cannot fit."""
+        params.validate()
+        rid = request_id or f"req-{next(self._ids)}"
+        if not prompt_ids:
+            raise ValueError("prompt is empty; need at least one token")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_request_tokens:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the maximum context of {self.max_request_tokens} tokens")
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, seed=seed % (1 << 32))
+        stream = RequestStream(rid, loop)
+        self._commands.put(("add", req, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (thread-safe; unknown ids are ignored)."""
+        self._commands.put(("abort", request_id, None))
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                cmd, a, b = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if cmd == "add":
+                try:
+                    self.scheduler.add_request(a)
+                except ValueError as e:
+                    b.put(RequestOutput(a.request_id, "", [], finished=True, finish_reason="error", error=str(e)))
+                    continue
+                self._streams[a.request_id] = b
+                self._detok[a.request_id] = _Detok(self.tokenizer, a.params.stop)
+            elif cmd == "abort":
+                req = self.scheduler.finish(a, Status.FINISHED_ABORTED)
+                stream = self._streams.pop(a, None)
+                self._detok.pop(a, None)
+                if req is not None and stream is not None:
+                    with self._lock:
+                        self.stats["requests_aborted"] += 1
+                    stream.put(RequestOutput(a, "", [], finished=True, finish_reason="abort"))
+
+    # ------------------------------------------------------------------ stepping
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._commands.empty()
+
+    def step(self) -> None:
+        """Admit queued commands, run one scheduled batch, emit outputs."""
+        self._drain_commands(block=False)
+        if not self.scheduler.has_unfinished():
+            return
+        out = self.scheduler.schedule()
+        try:
+            res = self.runner.step(out)
+        except Exception as e:  # a failed step fails its requests, not the server
+            log.exception("engine step failed")
+            for seq in out.seqs:
+                self._fail(seq.request.request_id, f"internal error: {e}")
+            return
+        now = time.monotonic()
+        touched = self.scheduler.update_from_output(out, res.tokens, res.logprobs)
+        with self._lock:
+            self.stats["steps"] += 1
+            self.stats["tokens_computed"] += out.num_tokens
+            self.stats["tokens_generated"] += len(res.tokens)
+            self.stats["preemptions"] = self.scheduler.num_preemptions
+            self._token_times.append((now, len(res.tokens)))
+            while self._token_times and now - self._token_times[0][0] > 10.0:
+                self._token_times.popleft()
+        for req in touched:
+            self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        rid = req.request_id
+        stream, detok = self._streams.get(rid), self._detok.get(rid)
+        if stream is None:
+            return
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        finished = req.status.finished
+        ids = req.output_token_ids
+        # A stop token id ends the output without appearing in the text.
+        text_ids = ids[:-1] if finished and req.status is Status.FINISHED_STOPPED and ids and (
+            ids[-1] in req.params.stop_token_ids or ids[-1] in req.eos_token_ids) and not req.params.ignore_eos else ids
+        delta, hit_stop = detok.update(text_ids, finished)
+        if hit_stop and not finished:
+            self.scheduler.finish(rid, Status.FINISHED_STOPPED)
+            finished = True
+        lp = req.output_logprobs[-1:] if req.params.logprobs is not None and req.output_logprobs else []
+        reason = ("stop" if hit_stop else req.status.value) if finished else None
+        out = RequestOutput(rid, delta, ids[-1:], lp, finished, reason,
+                            req.num_prompt_tokens, len(ids), req.num_cached_tokens)
+        if finished:
+            self._streams.pop(rid, None)
+            self._detok.pop(rid, None)
+            with self._lock:
+                self.stats["requests_finished"] += 1
+        stream.put(out)
+
+    def _fail(self, rid: str, message: str) -> None:
+        self.scheduler.finish(rid, Status.FINISHED_ABORTED)
+        stream = self._streams.pop(rid, None)
+        self._detok.pop(rid, None)
+        if stream is not None:
+            stream.put(RequestOutput(rid, "", [], finished=True, finish_reason="error", error=message))
+
+    def run_until_idle(self) -> None:
+        """Step inline until every queued request has finished (no background thread)."""
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Blocking batch helper: all prompts at once, one merged output per prompt (text, all token ids)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        streams = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        if self._thread is None:
+            self.run_until_idle()
+        results = []
+        for s in streams:
+            text, ids, lps = [], [], []
+            while True:
+                o = s.get()
+                text.append(o.text), ids.extend(o.token_ids), lps.extend(o.logprobs)
+                if o.finished:
+                    break
+            results.append(RequestOutput(s.request_id, "".join(text), ids, lps, True, o.finish_reason,
+                                         o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, o.error))
+        return results
+
+    # ------------------------------------------------------------------ background loop
+    def start(self) -> None:
+        """Run the step loop on a daemon thread."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="jmem-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.scheduler.has_unfinished():
+                    self._drain_commands(block=True)
+                    continue
+                self.step()
+            except Exception:  # keep serving: fail what was running, go on
+                log.exception("engine loop error")
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._fail(req.request_id, "internal error in the engine loop")
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for `/metrics` (safe to call from any thread)."""
+        kv, sched = self.kv, self.scheduler
+        used_blocks = kv.pool.num_used
+        running = list(sched.running)
+        slots_used = sum(r.num_computed_tokens for r in running)
+        with self._lock:
+            now = time.monotonic()
+            window = [n for t, n in self._token_times if now - t <= 10.0]
+            span = min(10.0, max(now - self.started, 1e-6))
+            return {
+                "num_requests_running": len(running),
+                "num_requests_waiting": len(sched.waiting),
+                "kv_cache_blocks": kv.pool.num_blocks,
+                "kv_cache_blocks_in_use": used_blocks,
+                "kv_cache_usage": kv.usage,
+                "kv_cache_token_utilization": slots_used / (used_blocks * kv.block_size) if used_blocks else 0.0,
+                "kv_cache_capacity_tokens": self.num_kv_tokens,
+                "prefix_cache_hit_rate": kv.prefix_hit_rate,
+                "prefix_cache_hit_tokens_total": kv.prefix_hits,
+                "prefix_cache_query_tokens_total": kv.prefix_queries,
+                "generation_tokens_per_second": sum(window) / span,
+                "generation_tokens_total": self.stats["tokens_generated"],
+                "computed_tokens_total": self.stats["tokens_computed"],
+                "preemptions_total": sched.num_preemptions,
+                "requests_finished_total": self.stats["requests_finished"],
+                "requests_aborted_total": self.stats["requests_aborted"],
+                "engine_steps_total": self.stats["steps"],
+                "step_compilations": self.runner.num_compilations,
+            }
+
+
+def _leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree_util.tree_leaves(nnx.state(model))

@@ -1,0 +1,127 @@
+"""A request as the scheduler sees it: tokens, progress, sampling settings, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (OpenAI / vLLM names and ranges).
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; accepted 0..2.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 keeps all.
+        min_p: drop tokens whose probability is below min_p * the top one; 0..1.
+        seed: per-request seed; a fresh one is drawn when None.
+        repetition_penalty: > 0; 1 disables (divides positive logits of seen tokens).
+        presence_penalty, frequency_penalty: -2..2, OpenAI's additive penalties on output tokens.
+        stop: strings that end the output (not included in it).
+        stop_token_ids: token ids that end the output (besides the model's EOS).
+        ignore_eos: keep going past EOS.
+        logprobs: number of top log-probabilities to return per token (None: none), at most 20.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its accepted range."""
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
+            ("top_k", self.top_k >= -1, "-1, 0 (all) or a positive count"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "0..1"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "-2..2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "-2..2"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, f"0..{self.MAX_LOGPROBS}"),
+        ]
+        for name, ok, accepted in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is out of range; accepted: {accepted}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. Preemption
+    resets it to 0 and keeps `output_token_ids`, so recompute resumes exactly
+    where the request stopped.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    adapter_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    seed: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def check_stop_token(self) -> Status | None:
+        """Status to finish with after the latest output token, or None to go on."""
+        tok = self.output_token_ids[-1]
+        if tok in self.params.stop_token_ids or (not self.params.ignore_eos and tok in self.eos_token_ids):
+            return Status.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return Status.FINISHED_LENGTH
+        return None

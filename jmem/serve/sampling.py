@@ -1,0 +1,153 @@
+"""Batched sampling: per-row temperature, top-k, top-p, min-p, seed and penalties in one jitted function.
+
+Every setting is an array over the batch, so one compiled function serves any mix
+of greedy and random rows. Stop strings and stop token ids are checked on the
+host (they need the detokenized text or a Python set); here only the next token
+and its log-probabilities are chosen.
+
+Order (as in vLLM): penalties on the raw logits, then temperature, then the
+top-k / top-p / min-p masks, then a Gumbel-max draw keyed by (seed, step) so a
+seeded request gives the same tokens whatever else is in the batch. Returned
+log-probabilities are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NUM_TOP_LOGPROBS = 20
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row settings, each `[batch]` (see `SamplingParams` for meaning and ranges).
+
+    `top_k <= 0` keeps every token; `step` is the number of tokens the row has
+    generated so far (folded into its seed). Penalty history: `hist_ids
+    i32[batch, H]` (prompt + output ids, -1 for padding) and `hist_is_output
+    bool[batch, H]`; H may be 0 when no row uses penalties.
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+    step: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    hist_ids: jax.Array
+    hist_is_output: jax.Array
+
+
+def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = None, hist_len: int = 0) -> SamplingArrays:
+    """Host side: pack per-request `SamplingParams` into padded numpy arrays.
+
+    Args:
+        params_list: one `SamplingParams` per real row.
+        seeds, steps: per real row.
+        histories: per real row `(prompt_ids, output_ids)` (only read when hist_len > 0).
+        batch: padded batch size (rows past the real ones are greedy no-ops).
+        hist_len: padded history length H (0 when no row uses penalties).
+    """
+    n = len(params_list)
+    B = batch or n
+    f = lambda name, default: np.array([getattr(p, name) for p in params_list] + [default] * (B - n), np.float32)
+    hist_ids = np.full((B, hist_len), -1, np.int32)
+    hist_out = np.zeros((B, hist_len), bool)
+    if hist_len:
+        for i, (prompt, out) in enumerate(histories):
+            toks = (list(prompt) + list(out))[-hist_len:]
+            hist_ids[i, : len(toks)] = toks
+            n_out = min(len(out), len(toks))
+            hist_out[i, len(toks) - n_out : len(toks)] = True
+    return SamplingArrays(
+        temperature=f("temperature", 0.0),
+        top_p=f("top_p", 1.0),
+        top_k=np.array([p.top_k for p in params_list] + [0] * (B - n), np.int32),
+        min_p=f("min_p", 0.0),
+        seed=np.array(list(seeds) + [0] * (B - n), np.uint32),
+        step=np.array(list(steps) + [0] * (B - n), np.int32),
+        repetition_penalty=f("repetition_penalty", 1.0),
+        presence_penalty=f("presence_penalty", 0.0),
+        frequency_penalty=f("frequency_penalty", 0.0),
+        hist_ids=hist_ids,
+        hist_is_output=hist_out,
+    )
+
+
+def apply_penalties(logits_BV, s: SamplingArrays):
+    """Repetition penalty on every seen token (prompt and output); presence/frequency on output tokens."""
+    B, V = logits_BV.shape
+    rows = jnp.arange(B)[:, None]
+    valid = s.hist_ids >= 0
+    ids = jnp.where(valid, s.hist_ids, V)  # V is out of range: dropped
+    seen_BV = jnp.zeros((B, V), bool).at[rows, ids].set(True, mode="drop")
+    out_counts_BV = jnp.zeros((B, V), jnp.float32).at[rows, ids].add(
+        (valid & s.hist_is_output).astype(jnp.float32), mode="drop")
+    rp = s.repetition_penalty[:, None]
+    penalized = jnp.where(logits_BV > 0, logits_BV / rp, logits_BV * rp)
+    logits_BV = jnp.where(seen_BV, penalized, logits_BV)
+    logits_BV = logits_BV - s.frequency_penalty[:, None] * out_counts_BV
+    return logits_BV - s.presence_penalty[:, None] * (out_counts_BV > 0)
+
+
+def masked_logits(logits_BV, s: SamplingArrays):
+    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
+
+    Rows with temperature 0 are returned unmasked (they take the argmax).
+    """
+    B, V = logits_BV.shape
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    scaled_BV = logits_BV / temp
+    order_BV = jnp.argsort(-scaled_BV, axis=-1)
+    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass strictly above each token
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(s.top_k > 0, s.top_k, V)[:, None]
+    keep_BV = (rank < k) & (before_BV < s.top_p[:, None]) & (probs_BV >= s.min_p[:, None] * probs_BV[:, :1])
+    keep_BV = keep_BV.at[:, 0].set(True)  # the most likely token always survives
+    sorted_BV = jnp.where(keep_BV, sorted_BV, -jnp.inf)
+    # Undo the sort.
+    out_BV = jnp.zeros_like(scaled_BV).at[jnp.arange(B)[:, None], order_BV].set(sorted_BV)
+    return jnp.where(s.temperature[:, None] > 0, out_BV, scaled_BV)
+
+
+def sample(logits_BV, s: SamplingArrays):
+    """Choose one token per row.
+
+    Args:
+        logits_BV: f32[batch, vocab] raw model logits.
+        s: per-row settings.
+
+    Returns:
+        tokens i32[batch], their raw log-probabilities f32[batch], and the top
+        `NUM_TOP_LOGPROBS` raw log-probabilities and ids, f32/i32[batch, 20].
+
+    Example:
+        >>> arrs = make_arrays([SamplingParams(temperature=0.0)], seeds=[0], steps=[0])
+        >>> tok, lp, top_lp, top_ids = jax.jit(sample)(logits, arrs)
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logprobs_BV, min(NUM_TOP_LOGPROBS, logits_BV.shape[-1]))
+    if s.hist_ids.shape[1]:
+        logits_BV = apply_penalties(logits_BV, s)
+    greedy = jnp.argmax(logits_BV, axis=-1)
+
+    def draw(logits_BV):
+        masked_BV = masked_logits(logits_BV, s)
+        keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
+        g_BV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BV.shape[-1:], jnp.float32))(keys)
+        return jnp.argmax(masked_BV + g_BV, axis=-1)
+
+    # Sorting the vocabulary is the costly part: skip it when every row is greedy.
+    drawn = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda l: greedy, logits_BV)
+    tokens = jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+    chosen_lp = jnp.take_along_axis(logprobs_BV, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen_lp, top_lp, top_ids.astype(jnp.int32)

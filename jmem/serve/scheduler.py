@@ -1,0 +1,226 @@
+"""Continuous-batching scheduler (no JAX): which tokens of which requests run each step.
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running
+sequences (`max_num_seqs`). Running requests go first (decodes take one token,
+unfinished prefills take a chunk), then waiting requests in arrival order (FCFS)
+with chunked prefill. When the pool runs out of blocks the most recently
+arrived running request is preempted: its blocks are freed and it goes back to
+the front of the queue with its outputs kept, to be recomputed later
+(preemption by recompute), so no request is lost or truncated.
+
+Every request's tokens are one list (prompt + outputs), and a step simply
+computes the next `n` uncomputed ones; prefill, chunked prefill, decode and
+recompute after preemption are the same operation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from jmem.serve.kv_cache import KVCacheManager
+from jmem.serve.request import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's slice of a step: compute tokens [start, start + num_tokens)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this slice reaches the request's last token, so its logits give a new token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step.
+
+    Attributes:
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed in one step.
+        max_model_len: longest sequence (prompt + output) accepted.
+        chunked_prefill: split long prompts over several steps; off means a prompt
+            that does not fit the remaining budget waits for the next step.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    chunked_prefill: bool = True
+    static_batching: bool = False
+    """Admit new requests only when none is running (a batch waits for its longest request); for comparison."""
+
+
+class Scheduler:
+    """FCFS scheduler with a token budget, chunked prefill and preemption by recompute.
+
+    Example:
+        >>> s = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=64, block_size=16))
+        >>> s.add_request(Request("a", [1, 2, 3]))
+        >>> out = s.schedule()           # run the model on `out`, then:
+        >>> finished = s.update_from_output(out, {"a": 7})
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        if not config.chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} < max_model_len={config.max_model_len}: "
+                "without chunked prefill a recomputed sequence must fit one step"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name}={getattr(config, name)}; need >= 1")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest prompt + max_tokens one request may have: the model length and the whole pool."""
+        return min(self.config.max_model_len, self.kv.capacity_tokens)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; ValueError if it could never fit."""
+        if not req.prompt_token_ids:
+            raise ValueError("prompt is empty; need at least one token")
+        if req.max_total_tokens > self.max_request_tokens:
+            raise ValueError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = "
+                f"{req.max_total_tokens} exceeds the maximum context of {self.max_request_tokens} tokens"
+            )
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.status = Status.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens; allocates their blocks."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                blocks = self.kv.allocate_slots(req, n)
+                if blocks is not None:
+                    break
+                victim = self.running.pop()  # latest arrival among running
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if blocks is None:
+                break
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, blocks))
+            scheduled.append(req)
+            budget -= n
+            i += 1
+
+        # Admit waiting requests only when nothing was preempted this step: otherwise
+        # the pool is full and admitting would just thrash.
+        admitting = not (self.config.static_batching and self.running)
+        while (admitting and self.waiting and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            if budget <= 0:
+                if not self.config.static_batching:
+                    break
+                # A static batch forms at once; its prefills run from the next steps on.
+                req = self.waiting.popleft()
+                req.status = Status.RUNNING
+                self.running.append(req)
+                continue
+            req = self.waiting[0]
+            # Waiting requests (new or preempted) hold no blocks and have nothing computed.
+            hit_blocks, n_hit = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = n_hit
+            req.num_cached_tokens = n_hit
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget and not self.config.chunked_prefill:
+                req.num_computed_tokens = 0
+                break
+            n = min(n, budget)
+            blocks = self.kv.allocate_slots(req, n, hit_blocks)
+            if blocks is None:
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.kv.count_prefix_lookup(req.num_tokens, len(hit_blocks) * self.kv.block_size)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, blocks))
+            budget -= n
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens; finish stopped ones.
+
+        Args:
+            out: what `schedule` returned for this step.
+            sampled: request id -> new token, for the seqs with `samples` True.
+            logprobs: optional request id -> logprob record, stored beside the token.
+
+        Returns:
+            Requests that got a token this step (finished ones have a finished status).
+        """
+        touched = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.status.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = seq.start + seq.num_tokens
+            if not seq.samples:
+                continue
+            req.output_token_ids.append(sampled[req.request_id])
+            if logprobs is not None and req.request_id in logprobs:
+                req.output_logprobs.append(logprobs[req.request_id])
+            status = req.check_stop_token()
+            if status is not None:
+                self.finish(req.request_id, status)
+            touched.append(req)
+        return touched
+
+    def finish(self, request_id: str, status: Status = Status.FINISHED_ABORTED) -> Request | None:
+        """End a request (stop string found, client gone, ...) and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        return req

@@ -1,0 +1,151 @@
+"""Paged runner and engine on the tiny model, checked against the model's own full forward pass."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.io.tokenizer import ByteTokenizer
+from jmem.models import Llama, LlamaConfig
+from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.paged_cache import kv_bytes_per_token
+from jmem.serve.request import SamplingParams
+from jmem.serve.runner import ModelRunner, _step_fn
+
+MAX_LEN = 64
+# Block 8 and max_model_len 64 give one page bucket; budget 16 gives one token bucket: few compilations.
+SMALL = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens and their logprobs by recomputing the full sequence each step (no cache)."""
+    fwd = jax.jit(lambda ids: jax.nn.log_softmax(model(ids)[0][0], -1))
+
+    @functools.lru_cache(maxsize=None)
+    def run(prompt: tuple, n: int):
+        ids, out, lps = list(prompt), [], []
+        for _ in range(n):
+            buf = np.zeros((1, MAX_LEN), np.int32)
+            buf[0, : len(ids)] = ids
+            lp = np.asarray(fwd(jnp.asarray(buf)))[len(ids) - 1]
+            t = int(np.argmax(lp))
+            out.append(t), lps.append(float(lp[t])), ids.append(t)
+        return out, lps
+
+    return run
+
+
+def prompts(seed, n, shared_prefix=()):
+    rng = np.random.default_rng(seed)
+    return [list(shared_prefix) + [int(x) for x in rng.integers(0, 256, size=rng.integers(1, 24))] for _ in range(n)]
+
+
+def greedy(max_tokens=8, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1, **kw)
+
+
+def test_paged_engine_matches_full_forward(model, reference):
+    """Chunked prefill, decode, preemption and prefix sharing all give the uncached model's tokens."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, **SMALL))
+    ps = prompts(0, 6, shared_prefix=range(30, 46)) + prompts(1, 4)
+    outs = engine.generate(ps, greedy())
+    for p, o in zip(ps, outs):
+        want, want_lp = reference(tuple(p), 8)
+        assert o.token_ids == want
+        np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
+        assert o.finish_reason == "length"
+    m = engine.metrics()
+    assert m["preemptions_total"] > 0, "pool meant to be too small for all at once"
+    assert m["prefix_cache_hit_tokens_total"] > 0
+    assert m["kv_cache_blocks_in_use"] == 0 and m["num_requests_running"] == 0
+    first = engine.runner.num_compilations
+    assert first <= 2, engine.runner.compiled_keys
+    compiled = _step_fn._cache_size()
+    # A different mix of lengths and batch sizes reuses the compiled step.
+    outs = engine.generate(prompts(2, 3), greedy(max_tokens=5))
+    assert engine.runner.num_compilations == first and _step_fn._cache_size() == compiled
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("kv_dtype, atol", [("int8", 0.05), ("fp8_e4m3", 0.25)])
+def test_quantized_kv_close_to_full_precision(model, reference, kv_dtype, atol):
+    """With K/V stored quantized, the reference's next token keeps nearly its log-probability.
+
+    (Its rank may change where two tokens are nearly tied, so the check reads the
+    reference token's log-probability from the top-5 list.)
+    """
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=32, kv_cache_dtype=kv_dtype, **SMALL))
+    assert engine.runner.cache.k_pages.dtype == {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}[kv_dtype]
+    ps = prompts(3, 3)
+    outs = engine.generate(ps, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5))
+    for p, o in zip(ps, outs):
+        # One token: its logprob depends on the quantized cache of the whole prompt.
+        want, want_lp = reference(tuple(p), 1)
+        top = dict(o.logprobs[0][1])
+        assert want[0] in top
+        assert abs(top[want[0]] - want_lp[0]) < atol
+
+
+def test_capacity_fp8_twice_bf16():
+    cfg = LlamaConfig.smollm2_135m()
+    per_bf16, per_fp8 = kv_bytes_per_token(cfg, "bf16"), kv_bytes_per_token(cfg, "fp8_e4m3")
+    assert per_bf16 == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 == 2 * per_fp8
+    budget = 64 << 20
+    n_bf16 = ModelRunner.num_blocks_for_budget(cfg, budget, 16, "bf16")
+    n_fp8 = ModelRunner.num_blocks_for_budget(cfg, budget, 16, "fp8_e4m3")
+    assert n_fp8 + 1 == 2 * (n_bf16 + 1)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_bytes_per_token(cfg, "fp4")
+
+
+def test_stop_strings_penalties_and_abort(model):
+    tok = ByteTokenizer()
+    engine = Engine(model, tok, EngineConfig(num_blocks=16, **SMALL))
+    p = tok.encode("abc")
+    [free] = engine.generate([p], greedy(max_tokens=12))
+    text = free.text
+    # Stop at a string inside the free-running text: output ends right before it.
+    stop = text[3:5]
+    if stop and "\ufffd" not in stop:
+        [o] = engine.generate([p], greedy(max_tokens=12, stop=[stop]))
+        assert o.text == text[: text.find(stop)] and o.finish_reason == "stop"
+    # Stop token id: excluded from the text, reason "stop".
+    [o] = engine.generate([p], greedy(max_tokens=12, stop_token_ids=[free.token_ids[2]]))
+    assert o.token_ids == free.token_ids[:3] and o.finish_reason == "stop"
+    # A strong frequency penalty forbids repeating an output token within this short run.
+    [o] = engine.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                frequency_penalty=2.0, repetition_penalty=2.0))
+    assert len(o.token_ids) == 10
+    # Abort frees the blocks.
+    s = engine.add_request(tok.encode("hello world"), greedy(max_tokens=40))
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    engine.abort(s.request_id)
+    engine.step()
+    items = []
+    while (x := s.get_nowait()) is not None:
+        items.append(x)
+    assert items[-1].finished and items[-1].finish_reason == "abort"
+    assert engine.kv.pool.num_used == 0
+    with pytest.raises(ValueError, match="exceeds the maximum context"):
+        engine.add_request(list(range(60)), greedy(max_tokens=8))
+
+
+def test_kernel_impl_matches_tiled(model, reference):
+    """The Pallas ragged kernel (interpreted on CPU) through the same engine gives the same tokens."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, attention_impl="kernel", **SMALL))
+    assert engine.runner.cache.impl == "kernel"
+    ps = prompts(4, 3)
+    for p, o in zip(ps, engine.generate(ps, greedy(max_tokens=3))):
+        want, want_lp = reference(tuple(p), 3)
+        assert o.token_ids == want
+        np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)

@@ -1,0 +1,182 @@
+"""Block pool, KV-cache manager and scheduler invariants (pure Python, no model)."""
+
+import random
+
+import pytest
+
+from jmem.serve.block_pool import BlockPool, NoFreeBlocksError, hash_block
+from jmem.serve.kv_cache import KVCacheManager
+from jmem.serve.request import Request, SamplingParams, Status
+from jmem.serve.scheduler import Scheduler, SchedulerConfig
+
+
+def fake_model(tokens):
+    """A deterministic 'model': next token from the whole history (what a real LM does)."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 2654435761) % 1000 + 10
+
+
+def check_pool(pool: BlockPool):
+    assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    assert len(set(pool._free)) == pool.num_free
+    for b in pool.blocks:
+        assert (b.ref_cnt == 0) == (b.block_id in pool._free)
+
+
+def run_to_completion(sched: Scheduler, max_steps=100_000):
+    """Drive the scheduler with the fake model; check invariants every step."""
+    done = {}
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_tokens <= sched.config.max_num_batched_tokens
+        assert len(out.seqs) <= sched.config.max_num_seqs
+        assert out.seqs or out.preempted, "scheduler made no progress"
+        sampled = {}
+        for seq in out.seqs:
+            req = seq.request
+            # The block list covers every token computed so far, and no more than one spare block.
+            end = seq.start + seq.num_tokens
+            assert len(seq.block_ids) * sched.kv.block_size >= end
+            assert len(seq.block_ids) == -(-end // sched.kv.block_size)
+            if seq.samples:
+                sampled[req.request_id] = fake_model(req.all_token_ids)
+        for req in sched.update_from_output(out, sampled):
+            if req.status.finished:
+                done[req.request_id] = req
+        check_pool(sched.kv.pool)
+        steps += 1
+        assert steps < max_steps
+    return done
+
+
+def expected_output(prompt, params: SamplingParams, eos=()):
+    toks, out = list(prompt), []
+    while True:
+        t = fake_model(toks)
+        toks.append(t)
+        out.append(t)
+        if t in eos or t in params.stop_token_ids or len(out) >= params.max_tokens:
+            return out
+
+
+def test_pool_refcounts_and_lru():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)
+    pool.cache_block(a[0], hash_block(None, [1, 2]))
+    pool.cache_block(b[0], hash_block(None, [3, 4]))
+    pool.free(reversed(a))
+    pool.free(reversed(b))
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError):
+        pool.free([a[0]])
+    # Unhashed blocks are evicted before cached ones; cached ones in the order they were freed.
+    got = pool.allocate(3)
+    assert set(got[:2]) == {a[1], b[1]} and got[2] == a[0]
+    assert pool.lookup(hash_block(None, [1, 2])) is None
+    assert pool.lookup(hash_block(None, [3, 4])) == b[0]
+    pool.touch([b[0]])
+    assert pool.blocks[b[0]].ref_cnt == 1 and pool.num_free == 0
+    check_pool(pool)
+
+
+def test_hash_chains_on_parent_and_adapter():
+    h = hash_block(None, [1, 2, 3])
+    assert hash_block(h, [4]) != hash_block(None, [4])
+    assert hash_block(None, [1, 2, 3], "lora-a") != h
+    assert hash_block(None, [1, 2, 3]) == h
+
+
+def test_prefix_hits_shared_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    prefix = list(range(100, 112))  # 3 full blocks
+    sched.add_request(Request("a", prefix + [1, 2], SamplingParams(max_tokens=3)))
+    done = run_to_completion(sched)
+    assert kv.prefix_hits == 0
+    sched.add_request(Request("b", prefix + [7], SamplingParams(max_tokens=3)))
+    sched.add_request(Request("c", prefix + [8, 9], SamplingParams(max_tokens=3)))
+    out = sched.schedule()
+    b, c = (s for s in out.seqs)
+    assert b.request.num_cached_tokens == 12 and c.request.num_cached_tokens == 12
+    assert b.block_ids[:3] == c.block_ids[:3]
+    assert all(kv.pool.blocks[i].ref_cnt == 2 for i in b.block_ids[:3])
+    assert b.start == 12 and b.num_tokens == 1
+    sched.update_from_output(out, {"b": 5, "c": 5})
+    done.update(run_to_completion(sched))
+    assert kv.prefix_hits == 24 and kv.prefix_queries == 14 + 13 + 14
+    assert kv.pool.num_used == 0
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_model_len=32), kv)
+    prompt = list(range(8))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=2)))
+        run_to_completion(sched)
+    assert kv.prefix_hits == 4  # one block of two: the last token must be recomputed
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_small_pool_loses_nothing(chunked):
+    """Many requests on a pool far too small for all: each finishes with exactly its own output."""
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16 if chunked else 40, max_model_len=40, chunked_prefill=chunked)
+    sched = Scheduler(cfg, kv)
+    eos = (13, 57)
+    reqs = {}
+    for i in range(60):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 15))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 40 - len(prompt) + 1))
+        reqs[str(i)] = (prompt, params)
+        sched.add_request(Request(str(i), prompt, params, eos_token_ids=eos))
+    done = run_to_completion(sched)
+    assert set(done) == set(reqs)
+    for rid, (prompt, params) in reqs.items():
+        assert done[rid].output_token_ids == expected_output(prompt, params, eos), rid
+    assert sched.num_preemptions > 0, "pool was meant to be too small: preemption untested"
+    assert kv.pool.num_used == 0 and not kv.req_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_decodes_first_then_chunked_prefill():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), kv)
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=10)))
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": 4})
+    sched.add_request(Request("b", list(range(20)), SamplingParams(max_tokens=10)))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in out.seqs] == [("a", 3, 1), ("b", 0, 7)]
+    assert not out.seqs[1].samples
+    sched.update_from_output(out, {"a": 5})
+    out = sched.schedule()
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in out.seqs] == [("a", 4, 1), ("b", 7, 7)]
+
+
+def test_abort_frees_blocks_and_errors():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_model_len=32), kv)
+    sched.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=5)))
+    sched.add_request(Request("b", list(range(10)), SamplingParams(max_tokens=5)))
+    sched.schedule()
+    assert kv.pool.num_used > 0
+    assert sched.finish("a").status is Status.FINISHED_ABORTED
+    assert sched.finish("b").status is Status.FINISHED_ABORTED
+    assert sched.finish("b") is None
+    assert kv.pool.num_used == 0 and not sched.has_unfinished()
+    with pytest.raises(ValueError, match="exceeds the maximum context of 32"):
+        sched.add_request(Request("c", list(range(30)), SamplingParams(max_tokens=5)))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(Request("d", []))
+
+
+def test_sampling_params_validation():
+    SamplingParams().validate()
+    for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2), dict(logprobs=21)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad).validate()
