@@ -10,6 +10,8 @@ the CPU backend computes bf16 in f32).
     python experiments/memory_sweep.py --remat none,full,minimal,dots --precision f32 \
         --accum 1 --optimizer adamw --out docs/sweep_remat.json
     python experiments/memory_sweep.py --precision f32,bf16 --remat none --target tpu:v5e:2x2
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_sweep.py \
+        --mesh data=8 --zero 0,1,2,3 --remat full --precision f32 --accum 1 --optimizer adamw
 
 Writes `--out` (JSON list of records), `--md` (markdown table) and `--png`.
 """
@@ -48,6 +50,12 @@ class SweepConfig:
     """Comma-separated optimizers."""
     target: str | None = None
     """Compile for a TPU topology such as tpu:v5e:2x2 (needs libtpu); the local backend when unset."""
+    mesh: str | None = None
+    """Semicolon-separated device meshes, e.g. 'data=8' or 'data=8;data=2,fsdp=2,tensor=2' (per-device bytes); one device when unset."""
+    zero: str = "0"
+    """Comma-separated ZeRO stages (0-3) compiled on each --mesh."""
+    rules: str = ""
+    """Sharding-rule overrides 'logical=mesh_axes,...' (with --mesh)."""
     out: str = "docs/memory_sweep.json"
     """JSON records."""
     md: str = "docs/memory_sweep.md"
@@ -66,20 +74,31 @@ def main(argv: list[str] | None = None) -> int:
             if not a.isdigit():
                 raise ValueError(f"--accum {a!r} is not a positive integer")
             accums.append(int(a))
+        zeros = []
+        for z in parse_list(cfg.zero, "zero"):
+            if not z.isdigit():
+                raise ValueError(f"--zero {z!r} is not a ZeRO stage; accepted: 0, 1, 2, 3")
+            zeros.append(int(z))
+        meshes = [m.strip() for m in cfg.mesh.split(";") if m.strip()] if cfg.mesh else [None]
+        if cfg.mesh is not None and not meshes:
+            raise ValueError("--mesh is empty; give a mesh such as 'data=8'")
+        if meshes == [None] and zeros != [0]:
+            raise ValueError(f"--zero {cfg.zero} needs --mesh (ZeRO shards over the data axes of a mesh)")
         grid = dict(remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
-                    accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"))
+                    accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)
         n = 1
         for v in grid.values():
             n *= len(v)
         print(f"{cfg.preset} batch={cfg.batch} seq={cfg.seq} target={cfg.target or 'local'}: {n} compilations")
 
         def show(r):
-            print(f"  {r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
+            where = f"{r['mesh']} zero={r['zero']} " if r["mesh"] else ""
+            print(f"  {where}{r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
                   f"temp {r['temp_bytes'] / 2**20:9.1f} MiB  total {r['total_bytes'] / 2**20:9.1f} MiB  "
                   f"{r['flops'] / 1e9:8.1f} GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
 
         records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
-                        **grid)
+                        rules=cfg.rules, **grid)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,18 @@ one step first, then a progress bar with loss, tokens/s and step time.
     python experiments/train.py --ckpt-dir /tmp/run --ckpt-every 50   # Ctrl-C saves; add --resume to continue
     python experiments/train.py --model smollm2-135m --seq 256 --batch 4 --lr 1e-4 --optimizer adamw
 
+On several devices (8 simulated CPU devices here; the same flags on GPUs/TPUs):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/train.py \
+        --model tiny --mesh data=2,fsdp=2,tensor=2 --zero 3 --batch 8
+    python experiments/train.py --model tiny --pipeline-stages 2 --microbatches 2 --mesh stage=2,data=-1
+    python experiments/train.py --model tiny-moe --mesh data=2,expert=4       # MoE: router losses in the log
+    # multi-host: the same command on every host, --process-id 0..N-1
+    python experiments/train.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 --mesh fsdp=-1 --zero 3
+
 Bad flags (unknown policy or optimizer, --accum not dividing --batch, a
-precision string that does not parse, a checkpoint dir of another model) end
+precision string that does not parse, a checkpoint dir of another model,
+`--zero 4`, a mesh that does not match the device count) end
 with one line on stderr and exit status 2; nothing is written.
 Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint).
 """

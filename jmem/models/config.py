@@ -55,6 +55,16 @@ class LlamaConfig:
     """Rematerialisation policy per layer (see `jmem.memory.remat`)."""
     loss_chunk: int = 1024
     """Sequence positions per chunk in the chunked cross-entropy (bounds f32 logits memory)."""
+    moe_experts: int = 0
+    """Experts of a mixture-of-experts MLP in every block (0: the dense SwiGLU MLP)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (MoE only)."""
+    moe_capacity_factor: float = 1.25
+    """Places per expert relative to an even split of the routed tokens; the rest are dropped (MoE only)."""
+    moe_aux_weight: float = 0.01
+    """Weight of the load-balancing loss added to the training loss (MoE only)."""
+    moe_z_weight: float = 1e-3
+    """Weight of the router z-loss added to the training loss (MoE only)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
@@ -65,6 +75,15 @@ class LlamaConfig:
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         as_dtype(self.param_dtype)
         as_dtype(self.compute_dtype)
+        if self.moe_experts < 0:
+            raise ValueError(f"LlamaConfig.moe_experts={self.moe_experts} must be >= 0 (0: dense MLP)")
+        if self.moe_experts:
+            from jmem.models.moe import check_moe
+
+            check_moe(self.moe_experts, self.moe_top_k, self.moe_capacity_factor)
+            if self.moe_aux_weight < 0 or self.moe_z_weight < 0:
+                raise ValueError(f"LlamaConfig.moe_aux_weight={self.moe_aux_weight} and moe_z_weight="
+                                 f"{self.moe_z_weight} must be >= 0")
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
@@ -73,6 +92,8 @@ class LlamaConfig:
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.ffn_dim
+        if self.moe_experts:  # router + one SwiGLU MLP per expert
+            mlp = self.dim * self.moe_experts + self.moe_experts * mlp
         per_layer = attn + mlp + 2 * self.dim
         head = 0 if self.tie_embeddings else self.dim * self.vocab_size
         return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
@@ -103,13 +124,18 @@ class LlamaConfig:
                     rope_base=10000.0, max_seq_len=1024, tie_embeddings=False, loss_chunk=256)
         return cls(**{**base, **overrides})
 
+    @classmethod
+    def tiny_moe(cls, **overrides) -> "LlamaConfig":
+        """`tiny` with a 4-expert top-2 MoE MLP in every block (for tests and the MoE examples)."""
+        return cls.tiny(**{**dict(moe_experts=4, moe_top_k=2), **overrides})
+
 
 PRESETS = {"tiny": LlamaConfig.tiny, "small": LlamaConfig.small, "smollm2-135m": LlamaConfig.smollm2_135m,
-           "bench-8l": LlamaConfig.bench_8l}
+           "bench-8l": LlamaConfig.bench_8l, "tiny-moe": LlamaConfig.tiny_moe}
 
 
 def get_config(name: str, **overrides) -> LlamaConfig:
-    """A preset by name: tiny, small, smollm2-135m, bench-8l."""
+    """A preset by name: tiny, small, smollm2-135m, bench-8l, tiny-moe."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; accepted: {', '.join(PRESETS)}")
     return PRESETS[name](**overrides)

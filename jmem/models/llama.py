@@ -5,6 +5,11 @@ pass runs one block function under `jax.lax.scan`, so rematerialisation, paramet
 offload and ZeRO-3 gathering happen per layer. Every linear layer goes through
 `jmem.models.dot.dot`, so a weight leaf may be a plain array, a quantized tensor or a
 LoRA-wrapped weight without any change here.
+
+With `config.moe_experts > 0` the SwiGLU MLP of every block is a mixture of
+experts (`jmem.models.moe`); each layer's router statistics leave the layer scan
+as scan outputs, and `hidden_and_router_stats` returns them averaged over layers
+so the training loss can add the load-balancing and z-losses.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jmem.kernels import attention
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
+from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
 
 # Logical axis names of every parameter, by state path (read by the sharding rules).
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -82,18 +88,37 @@ class Blocks(nnx.Module):
         self.wv = Linear(d, cfg.n_kv_heads * cfg.head_dim, stack=s, dtype=dt, rngs=rngs)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, d, stack=s, dtype=dt, rngs=rngs)
         self.mlp_norm = RMSNorm(d, stack=s, dtype=dt)
-        self.w_gate = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
-        self.w_up = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
-        self.w_down = Linear(cfg.ffn_dim, d, stack=s, dtype=dt, rngs=rngs)
+        if cfg.moe_experts:  # the experts replace the dense MLP (params under `layers.moe`)
+            self.moe = MoEMLP(d, cfg.ffn_dim, cfg.moe_experts, top_k=cfg.moe_top_k,
+                              capacity_factor=cfg.moe_capacity_factor, stack=s, dtype=dt, rngs=rngs)
+        else:
+            self.w_gate = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
+            self.w_up = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
+            self.w_down = Linear(cfg.ffn_dim, d, stack=s, dtype=dt, rngs=rngs)
 
     def weights(self) -> dict:
-        """The stacked weight leaves by name (arrays or weight-leaf pytrees)."""
-        return {n: (m.scale if isinstance(m, RMSNorm) else m.kernel).get_value()
-                for n in self.NAMES for m in [getattr(self, n)]}
+        """The stacked weight leaves by name (arrays or weight-leaf pytrees); MoE blocks have
+        `moe` (router, gate, up, down) instead of `w_gate`, `w_up`, `w_down`."""
+        names = [n for n in self.NAMES if hasattr(self, n)]
+        out = {n: (m.scale if isinstance(m, RMSNorm) else m.kernel).get_value() for n in names
+               for m in [getattr(self, n)]}
+        if hasattr(self, "moe"):
+            out["moe"] = self.moe.weights()
+        return out
 
 
 def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None):
     """One decoder block on one layer's weights `w`; returns (x, new cache layer arrays)."""
+    x_BTE, new_layer, _ = block_and_stats(cfg, w, x_BTE, positions_BT, cache, cache_layer)
+    return x_BTE, new_layer
+
+
+def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None):
+    """`block` that also returns the layer's router statistics.
+
+    Returns:
+        (x, new cache layer arrays or None, `MoEStats` of this layer or None for a dense MLP)
+    """
     B, T, _ = x_BTE.shape
     x_BTE = checkpoint_name(x_BTE, "layer_input")
     h = checkpoint_name(rms_norm(x_BTE, w["attn_norm"], cfg.norm_eps), "attn_norm")
@@ -109,11 +134,16 @@ def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_laye
     o = checkpoint_name(o, "attention")
     x_BTE = x_BTE + checkpoint_name(dot(o.reshape(B, T, -1), w["wo"]), "attn_out")
     h = checkpoint_name(rms_norm(x_BTE, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    if "moe" in w:
+        m = w["moe"]
+        y, stats = moe_mlp(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.moe_top_k,
+                           capacity_factor=cfg.moe_capacity_factor)
+        return x_BTE + checkpoint_name(y, "mlp_out"), new_layer, stats
     gate = checkpoint_name(dot(h, w["w_gate"]), "mlp_gate")
     up = checkpoint_name(dot(h, w["w_up"]), "mlp_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
     x_BTE = x_BTE + checkpoint_name(dot(hidden, w["w_down"]), "mlp_out")
-    return x_BTE, new_layer
+    return x_BTE, new_layer, None
 
 
 def _remat(fn, spec: str):
@@ -144,6 +174,19 @@ class Llama(nnx.Module):
 
     def hidden(self, ids_BT, positions=None, cache=None):
         """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache."""
+        h, cache, _ = self._run(ids_BT, positions, cache)
+        return h, cache
+
+    def hidden_and_router_stats(self, ids_BT, positions=None):
+        """`(hidden states, MoEStats)`: the router statistics averaged over layers
+        (`dropped` summed); None for a dense model."""
+        h, _, stats = self._run(ids_BT, positions, None)
+        if stats is None:
+            return h, None
+        return h, MoEStats(jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.sum(stats.dropped),
+                           jnp.mean(stats.load, axis=0))
+
+    def _run(self, ids_BT, positions, cache):
         cfg = self.config
         B, T = ids_BT.shape
         if positions is None:
@@ -153,14 +196,15 @@ class Llama(nnx.Module):
 
         def body(x, xs):
             w, layer = xs
-            return block(cfg, w, x, positions, cache, layer)
+            x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer)
+            return x, (new_layer, stats)
 
         body = _remat(body, cfg.remat)
         layers = None if cache is None else cache.layer_arrays()
-        x, new_layers = jax.lax.scan(body, x, (weights, layers))
+        x, (new_layers, stats_L) = jax.lax.scan(body, x, (weights, layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
-        return rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), cache
+        return rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), cache, stats_L
 
     def logits_from_hidden(self, h_BTE):
         """f32 logits `[batch, seq, vocab]` from hidden states."""

@@ -7,7 +7,7 @@ Example:
 
 from jmem.train.config import OPTIMIZERS, TrainConfig
 from jmem.train.loop import TrainResult, train
-from jmem.train.loss import chunked_cross_entropy, cross_entropy_sum, lm_loss_sum
+from jmem.train.loss import chunked_cross_entropy, cross_entropy_sum, lm_loss_sum, lm_loss_terms, router_loss
 from jmem.train.step import TrainFns, TrainState, make_train_fns
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "chunked_cross_entropy",
     "cross_entropy_sum",
     "lm_loss_sum",
+    "lm_loss_terms",
     "make_train_fns",
+    "router_loss",
     "train",
 ]

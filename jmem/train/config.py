@@ -14,7 +14,7 @@ class TrainConfig:
     help text for 200 steps with remat, bf16 compute and Adafactor."""
 
     model: str = "small"
-    """Model preset (tiny, small, bench-8l), `smollm2-135m` to fine-tune the real model, or a GGUF path."""
+    """Model preset (tiny, small, bench-8l, tiny-moe), `smollm2-135m` to fine-tune the real model, or a GGUF path."""
     data: str = "default"
     """Training text: 'default' (pydoc_data.topics) or a path to a UTF-8 text file."""
     steps: int = 200
@@ -61,3 +61,24 @@ class TrainConfig:
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
     progress: bool = True
     """Show a progress bar (plain lines every 10 steps when off)."""
+    mesh: str | None = None
+    """Device mesh such as 'data=2,fsdp=2,tensor=2' (axes stage, data, fsdp, expert, tensor; one may be -1); unset: one device, or all devices on 'data' when --zero or --pipeline-stages asks for a mesh."""
+    zero: int = 0
+    """ZeRO stage over the data axes: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (gathered per layer)."""
+    rules: str = ""
+    """Sharding-rule overrides 'logical=mesh_axes,...' on top of the defaults (e.g. 'embed=fsdp,length=tensor')."""
+    pipeline_stages: int = 1
+    """Pipeline stages (GPipe) over the mesh's 'stage' axis; must divide the layer count."""
+    microbatches: int = 1
+    """Pipeline microbatches per step (with --pipeline-stages > 1; must divide the batch per --accum microbatch)."""
+    coordinator: str | None = None
+    """Multi-host: HOST:PORT of process 0 (with --num-processes and --process-id; unset on TPU pods / SLURM: auto-detected)."""
+    num_processes: int | None = None
+    """Multi-host: total number of processes."""
+    process_id: int | None = None
+    """Multi-host: this process's index (0..num_processes-1)."""
+
+    @property
+    def distributed(self) -> bool:
+        """True when the step runs on a device mesh (--mesh, --zero or --pipeline-stages given)."""
+        return self.mesh is not None or self.zero != 0 or self.pipeline_stages > 1 or self.num_processes not in (None, 1)

@@ -116,8 +116,14 @@ def _evaluate(eval_fn, params, run: Run) -> float | None:
     bs = min(run.cfg.batch, len(run.data.valid))
     total = count = 0.0
     for b in run.data.eval_batches(bs, run.cfg.eval_batches):
+        if run.mesh is not None and _multiprocess():  # a global (replicated) array in every process
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from jmem import parallel as par
+
+            b = par.to_global(b, jax.tree.map(lambda _: NamedSharding(run.mesh, PartitionSpec()), b))
         s, c = eval_fn(params, b)
-        total, count = total + float(s), count + float(c)
+        total, count = total + float(_host(s)), count + float(_host(c))
     return total / count if count else None
 
 
@@ -146,14 +152,24 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
 
-    step_fn = _jitted(fns)
-    batch0 = run.data.batch(start, cfg.batch, cfg.seed)
+    step_fn, place = _jitted(run, state)
+    state = place(state=state)
+    batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
     report = measure(step_fn, state, batch0)  # compiles; the loop reuses it
     estimate = estimate_bytes(run)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     print(f"model {cfg.model}: {n_params / 1e6:.2f}M params, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
           f"{run.data.num_tokens / 1e3:.0f}k tokens", file=out)
+    if run.mesh is not None:
+        from jmem import parallel as par
+
+        pipe = f", pipeline {cfg.pipeline_stages} stages x {cfg.microbatches} microbatches" \
+            if cfg.pipeline_stages > 1 else ""
+        print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
+              "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
+                                             par.model_state_bytes(state, run.mesh, stage=cfg.zero,
+                                                                   rules=_rules(run)).items()), file=out)
     print(memory_table(report, estimate), file=out)
 
     log = _Logger(cfg.log, append=start > 0)
@@ -167,15 +183,17 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     try:
         with _stop_on_signals() as stop:
             for step in range(start, end):
-                batch = batch0 if step == start else run.data.batch(step, cfg.batch, cfg.seed)
+                batch = batch0 if step == start else place(batch=run.data.batch(step, cfg.batch, cfg.seed))
                 t0 = time.perf_counter()
                 state, m = step_fn(state, batch)
-                loss = float(m["loss"])  # waits for the step
+                m = {k: _host(v) for k, v in m.items()}  # waits for the step
+                loss = float(m["loss"])
                 dt = time.perf_counter() - t0
                 losses[step] = loss
                 rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
                        "step_time_s": dt, "tokens_per_s": tokens / dt, "loss_scale": float(m["loss_scale"]),
                        "finite": bool(m["finite"])}
+                rec.update({k: float(v) for k, v in m.items() if k.startswith("moe_")})
                 log.write(rec)
                 bar.update(rec)
                 if on_step is not None:
@@ -224,23 +242,64 @@ def _skipped(opt_state) -> int:
     n = 0
     for leaf_state in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "skipped_steps")):
         if hasattr(leaf_state, "skipped_steps"):
-            n += int(leaf_state.skipped_steps)
+            n += int(_host(leaf_state.skipped_steps))
     return n
+
+
+def _host(x):
+    """A metric as a host value (any process of a multi-host run)."""
+    if _multiprocess():
+        from jmem import parallel as par
+
+        return par.local_value(x)
+    return np.asarray(x)
+
+
+def _multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def _rules(run: Run) -> str:
+    from jmem.train.setup import rules_for
+
+    return rules_for(run.cfg)
 
 
 _JIT_CACHE: dict[int, Any] = {}
 
 
-def _jitted(fns):
-    # One jitted callable per TrainFns so a cached build reuses its compile.
+def _jitted(run: Run, state):
+    """`(jitted step, place)`; `place(state=..)` / `place(batch=..)` puts a host value
+    on the run's devices (its shardings on a mesh; unchanged on one device).
+
+    One jitted callable per TrainFns so a cached build reuses its compile.
+    """
+    fns, mesh = run.fns, run.mesh
     key = id(fns)
     if key not in _JIT_CACHE:
-        _JIT_CACHE[key] = (jax.jit(fns.step, donate_argnums=0), jax.jit(fns.eval_loss))
-    return _JIT_CACHE[key][0]
+        if mesh is None:
+            _JIT_CACHE[key] = (jax.jit(fns.step, donate_argnums=0), jax.jit(fns.eval_loss), None, None)
+        else:
+            from jmem import parallel as par
+
+            step, sh, batch_sh = par.jit_train_step(fns.step, jax.eval_shape(lambda: state), mesh,
+                                                    zero=run.cfg.zero, rules=_rules(run))
+            _JIT_CACHE[key] = (step, jax.jit(fns.eval_loss), sh, batch_sh)
+    step, _, sh, batch_sh = _JIT_CACHE[key]
+
+    def place(state=None, batch=None):
+        if sh is None:
+            return state if batch is None else batch
+        from jmem import parallel as par
+
+        if batch is None:
+            return par.to_global(state, sh)
+        return par.to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
+
+    return step, place
 
 
 def _jitted_eval(fns):
-    _jitted(fns)
     return _JIT_CACHE[id(fns)][1]
 
 
@@ -257,6 +316,8 @@ class _progress:
 
     def update(self, rec: dict):
         txt = dict(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", step_ms=f"{rec['step_time_s'] * 1e3:.0f}")
+        if "moe_aux_loss" in rec:
+            txt.update(moe_aux=f"{rec['moe_aux_loss']:.3f}", moe_dropped=f"{rec['moe_dropped']:.0f}")
         if self.bar is not None:
             self.bar.set_postfix(txt, refresh=False)
             self.bar.update(1)

@@ -95,8 +95,43 @@ def chunked_cross_entropy(
     return total, count
 
 
+def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
+    """Cross-entropy sum, token count and router statistics of a language model on a batch.
+
+    Args:
+        model: as for `lm_loss_sum`; a model with `hidden_and_router_stats`
+            (`jmem.models.llama.Llama`) also reports its MoE router statistics.
+        batch: {"inputs": i32[B, T], "targets": i32[B, T], "mask": [B, T]}.
+        chunk: sequence chunk for the cross-entropy (`model.config.loss_chunk` when None).
+
+    Returns:
+        (ce_sum f32[], count f32[], `jmem.models.moe.MoEStats` averaged over layers, or None
+        for a dense model)
+    """
+    if chunk is None:
+        chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
+    if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
+        h_BTE, stats = model.hidden_and_router_stats(batch["inputs"])
+    else:
+        (h_BTE, _), stats = model.hidden(batch["inputs"]), None
+    s, c = chunked_cross_entropy(h_BTE, batch["targets"], batch["mask"], model.logits_from_hidden, chunk)
+    return s, c, stats
+
+
+def router_loss(model, stats) -> jax.Array:
+    """The weighted MoE router losses (`moe_aux_weight` x balancing + `moe_z_weight` x z-loss)."""
+    if stats is None:
+        return jnp.zeros((), jnp.float32)
+    cfg = model.config
+    return cfg.moe_aux_weight * stats.aux_loss + cfg.moe_z_weight * stats.z_loss
+
+
 def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
     """Next-token loss sum and token count of a Llama-family `model` on a batch.
+
+    For an MoE model the weighted router losses are added as `router_loss x count`,
+    so that `loss_sum / count` is the mean cross-entropy plus the router losses
+    (and sums over microbatches or data shards stay additive).
 
     Args:
         model: anything with `hidden(ids) -> (h, cache)` and
@@ -108,7 +143,7 @@ def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
     Returns:
         (loss_sum f32[], count f32[])
     """
-    if chunk is None:
-        chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
-    h_BTE, _ = model.hidden(batch["inputs"])
-    return chunked_cross_entropy(h_BTE, batch["targets"], batch["mask"], model.logits_from_hidden, chunk)
+    s, c, stats = lm_loss_terms(model, batch, chunk=chunk)
+    if stats is not None:
+        s = s + router_loss(model, stats) * c
+    return s, c

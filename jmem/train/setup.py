@@ -55,7 +55,74 @@ def validate(cfg: TrainConfig) -> Policy:
         raise ValueError("--resume needs --ckpt-dir")
     if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
+    _validate_parallel(cfg)
     return policy
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    """The mesh, ZeRO, rules, pipeline and multi-host flags (no device is touched)."""
+    from jmem import parallel as par
+    from jmem.parallel.distributed import check_args
+
+    par.check_stage(cfg.zero)
+    mesh = par.parse_mesh(cfg.mesh)
+    par.Rules.parse(cfg.rules)
+    check_args(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    if cfg.pipeline_stages < 1 or cfg.microbatches < 1:
+        raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} and --microbatches={cfg.microbatches} "
+                         f"must be >= 1")
+    if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
+        raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
+                         f"for gradient accumulation)")
+    if cfg.pipeline_stages > 1:
+        if mesh.get("stage", cfg.pipeline_stages) not in (cfg.pipeline_stages, -1):
+            raise ValueError(f"--mesh {cfg.mesh!r} has stage={mesh['stage']} but --pipeline-stages="
+                             f"{cfg.pipeline_stages}; give the mesh stage={cfg.pipeline_stages} or leave it out")
+        if (cfg.batch // cfg.accum) % cfg.microbatches:
+            raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
+                             f"step ({cfg.batch // cfg.accum})")
+        if cfg.model in PRESETS:
+            mc = PRESETS[cfg.model]()
+            if mc.n_layers % cfg.pipeline_stages:
+                raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
+                                 f"of --model {cfg.model}")
+            if mc.moe_experts:
+                raise ValueError(f"--pipeline-stages with the MoE model {cfg.model!r} is not supported; "
+                                 f"accepted: dense models")
+
+
+def rules_for(cfg: TrainConfig) -> str:
+    """The sharding rules of a run: `layers=stage` under a pipeline, then --rules."""
+    parts = (["layers=stage"] if cfg.pipeline_stages > 1 else []) + ([cfg.rules] if cfg.rules else [])
+    return ",".join(parts)
+
+
+def mesh_for(cfg: TrainConfig):
+    """The run's device mesh (after `jmem.parallel.initialize`), or None on one device.
+
+    Raises:
+        MeshError: sizes that do not multiply to the device count (one line).
+    """
+    if not cfg.distributed:
+        return None
+    from jmem import parallel as par
+
+    spec = cfg.mesh
+    if cfg.pipeline_stages > 1 and "stage" not in par.parse_mesh(spec):
+        spec = ",".join([f"stage={cfg.pipeline_stages}"] + ([spec] if spec else ["data=-1"]))
+    mesh = par.make_mesh(spec)
+    if cfg.pipeline_stages > 1 and mesh.shape["stage"] != cfg.pipeline_stages:
+        raise ValueError(f"mesh {par.mesh_summary(mesh)} has stage={mesh.shape['stage']}, "
+                         f"not --pipeline-stages={cfg.pipeline_stages}")
+    from jmem.parallel.step import batch_axes
+
+    d = 1
+    for a in batch_axes(mesh, rules_for(cfg)):
+        d *= mesh.shape[a]
+    if cfg.batch % (d * cfg.accum):
+        raise ValueError(f"--batch={cfg.batch} must be divisible by the data-parallel size {d} x --accum "
+                         f"{cfg.accum} on mesh {par.mesh_summary(mesh)}")
+    return mesh
 
 
 def _dtype_name(dt) -> str:
@@ -75,6 +142,7 @@ class Run:
     tx: optax.GradientTransformation
     fns: TrainFns
     meta: dict
+    mesh: object = None  # jax.sharding.Mesh of a distributed run
 
 
 def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
@@ -104,9 +172,10 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     return mc, lm.model, lm.tokenizer
 
 
-def make_tx(cfg: TrainConfig, policy: Policy) -> optax.GradientTransformation:
+def make_tx(cfg: TrainConfig, policy: Policy, mesh=None) -> optax.GradientTransformation:
     """Clipping + the named optimizer on a warmup-cosine schedule, wrapped for
-    non-f32 params (f32 master copy) and fp16 (skip non-finite steps)."""
+    non-f32 params (f32 master copy) and fp16 (skip non-finite steps); on a
+    `mesh`, the incoming gradients get their ZeRO-stage sharding."""
     from jmem.optim.factory import make_optimizer
 
     warmup = min(cfg.warmup, cfg.steps // 5)
@@ -121,6 +190,10 @@ def make_tx(cfg: TrainConfig, policy: Policy) -> optax.GradientTransformation:
         tx = with_master_weights(tx)
     if policy.needs_loss_scale:
         tx = skip_nonfinite(tx)
+    if mesh is not None:
+        from jmem import parallel as par
+
+        tx = par.constrain_gradients(tx, mesh, stage=cfg.zero, rules=rules_for(cfg))
     return tx
 
 
@@ -137,7 +210,7 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_fns(cfg_key: TrainConfig):
+def _cached_fns(cfg_key: TrainConfig, mesh=None):
     """Model config, model, tokenizer, optimizer and train fns for a config.
 
     Cached so that runs in one process with the same program (a resumed run in
@@ -145,24 +218,39 @@ def _cached_fns(cfg_key: TrainConfig):
     """
     policy = Policy.parse(cfg_key.precision)
     mc, model, tok = _model_and_tokenizer(cfg_key, policy)
-    tx = make_tx(cfg_key, policy)
-    fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy))
+    tx = make_tx(cfg_key, policy, mesh)
+    loss_fn = None
+    if cfg_key.pipeline_stages > 1:
+        from jmem import parallel as par
+
+        loss_fn, _ = par.pipeline_lm_loss_fn(model, n_stages=cfg_key.pipeline_stages,
+                                             n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
+    fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
+                         mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
+                         loss_fn=loss_fn)
     return mc, model, tok, tx, fns
 
 
 def _program_key(cfg: TrainConfig) -> TrainConfig:
     """The config with the fields that do not change the compiled program reset."""
     return dataclasses.replace(cfg, data="default", ckpt_dir=None, ckpt_every=1, resume=False, stop_after=None,
-                               eval_every=0, eval_batches=1, log=None, plot=None, progress=True)
+                               eval_every=0, eval_batches=1, log=None, plot=None, progress=True,
+                               coordinator=None, process_id=None)
 
 
 def build(cfg: TrainConfig) -> Run:
-    """Validate, then build model, data, optimizer and the train functions."""
+    """Validate, join a multi-host job when asked, make the mesh, then build model,
+    data, optimizer and the train functions."""
     policy = validate(cfg)
-    mc, model, tok, tx, fns = _cached_fns(_program_key(cfg))
+    if cfg.distributed:
+        from jmem import parallel as par
+
+        par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    mesh = mesh_for(cfg)
+    mc, model, tok, tx, fns = _cached_fns(_program_key(cfg), mesh)
     vocab = getattr(tok, "vocab_size", None)
     if vocab is not None and vocab > mc.vocab_size:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
     data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
     abstract = jax.eval_shape(lambda: fns.init_state(model))
-    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract))
+    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract), mesh)

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite
-from jmem.train.loss import lm_loss_sum
+from jmem.train.loss import lm_loss_terms, router_loss
 
 
 class TrainState(NamedTuple):
@@ -79,6 +79,10 @@ def make_train_fns(
     accum: int = 1,
     loss_chunk: int | None = None,
     loss_scale: Any = None,
+    mesh: Any = None,
+    zero: int = 0,
+    rules: Any = None,
+    loss_fn: Callable | None = None,
 ) -> TrainFns:
     """Build the pure train/eval functions for `model` and optimizer `tx`.
 
@@ -90,15 +94,53 @@ def make_train_fns(
         accum: microbatches per step; must divide the batch (checked at trace).
         loss_chunk: cross-entropy chunk along the sequence (model default when None).
         loss_scale: initial `DynamicLossScale` for fp16; `NoOpLossScale` when None.
+        mesh: a `jmem.parallel.make_mesh` mesh: the gradient is then accumulated per
+            data-parallel group and reduced once per step
+            (`jmem.parallel.dp_accumulate_value_and_grad`); None: plain accumulation.
+        zero: ZeRO stage (with `mesh`); at 3 each layer's kernels are all-gathered
+            where they are used (`jmem.parallel.gather_on_use`).
+        rules: sharding rules (`jmem.parallel.Rules`, a string or None for the defaults).
+        loss_fn: `(params, batch) -> (loss_sum, count)` replacing the model's own loss
+            (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics then.
+
+    Metrics of `step`: `loss` (mean cross-entropy; for an MoE model without the router
+    losses, which are reported as `moe_aux_loss`, `moe_z_loss` and `moe_dropped` and
+    added to the minimised objective), `grad_norm`, `finite`, `loss_scale`.
 
     Returns:
         `TrainFns(init_state, step, eval_loss, merge)`.
     """
     graphdef, _, rest, treedef = split_params(model)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+    if mesh is not None:
+        from jmem import parallel as par
+
+        is_leaf = par.gather.is_weight_leaf
+    else:
+        is_leaf = None
+    gather = mesh is not None and zero >= 3 and loss_fn is None
+    moe = bool(getattr(getattr(model, "config", None), "moe_experts", 0)) and loss_fn is None
 
     def merge(params):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params)), rest)
+        # Weight leaves (`GatheredWeight`) stay whole: `dot` gathers them where they are used.
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params, is_leaf=is_leaf)), rest)
+
+    def loss_terms(params, mb):
+        """(objective sum, cross-entropy sum, router stats x count or {})."""
+        if loss_fn is not None:
+            s, _ = loss_fn(params, mb)
+            return s, s, {}
+        if gather:  # ZeRO-3: all-gather each layer's kernels right before their matmul
+            params = par.gather_on_use(params, mesh, rules)
+        m = merge(params)
+        s, c, stats = lm_loss_terms(m, mb, chunk=loss_chunk)
+        if stats is None:
+            return s, s, {}
+        # Router stats weighted by the microbatch's tokens: sums over microbatches / n_tokens
+        # give the token-weighted mean, like the cross-entropy.
+        extra = {"moe_aux_loss": stats.aux_loss * c, "moe_z_loss": stats.z_loss * c,
+                 "moe_dropped": stats.dropped.astype(jnp.float32)}
+        return s + router_loss(m, stats) * c, s, extra
 
     def init_state(m: nnx.Module) -> TrainState:
         params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
@@ -112,12 +154,17 @@ def make_train_fns(
         ls = state.loss_scale
 
         def objective(params, mb):
-            s, _ = lm_loss_sum(merge(params), mb, chunk=loss_chunk)
+            total, ce, extra = loss_terms(params, mb)
             # Divide by the *global* token count so microbatch sums add up to
             # the full-batch mean loss (and its gradient).
-            return ls.scale(s / n_tokens), s
+            return ls.scale(total / n_tokens), (ce, extra)
 
-        (_, loss_sum), grads = accumulate_value_and_grad(objective, state.params, batch, accum, has_aux=True)
+        if mesh is None:
+            (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective, state.params, batch, accum,
+                                                                      has_aux=True)
+        else:
+            (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
+                objective, state.params, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True)
         grads = ls.unscale(grads)
         finite = all_finite(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -128,10 +175,14 @@ def make_train_fns(
             "finite": finite,
             "loss_scale": ls.scale_value,
         }
+        if moe:
+            metrics.update({k: v / n_tokens for k, v in extra.items() if k != "moe_dropped"},
+                           moe_dropped=extra["moe_dropped"])
         return TrainState(state.step + 1, params, opt_state, ls.adjust(finite)), metrics
 
     def eval_loss(params, batch: dict):
-        s, c = lm_loss_sum(merge(params), batch, chunk=loss_chunk)
+        # Held-out cross-entropy only (no router losses), comparable to a dense model's.
+        s, c, _ = lm_loss_terms(merge(params), batch, chunk=loss_chunk)
         return s, c
 
     return TrainFns(init_state=init_state, step=step, eval_loss=eval_loss, merge=merge)

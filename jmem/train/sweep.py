@@ -33,7 +33,8 @@ from jmem.train.setup import _dtype_name, make_tx
 from jmem.train.step import make_train_fns
 
 RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "temp_bytes", "output_bytes",
-               "total_bytes", "flops", "param_bytes", "opt_state_bytes")
+               "total_bytes", "flops", "param_bytes", "opt_state_bytes", "mesh", "zero", "param_bytes_per_device",
+               "grad_bytes_per_device", "opt_bytes_per_device")
 
 
 def parse_list(text: str, name: str) -> list[str]:
@@ -44,8 +45,22 @@ def parse_list(text: str, name: str) -> list[str]:
     return items
 
 
-def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None) -> None:
+def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None, meshes=(None,),
+                  zeros=(0,)) -> None:
     """Every value of every list, checked before the first compile."""
+    from jmem import parallel as par
+    from jmem.parallel.mesh import resolve_shape
+
+    for z in zeros:
+        par.check_stage(z)
+    for m in meshes:
+        if m is not None:
+            shape = resolve_shape(m, jax.device_count())
+            d = shape["data"] * shape["fsdp"] * shape["expert"]
+            for a in accums:
+                if batch % (d * a):
+                    raise ValueError(f"--batch={batch} is not divisible by the data-parallel size {d} of mesh "
+                                     f"{m!r} x accum {a}")
     for r in remats:
         validate_remat(r)
     for p in precisions:
@@ -60,24 +75,47 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
 
 
 def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precision: str, accum: int,
-                   optimizer: str, target: str | None = None) -> dict:
-    """Memory and FLOPs of one jitted train step (donated state), compiled only."""
+                   optimizer: str, target: str | None = None, mesh: str | None = None, zero: int = 0,
+                   rules: str = "") -> dict:
+    """Memory and FLOPs of one jitted train step (donated state), compiled only.
+
+    With `mesh` (e.g. "data=8") the step is compiled with the ZeRO-`zero` shardings of
+    `jmem.parallel.jit_train_step` (byte counts are then per device). Every record
+    also has `mesh`, `zero` and the per-device model-state bytes
+    (`param_bytes_per_device`, `grad_bytes_per_device`, `opt_bytes_per_device`,
+    from those shardings; the whole trees without a mesh).
+    """
+    from jmem import parallel as par
     from jmem.models.llama import Llama
 
     policy = Policy.parse(precision)
     mc = mc.replace(param_dtype=_dtype_name(policy.param), compute_dtype=_dtype_name(policy.compute), remat=remat,
                     max_seq_len=max(mc.max_seq_len, seq))
     model = nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0)))
-    tx = make_tx(TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0), policy)
-    fns = make_train_fns(model, tx, accum=accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy))
+    tcfg = TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0, mesh=mesh, zero=zero,
+                       rules=rules)
+    dmesh = par.make_mesh(mesh) if mesh is not None else None
+    tx = make_tx(tcfg, policy, dmesh)
+    fns = make_train_fns(model, tx, accum=accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
+                         mesh=dmesh, zero=zero, rules=rules or None)
     # Initialise inside eval_shape: shapes only, no parameter is allocated.
     state = jax.eval_shape(lambda: fns.init_state(Llama(mc, rngs=nnx.Rngs(0))))
     batch_abs = {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
                  "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
                  "mask": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
     t0 = time.perf_counter()
-    r = measure(jax.jit(fns.step, donate_argnums=0), state, batch_abs, target=target)
+    if dmesh is None:
+        step = jax.jit(fns.step, donate_argnums=0)
+        # One device: every tree whole (the ZeRO-0 layout on a 1-device mesh).
+        state_mesh = par.make_mesh("data=1", devices=jax.devices()[:1])
+    else:
+        step, _, _ = par.jit_train_step(fns.step, state, dmesh, zero=zero, rules=rules or None)
+        state_mesh = dmesh
+    r = measure(step, state, batch_abs, target=target)
+    per_device = par.model_state_bytes(state, state_mesh, stage=zero if dmesh is not None else 0,
+                                       rules=rules or None)
     return {
+        "mesh": par.mesh_summary(dmesh) if dmesh is not None else None, "zero": zero, **per_device,
         "remat": remat, "precision": precision, "accum": accum, "optimizer": optimizer,
         "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
         "total_bytes": r.total_bytes, "flops": r.flops,
@@ -89,14 +127,18 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
 
 def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], precisions: Iterable[str],
           accums: Iterable[int], optimizers: Iterable[str], target: str | None = None,
+          meshes: Iterable[str | None] = (None,), zeros: Iterable[int] = (0,), rules: str = "",
           on_record: Callable[[dict], None] | None = None) -> list[dict]:
-    """One `compile_record` per combination (remat varies slowest, optimizer fastest)."""
-    remats, precisions, accums, optimizers = map(list, (remats, precisions, accums, optimizers))
-    validate_grid(batch, remats, precisions, accums, optimizers, target)
+    """One `compile_record` per combination (mesh varies slowest, then zero, remat, precision,
+    accum; optimizer fastest)."""
+    remats, precisions, accums, optimizers, meshes, zeros = map(list, (remats, precisions, accums, optimizers,
+                                                                      meshes, zeros))
+    validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros)
     out = []
-    for remat, precision, accum, optimizer in itertools.product(remats, precisions, accums, optimizers):
+    for mesh, zero, remat, precision, accum, optimizer in itertools.product(meshes, zeros, remats, precisions,
+                                                                            accums, optimizers):
         rec = compile_record(mc, batch=batch, seq=seq, remat=remat, precision=precision, accum=accum,
-                             optimizer=optimizer, target=target)
+                             optimizer=optimizer, target=target, mesh=mesh, zero=zero, rules=rules)
         out.append(rec)
         if on_record is not None:
             on_record(rec)
@@ -106,6 +148,8 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
 def markdown_table(records: list[dict]) -> str:
     """One row per record: MiB columns, GFLOPs, and temp/FLOPs relative to the first row's
     matching baseline (remat none, same precision/accum/optimizer) when present."""
+    if any(r.get("mesh") for r in records):
+        return zero_table(records)
     base = {(r["precision"], r["accum"], r["optimizer"]): r for r in records if r["remat"] == "none"}
     head = ("| remat | precision | accum | optimizer | params MiB | opt state MiB | arguments MiB | temp MiB "
             "| total MiB | GFLOPs | temp / none | FLOPs / none |")
@@ -121,6 +165,22 @@ def markdown_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def zero_table(records: list[dict]) -> str:
+    """One row per record of a mesh sweep: per-device model-state MiB (from the shardings)
+    beside the compiler's per-device argument / temp / total MiB."""
+    head = ("| mesh | zero | remat | precision | accum | optimizer | params MiB/dev | grads MiB/dev | opt MiB/dev "
+            "| model state MiB/dev | arguments MiB | temp MiB | total MiB | GFLOPs |")
+    lines = [head, "|" + "---|" * 14]
+    for r in records:
+        mib = lambda k: f"{r[k] / 2**20:.2f}"  # noqa: E731,B023
+        state = r["param_bytes_per_device"] + r["grad_bytes_per_device"] + r["opt_bytes_per_device"]
+        lines.append(f"| {r.get('mesh') or '1 device'} | {r['zero']} | {r['remat']} | {r['precision']} | {r['accum']} "
+                     f"| {r['optimizer']} | {mib('param_bytes_per_device')} | {mib('grad_bytes_per_device')} "
+                     f"| {mib('opt_bytes_per_device')} | {state / 2**20:.2f} | {mib('argument_bytes')} "
+                     f"| {mib('temp_bytes')} | {mib('total_bytes')} | {r['flops'] / 1e9:.1f} |")
+    return "\n".join(lines)
+
+
 def plot_records(records: list[dict], path: str, title: str = "") -> None:
     """Stacked bars (arguments + temp) per record, MiB."""
     import matplotlib
@@ -128,7 +188,8 @@ def plot_records(records: list[dict], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['remat']}/{r['precision']}/a{r['accum']}/{r['optimizer']}" for r in records]
+    labels = [(f"{r['mesh']}/z{r['zero']}/" if r.get("mesh") else "")
+              + f"{r['remat']}/{r['precision']}/a{r['accum']}/{r['optimizer']}" for r in records]
     arg = np.array([r["argument_bytes"] for r in records]) / 2**20
     tmp = np.array([r["temp_bytes"] for r in records]) / 2**20
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(records) + 2), 5))

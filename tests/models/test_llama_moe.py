@@ -1,0 +1,103 @@
+"""The Llama decoder with MoE MLPs (`moe_experts > 0`): parameters, router statistics
+out of the layer scan, and the router losses in the training loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.models import Llama, LlamaConfig, get_config
+from jmem.models.llama import block_and_stats, rms_norm
+from jmem.parallel.rules import default_logical_axes, lookup_axes, path_str
+from jmem.train.loss import lm_loss_sum, lm_loss_terms
+
+CFG = LlamaConfig.tiny_moe(n_layers=3, loss_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(0))
+
+
+def _batch(seed, B=2, T=16):
+    ids = np.random.default_rng(seed).integers(0, CFG.vocab_size, (B, T + 1)).astype(np.int32)
+    return {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:]), "mask": jnp.ones((B, T))}
+
+
+def test_params_paths_counts_and_preset(model):
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params
+    assert get_config("tiny-moe").moe_experts == 4
+    layers = params["layers"]
+    assert "moe" in layers and not {"w_gate", "w_up", "w_down"} & set(layers)
+    assert layers["moe"]["expert_gate"].shape == (3, 4, CFG.dim, CFG.ffn_dim)
+    table = default_logical_axes()
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        axes = lookup_axes(path_str(path), table)
+        assert axes is not None and len(axes) == x.ndim, path_str(path)
+    dense = nnx.to_pure_dict(nnx.state(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), nnx.Param))
+    assert "moe" not in dense["layers"] and {"w_gate", "w_up", "w_down"} <= set(dense["layers"])
+
+
+def test_router_stats_leave_the_scan_and_match_a_layer_loop(model):
+    b = _batch(1)
+    h, stats = jax.jit(lambda ids: model.hidden_and_router_stats(ids))(b["inputs"])
+    np.testing.assert_array_equal(h, model.hidden(b["inputs"])[0])
+    # Reference: the same blocks applied one layer at a time in Python.
+    @jax.jit
+    def layer_loop(ids, weights):
+        x = jnp.take(model.embed.embedding.get_value(), ids, axis=0)
+        pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+        per_layer = []
+        for i in range(CFG.n_layers):
+            x, _, s = block_and_stats(CFG, jax.tree.map(lambda a: a[i], weights), x, pos)
+            per_layer.append(s)
+        return x, per_layer
+
+    x, per_layer = layer_loop(b["inputs"], model.layers.weights())
+    np.testing.assert_allclose(h, rms_norm(x, model.norm.scale.get_value(), CFG.norm_eps), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats.aux_loss, np.mean([s.aux_loss for s in per_layer]), rtol=1e-5)
+    np.testing.assert_allclose(stats.z_loss, np.mean([s.z_loss for s in per_layer]), rtol=1e-5)
+    assert int(stats.dropped) == sum(int(s.dropped) for s in per_layer)
+    np.testing.assert_allclose(stats.load, np.mean([s.load for s in per_layer], axis=0), rtol=1e-6)
+
+
+def test_router_losses_are_added_to_the_training_loss(model):
+    b = _batch(2)
+    ce, count, stats = jax.jit(lambda b: lm_loss_terms(model, b))(b)
+    total, count2 = jax.jit(lambda b: lm_loss_sum(model, b))(b)
+    expected = ce + (CFG.moe_aux_weight * stats.aux_loss + CFG.moe_z_weight * stats.z_loss) * count
+    np.testing.assert_allclose(total, expected, rtol=1e-6)
+    assert float(count2) == float(count) == 32.0
+
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def router_grads(p):
+        def f(p, aux_weight):
+            m = nnx.merge(graphdef, p)
+            m.config = CFG.replace(moe_aux_weight=aux_weight)
+            return lm_loss_sum(m, b)[0]
+
+        return [jax.grad(f)(p, w)["layers"]["moe"]["router"]["kernel"].get_value() for w in (0.0, 1.0)]
+
+    # The balancing loss reaches the router: its gradient changes with the weight.
+    g0, g1 = router_grads(params)
+    assert float(jnp.max(jnp.abs(g1 - g0))) > 1e-4
+
+
+def test_dense_model_reports_no_router_stats():
+    m = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    _, stats = m.hidden_and_router_stats(_batch(3)["inputs"])
+    assert stats is None and lm_loss_terms(m, _batch(3))[2] is None
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (dict(moe_experts=4, moe_top_k=5), "top_k=5 must be in 1..n_experts=4"),
+    (dict(moe_experts=-1), "moe_experts=-1 must be >= 0"),
+    (dict(moe_experts=2, moe_capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
+])
+def test_bad_moe_config_is_one_clear_error(overrides, expected):
+    with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
+        LlamaConfig.tiny(**overrides)

@@ -1,0 +1,152 @@
+"""`experiments/train.py` on a device mesh: ZeRO-3 end to end, pipeline stages,
+an MoE model, bad mesh flags, and `memory_sweep.py --mesh/--zero` records."""
+
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jmem.train import TrainConfig, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# f32 so the sharded runs can be compared with one device at a tight tolerance.
+REF = TrainConfig(model="tiny", steps=3, batch=8, seq=32, lr=1e-2, warmup=0, precision="f32", progress=False,
+                  eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def single_device_losses():
+    result = train(REF, out=io.StringIO())
+    return np.array([result.losses[k] for k in range(3)])
+
+
+def test_script_mesh_zero3_matches_one_device(tmp_path, single_device_losses):
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), "--model", "tiny", "--steps", "3", "--batch", "8",
+           "--seq", "32", "--lr", "1e-2", "--warmup", "0", "--precision", "f32", "--eval-batches", "1",
+           "--mesh", "data=2,fsdp=2,tensor=2", "--zero", "3", "--no-progress", "--log", str(log)]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "mesh data=2,fsdp=2,tensor=2" in p.stdout and "zero=3" in p.stdout and "final eval loss" in p.stdout
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in steps], single_device_losses, rtol=1e-5)
+
+
+def test_pipeline_stages_match_one_device(single_device_losses):
+    cfg = dataclasses.replace(REF, pipeline_stages=2, microbatches=2, mesh="stage=2,data=4", zero=1)
+    out = io.StringIO()
+    result = train(cfg, out=out)
+    assert "pipeline 2 stages x 2 microbatches" in out.getvalue()
+    np.testing.assert_allclose([result.losses[k] for k in range(3)], single_device_losses, rtol=1e-5)
+
+
+def _train_main(argv, capsys):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import train as script
+    finally:
+        sys.path.pop(0)
+    rc = script.main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--zero", "4"], "zero=4 is not a ZeRO stage; accepted: 0, 1, 2, 3"),
+    (["--mesh", "data=3"], "mesh data=3 needs 3 devices but there are 8"),
+    (["--mesh", "data=2,model=4"], "unknown mesh axis 'model'; accepted: stage, data, fsdp, expert, tensor"),
+    (["--rules", "embed=gpu"], "gpu"),
+    (["--mesh", "data=8", "--batch", "4"], "--batch=4 must be divisible by the data-parallel size 8"),
+    (["--pipeline-stages", "3"], "--pipeline-stages=3 must divide the 2 layers"),
+    (["--coordinator", "localhost:1234"], "needs num_processes, process_id as well"),
+])
+def test_bad_mesh_flags_are_one_line_exit_2(argv, expected, capsys):
+    rc, err = _train_main(["--model", "tiny"] + argv, capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+def test_tiny_moe_trains_and_logs_router_losses(tmp_path):
+    cfg = dataclasses.replace(REF, model="tiny-moe", steps=8, batch=4, log=str(tmp_path / "log.jsonl"))
+    result = train(cfg, out=io.StringIO())
+    losses = [result.losses[k] for k in range(8)]
+    assert np.all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3])
+    steps = [r for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    for r in steps:
+        # Balancing loss is 1 at uniform load, at most n_experts; z-loss is >= 0.
+        assert 0 < r["moe_aux_loss"] <= 4.0 and r["moe_z_loss"] >= 0 and r["moe_dropped"] >= 0
+    assert any(r["moe_dropped"] > 0 for r in steps)  # capacity 1.25 drops some of a skewed router's tokens
+
+
+@pytest.mark.slow
+def test_tiny_moe_on_an_expert_mesh_matches_one_device():
+    cfg = dataclasses.replace(REF, model="tiny-moe", steps=2, batch=4)
+    ref = train(cfg, out=io.StringIO())
+    got = train(dataclasses.replace(cfg, mesh="data=2,expert=2,tensor=2", zero=3), out=io.StringIO())
+    np.testing.assert_allclose([got.losses[k] for k in range(2)], [ref.losses[k] for k in range(2)], rtol=1e-5)
+
+
+def test_memory_sweep_mesh_and_zero_lists_write_per_device_bytes(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import memory_sweep
+    finally:
+        sys.path.pop(0)
+    out, md, png = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
+    rc = memory_sweep.main(["--preset", "tiny", "--batch", "8", "--seq", "32", "--remat", "full", "--precision",
+                            "f32", "--accum", "1", "--optimizer", "adamw", "--mesh", "data=8", "--zero", "0,3",
+                            "--out", str(out), "--md", str(md), "--png", str(png)])
+    assert rc == 0, capsys.readouterr().err
+    z0, z3 = json.loads(out.read_text())
+    assert (z0["mesh"], z0["zero"], z3["mesh"], z3["zero"]) == ("data=8", 0, "data=8", 3)
+    # Stage 0 keeps every tree whole; stage 3 divides all three by the 8 data-parallel devices
+    # (up to the optimizer's replicated scalars).
+    assert z0["param_bytes_per_device"] == z0["grad_bytes_per_device"] == z0["param_bytes"]
+    assert z0["opt_bytes_per_device"] == z0["opt_state_bytes"]
+    for k in ("param_bytes_per_device", "grad_bytes_per_device", "opt_bytes_per_device"):
+        assert z3[k] == pytest.approx(z0[k] / 8, rel=0.01), k
+    assert z3["argument_bytes"] < z0["argument_bytes"] / 4
+    assert "| data=8 | 3 | full | f32 | 1 | adamw |" in md.read_text()
+
+
+@pytest.mark.slow
+def test_script_two_processes_zero3_match_one_process(tmp_path):
+    """`--coordinator/--num-processes/--process-id`: 2 CPU processes x 2 devices (gloo) train
+    like one process with 4 devices and the same global batch."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, str(ROOT / "experiments" / "train.py"), "--model", "tiny", "--steps", "3", "--batch", "8",
+            "--seq", "32", "--lr", "1e-2", "--warmup", "0", "--precision", "f32", "--eval-batches", "1",
+            "--mesh", "fsdp=-1", "--zero", "3", "--no-progress"]
+
+    def env(n):
+        return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+
+    procs = [subprocess.Popen(base + ["--log", str(tmp_path / f"p{i}.jsonl"), "--coordinator", f"127.0.0.1:{port}",
+                                      "--num-processes", "2", "--process-id", str(i)],
+                              env=env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    one = subprocess.run(base + ["--log", str(tmp_path / "one.jsonl")], env=env(4), cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def losses(name):
+        return [r["loss"] for r in map(json.loads, (tmp_path / name).read_text().splitlines()) if "loss" in r]
+
+    ref = losses("one.jsonl")
+    assert len(ref) == 3 and "mesh fsdp=4 (2 process(es))" in outs[0]
+    for name in ("p0.jsonl", "p1.jsonl"):
+        np.testing.assert_allclose(losses(name), ref, rtol=1e-5)
