@@ -1,0 +1,172 @@
+"""Perplexity and weight bytes of SmolLM2-135M under each quantization method.
+
+    python experiments/eval_quant.py --text FILE --windows 16 \
+        --methods float,int8,rtn4,rtn3,nf4,gptq4,gptq3,awq4,awq3,fp8,q4_0,q4_k,q6_k,q8_0 --out quant.json
+
+Evaluation: the first `windows` non-overlapping 512-token windows of the text;
+calibration (gptq, awq): the windows after them, so the two never overlap.
+Default text: the standard library's `pydoc_data.topics`. `float` is the
+dequantized source model. GGUF block formats use llama.cpp's own fallback for
+matrices whose input dimension is not a multiple of 256 (Q4_K -> Q5_0,
+Q6_K -> Q8_0; SmolLM2's width 576 needs it), recorded per method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from flax import nnx
+
+import jmem
+from jmem.quant import quantize, weight_bytes
+from jmem.quant.api import LINEARS
+
+WINDOW = 512
+CALIBRATED = {"gptq4": ("gptq", 4), "gptq3": ("gptq", 3), "awq4": ("awq", 4), "awq3": ("awq", 3)}
+PLAIN = {"int8": ("int8", 8), "rtn4": ("rtn", 4), "rtn3": ("rtn", 3), "nf4": ("nf4", 4), "fp8": ("fp8", 8)}
+GGUF = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
+# llama.cpp's substitutes when a row length is not a multiple of the 256-wide super-block.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+ALL = ("float", *PLAIN, *CALIBRATED, *GGUF)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Quantization perplexity table."""
+
+    text: str | None = None
+    """Text file to evaluate and calibrate on (default: pydoc_data.topics)."""
+    windows: int = 16
+    """Non-overlapping 512-token evaluation windows."""
+    methods: str = ",".join(ALL)
+    """Comma-separated methods among: """ + ", ".join(ALL)
+    out: str = "quant.json"
+    """JSON output: a list of {method, ppl, weight_bytes, ...}."""
+    model: str = "smollm2-135m"
+    """Model name or GGUF path for `jmem.load`."""
+    group_size: int = 64
+    """Group size of the 4/3-bit methods (128 does not divide SmolLM2's width 576)."""
+    calib_windows: int = 16
+    """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
+    symmetric: bool = False
+    """Scale-only grids for rtn/gptq/awq; the default adds a zero point per group, as the GPTQ and AWQ papers do."""
+    act_order: bool = True
+    """GPTQ column order by decreasing Hessian diagonal."""
+    batch: int = 4
+    """Windows per forward pass."""
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def perplexity(model, windows: np.ndarray, batch: int) -> float:
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll_sum(state, ids):
+        logits, _ = nnx.merge(graphdef, state)(ids[:, :-1])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
+
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        total += float(nll_sum(state, jnp.asarray(windows[i:i + batch])))
+    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+def gguf_model(model, qtype: str):
+    from jmem.quant.ggml import FORMATS
+    from jmem.quant.ggml_weight import GGMLWeight
+
+    model = nnx.clone(model)
+    used = {}
+    for name in LINEARS:
+        var = getattr(model.layers, name).kernel
+        w = np.asarray(var.get_value())
+        t = qtype
+        if w.shape[-2] % FORMATS[_qtype(t)].block_size:
+            t = K_FALLBACK.get(t, t)
+        var.set_value(GGMLWeight.from_float(w, _qtype(t)))
+        used[name] = t
+    return model, used
+
+
+def _qtype(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[name]
+
+
+def main(cfg: Config) -> list[dict]:
+    methods = [m.strip() for m in cfg.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL]
+    if bad:
+        raise ValueError(f"unknown methods {bad}; accepted: {', '.join(ALL)}")
+    text = open(cfg.text, encoding="utf-8").read() if cfg.text else default_text()
+    lm = jmem.load(cfg.model)
+    tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
+    need = (cfg.windows + cfg.calib_windows) * WINDOW
+    if tokens.size < need:
+        raise ValueError(f"the text has {tokens.size} tokens; {cfg.windows} evaluation + {cfg.calib_windows} "
+                         f"calibration windows of {WINDOW} need {need}")
+    windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
+    calib = tokens[cfg.windows * WINDOW: need].reshape(cfg.calib_windows, WINDOW)
+    base = lm.model
+    float_bytes = weight_bytes(base)
+    print(f"{tokens.size} tokens; eval {windows.size}, calibration {calib.size} (disjoint); "
+          f"float linear weights {float_bytes / 2**20:.1f} MiB")
+
+    records = []
+    for m in methods:
+        t0 = time.time()
+        extra = {}
+        if m == "float":
+            model = base
+        elif m in PLAIN:
+            method, bits = PLAIN[m]
+            model = quantize(base, method, bits=bits, group_size=cfg.group_size, symmetric=cfg.symmetric)
+        elif m in CALIBRATED:
+            method, bits = CALIBRATED[m]
+            model = quantize(base, method, bits=bits, group_size=cfg.group_size, calibration=calib,
+                             symmetric=cfg.symmetric, act_order=cfg.act_order, max_seqs=cfg.calib_windows,
+                             log=lambda line: print(line, flush=True))
+        else:
+            model, used = gguf_model(base, GGUF[m])
+            extra["gguf_types"] = used
+        t_quant = time.time() - t0
+        ppl = perplexity(model, windows, cfg.batch)
+        rec = dict(method=m, ppl=ppl, weight_bytes=weight_bytes(model), float_weight_bytes=float_bytes,
+                   bytes_ratio=weight_bytes(model) / float_bytes, quantize_s=round(t_quant, 1),
+                   eval_s=round(time.time() - t0 - t_quant, 1), windows=cfg.windows,
+                   group_size=cfg.group_size if m not in ("float", "int8", "fp8", "nf4") and m not in GGUF else None,
+                   **extra)
+        records.append(rec)
+        print(f"{m:>6}: ppl {ppl:8.3f}  bytes {rec['weight_bytes'] / 2**20:7.2f} MiB "
+              f"({rec['bytes_ratio']:.3f} of f32)  quantize {t_quant:.0f}s", flush=True)
+        with open(cfg.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(markdown(records))
+    return records
+
+
+def markdown(records: list[dict]) -> str:
+    ref = next((r["ppl"] for r in records if r["method"] == "float"), None)
+    lines = ["| method | perplexity | vs float | linear weight bytes | of f32 |", "|---|---|---|---|---|"]
+    for r in records:
+        rel = f"{100 * (r['ppl'] / ref - 1):+.2f}%" if ref else ""
+        lines.append(f"| {r['method']} | {r['ppl']:.3f} | {rel} | {r['weight_bytes']:,} | {r['bytes_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))

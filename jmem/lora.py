@@ -1,0 +1,271 @@
+"""LoRA adapters on any weight leaf (float, quantized): QLoRA when the base is NF4.
+
+`x @ W` becomes `x @ W + scale * (dropout(x) @ A) @ B` with `A[in, r]`,
+`B[r, out]` and `scale = alpha / r` (or `alpha / sqrt(r)` with rsLoRA, Kalajdzievski
+2023). B starts at zero, so a fresh adapter leaves the model unchanged. The
+adapter is a pytree leaf wrapping the base leaf, so the model is unchanged and
+`jax.lax.scan` slices the stacked-layers axis of base, A and B alike.
+
+Only A and B are trainable: `split_trainable(state)` cuts a model state into
+the adapter leaves and everything else, so gradients and optimizer state exist
+for the adapters alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.dot import dot
+
+LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+ADAPTER_FIELDS = ("lora_a", "lora_b")
+
+
+class LoRA:
+    """A weight leaf `[..., in, out]` plus a low-rank adapter.
+
+    Children: base (any weight leaf), lora_a [..., in, r], lora_b [..., r, out],
+    and dropout_key (u32[..., 2] raw key data, or None: no dropout).
+    Static: alpha, dropout rate, rslora.
+
+    Example:
+        >>> w = LoRA.init(NF4Tensor.quantize(w0), rank=16, alpha=32, key=jax.random.key(0))
+        >>> y = jmem.models.dot.dot(x, w)
+    """
+
+    def __init__(self, base, lora_a, lora_b, alpha: float, dropout: float = 0.0, rslora: bool = False,
+                 dropout_key=None):
+        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
+        self.alpha, self.dropout, self.rslora = float(alpha), float(dropout), bool(rslora)
+        self.dropout_key = dropout_key
+
+    @classmethod
+    def init(cls, base, rank: int, alpha: float, key, dropout: float = 0.0, rslora: bool = False,
+             dtype=jnp.float32) -> "LoRA":
+        """A fresh adapter: A ~ N(0, 1/in), B = 0."""
+        if not isinstance(rank, (int, np.integer)) or rank <= 0:
+            raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
+        *lead, n_in, n_out = base.shape
+        a = jax.random.normal(key, (*lead, n_in, rank), jnp.float32) * n_in ** -0.5
+        b = jnp.zeros((*lead, rank, n_out), dtype)
+        return cls(base, a.astype(dtype), b, alpha, dropout, rslora)
+
+    def tree_flatten_with_keys(self):
+        k = jax.tree_util.GetAttrKey
+        children = ((k("base"), self.base), (k("lora_a"), self.lora_a), (k("lora_b"), self.lora_b),
+                    (k("dropout_key"), self.dropout_key))
+        return children, (self.alpha, self.dropout, self.rslora)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        base, a, b, key = children
+        return cls(base, a, b, *aux, dropout_key=key)
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[-1]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    @property
+    def nbytes(self) -> int:
+        base = self.base.nbytes if hasattr(self.base, "dequantize") else self.base.size * self.base.dtype.itemsize
+        return int(base + self.lora_a.nbytes + self.lora_b.nbytes)
+
+    def __getitem__(self, index) -> "LoRA":
+        """Index the leading (stacked-layers) axes of base, A, B and the dropout key alike."""
+        return jax.tree_util.tree_map(lambda c: c[index], self)
+
+    def delta(self) -> jax.Array:
+        """The adapter's weight update `scale * A @ B`, f32[..., in, out]."""
+        return self.scale * jnp.matmul(self.lora_a.astype(jnp.float32), self.lora_b.astype(jnp.float32))
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The merged float weight `W + scale * A @ B`."""
+        base = self.base.dequantize(jnp.float32) if hasattr(self.base, "dequantize") else self.base
+        return (base.astype(jnp.float32) + self.delta()).astype(self.dtype if dtype is None else dtype)
+
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        y = dot(x, self.base)
+        xa = x
+        if self.dropout > 0.0 and self.dropout_key is not None:
+            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.dropout_key), 1.0 - self.dropout, x.shape)
+            xa = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+        a, b = self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)
+        h = jnp.matmul(xa, a, preferred_element_type=jnp.float32).astype(x.dtype)
+        u = jnp.matmul(h, b, preferred_element_type=jnp.float32)
+        return (y.astype(jnp.float32) + self.scale * u).astype(x.dtype)
+
+
+jax.tree_util.register_pytree_with_keys_class(LoRA)
+
+
+def _set(var, value) -> None:
+    """Replace a variable's value by any pytree (flax >= 0.12 deprecates the `.value` setter)."""
+    if hasattr(var, "set_value"):
+        var.set_value(value)
+    else:
+        var.value = value
+
+
+def _get(var):
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def _kernel_var(model, name: str):
+    if name == "head":
+        if not hasattr(model, "head"):
+            raise ValueError("target 'head' needs untied embeddings (the model ties its output to the embedding)")
+        return model.head.kernel
+    if name not in LINEAR_TARGETS:
+        raise ValueError(f"unknown LoRA target {name!r}; accepted: {', '.join(LINEAR_TARGETS + ('head',))}")
+    return getattr(model.layers, name).kernel
+
+
+def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), *, dropout: float = 0.0,
+               rslora: bool = False, seed: int = 0, dtype=jnp.float32, inplace: bool = False):
+    """Wrap the target kernels of a jmem Llama model in fresh LoRA adapters.
+
+    Args:
+      model: a `jmem.models.Llama` (its kernels may already be quantized).
+      rank, alpha, dropout, rslora: adapter hyper-parameters (scale alpha/rank,
+        or alpha/sqrt(rank) with rslora).
+      targets: names among wq, wk, wv, wo, w_gate, w_up, w_down, head.
+      seed: initialises A; dtype: adapter dtype (e.g. jnp.bfloat16 for QLoRA).
+      inplace: modify `model` instead of a copy.
+
+    Example:
+        >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
+    """
+    if isinstance(targets, str):
+        targets = (targets,)
+    for name in targets:
+        _kernel_var(model, name)  # validate every name before any work
+    if not inplace:
+        model = nnx.clone(model)
+    keys = jax.random.split(jax.random.key(seed), len(targets))
+    for name, key in zip(targets, keys):
+        var = _kernel_var(model, name)
+        if isinstance(_get(var), LoRA):
+            raise ValueError(f"target {name!r} already has a LoRA adapter")
+        _set(var, LoRA.init(_get(var), rank, alpha, key, dropout, rslora, dtype))
+    return model
+
+
+def _lora_vars(model) -> dict:
+    found = {}
+    for name in LINEAR_TARGETS + ("head",):
+        try:
+            var = _kernel_var(model, name)
+        except ValueError:
+            continue
+        if isinstance(_get(var), LoRA):
+            found[name] = var
+    return found
+
+
+def merge(model, *, inplace: bool = False):
+    """Fold every adapter into its weight: kernels become float `W + scale * A @ B` arrays.
+
+    A quantized base is dequantized first (re-quantize the merged model if needed).
+    """
+    if not inplace:
+        model = nnx.clone(model)
+    for var in _lora_vars(model).values():
+        _set(var, _get(var).dequantize())
+    return model
+
+
+def set_dropout_key(model, key) -> None:
+    """Give every adapter with dropout > 0 a fresh key (call once per training step); None turns dropout off."""
+    for i, var in enumerate(_lora_vars(model).values()):
+        lora = _get(var)
+        if lora.dropout == 0.0:
+            continue
+        new_key = None
+        if key is not None:
+            lead = lora.lora_a.shape[:-2]
+            k = jax.random.fold_in(key, i)
+            new_key = jax.random.key_data(jax.random.split(k, int(np.prod(lead))).reshape(lead) if lead else k)
+        _set(var, LoRA(lora.base, lora.lora_a, lora.lora_b, lora.alpha, lora.dropout, lora.rslora, new_key))
+
+
+def is_adapter_path(path) -> bool:
+    """True for the key path of a LoRA A or B array inside a model state."""
+    return any(isinstance(p, jax.tree_util.GetAttrKey) and p.name in ADAPTER_FIELDS for p in path)
+
+
+def split_trainable(tree):
+    """`(trainable, frozen)`: the same tree twice, adapter arrays in the first and None elsewhere, and vice versa.
+
+    Example:
+        >>> graphdef, state = nnx.split(model)
+        >>> train, frozen = split_trainable(state)
+        >>> grads = jax.grad(lambda t: loss(nnx.merge(graphdef, combine(t, frozen))))(train)
+    """
+    train = jax.tree_util.tree_map_with_path(lambda p, x: x if is_adapter_path(p) else None, tree)
+    frozen = jax.tree_util.tree_map_with_path(lambda p, x: None if is_adapter_path(p) else x, tree)
+    return train, frozen
+
+
+def combine(train, frozen):
+    """Inverse of `split_trainable`."""
+    return jax.tree_util.tree_map(lambda t, f: f if t is None else t, train, frozen, is_leaf=lambda x: x is None)
+
+
+def adapter_arrays(model) -> dict[str, np.ndarray]:
+    """`{"wq.lora_a": ..., "wq.lora_b": ...}` for every adapted kernel."""
+    out = {}
+    for name, var in _lora_vars(model).items():
+        out[f"{name}.lora_a"] = np.asarray(_get(var).lora_a)
+        out[f"{name}.lora_b"] = np.asarray(_get(var).lora_b)
+    return out
+
+
+def save_adapters(model, path) -> None:
+    """Write the adapters alone (A, B and their hyper-parameters) to an .npz file."""
+    loras = _lora_vars(model)
+    if not loras:
+        raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
+    meta = {n: {"alpha": lo.alpha, "dropout": lo.dropout, "rslora": lo.rslora, "rank": lo.rank,
+                "dtype": str(lo.lora_a.dtype)} for n, lo in ((n, _get(v)) for n, v in loras.items())}
+    arrays = {k: (a.astype(np.float32) if a.dtype == jnp.bfloat16 else a) for k, a in adapter_arrays(model).items()}
+    np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+
+
+def load_adapters(model, path, *, inplace: bool = False):
+    """Attach adapters saved by `save_adapters` to a model with the same base shapes.
+
+    Kernels that already carry an adapter have it replaced; others are wrapped.
+    """
+    with np.load(path) as f:
+        meta = json.loads(bytes(f["__meta__"]).decode())
+        arrays = {k: f[k] for k in f.files if k != "__meta__"}
+    if not inplace:
+        model = nnx.clone(model)
+    for name, m in meta.items():
+        var = _kernel_var(model, name)
+        base = _get(var).base if isinstance(_get(var), LoRA) else _get(var)
+        a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
+        if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
+            raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
+        dtype = jnp.dtype(m["dtype"])
+        _set(var, LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m["dropout"], m["rslora"]))
+    return model

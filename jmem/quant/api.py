@@ -1,0 +1,282 @@
+"""`quantize(model, method, ...)`: replace a Llama model's linear kernels by quantized leaves.
+
+Calibrated methods (gptq, awq) run block by block on the model's own
+activations: the calibration tokens are embedded once, then for each layer the
+inputs of its linears are captured with the already-quantized earlier layers,
+the layer is quantized, and its quantized output becomes the next layer's
+input. Embeddings, norms and the output head stay in float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.dot import dot
+from jmem.models.llama import Blocks, block
+from jmem.quant.awq import awq_clip, awq_scale
+from jmem.quant.fp8 import FP8Tensor
+from jmem.quant.gptq import gptq_quantize, hessian
+from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
+from jmem.quant.qtensor import IntTensor, check_group_size
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
+CALIBRATED = ("gptq", "awq")
+# Per-method bit widths when the caller leaves `bits` at its default.
+DEFAULT_BITS = {"int8": 8, "nf4": 4, "fp8": 8}
+# GPTQ's true-sequential order: each stage sees the earlier stages quantized.
+GPTQ_STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+# AWQ clip search skips q/k: their error is amplified through the attention scores.
+AWQ_NO_CLIP = ("wq", "wk")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """A validated request: method, bits, group size (None = per channel), symmetry, act-order."""
+
+    method: str
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    act_order: bool
+
+
+def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
+    if method not in METHOD_BITS:
+        raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
+    if bits is None:
+        bits = DEFAULT_BITS.get(method, 4)
+    if bits not in METHOD_BITS[method]:
+        raise ValueError(f"bits={bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
+    if method in ("int8", "fp8"):
+        group_size = None
+    weights = model.layers.weights()
+    for name in LINEARS:
+        n_in = weights[name].shape[-2]
+        if method == "nf4":
+            if n_in % NF4_BLOCK:
+                raise ValueError(f"NF4 needs input dimensions divisible by {NF4_BLOCK}; {name} has {n_in}")
+        elif method != "fp8":
+            try:
+                check_group_size(n_in, group_size, bits)
+            except ValueError as e:
+                raise ValueError(f"{name} (input dimension {n_in}): {e}") from None
+    if symmetric is None:
+        symmetric = True
+    return QuantSpec(method, int(bits), group_size, bool(symmetric), bool(act_order))
+
+
+def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs: int = 32) -> np.ndarray:
+    """Token windows i32[n_seqs, seq_len] from texts (needs `tokenizer`) or token arrays.
+
+    Accepts a string, a list of strings, an int array [B, T] or a list of 1-D
+    int arrays. Texts are tokenized, concatenated and cut into non-overlapping
+    windows of `seq_len` (a shorter stream gives one shorter window).
+    """
+    if calibration is None or (isinstance(calibration, (str, list, tuple)) and len(calibration) == 0):
+        raise ValueError("calibration is empty; accepted: non-empty text(s) or token arrays")
+    if isinstance(calibration, str):
+        calibration = [calibration]
+    if isinstance(calibration, (list, tuple)) and all(isinstance(t, str) for t in calibration):
+        if tokenizer is None:
+            raise ValueError("calibration texts need a tokenizer (pass tokenizer=...) or pass token ids")
+        stream = []
+        for text in calibration:
+            enc = tokenizer.encode(text)
+            stream.extend(enc.ids if hasattr(enc, "ids") else list(enc))
+        calibration = np.asarray(stream, np.int32)
+    if isinstance(calibration, (list, tuple)):
+        calibration = np.concatenate([np.asarray(c, np.int32).reshape(-1) for c in calibration])
+    ids = np.asarray(calibration, np.int32)
+    if ids.ndim == 2 and ids.size:
+        return ids[:max_seqs]
+    ids = ids.reshape(-1)
+    if ids.size == 0:
+        raise ValueError("calibration is empty after tokenization; accepted: non-empty text(s) or token arrays")
+    n = max(1, ids.size // seq_len)
+    if ids.size < seq_len:
+        return ids[None, :]
+    return ids[: n * seq_len].reshape(n, seq_len)[:max_seqs]
+
+
+class _Tap:
+    """A weight leaf that records its input (inside one trace) and then multiplies."""
+
+    def __init__(self, w, sink: dict, name: str):
+        self.w, self.sink, self.name = w, sink, name
+
+    def __jmem_dot__(self, x):
+        self.sink[self.name] = x
+        return dot(x, self.w)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_layer(cfg, w: dict, x, positions):
+    """One block; returns (output, inputs of every linear by name)."""
+    sink: dict = {}
+    tapped = {n: (_Tap(v, sink, n) if n in LINEARS else v) for n, v in w.items()}
+    y, _ = block(cfg, tapped, x, positions)
+    return y, sink
+
+
+def _quantize_plain(w, spec: QuantSpec, clip=None):
+    if spec.method == "nf4":
+        return NF4Tensor.quantize(w)
+    if spec.method == "fp8":
+        return FP8Tensor.quantize(w)
+    return IntTensor.quantize(w, spec.bits, spec.group_size, spec.symmetric, clip=clip)
+
+
+def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
+    w = dict(w)
+    for stage in GPTQ_STAGES:
+        _, inputs = _run_layer(cfg, w, x, positions)
+        h = hessian(inputs[stage[0]])  # the linears of a stage share their input
+        for name in stage:
+            w[name] = gptq_quantize(np.asarray(w[name]), h, spec.bits, spec.group_size, spec.symmetric,
+                                    spec.act_order)
+    return w
+
+
+def fold_awq_scales(cfg, w: dict, s_qkv, s_o, s_gate_up, s_down) -> dict:
+    """Fold AWQ's per-input-channel scales into one layer's float weights; the layer's function is unchanged.
+
+    Each linear's rows are multiplied by its scale and `1/s` goes into the op
+    that produces its input: attn_norm (q/k/v), v's output columns (o:
+    attention is linear in v), mlp_norm (gate/up), up's output columns (down:
+    silu(gate) * up is linear in up). Under grouped-query attention one v
+    column serves n_heads / n_kv_heads query heads, so `s_o` (f32[n_heads *
+    head_dim]) must be equal across the query heads of a kv head.
+    """
+    w = dict(w)
+    rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    s_v = s_o.reshape(cfg.n_kv_heads, rep, hd)[:, 0, :].reshape(-1)
+    w["attn_norm"] = w["attn_norm"] / s_qkv
+    for n in ("wq", "wk", "wv"):
+        w[n] = w[n] * s_qkv[:, None]
+    w["wv"], w["wo"] = w["wv"] / s_v[None, :], w["wo"] * s_o[:, None]
+    w["mlp_norm"] = w["mlp_norm"] / s_gate_up
+    for n in ("w_gate", "w_up"):
+        w[n] = w[n] * s_gate_up[:, None]
+    w["w_up"], w["w_down"] = w["w_up"] / s_down[None, :], w["w_down"] * s_down[:, None]
+    return w
+
+
+def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
+    w = {n: jnp.asarray(v, jnp.float32) for n, v in w.items()}
+    _, inputs = _run_layer(cfg, w, x, positions)
+    xs = {n: inputs[n].reshape(-1, inputs[n].shape[-1]).astype(jnp.float32) for n in LINEARS}
+    args = (spec.bits, spec.group_size, spec.symmetric)
+    # Every search reads the float layer's own weights: the folds touch
+    # disjoint rows and columns, so their order does not matter.
+    s_qkv = awq_scale(xs["wq"], [w["wq"], w["wk"], w["wv"]], *args)
+    # o's activation magnitude is averaged over the query heads sharing a kv head (see fold_awq_scales).
+    rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    mean_o = jnp.abs(xs["wo"]).mean(axis=0).reshape(cfg.n_kv_heads, rep, hd).mean(axis=1)
+    s_o = awq_scale(xs["wo"], [w["wo"]], *args, x_mean=jnp.repeat(mean_o[:, None, :], rep, axis=1).reshape(-1))
+    s_gu = awq_scale(xs["w_gate"], [w["w_gate"], w["w_up"]], *args)
+    s_down = awq_scale(xs["w_down"], [w["w_down"]], *args)
+    w = fold_awq_scales(cfg, w, s_qkv, s_o, s_gu, s_down)
+    for names, s in ((("wq", "wk", "wv"), s_qkv), (("wo",), s_o), (("w_gate", "w_up"), s_gu), (("w_down",), s_down)):
+        for n in names:
+            xs[n] = xs[n] / s
+
+    for n in LINEARS:
+        clip = None if n in AWQ_NO_CLIP else awq_clip(xs[n], w[n], *args)
+        w[n] = IntTensor.quantize(w[n], *args, clip=clip)
+    return w
+
+
+def _set(var, value) -> None:
+    """Replace a variable's value by any pytree (flax >= 0.12 deprecates the `.value` setter)."""
+    if hasattr(var, "set_value"):
+        var.set_value(value)
+    else:
+        var.value = value
+
+
+def _get(var):
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def _stack(leaves: list):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
+
+
+def quantize(model, method: str, bits: int | None = None, group_size: int | None = 128, calibration=None, *,
+             tokenizer=None, symmetric: bool | None = None, act_order: bool = False, seq_len: int = 512,
+             max_seqs: int = 32, inplace: bool = False, log=None):
+    """Quantize the linear layers of a jmem Llama model.
+
+    Args:
+      model: a `jmem.models.Llama` (layers stacked on a leading axis).
+      method: rtn, int8 (per channel), nf4 (double quantization), fp8 (e4m3,
+        per channel), gptq or awq.
+      bits: rtn/gptq/awq: 2, 3, 4 or 8 (default 4); nf4: 4; int8, fp8: 8.
+      group_size: input rows per scale for rtn/gptq/awq; None for per channel.
+        Must divide every linear's input dimension.
+      calibration: gptq/awq only: text(s) (with `tokenizer`) or token ids
+        (int [B, T] or a list of 1-D arrays).
+      tokenizer: anything with `.encode(text)` returning ids or an object with `.ids`.
+      symmetric: scale only (default) or scale + zero point per group.
+      act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
+      seq_len, max_seqs: calibration windows (tokens per window, windows used).
+      inplace: modify `model` instead of a copy.
+      log: optional callable taking one progress line per calibrated layer (e.g. `print`).
+
+    Returns:
+      The quantized model: every `layers.<linear>.kernel` holds a stacked
+      quantized leaf; AWQ also rewrites the norm scales it folded into.
+
+    Example:
+        >>> qmodel = quantize(model, "gptq", bits=4, group_size=64, calibration=ids_BT)
+        >>> logits, _ = qmodel(ids_BT)
+    """
+    spec = _check(model, method, bits, group_size, symmetric, act_order)
+    ids = None
+    if method in CALIBRATED:
+        ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
+    if not inplace:
+        model = nnx.clone(model)
+    layers: Blocks = model.layers
+    weights = layers.weights()
+    if method not in CALIBRATED:
+        new = {n: _quantize_plain(weights[n], spec) for n in LINEARS}
+    else:
+        new = _calibrated(model, weights, jnp.asarray(ids), spec, log)
+    for n, v in new.items():
+        mod = getattr(layers, n)
+        _set(mod.scale if n.endswith("norm") else mod.kernel, v)
+    return model
+
+
+def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict:
+    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    B, T = ids_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = jnp.take(_get(model.embed.embedding), ids_BT, axis=0).astype(jnp.float32)
+    per_layer = []
+    t0 = time.perf_counter()
+    for layer in range(cfg.n_layers):
+        w = {n: jnp.asarray(v[layer], jnp.float32) for n, v in weights.items()}
+        layer_fn = _gptq_layer if spec.method == "gptq" else _awq_layer
+        wq = layer_fn(cfg, w, x, positions, spec)
+        x, _ = _run_layer(cfg, wq, x, positions)
+        per_layer.append({n: (v if n in LINEARS else v.astype(weights[n].dtype)) for n, v in wq.items()})
+        if log is not None:
+            log(f"{spec.method}: layer {layer + 1}/{cfg.n_layers} done, {time.perf_counter() - t0:.1f}s")
+    names = LINEARS + (("attn_norm", "mlp_norm") if spec.method == "awq" else ())
+    return {n: _stack([p[n] for p in per_layer]) for n in names}
+
+
+def weight_bytes(model, names=LINEARS) -> int:
+    """Stored bytes of the layers' linear kernels (quantized leaves count their packed bytes)."""
+    weights = model.layers.weights()
+    return int(sum(weights[n].nbytes for n in names))

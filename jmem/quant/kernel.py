@@ -1,0 +1,136 @@
+"""Pallas dequantize-matmul for 4-bit weights (group-wise int4 and NF4).
+
+`y[M, N] = x[M, K] @ dequant(W)[K, N]` without materialising the float weight:
+each program owns one `[block_m, block_n]` output tile and walks the K axis one
+quantization group at a time, unpacking nibbles, scaling and accumulating in
+f32. The packed layout (`qtensor.pack_bits` with 4 bits) puts rows 2r and 2r+1
+in the low and high nibble of byte row r, so instead of interleaving unpacked
+rows in the kernel (a reshape Triton does not like) the wrapper splits `x` into
+its even and odd columns and the kernel does two dots per group.
+
+The plain path (`QTensor.__jmem_dot__`: dequantize then matmul, fused by XLA)
+is the reference and the fallback; tests compare the two in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
+from jmem.quant.qtensor import IntTensor
+
+MIN_BLOCK_M = 16  # smallest tile a GPU dot accepts
+MAX_BLOCK_M = 64
+MAX_BLOCK_N = 128
+
+
+def _nf4_values(c):
+    """Code -> NF4 value by a select chain (no gathers inside the kernel)."""
+    v = jnp.zeros(c.shape, jnp.float32)
+    for i, value in enumerate(NF4_CODE.tolist()):
+        v = jnp.where(c == i, jnp.float32(value), v)
+    return v
+
+
+def _kernel(xe_ref, xo_ref, p_ref, s_ref, *rest, group: int, n_groups: int, nf4: bool, zero_const):
+    # xe_ref, xo_ref: [block_m, K/2] even / odd input columns
+    # p_ref: u8[K/2, block_n] packed nibbles; s_ref: [K/group, block_n] scales (NF4: absmax)
+    # rest: (z_ref u8[K/group, block_n],) when the format has zero points, then o_ref [block_m, block_n]
+    z_ref = rest[0] if len(rest) == 2 else None
+    o_ref = rest[-1]
+    half = group // 2
+
+    def body(k, acc):
+        p = p_ref[pl.ds(k * half, half), :].astype(jnp.int32)
+        lo, hi = p & 15, p >> 4
+        s = s_ref[pl.ds(k, 1), :].astype(jnp.float32)
+        if nf4:
+            w_lo, w_hi = _nf4_values(lo) * s, _nf4_values(hi) * s
+        else:
+            z = z_ref[pl.ds(k, 1), :].astype(jnp.float32) if z_ref is not None else jnp.float32(zero_const)
+            w_lo, w_hi = (lo.astype(jnp.float32) - z) * s, (hi.astype(jnp.float32) - z) * s
+        xe = xe_ref[:, pl.ds(k * half, half)]
+        xo = xo_ref[:, pl.ds(k * half, half)]
+        acc += jnp.dot(xe, w_lo.astype(xe.dtype), preferred_element_type=jnp.float32)
+        acc += jnp.dot(xo, w_hi.astype(xo.dtype), preferred_element_type=jnp.float32)
+        return acc
+
+    acc = jax.lax.fori_loop(0, n_groups, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _block_n(n: int) -> int:
+    b = MAX_BLOCK_N
+    while b > 8 and n % b:
+        b //= 2
+    if n % b:
+        raise ValueError(f"dequant_matmul needs the output dimension to be a multiple of 8; got {n}")
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = False) -> jax.Array:
+    """`x[..., K] @ W[K, N] -> [..., N]` (dtype of x) for a 4-bit `IntTensor` or an `NF4Tensor`.
+
+    Args:
+      x: float[..., K].
+      w: a 2-D `IntTensor` with bits=4 (symmetric or with zero points, group
+        size a multiple of 32) or a 2-D `NF4Tensor`.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Example:
+        >>> y = dequant_matmul(x, IntTensor.quantize(w, bits=4, group_size=128), interpret=True)
+    """
+    if isinstance(w, NF4Tensor):
+        packed, scale, zero, group, nf4, zero_const = w.codes, w.absmax(), None, NF4_BLOCK, True, 0.0
+    elif isinstance(w, IntTensor) and w.bits == 4:
+        packed, scale, zero, group, nf4 = w.packed, w.scale, w.zero, w.group_size, False
+        zero_const = 2.0 ** (w.bits - 1)
+    else:
+        raise ValueError(f"dequant_matmul accepts a 4-bit IntTensor or an NF4Tensor; got {w!r}")
+    if len(w.shape) != 2:
+        raise ValueError(f"dequant_matmul needs a 2-D weight [K, N]; got shape {w.shape} (slice stacked layers first)")
+    K, N = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} input features but the weight expects {K}")
+    if group % 32:
+        raise ValueError(f"dequant_matmul needs a group size that is a multiple of 32; got {group}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, pl.next_power_of_2(M)))
+    m_pad = -M % block_m
+    x2 = jnp.pad(x2, ((0, m_pad), (0, 0)))
+    xe, xo = x2[:, 0::2], x2[:, 1::2]
+    block_n = _block_n(N)
+    n_groups = K // group
+    grid = (x2.shape[0] // block_m, N // block_n)
+
+    x_spec = pl.BlockSpec(block_shape=(block_m, K // 2), index_map=lambda i, j: (i, 0))
+    in_specs = [x_spec, x_spec,
+                pl.BlockSpec(block_shape=(K // 2, block_n), index_map=lambda i, j: (0, j)),
+                pl.BlockSpec(block_shape=(n_groups, block_n), index_map=lambda i, j: (0, j))]
+    args = [xe, xo, packed, scale]
+    if zero is not None:
+        in_specs.append(pl.BlockSpec(block_shape=(n_groups, block_n), index_map=lambda i, j: (0, j)))
+        args.append(zero)
+    kernel = functools.partial(_kernel, group=group, n_groups=n_groups, nf4=nf4, zero_const=zero_const)
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((x2.shape[0], N), x.dtype),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec(block_shape=(block_m, block_n), index_map=lambda i, j: (i, j)),
+        interpret=interpret,
+    )(*args)
+    return y[:M].reshape(*lead, N)
+
+
+def reference_matmul(x: jax.Array, w: IntTensor | NF4Tensor) -> jax.Array:
+    """The plain path the kernel must match: dequantize, then matmul in f32."""
+    y = jnp.matmul(x.astype(jnp.float32), w.dequantize(jnp.float32))
+    return y.astype(x.dtype)

@@ -1,0 +1,272 @@
+"""Quantized weight leaves: pytrees that stand in for a float `[in, out]` kernel.
+
+Every leaf implements `__jmem_dot__(x)` (so `jmem.models.dot.dot` dispatches to
+it), `dequantize(dtype)` and `nbytes`. Shapes are derived from the child
+arrays only, never from static aux data, so a leaf whose children carry a
+leading stacked-layers axis `L` is sliced correctly by `jax.lax.scan` and by
+`leaf[i]`.
+
+Formats (the float8 and NF4 leaves live in `fp8.py` and `nf4.py`):
+
+* `IntTensor`: integers of 2, 3, 4 or 8 bits, bit-packed 8 values into `bits`
+  bytes along the input axis, with one f16 scale (and optionally one uint8
+  zero point) per group of `group_size` input rows and output column. Per
+  channel is the special case of one group spanning all input rows.
+* `NF4Tensor`: the 4-bit NormalFloat code book, absmax per block of 64 input
+  rows, the absmax itself quantized to int8 in blocks of 256 (double
+  quantization).
+* `FP8Tensor`: float8 e4m3 values with one f32 scale per output column.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
+# as `bits` little-endian bytes. For 4 bits byte r then holds rows 2r (low
+# nibble) and 2r + 1 (high nibble), the layout the Pallas kernel reads.
+PACK_ROWS = 8
+SUPPORTED_INT_BITS = (2, 3, 4, 8)
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+class QTensor:
+    """Base class: shape helpers, slicing of leading axes, the dot."""
+
+    def dequantize(self, dtype=None) -> jax.Array:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _children(self) -> tuple:
+        return self.tree_flatten()[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored array (what the weight costs in memory)."""
+        return int(sum(np.prod(c.shape) * jnp.dtype(c.dtype).itemsize for c in self._children()))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def __getitem__(self, index):
+        """Index the leading (stacked-layers) axes of every child alike."""
+        return jax.tree_util.tree_map(lambda c: c[index], self)
+
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step."""
+        return _matmul(x, self.dequantize(x.dtype))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, {self._describe()}, nbytes={self.nbytes})"
+
+    def _describe(self) -> str:
+        return ""
+
+
+# --------------------------------------------------------------------------- int
+
+
+def pack_bits(u: np.ndarray | jax.Array, bits: int) -> jax.Array:
+    """Pack unsigned codes `[..., in, out]` (values < 2**bits) into uint8 `[..., in*bits/8, out]`."""
+    u = jnp.asarray(u).astype(jnp.uint32)
+    if bits == 8:
+        return u.astype(jnp.uint8)
+    *lead, n_in, n_out = u.shape
+    u = u.reshape(*lead, n_in // PACK_ROWS, PACK_ROWS, n_out)
+    word = jnp.zeros(u.shape[:-2] + (n_out,), jnp.uint32)
+    for i in range(PACK_ROWS):
+        word = word | (u[..., i, :] << (bits * i))
+    packed = jnp.stack([(word >> (8 * j)) & 0xFF for j in range(bits)], axis=-2)
+    return packed.astype(jnp.uint8).reshape(*lead, n_in // PACK_ROWS * bits, n_out)
+
+
+def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack_bits`: uint8 `[..., in*bits/8, out]` -> int32 codes `[..., in, out]`."""
+    if bits == 8:
+        return packed.astype(jnp.int32)
+    *lead, n_rows, n_out = packed.shape
+    n_words = n_rows // bits
+    p = packed.reshape(*lead, n_words, bits, n_out).astype(jnp.uint32)
+    word = p[..., 0, :]
+    for j in range(1, bits):
+        word = word | (p[..., j, :] << (8 * j))
+    mask = (1 << bits) - 1
+    vals = jnp.stack([(word >> (bits * i)) & mask for i in range(PACK_ROWS)], axis=-2)
+    return vals.reshape(*lead, n_words * PACK_ROWS, n_out).astype(jnp.int32)
+
+
+@jax.tree_util.register_pytree_node_class
+class IntTensor(QTensor):
+    """Group-wise integer weight: `W[i, o] = (u[i, o] - zero[g(i), o]) * scale[g(i), o]`.
+
+    Children (leading axes `...` such as a stacked-layers axis are allowed):
+      packed: u8[..., in*bits/8, out], codes packed 8 rows into `bits` bytes.
+      scale:  f16[..., in/group_size, out].
+      zero:   u8[..., in/group_size, out], or None when symmetric (the zero
+              point is then the constant 2**(bits-1)).
+    Static: bits, original dtype. The group size is `in / scale.shape[-2]`.
+
+    Example:
+        >>> q = IntTensor.quantize(jnp.ones((128, 8)), bits=4, group_size=32)
+        >>> y = jmem.models.dot.dot(x, q)   # x: f32[..., 128]
+    """
+
+    def __init__(self, packed, scale, zero, bits: int, dtype=jnp.float32):
+        self.packed, self.scale, self.zero = packed, scale, zero
+        self.bits = int(bits)
+        self.dtype = jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        children = (self.packed, self.scale) if self.zero is None else (self.packed, self.scale, self.zero)
+        return children, (self.bits, self.dtype.name, self.zero is None)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        bits, dtype, symmetric = aux
+        packed, scale = children[0], children[1]
+        zero = None if symmetric else children[2]
+        return cls(packed, scale, zero, bits, dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, rows, n_out = self.packed.shape
+        return (*lead, rows * 8 // self.bits, n_out)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[-2] // self.scale.shape[-2]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def _describe(self) -> str:
+        kind = "sym" if self.symmetric else "zero-point"
+        return f"bits={self.bits}, group_size={self.group_size}, {kind}"
+
+    def codes(self) -> jax.Array:
+        """Unsigned codes as int32 `[..., in, out]`."""
+        return unpack_bits(self.packed, self.bits)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        dtype = self.dtype if dtype is None else dtype
+        u = self.codes()
+        n_groups = self.scale.shape[-2]
+        *lead, n_in, n_out = u.shape
+        u = u.reshape(*lead, n_groups, n_in // n_groups, n_out)
+        if self.zero is None:
+            zero = jnp.float32(2 ** (self.bits - 1))
+        else:
+            zero = self.zero.astype(jnp.float32)[..., None, :]
+        w = (u.astype(jnp.float32) - zero) * self.scale.astype(jnp.float32)[..., None, :]
+        return w.reshape(*lead, n_in, n_out).astype(dtype)
+
+    @classmethod
+    def from_codes(cls, u, scale, zero, bits: int, dtype=jnp.float32) -> "IntTensor":
+        """Build from unsigned codes `[..., in, out]` and group parameters `[..., G, out]`."""
+        check_int_bits(bits)
+        scale = jnp.asarray(scale, jnp.float16)
+        zero = None if zero is None else jnp.asarray(zero).astype(jnp.uint8)
+        return cls(_pack_jit(jnp.asarray(u), bits), scale, zero, bits, dtype)
+
+    @classmethod
+    def quantize(cls, w, bits: int = 4, group_size: int | None = 128, symmetric: bool = True,
+                 clip=None) -> "IntTensor":
+        """Round-to-nearest quantization of a float `[..., in, out]` weight.
+
+        Args:
+          w: float[..., in, out].
+          bits: 2, 3, 4 or 8.
+          group_size: input rows per scale; None (or `in`) for per channel.
+          symmetric: scale only (zero point 2**(bits-1)) or scale + zero point.
+          clip: optional f32[..., in/group_size, out] factors in (0, 1] that
+            shrink each group's range before rounding (AWQ's clip search).
+        """
+        w = jnp.asarray(w)
+        group_size = check_group_size(w.shape[-2], group_size, bits)
+        packed, scale, zero = _rtn_arrays(w, clip, bits, group_size, symmetric)
+        return cls(packed, scale, zero, bits, w.dtype)
+
+
+_pack_jit = jax.jit(pack_bits, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _rtn_arrays(w, clip, bits: int, group_size: int, symmetric: bool):
+    scale, zero = group_params(w, bits, group_size, symmetric, clip)
+    u = encode(w, scale, zero, bits)
+    zero = None if zero is None else zero.astype(jnp.uint8)
+    return pack_bits(u, bits), scale.astype(jnp.float16), zero
+
+
+def check_int_bits(bits) -> None:
+    if bits not in SUPPORTED_INT_BITS:
+        raise ValueError(f"bits={bits!r} is not supported for integer quantization; accepted: {SUPPORTED_INT_BITS}")
+
+
+def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
+    """Validate and resolve a group size for an input dimension `n_in`; None means per channel."""
+    check_int_bits(bits)
+    if group_size is None or group_size == -1:
+        group_size = n_in
+    if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or n_in % group_size:
+        raise ValueError(
+            f"group_size={group_size!r} does not divide the input dimension {n_in}; "
+            f"accepted: a positive divisor of {n_in} that is a multiple of {PACK_ROWS} (e.g. 32, 64, 128), or None")
+    if group_size % PACK_ROWS:
+        raise ValueError(f"group_size={group_size} must be a multiple of {PACK_ROWS} "
+                         "(codes are packed 8 rows at a time)")
+    return int(group_size)
+
+
+def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
+    """Per-group scale (rounded to f16) and zero point, each f32[..., in/group_size, out].
+
+    The zero point is None when symmetric (codes then lie in [1, 2**bits - 1]
+    around the fixed zero 2**(bits-1)).
+    """
+    *lead, n_in, n_out = w.shape
+    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
+    hi, lo = wg.max(axis=-2), wg.min(axis=-2)
+    if clip is not None:
+        hi, lo = hi * clip, lo * clip
+    tiny = float(np.finfo(np.float16).tiny)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny)
+        zero = None
+    else:
+        hi, lo = jnp.maximum(hi, 0.0), jnp.minimum(lo, 0.0)  # keep 0 exactly representable
+        scale = jnp.maximum((hi - lo) / (2 ** bits - 1), tiny)
+        scale = scale.astype(jnp.float16).astype(jnp.float32)
+        zero = jnp.clip(jnp.round(-lo / scale), 0, 2 ** bits - 1)
+    return scale.astype(jnp.float16).astype(jnp.float32), zero
+
+
+def encode(w, scale, zero, bits: int) -> jax.Array:
+    """Unsigned codes `[..., in, out]` for `w` given group params `[..., G, out]`."""
+    *lead, n_in, n_out = w.shape
+    n_groups = scale.shape[-2]
+    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_groups, n_in // n_groups, n_out)
+    if zero is None:
+        lo, hi, zero = 1, 2 ** bits - 1, jnp.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo, hi = 0, 2 ** bits - 1
+    u = jnp.clip(jnp.round(wg / scale[..., None, :]) + zero[..., None, :], lo, hi)
+    return u.reshape(*lead, n_in, n_out).astype(jnp.int32)
+
+
+def is_qtensor(x) -> bool:
+    return isinstance(x, QTensor)

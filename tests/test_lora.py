@@ -1,0 +1,126 @@
+"""LoRA adapters: the leaf, QLoRA on an NF4 base, trainable filter, merge, save/load."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jmem.lora import (LoRA, apply_lora, combine, load_adapters, merge, save_adapters, set_dropout_key,
+                       split_trainable)
+from jmem.memory.measure import measure_and_compile, tree_bytes
+from jmem.models.dot import dot
+from jmem.models.llama import Llama, LlamaConfig
+from jmem.quant import NF4Tensor, quantize
+
+CFG = LlamaConfig.tiny()
+
+
+@nnx.jit
+def _forward(m, ids):
+    return m(ids)[0]
+
+
+_dot = jax.jit(dot)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_leaf_dot_on_quantized_base(rslora):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    base = NF4Tensor.quantize(jax.random.normal(k1, (2, 128, 32)) * 0.05)
+    lora = LoRA.init(base, rank=4, alpha=8.0, key=k2, rslora=rslora)
+    x = jax.random.normal(k3, (3, 128))
+    np.testing.assert_array_equal(_dot(x, lora[0]), _dot(x, base[0]))  # B = 0: no change
+    lora.lora_b = jax.random.normal(k3, lora.lora_b.shape)
+    assert lora.scale == (8.0 / 2.0 if rslora else 8.0 / 4)
+    w1 = jax.jit(lambda q: q.dequantize())(base[1])
+    expect = x @ (w1 + lora.scale * lora.lora_a[1] @ lora.lora_b[1])
+    np.testing.assert_allclose(_dot(x, lora[1]), expect, rtol=1e-4, atol=1e-4)
+    merged = jax.jit(lambda q: q.dequantize())(lora)
+    np.testing.assert_allclose(merged[1], w1 + lora.delta()[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """QLoRA: NF4 base, adapters on wq/wv, a few Adam steps on a fixed batch (one compile)."""
+    model = apply_lora(quantize(Llama(CFG, rngs=nnx.Rngs(0)), "nf4"), rank=4, alpha=8, targets=("wq", "wv"))
+    graphdef, state = nnx.split(model)
+    train, frozen = split_trainable(state)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 33)), jnp.int32)
+
+    def loss(train, frozen):
+        logits, _ = nnx.merge(graphdef, combine(train, frozen))(ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(train)
+
+    @jax.jit
+    def step(train, opt_state, frozen):
+        value, grads = jax.value_and_grad(loss)(train, frozen)
+        updates, opt_state = opt.update(grads, opt_state, train)
+        return optax.apply_updates(train, updates), opt_state, value
+
+    report, compiled = measure_and_compile(step, train, opt_state, frozen)
+    losses = []
+    for _ in range(4):
+        train, opt_state, value = compiled(train, opt_state, frozen)
+        losses.append(float(value))
+    return dict(model=nnx.merge(graphdef, combine(train, frozen)), state=state, train=train, frozen=frozen,
+                opt_state=opt_state, losses=losses, report=report, ids=ids)
+
+
+def test_only_adapters_train(trained):
+    train_leaves = jax.tree_util.tree_leaves(trained["train"])
+    assert len(train_leaves) == 4  # A and B for two stacked targets
+    adapter_bytes = tree_bytes(trained["train"])
+    full_float_bytes = 4 * CFG.num_params
+    assert adapter_bytes <= 0.03 * full_float_bytes
+    # Adam keeps two moments per adapter parameter (plus a step count), nothing for the base.
+    opt_bytes = tree_bytes(trained["opt_state"])
+    assert 2 * adapter_bytes <= opt_bytes <= 2 * adapter_bytes + 16
+    # Compiler-measured: the whole step writes only new adapters, their optimizer state and the loss
+    # (plus XLA's small table of output buffers), far less than the frozen base.
+    n_out = len(jax.tree_util.tree_leaves((trained["train"], trained["opt_state"]))) + 1
+    out_bytes = trained["report"].output_bytes
+    assert adapter_bytes + opt_bytes + 4 <= out_bytes <= adapter_bytes + opt_bytes + 4 + 8 * n_out
+    assert out_bytes < tree_bytes(trained["frozen"]) / 4
+    assert trained["losses"][-1] < trained["losses"][0]
+    # The NF4 base is untouched.
+    same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), trained["frozen"],
+                                  split_trainable(trained["state"])[1])
+    assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_merge_and_save_load(trained, tmp_path):
+    model, ids = trained["model"], trained["ids"]
+    out = np.asarray(_forward(model, ids))
+    merged = merge(model)
+    assert isinstance(merged.layers.wq.kernel.get_value(), jax.Array)
+    np.testing.assert_allclose(_forward(merged, ids), out, rtol=1e-4, atol=1e-4)
+    path = tmp_path / "adapters.npz"
+    save_adapters(model, path)
+    fresh = quantize(Llama(CFG, rngs=nnx.Rngs(0)), "nf4")
+    np.testing.assert_array_equal(_forward(load_adapters(fresh, path), ids), out)
+    with pytest.raises(ValueError, match="do not fit"):
+        load_adapters(Llama(CFG.replace(dim=32, head_dim=8), rngs=nnx.Rngs(0)), path)
+
+
+def test_dropout_and_bad_inputs():
+    model = apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=2, alpha=4, targets=("wq",), dropout=0.5)
+    lora = model.layers.wq.kernel.get_value()
+    lora = LoRA(lora.base, lora.lora_a, jnp.ones_like(lora.lora_b), lora.alpha, lora.dropout, lora.rslora)
+    model.layers.wq.kernel.set_value(lora)
+    x = jax.random.normal(jax.random.key(1), (8, CFG.dim))
+    eval_y = dot(x, lora[0])
+    set_dropout_key(model, jax.random.key(3))
+    train_lora = model.layers.wq.kernel.get_value()
+    assert train_lora.dropout_key.shape == (CFG.n_layers, 2)
+    assert not np.allclose(dot(x, train_lora[0]), eval_y)
+    set_dropout_key(model, None)
+    np.testing.assert_array_equal(dot(x, model.layers.wq.kernel.get_value()[0]), eval_y)
+    with pytest.raises(ValueError, match="unknown LoRA target 'wz'"):
+        apply_lora(model, targets=("wz",))
+    with pytest.raises(ValueError, match="rank=0"):
+        apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=0)
