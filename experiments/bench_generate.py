@@ -56,7 +56,8 @@ def time_hf(model, tok, prompts, n):
     import torch
 
     enc = tok(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    # No EOS on either side: both decode exactly n argmax tokens, EOS included.
+    kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
     with torch.inference_mode():
         model.generate(**enc, **kw)
         t0 = time.perf_counter()
@@ -81,7 +82,9 @@ def main(args: Args) -> None:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         tok.padding_side = "left"
         tok.pad_token = tok.pad_token or tok.eos_token
-        hf = (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval(), tok)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        hf = (model, tok)
     print("| batch | jmem tok/s | HF tok/s | speed-up | greedy text identical |")
     print("| --- | --- | --- | --- | --- |")
     for b in args.batches:
