@@ -117,17 +117,6 @@ class LoRA:
 jax.tree_util.register_pytree_with_keys_class(LoRA)
 
 
-def _set(var, value) -> None:
-    """Replace a variable's value by any pytree (flax >= 0.12 deprecates the `.value` setter)."""
-    if hasattr(var, "set_value"):
-        var.set_value(value)
-    else:
-        var.value = value
-
-
-def _get(var):
-    return var.get_value() if hasattr(var, "get_value") else var.value
-
 
 def _kernel_var(model, name: str):
     if name == "head":
@@ -163,9 +152,9 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     keys = jax.random.split(jax.random.key(seed), len(targets))
     for name, key in zip(targets, keys):
         var = _kernel_var(model, name)
-        if isinstance(_get(var), LoRA):
+        if isinstance(var.get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
-        _set(var, LoRA.init(_get(var), rank, alpha, key, dropout, rslora, dtype))
+        var.set_value(LoRA.init(var.get_value(), rank, alpha, key, dropout, rslora, dtype))
     return model
 
 
@@ -176,7 +165,7 @@ def _lora_vars(model) -> dict:
             var = _kernel_var(model, name)
         except ValueError:
             continue
-        if isinstance(_get(var), LoRA):
+        if isinstance(var.get_value(), LoRA):
             found[name] = var
     return found
 
@@ -189,14 +178,14 @@ def merge(model, *, inplace: bool = False):
     if not inplace:
         model = nnx.clone(model)
     for var in _lora_vars(model).values():
-        _set(var, _get(var).dequantize())
+        var.set_value(var.get_value().dequantize())
     return model
 
 
 def set_dropout_key(model, key) -> None:
     """Give every adapter with dropout > 0 a fresh key (call once per training step); None turns dropout off."""
     for i, var in enumerate(_lora_vars(model).values()):
-        lora = _get(var)
+        lora = var.get_value()
         if lora.dropout == 0.0:
             continue
         new_key = None
@@ -204,7 +193,7 @@ def set_dropout_key(model, key) -> None:
             lead = lora.lora_a.shape[:-2]
             k = jax.random.fold_in(key, i)
             new_key = jax.random.key_data(jax.random.split(k, int(np.prod(lead))).reshape(lead) if lead else k)
-        _set(var, LoRA(lora.base, lora.lora_a, lora.lora_b, lora.alpha, lora.dropout, lora.rslora, new_key))
+        var.set_value(LoRA(lora.base, lora.lora_a, lora.lora_b, lora.alpha, lora.dropout, lora.rslora, new_key))
 
 
 def is_adapter_path(path) -> bool:
@@ -234,8 +223,8 @@ def adapter_arrays(model) -> dict[str, np.ndarray]:
     """`{"wq.lora_a": ..., "wq.lora_b": ...}` for every adapted kernel."""
     out = {}
     for name, var in _lora_vars(model).items():
-        out[f"{name}.lora_a"] = np.asarray(_get(var).lora_a)
-        out[f"{name}.lora_b"] = np.asarray(_get(var).lora_b)
+        out[f"{name}.lora_a"] = np.asarray(var.get_value().lora_a)
+        out[f"{name}.lora_b"] = np.asarray(var.get_value().lora_b)
     return out
 
 
@@ -245,7 +234,7 @@ def save_adapters(model, path) -> None:
     if not loras:
         raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
     meta = {n: {"alpha": lo.alpha, "dropout": lo.dropout, "rslora": lo.rslora, "rank": lo.rank,
-                "dtype": str(lo.lora_a.dtype)} for n, lo in ((n, _get(v)) for n, v in loras.items())}
+                "dtype": str(lo.lora_a.dtype)} for n, lo in ((n, v.get_value()) for n, v in loras.items())}
     arrays = {k: (a.astype(np.float32) if a.dtype == jnp.bfloat16 else a) for k, a in adapter_arrays(model).items()}
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
@@ -262,10 +251,10 @@ def load_adapters(model, path, *, inplace: bool = False):
         model = nnx.clone(model)
     for name, m in meta.items():
         var = _kernel_var(model, name)
-        base = _get(var).base if isinstance(_get(var), LoRA) else _get(var)
+        base = var.get_value().base if isinstance(var.get_value(), LoRA) else var.get_value()
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
         if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
             raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
         dtype = jnp.dtype(m["dtype"])
-        _set(var, LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m["dropout"], m["rslora"]))
+        var.set_value(LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m["dropout"], m["rslora"]))
     return model

@@ -25,7 +25,8 @@ def _check(q, k, v):
         raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
 
 
-def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None):
+def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None,
+                  mask_TS=None):
     """Grouped-query attention in plain jnp; softmax in f32.
 
     Args:
@@ -36,6 +37,8 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
             with a cache); 0 when None.
         kv_lengths: i32[batch] number of valid keys per row; all when None.
         sm_scale: softmax scale, 1/sqrt(head_dim) when None.
+        mask_TS: optional bool[q_len, kv_len], True where query i may see key j
+            (combined with the masks above). Rows that see no key give zeros.
     """
     B, T, H, D = q_BTHD.shape
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
@@ -51,6 +54,8 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
         mask_BTS &= key_pos[None, None, :] <= q_pos_BT[:, :, None]
     if kv_lengths is not None:
         mask_BTS &= key_pos[None, None, :] < kv_lengths[:, None, None]
+    if mask_TS is not None:
+        mask_BTS &= jnp.asarray(mask_TS, bool)[None]
     s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, -jnp.inf)
     # Rows with no visible key (padding) give zeros, not NaN.
     m = jnp.max(s_BKGTS, axis=-1, keepdims=True)

@@ -194,17 +194,6 @@ def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
     return w
 
 
-def _set(var, value) -> None:
-    """Replace a variable's value by any pytree (flax >= 0.12 deprecates the `.value` setter)."""
-    if hasattr(var, "set_value"):
-        var.set_value(value)
-    else:
-        var.value = value
-
-
-def _get(var):
-    return var.get_value() if hasattr(var, "get_value") else var.value
-
 
 def _stack(leaves: list):
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
@@ -253,7 +242,7 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         new = _calibrated(model, weights, jnp.asarray(ids), spec, log)
     for n, v in new.items():
         mod = getattr(layers, n)
-        _set(mod.scale if n.endswith("norm") else mod.kernel, v)
+        (mod.scale if n.endswith("norm") else mod.kernel).set_value(v)
     return model
 
 
@@ -261,7 +250,7 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
     cfg = model.config.replace(remat="none", compute_dtype="f32")
     B, T = ids_BT.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(_get(model.embed.embedding), ids_BT, axis=0).astype(jnp.float32)
+    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
     per_layer = []
     t0 = time.perf_counter()
     for layer in range(cfg.n_layers):
