@@ -1,6 +1,6 @@
 """Train a Llama-family model with jmem's memory techniques, one flag each.
 
-With no flags: the `small` preset (about 3.6M parameters, byte-level vocab)
+With no flags: the `small` preset (about 3.2M parameters, byte-level vocab)
 from scratch on the standard library's help text, 200 steps, full remat, bf16
 compute, Adafactor. It prints the compiler-measured and analytic memory of
 one step first, then a progress bar with loss, tokens/s and step time.
@@ -9,6 +9,7 @@ one step first, then a progress bar with loss, tokens/s and step time.
     python experiments/train.py --model tiny --steps 50 --remat minimal --accum 4 --optimizer adam8bit
     python experiments/train.py --ckpt-dir /tmp/run --ckpt-every 50   # Ctrl-C saves; add --resume to continue
     python experiments/train.py --model smollm2-135m --seq 256 --batch 4 --lr 1e-4 --optimizer adamw
+    python experiments/train.py --model smollm2-135m --lora-rank 16 --quantize-base nf4 --seq 256 --batch 4 --lr 2e-4 --optimizer adamw
 
 On several devices (8 simulated CPU devices here; the same flags on GPUs/TPUs):
 

@@ -78,6 +78,15 @@ class TrainConfig:
     process_id: int | None = None
     """Multi-host: this process's index (0..num_processes-1)."""
 
+    lora_rank: int = 0
+    """LoRA rank; > 0 trains only adapters on --lora-targets (gradients and optimizer state for them alone)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator (alpha / rank)."""
+    lora_targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"
+    """Comma-separated linears that get adapters."""
+    quantize_base: str | None = None
+    """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
+
     @property
     def distributed(self) -> bool:
         """True when the step runs on a device mesh (--mesh, --zero or --pipeline-stages given)."""

@@ -56,7 +56,43 @@ def validate(cfg: TrainConfig) -> Policy:
     if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
+    _validate_lora(cfg)
     return policy
+
+
+BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    if cfg.lora_rank < 0:
+        raise ValueError(f"--lora-rank={cfg.lora_rank} must be >= 0 (0 trains every parameter)")
+    if cfg.quantize_base is not None:
+        if cfg.quantize_base not in BASE_QUANTIZATIONS:
+            raise ValueError(f"--quantize-base {cfg.quantize_base!r}; accepted: {', '.join(BASE_QUANTIZATIONS)}")
+        if cfg.lora_rank == 0:
+            raise ValueError("--quantize-base needs --lora-rank > 0 (a quantized base is frozen)")
+    if cfg.lora_rank:
+        bad = [t for t in cfg.lora_targets.split(",") if t not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"--lora-targets {','.join(bad)}; accepted: {', '.join(LORA_TARGETS)}")
+        if cfg.distributed:
+            raise ValueError("--lora-rank runs on one device; drop --mesh / --zero / --pipeline-stages")
+
+
+def _with_adapters(cfg: TrainConfig, model):
+    """QLoRA: quantize the frozen base (--quantize-base), then wrap targets in LoRA adapters."""
+    if cfg.quantize_base:
+        from jmem.quant import quantize
+
+        group = None if cfg.quantize_base == "rtn" else 128  # rtn: 4-bit per channel
+        model = quantize(model, cfg.quantize_base, group_size=group)
+    if cfg.lora_rank:
+        from jmem.lora import apply_lora
+
+        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                           targets=tuple(cfg.lora_targets.split(",")), seed=cfg.seed)
+    return model
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:
@@ -218,6 +254,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
     """
     policy = Policy.parse(cfg_key.precision)
     mc, model, tok = _model_and_tokenizer(cfg_key, policy)
+    model = _with_adapters(cfg_key, model)
     tx = make_tx(cfg_key, policy, mesh)
     loss_fn = None
     if cfg_key.pipeline_stages > 1:
@@ -227,6 +264,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
                                              n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
     fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
                          mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
+                         adapters_only=cfg_key.lora_rank > 0,
                          loss_fn=loss_fn)
     return mc, model, tok, tx, fns
 

@@ -64,7 +64,8 @@ def split_params(model: nnx.Module):
         out = []
         for path, _ in jax.tree_util.tree_leaves_with_path(tree):
             keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-            out.append(tuple(keys[:-1] if drop_value and keys and keys[-1] == "value" else keys))
+            # A Variable contributes a "value" key (last for arrays, mid-path for weight-leaf pytrees).
+            out.append(tuple(k for k in keys if not (drop_value and k == "value")))
         return out
 
     if names(param_state, True) != names(pure, False):
@@ -83,6 +84,7 @@ def make_train_fns(
     zero: int = 0,
     rules: Any = None,
     loss_fn: Callable | None = None,
+    adapters_only: bool = False,
 ) -> TrainFns:
     """Build the pure train/eval functions for `model` and optimizer `tx`.
 
@@ -102,6 +104,8 @@ def make_train_fns(
         rules: sharding rules (`jmem.parallel.Rules`, a string or None for the defaults).
         loss_fn: `(params, batch) -> (loss_sum, count)` replacing the model's own loss
             (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics then.
+        adapters_only: differentiate and update only LoRA adapter arrays (`jmem.lora`);
+            the base (possibly quantized) gets neither gradients nor optimizer state.
 
     Metrics of `step`: `loss` (mean cross-entropy; for an MoE model without the router
     losses, which are reported as `moe_aux_loss`, `moe_z_loss` and `moe_dropped` and
@@ -142,9 +146,24 @@ def make_train_fns(
                  "moe_dropped": stats.dropped.astype(jnp.float32)}
         return s + router_loss(m, stats) * c, s, extra
 
+    def trainable(params):
+        """(what is differentiated and updated, what is held fixed or None)."""
+        if not adapters_only:
+            return params, None
+        from jmem.lora import split_trainable
+
+        return split_trainable(params)
+
+    def rejoin(train, frozen):
+        if frozen is None:
+            return train
+        from jmem.lora import combine
+
+        return combine(train, frozen)
+
     def init_state(m: nnx.Module) -> TrainState:
         params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
-        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), loss_scale)
+        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(trainable(params)[0]), loss_scale)
         # Fresh buffers: the step donates its input state, and optimizer inits
         # may share one zeros array between leaves or alias the model's params.
         return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
@@ -159,16 +178,21 @@ def make_train_fns(
             # the full-batch mean loss (and its gradient).
             return ls.scale(total / n_tokens), (ce, extra)
 
+        train, frozen = trainable(state.params)
+
+        def objective_of_trainable(t, mb):
+            return objective(rejoin(t, frozen), mb)
+
         if mesh is None:
-            (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective, state.params, batch, accum,
+            (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch, accum,
                                                                       has_aux=True)
         else:
             (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
-                objective, state.params, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True)
+                objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True)
         grads = ls.unscale(grads)
         finite = all_finite(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, train)
+        params = rejoin(optax.apply_updates(train, updates), frozen)
         metrics = {
             "loss": loss_sum / n_tokens,
             "grad_norm": optax.tree.norm(grads),
