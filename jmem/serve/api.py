@@ -79,6 +79,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 raise APIError(400, str(e), "prompt" if "context" in str(e) else None) from None
         return streams
 
+    async def collect(streams, request):
+        """Every stream to its end: (texts, (token, logprob) pairs, final outputs), or None when the client left."""
+        texts, lps, finals = [[] for _ in streams], [[] for _ in streams], {}
+        async for i, o in merged(streams, request):
+            texts[i].append(o.text)
+            lps[i] += list(zip(o.token_ids, o.logprobs))
+            if o.finished:
+                finals[i] = o
+        return (texts, lps, finals) if len(finals) == len(streams) else None
+
+
     async def merged(streams, request: Request):
         """(choice index, output) as they arrive; aborts unfinished requests when the client leaves."""
         q: asyncio.Queue = asyncio.Queue()
@@ -237,14 +248,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        texts, lps, finals = [[] for _ in streams], [[] for _ in streams], {}
-        async for i, o in merged(streams, request):
-            texts[i].append(o.text)
-            lps[i] += list(zip(o.token_ids, o.logprobs))
-            if o.finished:
-                finals[i] = o
-        if len(finals) < body.n:
+        collected = await collect(streams, request)
+        if collected is None:
             return JSONResponse({}, status_code=499)  # the client has gone
+        texts, lps, finals = collected
         choices = [{"index": i, "text": echo + "".join(texts[i]),
                     "logprobs": completion_logprobs(lps[i], len(echo)) if body.logprobs is not None else None,
                     "finish_reason": finals[i].finish_reason} for i in range(body.n)]
@@ -294,14 +301,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        texts, lps, finals = [[] for _ in streams], [[] for _ in streams], {}
-        async for i, o in merged(streams, request):
-            texts[i].append(o.text)
-            lps[i] += list(zip(o.token_ids, o.logprobs))
-            if o.finished:
-                finals[i] = o
-        if len(finals) < body.n:
-            return JSONResponse({}, status_code=499)
+        collected = await collect(streams, request)
+        if collected is None:
+            return JSONResponse({}, status_code=499)  # the client has gone
+        texts, lps, finals = collected
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                     "logprobs": chat_logprobs(lps[i]) if body.logprobs else None,
                     "finish_reason": finals[i].finish_reason} for i in range(body.n)]
