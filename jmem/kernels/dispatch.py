@@ -25,6 +25,16 @@ def _check(q, k, v):
         raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
 
 
+def masked_softmax(scores, visible):
+    """Softmax over the last axis of f32 `scores` where `visible`; rows with no visible key give zeros, not NaN."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(l == 0, 1.0, l)
+
+
 def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None,
                   mask_TS=None):
     """Grouped-query attention in plain jnp; softmax in f32.
@@ -56,13 +66,7 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
         mask_BTS &= key_pos[None, None, :] < kv_lengths[:, None, None]
     if mask_TS is not None:
         mask_BTS &= jnp.asarray(mask_TS, bool)[None]
-    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, -jnp.inf)
-    # Rows with no visible key (padding) give zeros, not NaN.
-    m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s_BKGTS - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0, 1.0, l)
+    p = masked_softmax(s_BKGTS, mask_BTS[:, None, None])
     o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
     return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
 

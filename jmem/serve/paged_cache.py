@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.kernels.dispatch import masked_softmax
+
 TILE = 8  # query rows per attention tile
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")
 _FP8_MAX = 448.0
@@ -189,12 +191,7 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     key_pos = jnp.arange(M * S)
     mask_NRC = (key_pos[None, None, :] <= layout.tile_positions[:, :, None]) & (
         key_pos[None, None, :] < layout.tile_kv_len[:, None, None])
-    s_NKGRC = jnp.where(mask_NRC[:, None, None], s_NKGRC, -jnp.inf)
-    m = jnp.max(s_NKGRC, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s_NKGRC - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0, 1.0, l)
+    p = masked_softmax(s_NKGRC, mask_NRC[:, None, None])
     o_NRKGD = jnp.einsum("nkgrc,kncd->nrkgd", p.astype(v_KNCD.dtype), v_KNCD, preferred_element_type=jnp.float32)
     o_flat = o_NRKGD.reshape(N * TILE, H, D)
     return o_flat[layout.token_tile_row].astype(q_THD.dtype)
