@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jmem.train import TrainConfig, train
+from tests.helpers import run_train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # f32 so the sharded runs can be compared with one device at a tight tolerance.
@@ -48,15 +49,6 @@ def test_pipeline_stages_match_one_device(single_device_losses):
     np.testing.assert_allclose([result.losses[k] for k in range(3)], single_device_losses, rtol=1e-5)
 
 
-def _train_main(argv, capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import train as script
-    finally:
-        sys.path.pop(0)
-    rc = script.main(argv)
-    return rc, capsys.readouterr().err
-
 
 @pytest.mark.parametrize("argv, expected", [
     (["--zero", "4"], "zero=4 is not a ZeRO stage; accepted: 0, 1, 2, 3"),
@@ -68,7 +60,7 @@ def _train_main(argv, capsys):
     (["--coordinator", "localhost:1234"], "needs num_processes, process_id as well"),
 ])
 def test_bad_mesh_flags_are_one_line_exit_2(argv, expected, capsys):
-    rc, err = _train_main(["--model", "tiny"] + argv, capsys)
+    rc, err = run_train_script(["--model", "tiny"] + argv, capsys)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err

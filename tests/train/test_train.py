@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jmem.train import TrainConfig, train
+from tests.helpers import run_train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # One program for every in-process run below, so the step compiles once.
@@ -60,15 +61,6 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     assert _files(d) == before
 
 
-def _main(argv, capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import train as script
-    finally:
-        sys.path.pop(0)
-    rc = script.main(argv)
-    return rc, capsys.readouterr().err
-
 
 @pytest.mark.parametrize("argv, expected", [
     (["--remat", "everything"], "unknown remat policy 'everything'; valid: none, full"),
@@ -78,7 +70,7 @@ def _main(argv, capsys):
     (["--model", "no-such-model"], "not a preset"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
-    rc, err = _main(argv, capsys)
+    rc, err = run_train_script(argv, capsys)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
