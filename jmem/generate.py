@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem import sampling
 from jmem.models.cache import ContiguousKVCache
 
 
@@ -39,23 +40,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample(logits_BV, key, temperature, top_k, top_p):
-    """Sample ids `i32[batch]` from f32 logits with temperature, top-k (0 = off) and top-p (1 = off)."""
-    logits = logits_BV / jnp.maximum(temperature, 1e-6)
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, logits.shape[:-1])[..., None], axis=-1)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-    # top-p: keep the smallest prefix of the sorted distribution with mass >= top_p.
-    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True) - 1
-    cutoff = jnp.take_along_axis(sorted_desc, cutoff_idx, axis=-1)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
 def _bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
@@ -69,18 +53,17 @@ def _prefill(graphdef, state, ids_BT, lengths_B, cache):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "greedy"), donate_argnames=("cache",))
-def _decode(graphdef, state, cache, logits_BV, pos_B, key, temperature, top_k, top_p, *, steps, greedy):
+def _decode(graphdef, state, cache, logits_BV, pos_B, arrays: sampling.SamplingArrays, *, steps, greedy):
     model = nnx.merge(graphdef, state)
 
     def step(carry, _):
-        logits, pos, cache, key = carry
-        key, sub = jax.random.split(key)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32) if greedy else sample(logits, sub, temperature, top_k, top_p)
+        logits, pos, cache, arrays = carry
+        tok = jnp.argmax(logits, -1).astype(jnp.int32) if greedy else sampling.sample(logits, arrays)[0]
         new_logits, cache = model(tok[:, None], positions=pos[:, None], cache=cache)
-        return (new_logits[:, 0], pos + 1, cache, key), tok
+        return (new_logits[:, 0], pos + 1, cache, arrays._replace(step=arrays.step + 1)), tok
 
-    (logits, pos, cache, key), toks = jax.lax.scan(step, (logits_BV, pos_B, cache, key), None, length=steps)
-    return toks.T, logits, pos, cache, key
+    (logits, pos, cache, arrays), toks = jax.lax.scan(step, (logits_BV, pos_B, cache, arrays), None, length=steps)
+    return toks.T, logits, pos, cache, arrays
 
 
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
@@ -116,13 +99,15 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     graphdef, state = nnx.split(model)
     cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64))
     logits, cache = _prefill(graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), cache)
-    pos, key = jnp.asarray(lengths), jax.random.key(params.seed)
-    t, k, p = (jnp.float32(params.temperature), jnp.int32(params.top_k or 0), jnp.float32(params.top_p or 1.0))
+    pos = jnp.asarray(lengths)
+    # Row i draws from seed (params.seed, i), step by step: the same rows give the same draws.
+    seeds = [(params.seed * 1_000_003 + i) % 2**32 for i in range(B)]
+    arrays = jax.tree.map(jnp.asarray, sampling.make_arrays([params] * B, seeds, [0] * B))
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * B
     while not all(done):
-        toks, logits, pos, cache, key = _decode(graphdef, state, cache, logits, pos, key, t, k, p,
-                                                steps=chunk, greedy=params.greedy)
+        toks, logits, pos, cache, arrays = _decode(graphdef, state, cache, logits, pos, arrays,
+                                                   steps=chunk, greedy=params.greedy)
         toks = np.asarray(toks)
         for i in range(B):
             if done[i]:

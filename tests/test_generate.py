@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jmem
-from jmem.generate import SamplingParams, generate_ids, sample
+from jmem.generate import SamplingParams, generate_ids
+from jmem.sampling import make_arrays, sample
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,16 @@ def test_eos_and_stop_strings(lm):
     assert stopped == text[: text.find(stop)]
 
 
-def test_top_k_1_is_greedy_and_top_p_masks():
+def test_generation_params_drive_the_shared_sampler():
+    """`jmem.generate.SamplingParams` (no min_p/penalties, None = off) packs into the sampler's arrays."""
     logits = jax.random.normal(jax.random.key(0), (4, 50))
-    toks = sample(logits, jax.random.key(1), 1.0, jnp.int32(1), jnp.float32(1.0))
-    np.testing.assert_array_equal(toks, jnp.argmax(logits, -1))
+    top1 = make_arrays([SamplingParams(temperature=1.0, top_k=1)] * 4, seeds=range(4), steps=[0] * 4)
+    np.testing.assert_array_equal(sample(logits, top1)[0], jnp.argmax(logits, -1))
     peaked = jnp.zeros((1, 10)).at[0, 3].set(10.0)  # p(3) ~ 0.9996: top_p 0.5 keeps only it
-    draws = [int(sample(peaked, jax.random.key(s), 1.0, jnp.int32(0), jnp.float32(0.5))[0]) for s in range(20)]
-    assert set(draws) == {3}
+    nucleus = [make_arrays([SamplingParams(temperature=1.0, top_p=0.5)], seeds=[s], steps=[0]) for s in range(20)]
+    assert {int(sample(peaked, a)[0][0]) for a in nucleus} == {3}
+    free = [make_arrays([SamplingParams(temperature=1.0)], seeds=[s], steps=[0]) for s in range(20)]
+    assert len({int(sample(jnp.zeros((1, 10)), a)[0][0]) for a in free}) > 1
 
 
 def test_bad_arguments(lm):

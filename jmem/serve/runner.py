@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jmem.serve.paged_cache import PagedKVCache, build_layout, kv_bytes_per_token, tiles_needed
-from jmem.serve.sampling import make_arrays, sample
+from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
 
 DEFAULT_CPU_KV_BYTES = 256 << 20  # CPU backends report no memory: a fixed default budget

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jmem.serve.request import SamplingParams
-from jmem.serve.sampling import apply_penalties, make_arrays, masked_logits, sample
+from jmem.sampling import apply_penalties, make_arrays, masked_logits, sample
 
 V = 50
 

@@ -1,4 +1,5 @@
-"""Batched sampling: per-row temperature, top-k, top-p, min-p, seed and penalties in one jitted function.
+"""Batched sampling for generation and serving: per-row temperature, top-k, top-p, min-p,
+seed and penalties in one jitted function.
 
 Every setting is an array over the batch, so one compiled function serves any mix
 of greedy and random rows. Stop strings and stop token ids are checked on the
@@ -48,7 +49,8 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
     """Host side: pack per-request `SamplingParams` into padded numpy arrays.
 
     Args:
-        params_list: one `SamplingParams` per real row.
+        params_list: one `SamplingParams` per real row (`jmem.serve.request.SamplingParams`, or
+            `jmem.generate.SamplingParams`, whose missing settings mean "off").
         seeds, steps: per real row.
         histories: per real row `(prompt_ids, output_ids)` (only read when hist_len > 0).
         batch: padded batch size (rows past the real ones are greedy no-ops).
@@ -56,7 +58,13 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
     """
     n = len(params_list)
     B = batch or n
-    f = lambda name, default: np.array([getattr(p, name) for p in params_list] + [default] * (B - n), np.float32)
+
+    def value(p, name, default):  # a setting a params class lacks, or None, means "off"
+        v = getattr(p, name, None)
+        return default if v is None else v
+
+    f = lambda name, default: np.array([value(p, name, default) for p in params_list] + [default] * (B - n),
+                                       np.float32)
     hist_ids = np.full((B, hist_len), -1, np.int32)
     hist_out = np.zeros((B, hist_len), bool)
     if hist_len:
@@ -68,7 +76,7 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
     return SamplingArrays(
         temperature=f("temperature", 0.0),
         top_p=f("top_p", 1.0),
-        top_k=np.array([p.top_k for p in params_list] + [0] * (B - n), np.int32),
+        top_k=np.array([value(p, "top_k", 0) for p in params_list] + [0] * (B - n), np.int32),
         min_p=f("min_p", 0.0),
         seed=np.array(list(seeds) + [0] * (B - n), np.uint32),
         step=np.array(list(steps) + [0] * (B - n), np.int32),
