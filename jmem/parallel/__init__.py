@@ -13,6 +13,8 @@ from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
 from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
 from jmem.parallel.pipeline import PipelineError, pipeline, pipeline_hidden, pipeline_lm_loss_fn, split_stages
+from jmem.parallel.pipeline_1f1b import (SCHEDULES, pipeline_1f1b, pipeline_1f1b_lm_loss_fn,
+                                         pipeline_1f1b_lm_value_and_grad, schedule_lm_loss_fn)
 from jmem.parallel.rules import (DEFAULT_RULES, Rules, ShardingError, batch_sharding, constrain, logical_tree, shard,
                                  shardings)
 from jmem.parallel.step import (ParallelState, ShardedTrainStep, dp_accumulate_value_and_grad, jit_train_step,
@@ -23,7 +25,8 @@ from jmem.parallel.zero import (ZERO_STAGES, ZeroShardings, ZeroStageError, byte
 
 __all__ = [
     "AXES", "DATA_AXES", "GatheredWeight", "gather_on_use", "DistributedError", "PipelineError", "ProcessInfo", "initialize", "local_value",
-    "pipeline", "pipeline_hidden", "pipeline_lm_loss_fn", "split_stages", "to_global", "DEFAULT_RULES", "MeshError", "ParallelState", "Rules", "ShardedTrainStep",
+    "pipeline", "pipeline_1f1b", "pipeline_1f1b_lm_loss_fn", "pipeline_1f1b_lm_value_and_grad", "SCHEDULES",
+    "schedule_lm_loss_fn", "pipeline_hidden", "pipeline_lm_loss_fn", "split_stages", "to_global", "DEFAULT_RULES", "MeshError", "ParallelState", "Rules", "ShardedTrainStep",
     "ShardingError", "ZERO_STAGES", "ZeroShardings", "ZeroStageError", "batch_sharding", "bytes_per_device",
     "check_stage", "collectives", "constrain", "constrain_gradients", "data_parallel_size",
     "dp_accumulate_value_and_grad", "jit_train_step", "logical_tree", "make_mesh", "make_sharded_train_step",

@@ -68,9 +68,11 @@ class TrainConfig:
     rules: str = ""
     """Sharding-rule overrides 'logical=mesh_axes,...' on top of the defaults (e.g. 'embed=fsdp,length=tensor')."""
     pipeline_stages: int = 1
-    """Pipeline stages (GPipe) over the mesh's 'stage' axis; must divide the layer count."""
+    """Pipeline stages over the mesh's 'stage' axis (schedule: --pipeline-schedule); must divide the layer count."""
     microbatches: int = 1
     """Pipeline microbatches per step (with --pipeline-stages > 1; must divide the batch per --accum microbatch)."""
+    pipeline_schedule: str = "gpipe"
+    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (PipeDream-flush: each stage holds at most --pipeline-stages microbatch inputs instead of --microbatches)."""
     coordinator: str | None = None
     """Multi-host: HOST:PORT of process 0 (with --num-processes and --process-id; unset on TPU pods / SLURM: auto-detected)."""
     num_processes: int | None = None

@@ -107,6 +107,9 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     if cfg.pipeline_stages < 1 or cfg.microbatches < 1:
         raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} and --microbatches={cfg.microbatches} "
                          f"must be >= 1")
+    from jmem.parallel.pipeline_1f1b import check_schedule
+
+    check_schedule(cfg.pipeline_schedule)
     if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
         raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
                          f"for gradient accumulation)")
@@ -258,10 +261,10 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
     tx = make_tx(cfg_key, policy, mesh)
     loss_fn = None
     if cfg_key.pipeline_stages > 1:
-        from jmem import parallel as par
+        from jmem.parallel.pipeline_1f1b import schedule_lm_loss_fn
 
-        loss_fn, _ = par.pipeline_lm_loss_fn(model, n_stages=cfg_key.pipeline_stages,
-                                             n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
+        loss_fn, _ = schedule_lm_loss_fn(cfg_key.pipeline_schedule, model, n_stages=cfg_key.pipeline_stages,
+                                         n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
     fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
                          mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
                          adapters_only=cfg_key.lora_rank > 0,

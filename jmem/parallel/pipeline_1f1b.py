@@ -1,0 +1,332 @@
+"""Pipeline parallelism with the 1F1B (one-forward-one-backward, PipeDream-flush) schedule.
+
+GPipe (`jmem.parallel.pipeline`) runs every microbatch's forward pass, then
+every backward pass, so each stage keeps the stage inputs of all M microbatches
+until the backward pass reaches them. 1F1B starts a microbatch's backward pass
+as soon as the last stage has its loss, so a stage never holds more than S
+stored stage inputs (S = number of stages), whatever M is. The flush at the end
+of every step keeps the update synchronous: the gradients equal plain
+`jax.value_and_grad` of the unpipelined model.
+
+Because forward and backward passes interleave, the schedule is not the
+autodiff of a forward function: `pipeline_1f1b` computes the loss *and* the
+gradients in one `jax.shard_map` over the `stage` axis. A `lax.scan` walks the
+2(M + S - 1) ticks of a fixed timetable; at tick t stage s runs
+
+    forward  of microbatch m  when t = s + 2m,
+    backward of microbatch m  when t = 2S - 1 - s + 2m,
+
+or waits. Forward and backward ticks of a stage have opposite parity, so they
+never collide, an activation sent at tick t is used by the next stage at t + 1,
+and a cotangent sent at t is used by the previous stage at t + 1: both travel by
+`lax.ppermute` at the end of every tick. The backward of a microbatch is
+`jax.vjp` of the stage function recomputed from its stored input (a ring of S
+slots per stage), so only one microbatch's layer activations exist at a time;
+parameter gradients accumulate in f32 in the loop. Stage 0 also embeds the
+token ids, and the last stage runs the loss head (final norm + chunked
+cross-entropy), whose backward starts the backward chain.
+
+`pipeline_1f1b_lm_loss_fn` wraps this for the train step as a loss with a
+`jax.custom_vjp`: its forward rule runs the whole schedule and keeps the
+gradients, its backward rule scales them by the incoming cotangent. So
+`jax.value_and_grad` of it (and of any scalar multiple, as the train step's
+loss scaling and 1/token-count do) runs the 1F1B schedule, and the train step
+needs no change. Evaluating the loss without a gradient runs the GPipe forward.
+
+Bubble: every stage is busy 2M of the 2(M + S - 1) ticks, the same
+(S - 1)/(M + S - 1) fraction as GPipe. Any M >= 1 works; M >= S is where the
+memory bound (S stage inputs instead of M) pays off.
+
+Example:
+    >>> loss_fn, params = pipeline_1f1b_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
+    >>> (loss_sum, count), grads = pipeline_1f1b_lm_value_and_grad(model, n_stages=2, n_microbatches=4,
+    ...                                                            mesh=mesh)(params, batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_stages
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_schedule(schedule: str) -> str:
+    """Return `schedule` if it names a pipeline schedule, else raise one clear `PipelineError`."""
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    return schedule
+
+
+def timetable(n_stages: int, n_microbatches: int) -> np.ndarray:
+    """The 1F1B timetable: `i32[ticks, S, 2]` of (action, microbatch) per tick and stage.
+
+    Action 0 waits, 1 runs a forward, 2 a backward (microbatch -1 when waiting).
+    `ticks = 2 (M + S - 1)`. Used by the tests and docs; the schedule computes the same
+    thing from the tick and stage index on the device.
+    """
+    S, M = n_stages, n_microbatches
+    out = np.zeros((2 * (M + S - 1), S, 2), np.int32)
+    out[..., 1] = -1
+    for s in range(S):
+        for m in range(M):
+            out[s + 2 * m, s] = (1, m)
+            out[2 * S - 1 - s + 2 * m, s] = (2, m)
+    return out
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _add(acc, g):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+
+
+def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, stage_params, shared_params,
+                  inputs_M, targets_M, *, mesh: Mesh, stage_axis: str = "stage"):
+    """Loss and gradients of `last_fn(stage_S-1(... stage_0(first_fn(inputs))))` under the 1F1B schedule.
+
+    Args:
+        first_fn: `(shared_params, inputs[micro, ...]) -> x[micro, ...]` (e.g. the embedding); run on stage 0.
+        stage_fn: `(params of one stage, x) -> y` of the same shape and dtype as `x`.
+        last_fn: `(shared_params, y, targets[micro, ...]) -> (loss_sum f32[], count f32[])`; run on the
+            last stage. The loss must be a sum over the microbatch (the result adds microbatches).
+        stage_params: pytree with leading stage axis `[S, ...]` (e.g. from `split_stages`).
+        shared_params: pytree used by `first_fn` and `last_fn` (embedding, final norm, head),
+            replicated over the stages; its gradient is summed over them.
+        inputs_M: pytree of `[M, micro, ...]` arrays (e.g. token ids).
+        targets_M: pytree of `[M, micro, ...]` arrays passed to `last_fn` (targets, mask).
+        mesh: a mesh with `stage_axis` of size S; other axes stay automatic (data parallelism
+            inside each stage is left to the compiler).
+        stage_axis: the mesh axis of the stages.
+
+    Returns:
+        `((loss_sum, count), (grad of stage_params, grad of shared_params))`, gradients
+        in the parameters' dtypes (accumulated in f32), `loss_sum` and `count` summed over
+        the microbatches.
+
+    Example:
+        >>> (s, c), (g_stages, g_shared) = pipeline_1f1b(embed_fn, stage_fn, head_fn, w_S, shared,
+        ...                                              ids_M, (tgt_M, mask_M), mesh=mesh)
+    """
+    S = jax.tree.leaves(stage_params)[0].shape[0]
+    M = jax.tree.leaves(inputs_M)[0].shape[0]
+    if mesh.shape.get(stage_axis, 1) != S:
+        raise PipelineError(f"stage params have {S} stages but mesh axis {stage_axis!r} has size "
+                            f"{mesh.shape.get(stage_axis, 1)}; accepted: equal sizes")
+    x_shape = jax.eval_shape(first_fn, shared_params, jax.tree.map(lambda a: a[0], inputs_M))
+    fwd_perm = [(i, i + 1) for i in range(S - 1)]
+    bwd_perm = [(i + 1, i) for i in range(S - 1)]
+
+    def body(w_1, shared, ins_M, tgts_M):
+        w = jax.tree.map(lambda a: a[0], w_1)  # this stage's params (local stage dim of size 1)
+        s = jax.lax.axis_index(stage_axis)
+        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
+        at = lambda tree, m: jax.tree.map(lambda a: a[m], tree)  # noqa: E731
+
+        def backward(role_first: bool, role_last: bool):
+            """`(x, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)` for one role."""
+            def run(x, m, ct_y):
+                def f(w_, sh_, x_):
+                    h = first_fn(sh_, at(ins_M, m)) if role_first else x_
+                    y = stage_fn(w_, h)
+                    return last_fn(sh_, y, at(tgts_M, m)) if role_last else y
+
+                out, vjp = jax.vjp(f, w, shared, x)
+                if role_last:
+                    g_w, g_sh, g_x = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
+                    loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
+                else:
+                    g_w, g_sh, g_x = vjp(ct_y)
+                    loss = count = jnp.zeros((), jnp.float32)
+                if role_first:  # nothing upstream to send a cotangent to
+                    g_x = jnp.zeros_like(g_x)
+                return g_w, g_sh, g_x, loss, count
+            return run
+
+        roles = [backward(i & 1 == 1, i & 2 == 2) for i in range(4)]
+        role = (s == 0).astype(jnp.int32) + 2 * (s == S - 1).astype(jnp.int32)
+
+        def tick(carry, t):
+            recv_f, recv_b, ring, g_w, g_sh, loss, count = carry
+            df, db = t - s, t - (2 * S - 1 - s)
+            is_f = (df >= 0) & (df % 2 == 0) & (df // 2 < M)
+            is_b = (db >= 0) & (db % 2 == 0) & (db // 2 < M)
+            m = jnp.clip(jnp.where(is_f, df // 2, db // 2), 0, M - 1)
+            action = jnp.where(is_f, 1, jnp.where(is_b, 2, 0))
+
+            def idle(c):
+                return (zeros_x, zeros_x) + c
+
+            def forward(c):
+                ring, g_w, g_sh, loss, count = c
+                x = jax.lax.cond(s == 0, lambda: first_fn(shared, at(ins_M, m)).astype(x_shape.dtype),
+                                 lambda: recv_f)
+                ring = jax.lax.dynamic_update_index_in_dim(ring, x, m % S, 0)
+                # The last stage only stores its input: its backward tick recomputes the stage with the loss head.
+                y = jax.lax.cond(s == S - 1, lambda: zeros_x, lambda: stage_fn(w, x).astype(x_shape.dtype))
+                return y, zeros_x, ring, g_w, g_sh, loss, count
+
+            def backward_tick(c):
+                ring, g_w, g_sh, loss, count = c
+                x = jax.lax.dynamic_index_in_dim(ring, m % S, 0, keepdims=False)
+                dw, dsh, dx, l, n = jax.lax.switch(role, roles, x, m, recv_b)
+                return zeros_x, dx.astype(x_shape.dtype), ring, _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
+
+            send_f, send_b, *rest = jax.lax.switch(action, [idle, forward, backward_tick],
+                                                   (ring, g_w, g_sh, loss, count))
+            recv_f = jax.lax.ppermute(send_f, stage_axis, fwd_perm)
+            recv_b = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
+            return (recv_f, recv_b, *rest), None
+
+        zero = jnp.zeros((), jnp.float32)
+        carry0 = (zeros_x, zeros_x, jnp.zeros((S,) + x_shape.shape, x_shape.dtype), _zeros_f32(w), _zeros_f32(shared),
+                  zero, zero)
+        (_, _, _, g_w, g_sh, loss, count), _ = jax.lax.scan(tick, carry0, jnp.arange(2 * (M + S - 1)))
+        g_sh = jax.lax.psum(g_sh, stage_axis)  # embedding from stage 0, head from the last stage
+        loss, count = jax.lax.psum((loss, count), stage_axis)
+        g_w = jax.tree.map(lambda g, p: g.astype(p.dtype)[None], g_w, w)
+        g_sh = jax.tree.map(lambda g, p: g.astype(p.dtype), g_sh, shared)
+        return (loss, count), (g_w, g_sh)
+
+    spec_S = jax.tree.map(lambda _: P(stage_axis), stage_params)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    fn = shard_map(body, mesh=mesh, in_specs=(spec_S, rep(shared_params), rep(inputs_M), rep(targets_M)),
+                   out_specs=((P(), P()), (spec_S, rep(shared_params))), axis_names=frozenset({stage_axis}),
+                   check_vma=False)
+    return fn(stage_params, shared_params, inputs_M, targets_M)
+
+
+def _block_weights(layers: dict) -> dict:
+    """The `jmem.models.llama.block` weight dict from the params' `layers` subtree
+    (`{name: {"kernel" | "scale": leaf}}`), as `Blocks.weights` builds it from the module."""
+    return {n: (v["scale"] if "scale" in v else v["kernel"]) for n, v in layers.items()}
+
+
+def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int, mesh: Mesh,
+                                    chunk: int | None = None, stage_axis: str = "stage"):
+    """`(params, batch) -> ((loss_sum, count), grads)` of a `jmem.models.Llama` under the 1F1B schedule.
+
+    `params` is the model's `nnx.Param` state as a pure dict (as from `pipeline_lm_loss_fn`);
+    `batch` is `{"inputs", "targets", "mask"}` of `[batch, seq]`. The result equals
+    `jax.value_and_grad` of the unpipelined summed cross-entropy.
+    """
+    from flax import nnx
+
+    from jmem.models.config import as_dtype
+    from jmem.models.llama import block, rms_norm
+    from jmem.train.loss import chunked_cross_entropy
+
+    cfg = model.config
+    if getattr(cfg, "moe_experts", 0):
+        raise PipelineError("the 1f1b pipeline schedule supports dense models only; accepted: dense models")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise PipelineError(f"microbatches={n_microbatches!r} must be an integer >= 1")
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    treedef = jax.tree.structure(param_state)
+    chunk = cfg.loss_chunk if chunk is None else chunk
+    compute = as_dtype(cfg.compute_dtype)
+
+    def layer_fn(positions):
+        def layer(x, w):
+            return block(cfg, w, x, positions)[0], None
+
+        if cfg.remat != "none":
+            from jmem.memory.remat import get_policy
+
+            layer = jax.checkpoint(layer, policy=get_policy(cfg.remat), prevent_cse=False)
+        return layer
+
+    def first_fn(shared, ids_BT):
+        return jnp.take(shared["embed"]["embedding"], ids_BT, axis=0).astype(compute)
+
+    def stage_fn(w_stage, x_BTE):
+        B, T = x_BTE.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return jax.lax.scan(layer_fn(positions), x_BTE, _block_weights(w_stage))[0]
+
+    def last_fn(shared, y_BTE, tgt):
+        # The model's own head code on the shared params; the layer leaves are never read by the head,
+        # so any arrays of the right tree structure stand in for them.
+        layers_stub = jax.tree.map(lambda a: jnp.zeros((), a.dtype), layers_abstract)
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves({**shared, "layers": layers_stub})),
+                      rest)
+        h = rms_norm(y_BTE, m.norm.scale.get_value(), cfg.norm_eps)
+        targets_BT, mask_BT = tgt
+        return chunked_cross_entropy(h, targets_BT, mask_BT, m.logits_from_hidden, chunk)
+
+    layers_abstract = jax.eval_shape(lambda: nnx.to_pure_dict(param_state)["layers"])
+
+    def value_and_grad(p, batch):
+        B = batch["inputs"].shape[0]
+        if B % n_microbatches:
+            raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
+        micro = lambda x: x.reshape((n_microbatches, B // n_microbatches) + x.shape[1:])  # noqa: E731
+        shared = {k: v for k, v in p.items() if k != "layers"}
+        w_S = split_stages(p["layers"], n_stages)
+        (s, c), (g_S, g_sh) = pipeline_1f1b(
+            first_fn, stage_fn, last_fn, w_S, shared, micro(batch["inputs"]),
+            (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis)
+        g_layers = jax.tree.map(lambda g: g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:]), g_S)
+        return (s, c), {**g_sh, "layers": g_layers}
+
+    return value_and_grad
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def pipeline_1f1b_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh: Mesh, chunk: int | None = None,
+                             stage_axis: str = "stage"):
+    """`(loss_fn, params)` like `pipeline_lm_loss_fn`, whose gradient runs the 1F1B schedule.
+
+    `loss_fn(params, batch) -> (loss_sum, count)` carries a `jax.custom_vjp`: under
+    `jax.value_and_grad` (or `jmem.parallel.make_sharded_train_step`, or
+    `jmem.train.make_train_fns(loss_fn=...)`) its forward rule runs
+    `pipeline_1f1b_lm_value_and_grad` and its backward rule scales the stored gradients
+    by the loss cotangent; without a gradient it is the GPipe forward. Use with
+    `rules="layers=stage"` so each stage's devices hold only their layers.
+
+    Example:
+        >>> loss_fn, params = pipeline_1f1b_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
+        >>> trainer = make_sharded_train_step(loss_fn, optax.adam(1e-3), params, mesh, rules="layers=stage")
+        >>> grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)   # runs the 1F1B schedule
+    """
+    vg = pipeline_1f1b_lm_value_and_grad(model, n_stages=n_stages, n_microbatches=n_microbatches, mesh=mesh,
+                                         chunk=chunk, stage_axis=stage_axis)
+    forward_only, params = pipeline_lm_loss_fn(model, n_stages=n_stages, n_microbatches=n_microbatches, mesh=mesh,
+                                               chunk=chunk)
+
+    @jax.custom_vjp
+    def loss_fn(p, batch):
+        return forward_only(p, batch)
+
+    def fwd(p, batch):
+        out, grads = vg(p, batch)
+        return out, (grads, batch)
+
+    def bwd(res, ct):
+        grads, batch = res
+        ct_sum = ct[0]  # the token count does not depend on the params
+        return jax.tree.map(lambda g: (g * ct_sum).astype(g.dtype), grads), jax.tree.map(_zero_cotangent, batch)
+
+    loss_fn.defvjp(fwd, bwd)
+    return loss_fn, params
+
+
+def schedule_lm_loss_fn(schedule: str, model, **kw) -> tuple[Callable, Any]:
+    """`pipeline_lm_loss_fn` (schedule "gpipe") or `pipeline_1f1b_lm_loss_fn` ("1f1b")."""
+    if check_schedule(schedule) == "1f1b":
+        return pipeline_1f1b_lm_loss_fn(model, **kw)
+    return pipeline_lm_loss_fn(model, **kw)

@@ -1,0 +1,159 @@
+"""1F1B pipeline schedule: the timetable, the same loss and gradients as one device and as
+GPipe, stage memory bounded by the stage count (compiler-measured), and train.py end to end."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem import parallel as par
+from jmem.memory.measure import measure_and_compile
+from jmem.models import Llama, LlamaConfig
+from jmem.parallel.pipeline_1f1b import check_schedule, timetable
+from tests.helpers import run_train_script
+
+T, MICRO = 16, 2  # sequence length and rows per microbatch
+
+
+def _batch(cfg, rows, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.vocab_size, (rows, T + 1)).astype(np.int32)
+    mask = (rng.random((rows, T)) > 0.2).astype(np.float32)  # uneven masks: the loss is a masked sum
+    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": mask}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
+
+
+def _assert_grads_close(got, want):
+    # Relative to each leaf's largest entry: entries near zero carry no relative precision.
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.fixture(scope="module")
+def model():
+    # 4 layers so that S=4 stages hold one layer each; remat exercises the per-layer checkpoint inside a stage.
+    return Llama(LlamaConfig.tiny(n_layers=4, loss_chunk=8, remat="full"), rngs=nnx.Rngs(0))
+
+
+def _vg_pair(loss_fn, p, b):
+    """`((loss_sum, count), grads)` of a `(params, batch) -> (loss_sum, count)` loss."""
+    def f(q):
+        s, c = loss_fn(q, b)
+        return s, (s, c)
+
+    (_, sc), g = jax.value_and_grad(f, has_aux=True)(p)
+    return sc, g
+
+
+def _unpipelined(model, batch):
+    loss_fn, params = par.model_loss_fn(model)
+    (s, c), g = jax.jit(lambda p, b: _vg_pair(loss_fn, p, b))(params, batch)
+    return params, s, c, g
+
+
+def test_timetable_is_one_f_one_b():
+    for S, M in [(2, 4), (4, 8), (4, 2), (3, 5)]:
+        tt = timetable(S, M)
+        assert tt.shape == (2 * (M + S - 1), S, 2)
+        f = {(s, m): t for t, s in zip(*np.nonzero(tt[..., 0] == 1)) for m in [tt[t, s, 1]]}
+        b = {(s, m): t for t, s in zip(*np.nonzero(tt[..., 0] == 2)) for m in [tt[t, s, 1]]}
+        assert sorted(f) == sorted(b) == [(s, m) for s in range(S) for m in range(M)]
+        for s in range(S):
+            for m in range(M):
+                assert s == 0 or f[s, m] == f[s - 1, m] + 1  # an activation is used the tick after it is sent
+                assert s == S - 1 or b[s, m] == b[s + 1, m] + 1  # so is a cotangent
+                assert b[s, m] > f[s, m]
+            # Stored stage inputs (forward done, backward not yet) never exceed S - s <= S.
+            live = [sum(f[s, m] <= t < b[s, m] for m in range(M)) for t in range(tt.shape[0])]
+            assert max(live) == min(S - s, M)
+
+
+@pytest.fixture(scope="module")
+def compiled_s2(model):
+    """1F1B and GPipe `value_and_grad` on 2 stages, compiled for M=2 and M=8 microbatches of MICRO rows."""
+    mesh = par.make_mesh("stage=2,data=4")
+    out = {}
+    for m in (2, 8):
+        batch = _abstract(_batch(model.config, m * MICRO, 0))
+        for schedule in ("gpipe", "1f1b"):
+            if schedule == "1f1b":
+                fn = par.pipeline_1f1b_lm_value_and_grad(model, n_stages=2, n_microbatches=m, mesh=mesh)
+                _, params = par.pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=m, mesh=mesh)
+            else:
+                loss_fn, params = par.pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=m, mesh=mesh)
+                fn = lambda p, b, f=loss_fn: _vg_pair(f, p, b)  # noqa: E731
+            out[schedule, m] = measure_and_compile(fn, _abstract(params), batch)
+    return out
+
+
+def test_two_stages_eight_microbatches_match_unpipelined_and_gpipe(model, compiled_s2):
+    batch = _batch(model.config, 8 * MICRO, 1)
+    params, s_ref, c_ref, g_ref = _unpipelined(model, batch)
+    (s, c), g = compiled_s2["1f1b", 8][1](params, batch)
+    (s_gp, _), g_gp = compiled_s2["gpipe", 8][1](params, batch)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-5)
+    np.testing.assert_allclose(s, s_gp, rtol=1e-5)
+    assert float(c) == float(c_ref)
+    _assert_grads_close(g, g_ref)
+    _assert_grads_close(g, g_gp)
+
+
+def test_1f1b_temp_memory_does_not_grow_with_microbatches(compiled_s2, model):
+    temp = {k: v[0].temp_bytes for k, v in compiled_s2.items()}
+    cfg = model.config
+    act = MICRO * T * cfg.dim * 4  # one f32 stage input of one microbatch
+    growth_gpipe = temp["gpipe", 8] - temp["gpipe", 2]
+    growth_1f1b = temp["1f1b", 8] - temp["1f1b", 2]
+    # GPipe keeps every microbatch's stage input for the backward pass: 6 more microbatches, >= 6 more inputs.
+    assert growth_gpipe >= 6 * act, temp
+    # 1F1B keeps a ring of S inputs per stage: going from 2 to 8 microbatches adds less than one input.
+    assert growth_1f1b < act, temp
+    assert temp["1f1b", 8] < temp["gpipe", 8], temp
+
+
+def test_four_stages_loss_fn_gradient_matches_unpipelined(model):
+    """Through the `custom_vjp` loss the train step differentiates, with a scaled objective."""
+    mesh = par.make_mesh("stage=4,data=2")
+    batch = _batch(model.config, 4 * MICRO, 2)
+    params, s_ref, c_ref, g_ref = _unpipelined(model, batch)
+    loss_fn, p = par.pipeline_1f1b_lm_loss_fn(model, n_stages=4, n_microbatches=4, mesh=mesh)
+    scale = 1.0 / float(c_ref)
+
+    def objective(q, b):
+        s, c = loss_fn(q, b)
+        return s * scale, (s, c)
+
+    (_, (s, c)), g = jax.jit(jax.value_and_grad(objective, has_aux=True))(p, batch)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-5)
+    assert float(c) == float(c_ref)
+    _assert_grads_close(g, jax.tree.map(lambda x: x * scale, g_ref))
+
+
+def test_unknown_schedule_is_one_clear_error(capsys):
+    with pytest.raises(par.PipelineError, match="unknown pipeline schedule 'zb'; accepted: gpipe, 1f1b"):
+        check_schedule("zb")
+    rc, err = run_train_script(["--model", "tiny", "--pipeline-stages", "2", "--pipeline-schedule", "zb"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "accepted: gpipe, 1f1b" in lines[0], err
+
+
+def test_train_script_1f1b_matches_gpipe(tmp_path, capsys):
+    def losses(schedule):
+        log = tmp_path / f"{schedule}.jsonl"
+        rc, err = run_train_script(
+            ["--model", "tiny", "--steps", "2", "--batch", "16", "--seq", "32", "--lr", "1e-2", "--warmup", "0",
+             "--precision", "f32", "--eval-batches", "1", "--no-progress", "--pipeline-stages", "2",
+             "--microbatches", "4", "--pipeline-schedule", schedule, "--log", str(log)], capsys)
+        assert rc == 0, err[-3000:]
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r and "step" in r]
+
+    got, want = losses("1f1b"), losses("gpipe")
+    assert len(got) == len(want) == 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
