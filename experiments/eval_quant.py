@@ -8,7 +8,10 @@ calibration (gptq, awq): the windows after them, so the two never overlap.
 Default text: the standard library's `pydoc_data.topics`. `float` is the
 dequantized source model. GGUF block formats use llama.cpp's own fallback for
 matrices whose input dimension is not a multiple of 256 (Q4_K -> Q5_0,
-Q6_K -> Q8_0; SmolLM2's width 576 needs it), recorded per method.
+Q6_K -> Q8_0; SmolLM2's width 576 needs it), recorded per method. Likewise the
+4/3-bit methods' group 128 does not divide the width 576: those matrices get
+group 96 (`jmem.quant.quantize`'s substitution), recorded per matrix in
+`group_sizes`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import tyro
 from flax import nnx
 
 import jmem
-from jmem.quant import quantize, weight_bytes
+from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.api import LINEARS
 
 WINDOW = 512
@@ -51,8 +54,9 @@ class Config:
     """JSON output: a list of {method, ppl, weight_bytes, ...}."""
     model: str = "smollm2-135m"
     """Model name or GGUF path for `jmem.load`."""
-    group_size: int = 64
-    """Group size of the 4/3-bit methods (128 does not divide SmolLM2's width 576)."""
+    group_size: int = 128
+    """Group size of the 4/3-bit methods; a matrix whose input dimension it does not divide gets the largest
+    multiple of 32 below it that does (SmolLM2's width 576: 96), recorded in each record's `group_sizes`."""
     calib_windows: int = 16
     """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
     symmetric: bool = False
@@ -134,12 +138,15 @@ def main(cfg: Config) -> list[dict]:
             model = base
         elif m in PLAIN:
             method, bits = PLAIN[m]
-            model = quantize(base, method, bits=bits, group_size=cfg.group_size, symmetric=cfg.symmetric)
+            model = quantize(base, method, bits=bits, group_size=cfg.group_size, symmetric=cfg.symmetric,
+                             log=print)
+            extra["group_sizes"] = group_sizes(model)
         elif m in CALIBRATED:
             method, bits = CALIBRATED[m]
             model = quantize(base, method, bits=bits, group_size=cfg.group_size, calibration=calib,
                              symmetric=cfg.symmetric, act_order=cfg.act_order, max_seqs=cfg.calib_windows,
                              log=lambda line: print(line, flush=True))
+            extra["group_sizes"] = group_sizes(model)
         else:
             model, used = gguf_model(base, GGUF[m])
             extra["gguf_types"] = used

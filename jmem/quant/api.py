@@ -5,12 +5,21 @@ activations: the calibration tokens are embedded once, then for each layer the
 inputs of its linears are captured with the already-quantized earlier layers,
 the layer is quantized, and its quantized output becomes the next layer's
 input. Embeddings, norms and the output head stay in float.
+
+Group-size substitution: a requested group size that does not divide a
+matrix's input dimension is replaced, for that matrix only, by the largest
+multiple of 32 below it that does (SmolLM2's width 576 takes 96 when 128 is
+asked; its MLP width 1536 keeps 128), with one logged line per input
+dimension; `group_sizes(qmodel)` reports what each matrix got. The
+single-matrix functions (`IntTensor.quantize`, `gptq_quantize`, ...) stay
+strict.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 import jax
@@ -24,7 +33,7 @@ from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
 from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
-from jmem.quant.qtensor import IntTensor, check_group_size
+from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_group_size, check_int_bits
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
@@ -35,17 +44,76 @@ DEFAULT_BITS = {"int8": 8, "nf4": 4, "fp8": 8}
 GPTQ_STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 # AWQ clip search skips q/k: their error is amplified through the attention scores.
 AWQ_NO_CLIP = ("wq", "wk")
+# Substituted group sizes are multiples of this (the Pallas kernel's unit).
+SUBSTITUTE_MULTIPLE = 32
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """A validated request: method, bits, group size (None = per channel), symmetry, act-order."""
+    """A validated request: method, bits, group size (None = per channel), symmetry, act-order.
+
+    `group_sizes` holds the effective group size of each linear (after
+    substitution); `substitutions` one line per substituted input dimension.
+    """
 
     method: str
     bits: int
     group_size: int | None
     symmetric: bool
     act_order: bool
+    group_sizes: tuple[tuple[str, int | None], ...] = ()
+    substitutions: tuple[str, ...] = ()
+
+    def group(self, name: str) -> int | None:
+        """The group size to use for linear `name`."""
+        return dict(self.group_sizes).get(name, self.group_size)
+
+
+def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
+    """The group size a model-level `quantize` uses for a matrix with `n_in` input rows.
+
+    `group_size` itself when it divides `n_in`; otherwise the largest multiple
+    of 32 below it that does (llama.cpp likewise swaps the block type of rows
+    its super-block does not divide). None means per channel (`n_in`).
+
+    Raises:
+      ValueError: bad bits, a group size that is not a positive multiple of 8,
+        or no multiple of 32 below it divides `n_in`.
+
+    Example:
+        >>> resolve_group_size(576, 128)   # 96
+        >>> resolve_group_size(1536, 128)  # 128
+    """
+    check_int_bits(bits)
+    try:
+        return check_group_size(n_in, group_size, bits)
+    except ValueError:
+        if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or group_size % PACK_ROWS:
+            raise
+    for g in range((group_size - 1) // SUBSTITUTE_MULTIPLE * SUBSTITUTE_MULTIPLE, 0, -SUBSTITUTE_MULTIPLE):
+        if n_in % g == 0:
+            return g
+    raise ValueError(f"group_size={group_size} does not divide the input dimension {n_in}, nor does any multiple "
+                     f"of {SUBSTITUTE_MULTIPLE} below it; accepted: a divisor of {n_in} that is a multiple of "
+                     f"{PACK_ROWS}, or None (per channel)")
+
+
+def _group_plan(weights: dict, group_size, bits: int):
+    """(effective group size by linear, one line per substituted input dimension)."""
+    groups, by_dim = {}, {}
+    for name in LINEARS:
+        n_in = weights[name].shape[-2]
+        try:
+            groups[name] = resolve_group_size(n_in, group_size, bits)
+        except ValueError as e:
+            raise ValueError(f"{name} (input dimension {n_in}): {e}") from None
+        if group_size is not None and group_size != -1 and groups[name] != group_size:
+            by_dim.setdefault((n_in, groups[name]), []).append(name)
+    lines = tuple(f"group_size={group_size} does not divide input dimension {n_in} ({', '.join(names)}): "
+                  f"using group size {g}" for (n_in, g), names in by_dim.items())
+    return tuple(groups.items()), lines
 
 
 def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
@@ -58,19 +126,17 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
     if method in ("int8", "fp8"):
         group_size = None
     weights = model.layers.weights()
-    for name in LINEARS:
-        n_in = weights[name].shape[-2]
-        if method == "nf4":
+    groups, lines = (), ()
+    if method == "nf4":
+        for name in LINEARS:
+            n_in = weights[name].shape[-2]
             if n_in % NF4_BLOCK:
                 raise ValueError(f"NF4 needs input dimensions divisible by {NF4_BLOCK}; {name} has {n_in}")
-        elif method != "fp8":
-            try:
-                check_group_size(n_in, group_size, bits)
-            except ValueError as e:
-                raise ValueError(f"{name} (input dimension {n_in}): {e}") from None
+    elif method != "fp8":
+        groups, lines = _group_plan(weights, group_size, bits)
     if symmetric is None:
         symmetric = True
-    return QuantSpec(method, int(bits), group_size, bool(symmetric), bool(act_order))
+    return QuantSpec(method, int(bits), group_size, bool(symmetric), bool(act_order), groups, lines)
 
 
 def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs: int = 32) -> np.ndarray:
@@ -126,12 +192,12 @@ def _run_layer(cfg, w: dict, x, positions):
     return y, sink
 
 
-def _quantize_plain(w, spec: QuantSpec, clip=None):
+def _quantize_plain(w, spec: QuantSpec, name: str):
     if spec.method == "nf4":
         return NF4Tensor.quantize(w)
     if spec.method == "fp8":
         return FP8Tensor.quantize(w)
-    return IntTensor.quantize(w, spec.bits, spec.group_size, spec.symmetric, clip=clip)
+    return IntTensor.quantize(w, spec.bits, spec.group(name), spec.symmetric)
 
 
 def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
@@ -140,7 +206,7 @@ def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
         _, inputs = _run_layer(cfg, w, x, positions)
         h = hessian(inputs[stage[0]])  # the linears of a stage share their input
         for name in stage:
-            w[name] = gptq_quantize(np.asarray(w[name]), h, spec.bits, spec.group_size, spec.symmetric,
+            w[name] = gptq_quantize(np.asarray(w[name]), h, spec.bits, spec.group(name), spec.symmetric,
                                     spec.act_order)
     return w
 
@@ -173,24 +239,27 @@ def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
     w = {n: jnp.asarray(v, jnp.float32) for n, v in w.items()}
     _, inputs = _run_layer(cfg, w, x, positions)
     xs = {n: inputs[n].reshape(-1, inputs[n].shape[-1]).astype(jnp.float32) for n in LINEARS}
-    args = (spec.bits, spec.group_size, spec.symmetric)
+    def args(name):  # the linears searched together share their input, so their group size
+        return spec.bits, spec.group(name), spec.symmetric
+
     # Every search reads the float layer's own weights: the folds touch
     # disjoint rows and columns, so their order does not matter.
-    s_qkv = awq_scale(xs["wq"], [w["wq"], w["wk"], w["wv"]], *args)
+    s_qkv = awq_scale(xs["wq"], [w["wq"], w["wk"], w["wv"]], *args("wq"))
     # o's activation magnitude is averaged over the query heads sharing a kv head (see fold_awq_scales).
     rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     mean_o = jnp.abs(xs["wo"]).mean(axis=0).reshape(cfg.n_kv_heads, rep, hd).mean(axis=1)
-    s_o = awq_scale(xs["wo"], [w["wo"]], *args, x_mean=jnp.repeat(mean_o[:, None, :], rep, axis=1).reshape(-1))
-    s_gu = awq_scale(xs["w_gate"], [w["w_gate"], w["w_up"]], *args)
-    s_down = awq_scale(xs["w_down"], [w["w_down"]], *args)
+    s_o = awq_scale(xs["wo"], [w["wo"]], *args("wo"),
+                    x_mean=jnp.repeat(mean_o[:, None, :], rep, axis=1).reshape(-1))
+    s_gu = awq_scale(xs["w_gate"], [w["w_gate"], w["w_up"]], *args("w_gate"))
+    s_down = awq_scale(xs["w_down"], [w["w_down"]], *args("w_down"))
     w = fold_awq_scales(cfg, w, s_qkv, s_o, s_gu, s_down)
     for names, s in ((("wq", "wk", "wv"), s_qkv), (("wo",), s_o), (("w_gate", "w_up"), s_gu), (("w_down",), s_down)):
         for n in names:
             xs[n] = xs[n] / s
 
     for n in LINEARS:
-        clip = None if n in AWQ_NO_CLIP else awq_clip(xs[n], w[n], *args)
-        w[n] = IntTensor.quantize(w[n], *args, clip=clip)
+        clip = None if n in AWQ_NO_CLIP else awq_clip(xs[n], w[n], *args(n))
+        w[n] = IntTensor.quantize(w[n], *args(n), clip=clip)
     return w
 
 
@@ -210,7 +279,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         per channel), gptq or awq.
       bits: rtn/gptq/awq: 2, 3, 4 or 8 (default 4); nf4: 4; int8, fp8: 8.
       group_size: input rows per scale for rtn/gptq/awq; None for per channel.
-        Must divide every linear's input dimension.
+        A matrix whose input dimension it does not divide gets the largest
+        multiple of 32 below it that does (one logged line per input
+        dimension; `group_sizes(result)` lists what each matrix got); an
+        error only when there is none.
       calibration: gptq/awq only: text(s) (with `tokenizer`) or token ids
         (int [B, T] or a list of 1-D arrays).
       tokenizer: anything with `.encode(text)` returning ids or an object with `.ids`.
@@ -218,7 +290,9 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
       act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
       inplace: modify `model` instead of a copy.
-      log: optional callable taking one progress line per calibrated layer (e.g. `print`).
+      log: optional callable taking one progress line per calibrated layer and
+        per group-size substitution (e.g. `print`); default: this module's
+        logger (substitutions as warnings).
 
     Returns:
       The quantized model: every `layers.<linear>.kernel` holds a stacked
@@ -229,6 +303,8 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         >>> logits, _ = qmodel(ids_BT)
     """
     spec = _check(model, method, bits, group_size, symmetric, act_order)
+    for line in spec.substitutions:
+        (log or logger.warning)(f"{method}: {line}")
     ids = None
     if method in CALIBRATED:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
@@ -237,7 +313,7 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     layers: Blocks = model.layers
     weights = layers.weights()
     if method not in CALIBRATED:
-        new = {n: _quantize_plain(weights[n], spec) for n in LINEARS}
+        new = {n: _quantize_plain(weights[n], spec, n) for n in LINEARS}
     else:
         new = _calibrated(model, weights, jnp.asarray(ids), spec, log)
     for n, v in new.items():
@@ -269,3 +345,22 @@ def weight_bytes(model, names=LINEARS) -> int:
     """Stored bytes of the layers' linear kernels (quantized leaves count their packed bytes)."""
     weights = model.layers.weights()
     return int(sum(weights[n].nbytes for n in names))
+
+
+def group_sizes(model, names=LINEARS) -> dict[str, int | None]:
+    """The group size each linear of a quantized model holds (per channel shows as the input dimension).
+
+    NF4 reports its 64-row block; float and FP8 (per-channel scales, no
+    groups) kernels report None. A LoRA-wrapped kernel reports its base.
+
+    Example:
+        >>> group_sizes(quantize(smollm2, "rtn", bits=4, group_size=128))
+        {'wq': 96, 'wk': 96, 'wv': 96, 'wo': 96, 'w_gate': 96, 'w_up': 96, 'w_down': 128}
+    """
+    weights = model.layers.weights()
+    out: dict[str, int | None] = {}
+    for n in names:
+        w = weights[n]
+        w = getattr(w, "base", w)
+        out[n] = w.group_size if isinstance(w, IntTensor) else NF4_BLOCK if isinstance(w, NF4Tensor) else None
+    return out

@@ -8,21 +8,50 @@ in the low and high nibble of byte row r, so instead of interleaving unpacked
 rows in the kernel (a reshape Triton does not like) the wrapper splits `x` into
 its even and odd columns and the kernel does two dots per group.
 
-The plain path (`QTensor.__jmem_dot__`: dequantize then matmul, fused by XLA)
-is the reference and the fallback; tests compare the two in interpret mode.
+The plain path (dequantize then matmul, fused by XLA) is the reference and the
+fallback; tests compare the two in interpret mode.
+
+Dispatch (`quantized_dot`, what `IntTensor.__jmem_dot__` and
+`NF4Tensor.__jmem_dot__` call): the implementation is chosen when the matmul
+is traced, from `matmul_impl(...)` (a context manager over a contextvar):
+
+* "auto" (default): the kernel, compiled, when JAX's default backend is a GPU;
+  the XLA path elsewhere (on CPU the interpreter would only be slower; on TPU
+  the kernel's tiling has not been checked against Mosaic's rules).
+* "pallas": the kernel wherever it can tile the weight (interpreted on CPU).
+* "xla": always dequantize-then-dot.
+
+Weights the kernel cannot tile take the XLA path explicitly in every mode: bits
+other than 4, a group size that is not a multiple of 32, an output width that
+is not a multiple of 8, or a weight with leading (stacked-layers) axes outside
+a scan. Leading batch/sequence axes of `x` are folded into rows and the rows
+padded to the tile. The backward pass of the kernel path is the XLA path's
+(`jax.custom_vjp`), so QLoRA training can run on it.
+
+The choice is read when the matmul is traced, and JAX caches traces per Python
+function: a function traced under one choice keeps it. Enter `matmul_impl`
+before a function is first traced; to run both paths in one process, trace
+two distinct function objects (not the same function jitted twice).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jmem.kernels.flash_attention import kernel as fk
 from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
 from jmem.quant.qtensor import IntTensor
 
+MATMUL_IMPLS = ("auto", "pallas", "xla")
+# Backends where "auto" picks the compiled kernel.
+AUTO_KERNEL_BACKENDS = ("gpu",)
+KERNEL_GROUP_MULTIPLE = 32
 MIN_BLOCK_M = 16  # smallest tile a GPU dot accepts
 MAX_BLOCK_M = 64
 MAX_BLOCK_N = 128
@@ -61,6 +90,104 @@ def _kernel(xe_ref, xo_ref, p_ref, s_ref, *rest, group: int, n_groups: int, nf4:
 
     acc = jax.lax.fori_loop(0, n_groups, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+_IMPL: contextvars.ContextVar[str] = contextvars.ContextVar("jmem_quant_matmul_impl", default="auto")
+
+
+@contextlib.contextmanager
+def matmul_impl(impl: str):
+    """Choose how quantized weights multiply inside the block: "auto", "pallas" or "xla".
+
+    Read when a matmul is traced (a contextvar, so threads and async tasks
+    each keep their own choice); a function already traced keeps its path.
+
+    Example:
+        >>> with jmem.quant.matmul_impl("pallas"):     # interpreted on CPU
+        ...     logits = jax.jit(lambda m, ids: m(ids)[0])(qmodel, ids)
+    """
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl={impl!r}; accepted: {', '.join(MATMUL_IMPLS)}")
+    token = _IMPL.set(impl)
+    try:
+        yield impl
+    finally:
+        _IMPL.reset(token)
+
+
+def current_matmul_impl() -> str:
+    """The implementation `matmul_impl` selects in this context ("auto" unless set)."""
+    return _IMPL.get()
+
+
+def kernel_unsupported(w, x_features: int | None = None) -> str | None:
+    """Why the kernel cannot tile `w` (a short reason), or None when it can."""
+    if isinstance(w, NF4Tensor):
+        group, n_scales = NF4_BLOCK, None
+    elif isinstance(w, IntTensor):
+        if w.bits != 4:
+            return f"bits={w.bits} (the kernel reads 4-bit codes)"
+        group, n_scales = None, w.scale.shape[-2]
+    else:
+        return f"{type(w).__name__} is not an int4/NF4 leaf"
+    if len(w.shape) != 2:
+        return f"weight shape {w.shape} has leading axes"
+    K, N = w.shape
+    if x_features is not None and x_features != K:
+        return f"x has {x_features} features, the weight {K}"
+    if group is None:
+        if K % n_scales:
+            return f"{n_scales} groups do not split {K} rows"
+        group = K // n_scales
+    if group % KERNEL_GROUP_MULTIPLE:
+        return f"group size {group} is not a multiple of {KERNEL_GROUP_MULTIPLE}"
+    if N % 8:
+        return f"output width {N} is not a multiple of 8"
+    return None
+
+
+def _xla_dot(x: jax.Array, w) -> jax.Array:
+    y = jnp.matmul(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _kernel_dot(x, w, interpret: bool):
+    return dequant_matmul(x, w, interpret=interpret)
+
+
+def _kernel_dot_fwd(x, w, interpret: bool):
+    return dequant_matmul(x, w, interpret=interpret), (x, w)
+
+
+def _kernel_dot_bwd(interpret: bool, residuals, g):
+    # Pallas calls have no transpose rule; the XLA path's gradient is the same function's.
+    x, w = residuals
+    _, vjp = jax.vjp(_xla_dot, x, w)
+    return vjp(g)
+
+
+_kernel_dot.defvjp(_kernel_dot_fwd, _kernel_dot_bwd)
+
+
+def uses_kernel(x_features: int, w, impl: str | None = None) -> bool:
+    """Whether `quantized_dot` takes the kernel for this weight under `impl` (default: the context's)."""
+    impl = current_matmul_impl() if impl is None else impl
+    if impl == "xla" or (impl == "auto" and jax.default_backend() not in AUTO_KERNEL_BACKENDS):
+        return False
+    return kernel_unsupported(w, x_features) is None
+
+
+def quantized_dot(x: jax.Array, w: IntTensor | NF4Tensor) -> jax.Array:
+    """`x[..., K] @ W[K, N] -> [..., N]` in x's dtype through the kernel or XLA (see `matmul_impl`).
+
+    Example:
+        >>> y = quantized_dot(x, IntTensor.quantize(w, bits=4, group_size=128))  # == dot(x, q)
+    """
+    if not uses_kernel(x.shape[-1], w):
+        return _xla_dot(x, w)
+    interpret = jax.default_backend() not in ("gpu", "tpu")
+    return _kernel_dot(x, w, interpret)
 
 
 def _block_n(n: int) -> int:
@@ -119,14 +246,19 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
         in_specs.append(pl.BlockSpec(block_shape=(n_groups, block_n), index_map=lambda i, j: (0, j)))
         args.append(zero)
     kernel = functools.partial(_kernel, group=group, n_groups=n_groups, nf4=nf4, zero_const=zero_const)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((x2.shape[0], N), x.dtype),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec(block_shape=(block_m, block_n), index_map=lambda i, j: (i, j)),
-        interpret=interpret,
-    )(*args)
+
+    def call(platform, *args):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((x2.shape[0], N), x.dtype),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec(block_shape=(block_m, block_n), index_map=lambda i, j: (i, j)),
+            compiler_params=fk.compiler_params(platform, grid_rank=2),  # Triton on GPU
+            interpret=platform == "interpret",
+        )(*args)
+
+    y = fk.per_platform(call, interpret, *args)
     return y[:M].reshape(*lead, N)
 
 

@@ -68,6 +68,12 @@ class NF4Tensor(QTensor):
         a = a + self.absmax_mean[..., None]
         return a.reshape(*lead, n_in // NF4_BLOCK, n_out)
 
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        """`x[..., in] @ W`: the Pallas kernel where `jmem.quant.matmul_impl` picks it, else dequantize + dot."""
+        from jmem.quant.kernel import quantized_dot  # the kernel module imports this one
+
+        return quantized_dot(x, self)
+
     def dequantize(self, dtype=None) -> jax.Array:
         dtype = self.dtype if dtype is None else dtype
         *lead, n_in, n_out = self.shape

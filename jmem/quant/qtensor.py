@@ -156,6 +156,12 @@ class IntTensor(QTensor):
         kind = "sym" if self.symmetric else "zero-point"
         return f"bits={self.bits}, group_size={self.group_size}, {kind}"
 
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        """`x[..., in] @ W`: the Pallas kernel for 4-bit weights where `jmem.quant.matmul_impl` picks it."""
+        from jmem.quant.kernel import quantized_dot  # the kernel module imports this one
+
+        return quantized_dot(x, self)
+
     def codes(self) -> jax.Array:
         """Unsigned codes as int32 `[..., in, out]`."""
         return unpack_bits(self.packed, self.bits)

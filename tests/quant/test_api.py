@@ -6,8 +6,9 @@ import pytest
 from flax import nnx
 
 from jmem.models.llama import Llama, LlamaConfig
-from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, calibration_tokens, quantize, weight_bytes
-from jmem.quant.api import LINEARS
+from jmem.quant import (FP8Tensor, IntTensor, NF4Tensor, awq_scale, calibration_tokens, gptq_quantize, group_sizes,
+                        quantize, weight_bytes)
+from jmem.quant.api import LINEARS, resolve_group_size
 
 CFG = LlamaConfig.tiny()
 
@@ -50,6 +51,8 @@ def test_plain_methods(model, data):
         w = q.layers.weights()
         assert all(isinstance(w[n], cls) and w[n].shape == model.layers.weights()[n].shape for n in LINEARS)
         assert weight_bytes(q) / float_bytes <= max_ratio, method
+        if method == "nf4":
+            assert set(group_sizes(q).values()) == {64}
         errs[method] = _rel(_logits(q, ids), ref)
     # Step sizes set the order: int8 (1/127 of the column max) < fp8 (2**-4
     # relative) < 4-bit grids. The last bound only rules out garbage: the error
@@ -125,13 +128,50 @@ def test_bad_inputs(model, data):
         quantize(model, "nf4", bits=3)
     with pytest.raises(ValueError, match="bits=5 is not supported by method 'gptq'"):
         quantize(model, "gptq", bits=5, calibration=calib)
-    with pytest.raises(ValueError, match="group_size=48 does not divide"):
-        quantize(model, "rtn", bits=4, group_size=48)
-    with pytest.raises(ValueError, match="group_size=128 does not divide the input dimension 64"):
-        quantize(model, "awq", bits=4, group_size=128, calibration=calib)
+    # No multiple of 32 below 24 divides 64; 50 is not a multiple of 8: both refused before any work.
+    with pytest.raises(ValueError, match="group_size=24 does not divide the input dimension 64, nor does any"):
+        quantize(model, "rtn", bits=4, group_size=24)
+    with pytest.raises(ValueError, match="group_size=24 does not divide the input dimension 64, nor does any"):
+        quantize(model, "awq", bits=4, group_size=24, calibration=calib)
+    with pytest.raises(ValueError, match="group_size=50 does not divide the input dimension 64"):
+        quantize(model, "gptq", bits=4, group_size=50, calibration=calib)
     with pytest.raises(ValueError, match="calibration is empty"):
         quantize(model, "gptq", bits=4, group_size=32, calibration=[])
     with pytest.raises(ValueError, match="calibration is empty"):
         quantize(model, "awq", bits=4, group_size=32, calibration="", tokenizer=_ByteTokenizer())
     with pytest.raises(ValueError, match="unknown quantization method 'hqq'"):
         quantize(model, "hqq")
+
+
+def test_group_size_substitution():
+    """A model whose width 96 the requested group 64 does not divide (MLP width 128 it does)."""
+    cfg = LlamaConfig.tiny(dim=96, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    model = Llama(cfg, rngs=nnx.Rngs(1))
+    lines = []
+    q = quantize(model, "rtn", bits=4, group_size=64, log=lines.append)
+    got = group_sizes(q)
+    # wo's input is n_heads * head_dim = 64, which 64 divides.
+    assert got == {"wq": 32, "wk": 32, "wv": 32, "wo": 64, "w_gate": 32, "w_up": 32, "w_down": 64}
+    assert lines == ["rtn: group_size=64 does not divide input dimension 96 (wq, wk, wv, w_gate, w_up): "
+                     "using group size 32"]
+    w = q.layers.weights()
+    assert all(w[n].scale.shape[-2] == w[n].shape[-2] // got[n] for n in LINEARS)
+    # Same codes as quantizing the matrix alone with the substituted size.
+    np.testing.assert_array_equal(w["wq"].packed, IntTensor.quantize(model.layers.weights()["wq"], 4, 32).packed)
+    assert group_sizes(quantize(model, "int8"))["wq"] == 96 and group_sizes(model)["wq"] is None  # per channel
+    # SmolLM2's widths: 576 takes 96 for 128; 1536 keeps 128.
+    assert resolve_group_size(576, 128) == 96 and resolve_group_size(1536, 128) == 128
+    assert resolve_group_size(576, None) == 576
+
+
+def test_tensor_level_group_size_is_strict():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 16)).astype(np.float32)
+    x = rng.standard_normal((32, 96)).astype(np.float32)
+    msg = "group_size=64 does not divide the input dimension 96"
+    with pytest.raises(ValueError, match=msg):
+        IntTensor.quantize(w, 4, 64)
+    with pytest.raises(ValueError, match=msg):
+        gptq_quantize(w, x.T @ x, 4, 64)
+    with pytest.raises(ValueError, match=msg):
+        awq_scale(jnp.asarray(x), [jnp.asarray(w)], 4, 64)
