@@ -37,11 +37,19 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
 
 
 def info(path: tyro.conf.Positional[str]) -> None:
-    """Print a GGUF file's architecture, hyper-parameters, tensor types, parameter count and bytes.
+    """Print a GGUF file's (or a quantized model directory's) architecture, hyper-parameters,
+    tensor types, parameter count and bytes.
 
     Args:
-        path: A .gguf file.
+        path: A .gguf file or a directory written by `jmem quantize --out DIR`.
     """
+    import os
+
+    if os.path.isdir(path):
+        from jmem.quant.saved import describe
+
+        print(describe(path))
+        return
     from jmem.io.gguf import config_from_gguf, read_gguf
 
     gf = read_gguf(path)

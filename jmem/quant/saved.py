@@ -1,0 +1,396 @@
+"""Quantized model directories: jmem's own quantized leaves saved losslessly.
+
+GGUF has no block type for most of jmem's formats (group-wise int4/int3 with
+f16 scales and u8 zero points, NF4 with double quantization, FP8 with f32
+scales), so a GPTQ or AWQ result written to GGUF is re-encoded. A quantized
+model directory keeps every leaf exactly as it is in memory:
+
+```
+DIR/
+  jmem_model.json        manifest (written last: a half-written DIR has none)
+  arrays/0/...           every array, through `jmem.io.checkpoint.Checkpointer` (Orbax)
+```
+
+The manifest holds the format name and version, the `LlamaConfig` fields,
+the quantization spec (method, bits, group size, symmetric, act_order), each
+state entry's leaf type with its static pytree metadata and the array keys
+of its children, and the tokenizer (`{"kind": "byte"}` or the GGUF
+`tokenizer.*` fields that rebuild `GGUFTokenizer`), so no GGUF file is needed
+to load it. Leaves are rebuilt with their own `tree_unflatten`, so loading
+never dequantizes: `jmem.load(DIR)` runs on the packed weights.
+
+Example:
+    >>> qmodel = jmem.quant.quantize(lm.model, "rtn", bits=4, group_size=64)
+    >>> save_quantized("/tmp/q4", qmodel, tokenizer=lm.tokenizer, quantization={"method": "rtn", "bits": 4})
+    >>> jmem.load("/tmp/q4").generate(["The capital of France is"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections import Counter
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.config import LlamaConfig
+
+FORMAT = "jmem-quantized-model"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "jmem_model.json"
+ARRAYS = "arrays"
+QUANT_FIELDS = ("method", "bits", "group_size", "symmetric", "act_order")
+
+
+class QuantizedDirError(ValueError):
+    """A path that is not a readable jmem quantized model directory."""
+
+
+def _leaf_types() -> dict[str, type]:
+    """Weight leaf classes a manifest may name (an allow-list: a manifest never imports arbitrary code)."""
+    from jmem.quant.awq import InputScaled
+    from jmem.quant.fp8 import FP8Tensor
+    from jmem.quant.ggml_weight import GGMLWeight
+    from jmem.quant.nf4 import NF4Tensor
+    from jmem.quant.qtensor import IntTensor
+
+    return {c.__name__: c for c in (IntTensor, NF4Tensor, FP8Tensor, GGMLWeight, InputScaled)}
+
+
+# --------------------------------------------------------------------------- static metadata <-> JSON
+
+
+def _aux_to_json(aux: Any, where: str) -> Any:
+    """Pytree aux data as JSON; tuples and GGML types are tagged so they come back as the same Python values."""
+    import gguf
+
+    if aux is None or isinstance(aux, (bool, int, float, str)):
+        return aux
+    if isinstance(aux, gguf.GGMLQuantizationType):
+        return {"ggml_type": aux.name}
+    if isinstance(aux, np.dtype):
+        return {"dtype": aux.name}
+    if isinstance(aux, tuple):
+        return {"tuple": [_aux_to_json(a, where) for a in aux]}
+    if isinstance(aux, list):
+        return [_aux_to_json(a, where) for a in aux]
+    raise QuantizedDirError(f"{where}: static metadata of type {type(aux).__name__} cannot be saved; "
+                            "accepted: None, bool, int, float, str, tuple, list, numpy dtype, GGML type")
+
+
+def _aux_from_json(obj: Any) -> Any:
+    import gguf
+
+    if isinstance(obj, list):
+        return [_aux_from_json(a) for a in obj]
+    if isinstance(obj, dict):
+        if "tuple" in obj:
+            return tuple(_aux_from_json(a) for a in obj["tuple"])
+        if "ggml_type" in obj:
+            return gguf.GGMLQuantizationType[obj["ggml_type"]]
+        if "dtype" in obj:
+            return jnp.dtype(obj["dtype"])
+        raise QuantizedDirError(f"unknown static metadata entry {obj!r} in {MANIFEST}")
+    return obj
+
+
+# --------------------------------------------------------------------------- leaves <-> (node, arrays)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _encode(value, key: str, arrays: dict) -> dict:
+    """A JSON node for one state value; its arrays go into `arrays` under keys derived from `key`."""
+    if _is_array(value):
+        arrays[key] = value
+        return {"array": key}
+    types = _leaf_types()
+    name = type(value).__name__
+    if types.get(name) is not type(value):
+        raise QuantizedDirError(f"{key}: a {name} leaf cannot be saved; accepted: arrays, {', '.join(types)}")
+    children, aux = value.tree_flatten()
+    node = {"type": name, "aux": _aux_to_json(aux, key),
+            "children": [None if c is None else _encode(c, f"{key}.{i}", arrays) for i, c in enumerate(children)]}
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        node["shape"] = [int(s) for s in shape]
+    describe = getattr(value, "_describe", None)
+    if callable(describe) and describe():
+        node["info"] = describe()
+    return node
+
+
+def _decode(node: dict, arrays: Mapping[str, Any]):
+    if "array" in node:
+        return arrays[node["array"]]
+    types = _leaf_types()
+    if node.get("type") not in types:
+        raise QuantizedDirError(f"{MANIFEST} names leaf type {node.get('type')!r}; accepted: {', '.join(types)}")
+    children = [None if c is None else _decode(c, arrays) for c in node["children"]]
+    # The leaf's own unflatten skips constructor validation (it also rebuilds tracers), as in a jax transform.
+    return types[node["type"]].tree_unflatten(_aux_from_json(node["aux"]), children)
+
+
+def _array_specs(node: dict, arrays: dict) -> None:
+    """Collect the array keys a node refers to (for the restore template)."""
+    if "array" in node:
+        arrays[node["array"]] = None
+    for c in node.get("children") or []:
+        if c is not None:
+            _array_specs(c, arrays)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def check_new_dir(path: str | os.PathLike) -> pathlib.Path:
+    """The output directory, which must be absent or empty (nothing is overwritten)."""
+    p = pathlib.Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise QuantizedDirError(f"--out {str(path)!r} exists and is not a directory; "
+                                "accepted: a new or empty directory")
+    if p.is_dir() and any(p.iterdir()):
+        raise QuantizedDirError(f"--out {str(path)!r} is a non-empty directory; accepted: a new or empty directory "
+                                "(nothing is overwritten)")
+    return p
+
+
+def _tokenizer_entry(tokenizer, tokenizer_metadata) -> dict:
+    from jmem.io.tokenizer import ByteTokenizer
+
+    if tokenizer_metadata is not None:
+        meta = {k: v for k, v in tokenizer_metadata.items() if k.startswith("tokenizer.")}
+        if "tokenizer.ggml.tokens" not in meta:
+            raise QuantizedDirError("tokenizer_metadata has no tokenizer.ggml.tokens; pass a GGUF file's "
+                                    "tokenizer_metadata() or a ByteTokenizer")
+        return {"kind": "gguf", "metadata": meta}
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte"}
+    raise QuantizedDirError(f"cannot save a tokenizer of type {type(tokenizer).__name__} without its metadata; "
+                            "accepted: a ByteTokenizer, or tokenizer_metadata= (GGUF tokenizer.* fields)")
+
+
+def _quant_entry(quantization) -> dict | None:
+    if quantization is None:
+        return None
+    if dataclasses.is_dataclass(quantization):
+        quantization = dataclasses.asdict(quantization)
+    unknown = set(quantization) - set(QUANT_FIELDS)
+    if unknown:
+        raise QuantizedDirError(f"quantization has unknown fields {sorted(unknown)}; "
+                                f"accepted: {', '.join(QUANT_FIELDS)}")
+    return {k: quantization.get(k) for k in QUANT_FIELDS}
+
+
+def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_metadata: Mapping | None = None,
+                   quantization: Mapping | Any | None = None) -> dict:
+    """Write a (quantized) jmem Llama model to a new directory; returns the manifest.
+
+    Args:
+        path: a directory that does not exist yet or is empty.
+        model: a `jmem.models.Llama` whose weights are arrays or quantized leaves
+            (`IntTensor`, `NF4Tensor`, `FP8Tensor`, `GGMLWeight`, `InputScaled`).
+        tokenizer: the model's tokenizer; a `ByteTokenizer` is stored as such.
+        tokenizer_metadata: GGUF `tokenizer.*` fields (e.g. `GGUFFile.tokenizer_metadata()`),
+            required for any tokenizer other than `ByteTokenizer`.
+        quantization: method, bits, group_size, symmetric, act_order (a mapping or
+            `jmem.quant.api.QuantSpec`), recorded in the manifest.
+
+    Raises:
+        QuantizedDirError: the directory is not new/empty, a leaf type or tokenizer
+            that cannot be saved; raised before anything is written.
+
+    Example:
+        >>> save_quantized("/tmp/q4", qmodel, tokenizer=lm.tokenizer,
+        ...                tokenizer_metadata=lm.source.tokenizer_metadata(),
+        ...                quantization={"method": "gptq", "bits": 4, "group_size": 128})
+    """
+    from jmem.io.checkpoint import Checkpointer
+
+    out = check_new_dir(path)
+    tok = _tokenizer_entry(tokenizer, tokenizer_metadata)
+    quant = _quant_entry(quantization)
+    arrays: dict[str, Any] = {}
+    leaves = {}
+    for var_path, var in nnx.to_flat_state(nnx.state(model)):
+        key = ".".join(map(str, var_path))
+        leaves[key] = {"variable": type(var).__name__, **_encode(var.get_value(), key, arrays)}
+    n_bytes = int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in arrays.values()))
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": dataclasses.asdict(model.config),
+        "quantization": quant,
+        "leaves": leaves,
+        "arrays": {k: {"shape": [int(s) for s in a.shape], "dtype": jnp.dtype(a.dtype).name}
+                   for k, a in arrays.items()},
+        "bytes": n_bytes,
+        "tokenizer": tok,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(out / ARRAYS, max_to_keep=1)
+    try:
+        ckpt.save(0, arrays, {"format": FORMAT, "format_version": FORMAT_VERSION})
+    finally:
+        ckpt.close()
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    tmp.replace(out / MANIFEST)  # the manifest appears only once the arrays are on disk
+    return manifest
+
+
+# --------------------------------------------------------------------------- load
+
+
+def is_quantized_dir(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory holding a quantized-model manifest."""
+    return (pathlib.Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a quantized model directory, after checking its format and version.
+
+    Raises:
+        QuantizedDirError: no manifest, unreadable JSON, another format, an unknown version.
+    """
+    p = pathlib.Path(path)
+    if not p.is_dir():
+        raise QuantizedDirError(f"{str(path)!r} is not a directory")
+    mf = p / MANIFEST
+    if not mf.is_file():
+        raise QuantizedDirError(f"{str(path)!r} is not a jmem quantized model directory (no {MANIFEST}); accepted: "
+                                "a directory written by `jmem quantize --out DIR`, a .gguf file, or a preset name")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QuantizedDirError(f"{mf}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise QuantizedDirError(f"{mf}: format {fmt!r} is not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise QuantizedDirError(f"{mf}: format_version {version!r} is not supported; accepted: "
+                                f"{', '.join(map(str, SUPPORTED_VERSIONS))} (written by a newer jmem?)")
+    return manifest
+
+
+def config_from_manifest(manifest: Mapping, **overrides) -> LlamaConfig:
+    """`LlamaConfig` from the manifest's fields; `overrides` (dtypes, attention) replace stored values."""
+    fields = dict(manifest["config"])
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise QuantizedDirError(f"{MANIFEST}: config fields {unknown} are unknown to this jmem "
+                                "(written by a newer one?)")
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def tokenizer_from_manifest(manifest: Mapping):
+    from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
+
+    tok = manifest.get("tokenizer") or {}
+    if tok.get("kind") == "byte":
+        return ByteTokenizer()
+    if tok.get("kind") == "gguf":
+        return GGUFTokenizer(tok["metadata"])
+    raise QuantizedDirError(f"{MANIFEST}: tokenizer kind {tok.get('kind')!r}; accepted: 'byte', 'gguf'")
+
+
+def load_weights(path: str | os.PathLike, manifest: Mapping) -> dict[str, Any]:
+    """`{state path: array or quantized leaf}` restored from the directory's arrays (bit-exact)."""
+    from jmem.io.checkpoint import Checkpointer
+
+    specs = manifest["arrays"]
+    wanted: dict[str, Any] = {}
+    for node in manifest["leaves"].values():
+        _array_specs(node, wanted)
+    missing = sorted(set(wanted) - set(specs))
+    if missing:
+        raise QuantizedDirError(f"{MANIFEST}: leaves refer to arrays it does not list: {missing[:3]}")
+    template = {k: jax.ShapeDtypeStruct(tuple(specs[k]["shape"]), jnp.dtype(specs[k]["dtype"])) for k in wanted}
+    ckpt = Checkpointer(pathlib.Path(path) / ARRAYS)
+    try:
+        if ckpt.latest_step() is None:
+            raise QuantizedDirError(f"{path}: {ARRAYS}/ holds no saved arrays (an interrupted write?)")
+        arrays = ckpt.restore(template, step=0)
+    finally:
+        ckpt.close()
+    # Orbax returns arrays committed to one device; hand back uncommitted ones, as a GGUF
+    # load does, so jit places them freely (a mesh's shardings, a shared compile cache).
+    for k in list(arrays):
+        arrays[k] = jnp.asarray(np.asarray(arrays.pop(k)))
+    return {k: _decode(node, arrays) for k, node in manifest["leaves"].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModelDir:
+    """A loaded directory's path and manifest; `LM.source` of models loaded from one."""
+
+    path: str
+    manifest: dict
+
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """GGUF `tokenizer.*` fields (as `GGUFFile.tokenizer_metadata()`), e.g. to write the model to GGUF."""
+        from jmem.io.gguf_writer import byte_tokenizer_metadata
+
+        tok = self.manifest["tokenizer"]
+        return dict(tok["metadata"]) if tok["kind"] == "gguf" else byte_tokenizer_metadata()
+
+
+def load_quantized(path: str | os.PathLike, **config_overrides):
+    """Rebuild `(model, tokenizer, source)` from a quantized model directory, leaves kept quantized.
+
+    Args:
+        path: a directory written by `save_quantized` / `jmem quantize --out DIR`.
+        **config_overrides: `LlamaConfig` fields to replace (param_dtype, compute_dtype,
+            attention_impl); float (unquantized) weights are cast to `param_dtype`.
+
+    Returns:
+        A `jmem.models.Llama`, its tokenizer, and a `QuantizedModelDir`.
+
+    Example:
+        >>> model, tok, src = load_quantized("/tmp/q4", compute_dtype="bf16")
+    """
+    from jmem.lm import set_weights
+    from jmem.models.llama import Llama
+
+    manifest = read_manifest(path)
+    config = config_from_manifest(manifest, **config_overrides)
+    tokenizer = tokenizer_from_manifest(manifest)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    expected = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
+    stored = set(manifest["leaves"])
+    if expected != stored:
+        raise QuantizedDirError(f"{path}: the manifest's weights do not match the model its config builds "
+                                f"(missing {sorted(expected - stored)[:3]}, extra {sorted(stored - expected)[:3]})")
+    set_weights(model, load_weights(path, manifest))
+    return model, tokenizer, QuantizedModelDir(str(path), manifest)
+
+
+def describe(path: str | os.PathLike) -> str:
+    """A few lines for `jmem info DIR`: config, quantization, leaf types, stored bytes."""
+    m = read_manifest(path)
+    c = config_from_manifest(m)
+    q = m.get("quantization") or {}
+    types = Counter(node.get("type") or m["arrays"][node["array"]]["dtype"] for node in m["leaves"].values())
+    n_params = c.num_params
+    spec = ", ".join(f"{k}={q[k]}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
+    return "\n".join([
+        f"directory:     {path} ({FORMAT} v{m['format_version']})",
+        f"layers:        {c.n_layers}  width: {c.dim}  heads: {c.n_heads}/{c.n_kv_heads} (head dim {c.head_dim})  "
+        f"ffn: {c.ffn_dim}  vocab: {c.vocab_size}",
+        f"quantization:  {spec}",
+        f"leaf types:    {', '.join(f'{k} x{v}' for k, v in types.most_common())}",
+        f"tokenizer:     {m['tokenizer']['kind']}",
+        f"parameters:    {n_params:,} ({n_params / 1e6:.1f}M)",
+        f"stored bytes:  {m['bytes']:,} ({8 * m['bytes'] / n_params:.2f} bits/parameter)",
+    ])

