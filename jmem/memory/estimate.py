@@ -27,9 +27,19 @@ Logits: `f32[batch, seq or loss_chunk, vocab]`, twice (logits and their
 softmax/gradient). Optimizer state is exact: the optimizer's `init` is traced
 with `jax.eval_shape` on the parameter shapes.
 
+LoRA / QLoRA (`lora_rank`, `quantize_base`): the frozen base is counted in
+its stored format (the quantized leaf's exact arrays, found by tracing the
+quantizer with `jax.eval_shape`: NF4 about 4.13 bits per weight, int8 and fp8
+8 bits plus one scale per column, rtn 4 bits plus one scale per column as
+`--quantize-base rtn` makes it), the adapters `A[L, in, r]`, `B[L, r, out]` in
+their own dtype; gradients and optimizer state exist for the adapters alone.
+Each layer's dequantized weights (compute dtype) are added to the workspace,
+and each adapter keeps its rank-r intermediate per token.
+
 The numbers are what XLA's buffer assignment reports for a jitted train step
 with donated params and optimizer state, within ~15% for the no-remat case
-(checked by `tests/memory/test_estimate.py` against `measure`).
+(checked by `tests/memory/test_estimate.py` against `measure`; for QLoRA the
+argument bytes: params, optimizer state and batch).
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ from jmem.memory.measure import format_bytes, tree_bytes
 
 _DTYPE_BYTES = {"f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2}
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
+LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+BASE_FORMATS = ("nf4", "int8", "fp8", "rtn")
 
 
 def _bytes_of(dtype) -> int:
@@ -88,6 +100,26 @@ def param_shapes(config, param_dtype=None) -> dict:
     return shapes
 
 
+def _quantized_shapes(sds: jax.ShapeDtypeStruct, fmt: str, group_size: int | None):
+    """The quantized leaf of a float kernel, with `ShapeDtypeStruct` children (nothing is computed)."""
+    from jmem.quant import FP8Tensor, IntTensor, NF4Tensor
+
+    make = {"nf4": NF4Tensor.quantize, "fp8": FP8Tensor.quantize,
+            "int8": lambda w: IntTensor.quantize(w, 8, None),
+            "rtn": lambda w: IntTensor.quantize(w, 4, group_size)}[fmt]
+    return jax.eval_shape(make, sds)
+
+
+def _lora_shapes(shapes: dict, rank: int, targets, dtype) -> dict:
+    """Adapter `A[L, in, r]`, `B[L, r, out]` shapes of each target kernel."""
+    out = {}
+    for name in targets:
+        *lead, n_in, n_out = shapes["layers"][name]["kernel"].shape
+        out[name] = {"lora_a": jax.ShapeDtypeStruct((*lead, n_in, rank), dtype),
+                     "lora_b": jax.ShapeDtypeStruct((*lead, rank, n_out), dtype)}
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Sizes:
     """Per-token bytes of each named activation and of the attention internals."""
@@ -96,6 +128,7 @@ class _Sizes:
     norms_extra: int  # f32 normalised x (and f32 copy of x) per layer, not named
     attention_internal: int  # scores/probabilities (T-dependent) or log-sum-exp
     mlp_internal: int  # sigmoid(gate), its complement, silu(gate)
+    lora_internal: int = 0  # x @ A of every adapter (rank r each)
 
     @property
     def full_layer(self) -> int:
@@ -105,7 +138,7 @@ class _Sizes:
         # The residual entering the MLP norm is saved too; attn_out/mlp_out are
         # only added to the residual stream, which needs no saved value.
         return sum(n[k] for k in kept) + n["layer_input"] + self.norms_extra + self.attention_internal \
-            + self.mlp_internal
+            + self.mlp_internal + self.lora_internal
 
 
 def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
@@ -151,7 +184,8 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
 
 def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dtype=None, compute_dtype=None,
              optimizer: str = "adamw", accum: int = 1, attention: str | None = None, loss_chunk: int | None = None,
-             master_weights: bool = False) -> dict:
+             master_weights: bool = False, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
+             quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> dict:
     """Analytic per-device bytes of one training step (no sharding).
 
     Args:
@@ -168,15 +202,24 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             full `f32[batch, seq, vocab]` logits.
         master_weights: an f32 master copy in the optimizer state
             (`jmem.memory.precision.with_master_weights`).
+        lora_rank: > 0: LoRA adapters on `lora_targets` (names among wq, wk,
+            wv, wo, w_gate, w_up, w_down) are the only trainable parameters.
+        quantize_base: the frozen base's format: nf4, int8, fp8 or rtn (4
+            bits, `base_group_size` rows per scale; None: per channel); needs
+            lora_rank > 0.
+        lora_dtype: the adapters' dtype.
 
     Returns:
         dict of bytes: params, grads, optimizer, activations (kept across
         layers on device), activations_host (offloaded), workspace (one
-        layer's recompute/cotangents), logits, batch, total (device).
+        layer's recompute/cotangents), logits, batch, total (device). With
+        adapters also trainable (adapter bytes, a part of params) and
+        frozen (the base's bytes, the rest).
 
     Example:
         >>> est = estimate(LlamaConfig.tiny(), 8, 128, remat="full", optimizer="adafactor")
         >>> est["total"]
+        >>> estimate(LlamaConfig.tiny(), 8, 64, lora_rank=4, lora_targets=("wq", "wv"), quantize_base="nf4")
     """
     from jmem.optim.factory import make_optimizer
 
@@ -188,35 +231,65 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         raise ValueError(f"accum={accum!r} must be an integer >= 1 that divides batch={batch}")
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
+    if not isinstance(lora_rank, (int, np.integer)) or lora_rank < 0:
+        raise ValueError(f"lora_rank={lora_rank!r} must be an integer >= 0")
+    bad = [t for t in lora_targets if t not in LINEAR_NAMES]
+    if bad:
+        raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")
+    if quantize_base is not None:
+        if quantize_base not in BASE_FORMATS:
+            raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
+        if not lora_rank:
+            raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
     tx = make_optimizer(optimizer, 1e-3)
-    p_bytes = _bytes_of(param_dtype or config.param_dtype)
     c = _bytes_of(compute_dtype or config.compute_dtype)
 
     shapes = param_shapes(config, param_dtype)
-    params = tree_bytes(shapes)
-    n_params = params // p_bytes
-    opt_shapes = shapes
+    frozen = None
+    if lora_rank:
+        base = shapes
+        if quantize_base is not None:
+            layers = {k: dict(v) for k, v in shapes["layers"].items()}
+            for name in LINEAR_NAMES:
+                layers[name]["kernel"] = _quantized_shapes(layers[name]["kernel"], quantize_base, base_group_size)
+            base = {**shapes, "layers": layers}
+        trainable = _lora_shapes(shapes, int(lora_rank), lora_targets, _dtype(lora_dtype))
+        frozen = tree_bytes(base)
+    else:
+        trainable = shapes
+    train_bytes = tree_bytes(trainable)
+    params = train_bytes + (frozen or 0)
+    n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))
+    opt_shapes = trainable
     if master_weights:
-        opt_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), shapes)
-    optimizer_bytes = tree_bytes(jax.eval_shape(tx.init, opt_shapes)) + (4 * n_params if master_weights else 0)
-    grads = params + (4 * n_params if accum > 1 else 0)
+        opt_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), trainable)
+    optimizer_bytes = tree_bytes(jax.eval_shape(tx.init, opt_shapes)) + (4 * n_train if master_weights else 0)
+    grads = train_bytes + (4 * n_train if accum > 1 else 0)
 
     micro = batch // accum
     tokens = micro * seq
     sizes = _sizes(config, seq, c, "pallas" if attention == "pallas" else "xla")
+    if lora_rank:
+        sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)
     dev, host = _saved_per_layer(remat, sizes, config, seq)
     activations = config.n_layers * dev * tokens
     workspace = sizes.full_layer * tokens
+    if quantize_base is not None:
+        # One layer's kernels dequantized to the compute dtype inside the scan.
+        workspace += sum(int(np.prod(shapes["layers"][n]["kernel"].shape[1:])) for n in LINEAR_NAMES) * c
     # Embedding output and final norm (input, f32 normalised, output) outside the scan.
     activations += tokens * config.dim * (3 * c + 4)
     logits = 2 * micro * min(seq, loss_chunk or seq) * config.vocab_size * 4
     batch_bytes = 2 * batch * seq * 4  # token ids and targets
     total = params + grads + optimizer_bytes + activations + workspace + logits + batch_bytes
-    return {
+    out = {
         "params": params, "grads": grads, "optimizer": optimizer_bytes, "activations": activations,
         "activations_host": config.n_layers * host * tokens, "workspace": workspace, "logits": logits,
         "batch": batch_bytes, "total": total,
     }
+    if lora_rank:
+        out = {"trainable": train_bytes, "frozen": frozen, **out}
+    return out
 
 
 def format_estimate(est: dict, title: str = "estimate") -> str:

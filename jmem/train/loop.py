@@ -77,8 +77,13 @@ def estimate_bytes(run: Run) -> dict[str, int]:
     from jmem.memory.estimate import estimate
 
     cfg, mc = run.cfg, run.model_config
+    lora = {}
+    if cfg.lora_rank:
+        # Adapters are f32 and `--quantize-base rtn` is 4-bit per channel (jmem.train.setup).
+        lora = dict(lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
+                    quantize_base=cfg.quantize_base, base_group_size=None, lora_dtype="f32")
     return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, accum=cfg.accum,
-                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32))
+                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32), **lora)
 
 
 def memory_table(report: MemoryReport, estimate: dict[str, int]) -> str:

@@ -83,3 +83,44 @@ def test_remat_and_accumulation_order_and_bad_input():
         estimate(CFG, 8, 128, optimizer="adam9")
     with pytest.raises(ValueError, match="remat"):
         estimate(CFG, 8, 128, remat="everything")
+
+
+def test_qlora_estimate_within_15_percent_of_measured_arguments():
+    """NF4 base + adapters with their optimizer state: the train step's argument bytes."""
+    from jmem.lora import split_trainable
+    from jmem.train import TrainConfig
+    from jmem.train.loop import estimate_bytes
+    from jmem.train.setup import build
+
+    cfg = TrainConfig(model="tiny", steps=1, batch=4, seq=32, optimizer="adamw", lora_rank=8,
+                      lora_targets="wq,wv,w_down", quantize_base="nf4", progress=False, eval_every=0, remat="none")
+    run = build(cfg)
+    state = run.fns.init_state(run.model)
+    batch = run.data.batch(0, cfg.batch, cfg.seed)
+    measured = measure(jax.jit(run.fns.step, donate_argnums=0), state, batch).argument_bytes
+    est = estimate_bytes(run)
+    ratio = (est["params"] + est["optimizer"] + est["batch"]) / measured
+    print(format_estimate(est), f"measured arguments {measured}, ratio {ratio:.3f}", sep="\n")
+    assert 0.85 <= ratio <= 1.15
+    # The parts are exact: adapters (the only gradients), the NF4 base as stored, AdamW on adapters.
+    train, frozen = split_trainable(state.params)
+    assert est["trainable"] == est["grads"] == tree_bytes(train)
+    assert est["frozen"] == tree_bytes(frozen)
+    assert abs(est["optimizer"] - tree_bytes(state.opt_state)) <= 16  # a schedule's step count
+    full = estimate(run.model_config, cfg.batch, cfg.seq, remat="none")
+    assert est["params"] < 0.5 * full["params"] and est["optimizer"] < 0.1 * full["optimizer"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "rtn"])
+def test_frozen_base_bytes_equal_the_quantized_model(fmt):
+    from jmem.lora import apply_lora, split_trainable
+    from jmem.quant import quantize
+
+    cfg = LlamaConfig.tiny()
+    model = quantize(Llama(cfg, rngs=nnx.Rngs(0)), fmt, group_size=None)
+    model = apply_lora(model, rank=4, targets=("wq", "wo"), inplace=True)
+    train, frozen = split_trainable(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    est = estimate(cfg, 2, 16, lora_rank=4, lora_targets=("wq", "wo"), quantize_base=fmt)
+    assert est["frozen"] == tree_bytes(frozen) and est["trainable"] == tree_bytes(train)
+    with pytest.raises(ValueError, match="quantize_base needs lora_rank"):
+        estimate(cfg, 2, 16, quantize_base=fmt)
