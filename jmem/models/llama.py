@@ -23,6 +23,7 @@ from jmem.kernels import attention
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
+from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain
 
 # Logical axis names of every parameter, by state path (read by the sharding rules).
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -121,7 +122,9 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     """
     B, T, _ = x_BTE.shape
     x_BTE = checkpoint_name(x_BTE, "layer_input")
-    h = checkpoint_name(rms_norm(x_BTE, w["attn_norm"], cfg.norm_eps), "attn_norm")
+    # Norm outputs feed column-parallel matmuls: whole along the sequence (all-gathered
+    # here when the residual stream is sequence-sharded; no-op without activation rules).
+    h = checkpoint_name(constrain(rms_norm(x_BTE, w["attn_norm"], cfg.norm_eps), MATMUL_INPUT_AXES), "attn_norm")
     q = dot(h, w["wq"]).reshape(B, T, cfg.n_heads, cfg.head_dim)
     k = dot(h, w["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     v = checkpoint_name(dot(h, w["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), "value")
@@ -132,8 +135,9 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     else:
         o, new_layer = cache.attend(cache_layer, q, k, v, positions_BT)
     o = checkpoint_name(o, "attention")
-    x_BTE = x_BTE + checkpoint_name(dot(o.reshape(B, T, -1), w["wo"]), "attn_out")
-    h = checkpoint_name(rms_norm(x_BTE, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    o = constrain(o.reshape(B, T, -1), ("batch", None, "heads"))
+    x_BTE = x_BTE + checkpoint_name(dot(o, w["wo"]), "attn_out")
+    h = checkpoint_name(constrain(rms_norm(x_BTE, w["mlp_norm"], cfg.norm_eps), MATMUL_INPUT_AXES), "mlp_norm")
     if "moe" in w:
         m = w["moe"]
         y, stats = moe_mlp(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.moe_top_k,
@@ -141,7 +145,7 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
         return x_BTE + checkpoint_name(y, "mlp_out"), new_layer, stats
     gate = checkpoint_name(dot(h, w["w_gate"]), "mlp_gate")
     up = checkpoint_name(dot(h, w["w_up"]), "mlp_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp")), "mlp_hidden")
     x_BTE = x_BTE + checkpoint_name(dot(hidden, w["w_down"]), "mlp_out")
     return x_BTE, new_layer, None
 
@@ -194,17 +198,22 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
         weights = self.layers.weights()
 
+        # The residual stream between blocks follows the active sharding rules (sequence
+        # sharding with `length=tensor`); a no-op outside `jmem.parallel.activation_sharding`.
+        x = constrain(x, ACTIVATION_AXES)
+
         def body(x, xs):
             w, layer = xs
             x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer)
-            return x, (new_layer, stats)
+            return constrain(x, ACTIVATION_AXES), (new_layer, stats)
 
         body = _remat(body, cfg.remat)
         layers = None if cache is None else cache.layer_arrays()
         x, (new_layers, stats_L) = jax.lax.scan(body, x, (weights, layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
-        return rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), cache, stats_L
+        h = constrain(rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), ACTIVATION_AXES)
+        return h, cache, stats_L
 
     def logits_from_hidden(self, h_BTE):
         """f32 logits `[batch, seq, vocab]` from hidden states."""

@@ -2,7 +2,9 @@
 
 A model names each parameter dimension with a logical axis (`embed`, `mlp`,
 `heads`, `kv_heads`, `vocab`, `layers`, `exp`) in a table keyed by state path
-(`jmem.models.LOGICAL_AXES`); activations use `batch` and `length`. `Rules`
+(`jmem.models.LOGICAL_AXES`); activations use `batch`, `length` and `embed`
+(`ACTIVATION_AXES`, pinned by `constrain` inside an `activation_sharding`
+block; `length=tensor` gives Megatron sequence parallelism). `Rules`
 maps each logical name to zero or more mesh axes. The defaults give Megatron
 tensor parallelism (heads, kv_heads and mlp on `tensor`: column-parallel
 wq/wk/wv/w_gate/w_up, row-parallel wo/w_down), experts on `expert` and the
@@ -18,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -229,11 +233,96 @@ def batch_sharding(mesh: Mesh, rules: "Rules | str | None" = None, ndim: int = 2
     return NamedSharding(mesh, rules.spec(("batch", "length") + (None,) * (ndim - 2), None, mesh))
 
 
-def constrain(x, logical_axes: Sequence[str | None], rules: "Rules | str | None", mesh: Mesh):
+_ACTIVE: contextvars.ContextVar["tuple[Rules, Mesh] | None"] = contextvars.ContextVar(
+    "jmem_activation_sharding", default=None)
+
+ACTIVATION_AXES: tuple[str, str, str] = ("batch", "length", "embed")
+"""Logical axes of the residual stream `[batch, length, embed]` between blocks."""
+
+MATMUL_INPUT_AXES: tuple[str, None, str] = ("batch", None, "embed")
+"""Logical axes of a normed block input entering the column-parallel matmuls: the whole
+sequence (Megatron's tensor-parallel region), so a sequence-sharded residual stream is
+all-gathered there rather than the weights."""
+
+
+@contextlib.contextmanager
+def activation_sharding(rules: "Rules | str | None", mesh: Mesh | None):
+    """Within this block, `constrain(x, logical_axes)` pins activations to `rules` on `mesh`.
+
+    Read at trace time only: enter it inside the function that `jax.jit` traces
+    (`jit_train_step` and `make_sharded_train_step` do), because jit caches a
+    trace without looking at this context. `mesh=None` switches constraints off
+    for the block. The setting lives in a `contextvars.ContextVar`, so it ends
+    with the block and never leaks into other threads or later traces.
+
+    With `length` mapped to a mesh axis (`"length=tensor"`) the residual stream
+    between blocks is split over the sequence on that axis (Megatron sequence
+    parallelism): XLA all-gathers it before the column-parallel matmuls and
+    reduce-scatters after the row-parallel ones instead of all-reducing, and
+    norms, residual adds and the cross-entropy work on 1/size of the tokens.
+
+    Example:
+        >>> def step(state, batch):
+        ...     with activation_sharding("length=tensor", mesh):
+        ...         return train_step(state, batch)
+        >>> jax.jit(step)(state, batch)
+    """
+    token = _ACTIVE.set(None if mesh is None else (Rules.parse(rules), mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_activation_sharding() -> "tuple[Rules, Mesh] | None":
+    """The `(rules, mesh)` of the innermost `activation_sharding` block, or None."""
+    return _ACTIVE.get()
+
+
+def constrain(x, logical_axes: Sequence[str | None], rules: "Rules | str | None" = None, mesh: Mesh | None = None):
     """`with_sharding_constraint` by logical names, e.g. `("batch", "length", "embed")` between blocks.
 
-    With `Rules.parse("length=tensor")` this is sequence sharding of the residual stream.
+    With an explicit `mesh` the constraint uses `rules` (None: the defaults). Without
+    one it uses the active `activation_sharding` block, and outside any block it
+    returns `x` itself (no operation is traced), so a model that calls it runs
+    unchanged on one device. With `Rules.parse("length=tensor")` this is sequence
+    sharding of the residual stream.
+
+    Raises:
+        ShardingError: a dim of `x` not divisible by the size of its mesh axes (names both).
+
+    Example:
+        >>> x_BTE = constrain(x_BTE, ("batch", "length", "embed"))   # no-op outside activation_sharding
     """
+    if mesh is None:
+        if rules is not None:
+            raise ShardingError("constrain: rules given without a mesh; pass both, or neither to use the "
+                                "active activation_sharding(rules, mesh) block")
+        active = _ACTIVE.get()
+        if active is None:
+            return x
+        rules, mesh = active
+        manual = _manual_axes()
+        if manual:  # inside a shard_map: those axes are the caller's, constrain only the others
+            if all(a in manual for a, n in mesh.shape.items() if n > 1):
+                return x
+            rules = without_axes(rules, manual)
     rules = Rules.parse(rules)
     spec = rules.spec(tuple(logical_axes), x.shape, mesh, name="activation")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _manual_axes() -> tuple[str, ...]:
+    """Mesh axes that an enclosing `shard_map` has made manual (empty outside one)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return tuple(getattr(get(), "manual_axes", ())) if get is not None else ()
+
+
+def without_axes(rules: "Rules | str | None", drop: Sequence[str]) -> Rules:
+    """`rules` with the mesh axes `drop` removed from every logical name.
+
+    For activations inside a `vmap` whose mapped dim already sits on `drop` (the
+    per-group gradient accumulators): no other dim may claim those axes.
+    """
+    rules = Rules.parse(rules)
+    return Rules(tuple((name, tuple(a for a in axes if a not in drop)) for name, axes in rules.table))

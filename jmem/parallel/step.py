@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -47,7 +48,7 @@ except ImportError:  # older JAX
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
 from jmem.parallel.mesh import DATA_AXES
-from jmem.parallel.rules import Rules, ShardingError
+from jmem.parallel.rules import Rules, ShardingError, activation_sharding, active_activation_sharding, without_axes
 from jmem.parallel.zero import (ZeroShardings, bytes_per_device, check_stage, constrain_gradients, state_shardings,
                                 tree_shardings, zero_shardings)
 
@@ -153,6 +154,10 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
     if size % (d * k):
         raise ShardingError(f"batch size {size} is not divisible by data-parallel groups {d} x microbatches {k}")
     ax = axes if len(axes) > 1 else axes[0]
+    active = active_activation_sharding()
+    if active is not None:  # the vmap over groups owns the group axes: activations split the rest
+        inner_rules = without_axes(active[0], axes)
+        fn = _in_activation_sharding(fn, inner_rules, active[1])
 
     # [B, ...] -> [k, D, B/(D k), ...]: group g keeps its contiguous rows (no data movement).
     def split(x):
@@ -195,6 +200,16 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
     grads = reduce_groups(total[1], target, mesh, axes)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return value_aux, grads
+
+
+def _in_activation_sharding(fn: Callable, rules, mesh: Mesh) -> Callable:
+    """`fn` traced inside `activation_sharding(rules, mesh)` (activations constrained by `rules`)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with activation_sharding(rules, mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _norm(tree):
@@ -254,7 +269,8 @@ class ShardedTrainStep:
 
 def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, params, mesh: Mesh, *,
                             zero: int = 0, rules=None, logical_axes: Mapping | None = None, accum: int = 1,
-                            donate: bool = True, group_accumulators: bool | None = None) -> ShardedTrainStep:
+                            donate: bool = True, group_accumulators: bool | None = None,
+                            constrain_activations: bool = True) -> ShardedTrainStep:
     """A jitted, sharded train step for a pure loss.
 
     Args:
@@ -269,6 +285,10 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         accum: microbatches per step, reduced once per step (`dp_accumulate_value_and_grad`).
         donate: donate the input state's buffers to the output.
         group_accumulators: see `dp_accumulate_value_and_grad` (default: on when `accum` > 1).
+        constrain_activations: trace the loss inside `activation_sharding(rules, mesh)`, so a
+            model that calls `jmem.parallel.constrain` (jmem's Llama between blocks) puts its
+            activations' batch on the data axes and, with a rule such as `length=tensor`,
+            shards the residual stream over the sequence.
 
     Returns:
         A `ShardedTrainStep`; its `step` returns metrics `{"loss", "grad_norm"}`.
@@ -320,6 +340,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         metrics = {"loss": loss_sum / count, "grad_norm": _norm(grads)}
         return ParallelState(state.step + 1, params, opt_state), metrics
 
+    if constrain_activations:
+        step_fn = _in_activation_sharding(step_fn, rules, mesh)
     step_jit = jax.jit(step_fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                        donate_argnums=(0,) if donate else ())
 
@@ -340,11 +362,14 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
 
 
 def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int = 0, rules=None,
-                   logical_axes: Mapping | None = None, donate: bool = True):
+                   logical_axes: Mapping | None = None, donate: bool = True, constrain_activations: bool = True):
     """Jit an existing `(state, batch) -> (state, metrics)` with ZeRO shardings.
 
     `abstract_state` is a NamedTuple with `params` and `opt_state` fields (e.g.
-    `jax.eval_shape(lambda: fns.init_state(model))` for `jmem.train`).
+    `jax.eval_shape(lambda: fns.init_state(model))` for `jmem.train`). With
+    `constrain_activations` the step is traced inside `activation_sharding(rules, mesh)`:
+    the model's residual stream gets its batch on the data axes and, with
+    `rules="length=tensor"`, is sharded over the sequence between blocks.
 
     Returns:
         `(jitted_step, state_shardings, batch_sharding)`; place the initial state with
@@ -353,6 +378,8 @@ def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int =
     sh = state_shardings(abstract_state, mesh, stage=zero, rules=rules, logical_axes=logical_axes)
     batch_sh = NamedSharding(mesh, batch_spec(mesh, rules))
     rep = NamedSharding(mesh, P())
+    if constrain_activations:
+        step_fn = _in_activation_sharding(step_fn, Rules.parse(rules), mesh)
     jitted = jax.jit(step_fn, in_shardings=(sh, batch_sh), out_shardings=(sh, rep),
                      donate_argnums=(0,) if donate else ())
     return jitted, sh, batch_sh
