@@ -2,12 +2,19 @@
 
 Decoding runs `chunk` tokens per device call under `lax.scan` (few host round trips);
 the host then checks EOS and stop strings and stops early when every row is done.
+
+On the CPU backend the blocks run as an unrolled loop over per-layer copies of the
+block weights (`per_layer_weights`, made once per model) and a per-layer cache: XLA's
+CPU backend copies a layer's slice out of a stacked weight array before each matmul,
+which made batch-1 decoding read every weight twice. The copy costs one more set of
+block weights in host memory; GPU and TPU backends scan over the stacked weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +23,7 @@ from flax import nnx
 
 from jmem import sampling
 from jmem.models.cache import ContiguousKVCache
+from jmem.models.llama import unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,22 +52,37 @@ def _bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
+_PER_LAYER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def per_layer_weights(model) -> list[dict]:
+    """`unstack_layers(model)`, made once and reused while the model's block weights are the
+    same arrays (replacing any of them, e.g. after training, makes a fresh copy)."""
+    stacked = jax.tree.leaves(model.layers.weights())
+    hit = _PER_LAYER.get(model)
+    if hit is None or len(hit[0]) != len(stacked) or any(a is not b for a, b in zip(hit[0], stacked)):
+        hit = (stacked, unstack_layers(model))
+        _PER_LAYER[model] = hit
+    return hit[1]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill(graphdef, state, ids_BT, lengths_B, cache):
+def _prefill(graphdef, state, layers, ids_BT, lengths_B, cache):
     model = nnx.merge(graphdef, state)
-    h, cache = model.hidden(ids_BT, cache=cache)
+    h, cache = model.hidden(ids_BT, cache=cache, layers=layers)
     h_last = jnp.take_along_axis(h, (lengths_B - 1)[:, None, None], axis=1)
     return model.logits_from_hidden(h_last)[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "greedy"), donate_argnames=("cache",))
-def _decode(graphdef, state, cache, logits_BV, pos_B, arrays: sampling.SamplingArrays, *, steps, greedy):
+def _decode(graphdef, state, layers, cache, logits_BV, pos_B, arrays: sampling.SamplingArrays, *, steps, greedy):
     model = nnx.merge(graphdef, state)
 
     def step(carry, _):
         logits, pos, cache, arrays = carry
         tok = jnp.argmax(logits, -1).astype(jnp.int32) if greedy else sampling.sample(logits, arrays)[0]
-        new_logits, cache = model(tok[:, None], positions=pos[:, None], cache=cache)
+        h, cache = model.hidden(tok[:, None], positions=pos[:, None], cache=cache, layers=layers)
+        new_logits = model.logits_from_hidden(h)
         return (new_logits[:, 0], pos + 1, cache, arrays._replace(step=arrays.step + 1)), tok
 
     (logits, pos, cache, arrays), toks = jax.lax.scan(step, (logits_BV, pos_B, cache, arrays), None, length=steps)
@@ -96,9 +119,10 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     ids = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
+    layers = per_layer_weights(model) if jax.default_backend() == "cpu" else None
     graphdef, state = nnx.split(model)
-    cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64))
-    logits, cache = _prefill(graphdef, state, jnp.asarray(ids), jnp.asarray(lengths), cache)
+    cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64), per_layer=layers is not None)
+    logits, cache = _prefill(graphdef, state, layers, jnp.asarray(ids), jnp.asarray(lengths), cache)
     pos = jnp.asarray(lengths)
     # Row i draws from seed (params.seed, i), step by step: the same rows give the same draws.
     seeds = [(params.seed * 1_000_003 + i) % 2**32 for i in range(B)]
@@ -106,7 +130,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * B
     while not all(done):
-        toks, logits, pos, cache, arrays = _decode(graphdef, state, cache, logits, pos, arrays,
+        toks, logits, pos, cache, arrays = _decode(graphdef, state, layers, cache, logits, pos, arrays,
                                                    steps=chunk, greedy=params.greedy)
         toks = np.asarray(toks)
         for i in range(B):

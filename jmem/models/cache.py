@@ -7,6 +7,12 @@ A cache is a pytree with three methods:
   writes the new keys/values of one layer and attends over the cache (fields that are
   not per layer, such as block tables, are read from `self`);
 - `with_layers(new_arrays) -> cache`.
+
+A cache may instead be in *per-layer form*: `layer_arrays()` returns a list with one
+pytree per layer, and `with_layers` takes such a list. The model runs its blocks as an
+unrolled loop over per-layer weights (`jmem.models.llama.unstack_layers`) with it, so
+no layer's weights or cache are sliced out of a stacked array (XLA's CPU backend copies
+such slices before every matmul, which dominates batch-1 decoding).
 """
 
 from __future__ import annotations
@@ -31,27 +37,39 @@ class ContiguousKVCache:
         >>> logits, cache = model(ids, positions=pos, cache=cache)
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     impl: str = flax.struct.field(pytree_node=False, default="xla")
 
     @classmethod
-    def create(cls, config, batch: int, max_len: int, dtype=None) -> "ContiguousKVCache":
+    def create(cls, config, batch: int, max_len: int, dtype=None, per_layer: bool = False) -> "ContiguousKVCache":
+        """Zeroed cache; `per_layer=True` keeps one `[batch, max_len, kv_heads, head_dim]` array per
+        layer (for the unrolled layer loop) instead of one stacked array."""
         from jmem.models.config import as_dtype
 
         dtype = dtype or as_dtype(config.compute_dtype)
-        shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+        shape = (batch, max_len, config.n_kv_heads, config.head_dim)
         impl = "xla" if config.attention_impl in ("auto", "pallas") else config.attention_impl
+        if per_layer:
+            zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+            return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)), impl)
+        shape = (config.n_layers, *shape)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), impl)
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1] if self.per_layer else self.k.shape[2]
 
     def layer_arrays(self):
-        return (self.k, self.v)
+        return list(zip(self.k, self.v)) if self.per_layer else (self.k, self.v)
 
     def with_layers(self, arrays) -> "ContiguousKVCache":
+        if isinstance(arrays, list):
+            return self.replace(k=tuple(k for k, _ in arrays), v=tuple(v for _, v in arrays))
         return self.replace(k=arrays[0], v=arrays[1])
 
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):

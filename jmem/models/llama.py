@@ -176,9 +176,14 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.head = Linear(config.dim, config.vocab_size, dtype=dt, rngs=rngs)
 
-    def hidden(self, ids_BT, positions=None, cache=None):
-        """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache."""
-        h, cache, _ = self._run(ids_BT, positions, cache)
+    def hidden(self, ids_BT, positions=None, cache=None, layers=None):
+        """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache.
+
+        `layers`: per-layer block weights from `unstack_layers(model)`; the blocks then run as
+        an unrolled loop over them (inference; no remat) instead of a scan over the stacked
+        weights. Pair it with a cache in per-layer form (`jmem.models.cache`).
+        """
+        h, cache, _ = self._run(ids_BT, positions, cache, layers)
         return h, cache
 
     def hidden_and_router_stats(self, ids_BT, positions=None):
@@ -190,13 +195,12 @@ class Llama(nnx.Module):
         return h, MoEStats(jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.sum(stats.dropped),
                            jnp.mean(stats.load, axis=0))
 
-    def _run(self, ids_BT, positions, cache):
+    def _run(self, ids_BT, positions, cache, per_layer=None):
         cfg = self.config
         B, T = ids_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = jnp.take(self.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
-        weights = self.layers.weights()
 
         # The residual stream between blocks follows the active sharding rules (sequence
         # sharding with `length=tensor`); a no-op outside `jmem.parallel.activation_sharding`.
@@ -207,9 +211,11 @@ class Llama(nnx.Module):
             x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer)
             return constrain(x, ACTIVATION_AXES), (new_layer, stats)
 
-        body = _remat(body, cfg.remat)
         layers = None if cache is None else cache.layer_arrays()
-        x, (new_layers, stats_L) = jax.lax.scan(body, x, (weights, layers))
+        if per_layer is not None:
+            x, (new_layers, stats_L) = _unrolled(body, x, per_layer, layers)
+        else:
+            x, (new_layers, stats_L) = jax.lax.scan(_remat(body, cfg.remat), x, (self.layers.weights(), layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
         h = constrain(rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), ACTIVATION_AXES)
@@ -225,6 +231,34 @@ class Llama(nnx.Module):
     def __call__(self, ids_BT, positions=None, cache=None):
         h, cache = self.hidden(ids_BT, positions, cache)
         return self.logits_from_hidden(h), cache
+
+
+def unstack_layers(model: Llama) -> list[dict]:
+    """The stacked block weights as one dict per layer (copies), for `model.hidden(..., layers=)`.
+
+    Example:
+        >>> h, cache = model.hidden(ids, cache=cache, layers=unstack_layers(model))
+    """
+    weights = model.layers.weights()
+    return [jax.tree.map(lambda a: a[i], weights) for i in range(model.config.n_layers)]
+
+
+def _unrolled(body, x, per_layer: list, cache_layers):
+    """`lax.scan(body, x, (weights, cache_layers))` as a Python loop over per-layer weights.
+
+    A cache in per-layer form (a list) is indexed and returned as a list; a stacked one is
+    sliced and restacked.
+    """
+    listed = isinstance(cache_layers, list)
+    outs = []
+    for i, w in enumerate(per_layer):
+        layer = None if cache_layers is None else (
+            cache_layers[i] if listed else jax.tree.map(lambda a: a[i], cache_layers))
+        x, out = body(x, (w, layer))
+        outs.append(out)
+    new_layers, stats = zip(*outs)
+    stack = lambda items: None if items[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *items)
+    return x, (list(new_layers) if listed else stack(new_layers), stack(stats))
 
 
 def forward(graphdef, state, ids_BT, positions=None, cache=None):

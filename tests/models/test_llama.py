@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmem.models import ContiguousKVCache, Llama, LlamaConfig, forward, get_config
+from jmem.models import ContiguousKVCache, Llama, LlamaConfig, forward, get_config, unstack_layers
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,23 @@ def test_prefill_then_decode_equals_full_forward(tiny):
         step, cache = tiny(ids[:, t:t + 1], positions=jnp.full((2, 1), t, jnp.int32), cache=cache)
         outs.append(step)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5)
+
+
+@pytest.mark.parametrize("per_layer_cache", [True, False])
+def test_unrolled_per_layer_path_equals_scan(tiny, per_layer_cache):
+    """`hidden(..., layers=unstack_layers(model))` (the CPU decode path) equals the scanned blocks,
+    with a per-layer and with a stacked cache, through prefill and decode."""
+    cfg, layers = tiny.config, unstack_layers(tiny)
+    ids = jax.random.randint(jax.random.key(3), (2, 9), 0, cfg.vocab_size)
+    scan_cache = ContiguousKVCache.create(cfg, 2, 16)
+    loop_cache = ContiguousKVCache.create(cfg, 2, 16, per_layer=per_layer_cache)
+    for sl, pos in [(slice(0, 6), None), (slice(6, 7), jnp.full((2, 1), 6, jnp.int32))]:
+        want, scan_cache = tiny.hidden(ids[:, sl], positions=pos, cache=scan_cache)
+        got, loop_cache = tiny.hidden(ids[:, sl], positions=pos, cache=loop_cache, layers=layers)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    k = jnp.stack(loop_cache.k) if per_layer_cache else loop_cache.k
+    np.testing.assert_allclose(k, scan_cache.k, atol=2e-5)
+    assert loop_cache.per_layer == per_layer_cache and loop_cache.max_len == scan_cache.max_len == 16
 
 
 def test_causality(tiny):
