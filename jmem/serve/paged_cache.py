@@ -12,9 +12,21 @@ its own sequence's pages. Decodes fill one row of a tile; a prefill chunk of n
 tokens fills ceil(n / TILE) tiles. The model's dense layers still run on the
 unpadded flat tokens.
 
-KV dtypes: the compute dtype, bf16, fp8_e4m3 (cast with a unit scale, clipped
-to the fp8 range: half the bytes of bf16), or int8 with one f32 scale per
-token and head (absmax / 127).
+KV dtypes: the compute dtype, bf16, or fp8_e4m3 / int8 pages with one f32
+scale per page per kv head (`k_scale`, `v_scale` f32[layers, kv_heads, pages],
+beside the pages). Scales are maintained as tokens are written
+(`jmem.kernels.paged_attention.write`): each step gathers the pages its tokens
+land in (the layout lists them: a decode touches one page per sequence), sets each
+page's scale to max(scale, absmax(new tokens) / qmax), requantizes the page's
+earlier tokens when the scale grew, and writes the new tokens. A write at a
+page's slot 0 starts it afresh (scale 0), so a reused page never inherits a
+stale scale, and a prefix-cached page, full and never written again, keeps
+its scale for every request that shares it. The attention of the step reads
+these rewritten pages, so it sees exactly what later steps read back.
+
+Budget: the scales cost 2 * layers * kv_heads * 4 bytes per page, counted in
+`kv_bytes_per_token(..., page_size)`; fp8 still holds about twice the tokens
+of bf16 (99.6% of twice for SmolLM2 at page size 16).
 """
 
 from __future__ import annotations
@@ -25,10 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.kernels.dispatch import masked_softmax
+from jmem.kernels.paged_attention.checks import is_quantized
+from jmem.kernels.paged_attention.reference import quantize as quantize_with_scale
+from jmem.kernels.paged_attention.write import page_scales, requantize_pages, safe_scale
 
 TILE = 8  # query rows per attention tile
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")
 _FP8_MAX = 448.0
+_SCALE_BYTES = 4  # one f32 per page per kv head, for K and for V
 
 
 def kv_storage_dtype(kv_dtype: str, compute_dtype):
@@ -41,15 +57,36 @@ def kv_storage_dtype(kv_dtype: str, compute_dtype):
             "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}[kv_dtype]
 
 
-def kv_bytes_per_token(config, kv_dtype: str) -> int:
-    """Bytes of K and V (and scales) one token occupies across all layers."""
-    itemsize = kv_storage_dtype(kv_dtype, config.compute_dtype).itemsize
-    per_head = config.head_dim * itemsize + (4 if kv_dtype == "int8" else 0)
-    return 2 * config.n_layers * config.n_kv_heads * per_head
+def kv_bytes_per_token(config, kv_dtype: str, page_size: int | None = None) -> int:
+    """Bytes of K and V one token occupies across all layers.
+
+    Args:
+        config: the model config (n_layers, n_kv_heads, head_dim, compute_dtype).
+        kv_dtype: auto | bf16 | fp8_e4m3 | int8.
+        page_size: tokens per page. Given, int8/fp8 pages' per-page scales
+            (2 * n_layers * n_kv_heads f32 per page) are included, spread over the
+            page's tokens and rounded up; None: the K/V values alone.
+
+    Example:
+        >>> per_block = kv_bytes_per_token(config, "fp8_e4m3", 16) * 16
+    """
+    dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
+    values = 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype.itemsize
+    if page_size is None or not is_quantized(dtype):
+        return values
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size}; need >= 1")
+    scales_per_page = 2 * config.n_layers * config.n_kv_heads * _SCALE_BYTES
+    return values + -(-scales_per_page // page_size)
 
 
 def quantize(x, dtype):
-    """x [..., D] -> (stored [..., D] in `dtype`, f32 scale [...] or None)."""
+    """Per-slot quantization: x [..., D] -> (stored [..., D] in `dtype`, f32 scale [...] or None).
+
+    int8 gets an absmax scale per slot and fp8 a plain cast; the serving cache
+    uses per-page scales instead (`PagedKVCache`). Kept for callers of
+    `tiled_paged_attention` with per-slot scales.
+    """
     if dtype == jnp.int8:
         scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / 127.0
         scale = jnp.where(scale == 0, 1.0, scale)
@@ -61,9 +98,11 @@ def quantize(x, dtype):
 
 
 def dequantize(x, scale, dtype):
+    """x * scale in `dtype`; `scale` covers x's leading axes (per page, or per slot) and broadcasts over the rest."""
     if scale is None:
         return x.astype(dtype)
-    return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
+    scale = scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
+    return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
 @flax.struct.dataclass
@@ -86,6 +125,13 @@ class StepLayout:
         seq_pages: [R, M] block table of each sequence.
         cu_q_lens: [R + 1] prefix sums of the tokens each sequence computes.
         num_seqs: scalar, sequences in use.
+
+    The pages this step writes, for int8/fp8 pages with per-page scales (W = min(T, T // page_size
+    + 2R) bounds them: a run of n tokens touches fewer than n / page_size + 2 pages):
+        upd_pages: [W] each page written (padding: the spare page).
+        upd_kept: [W] its first slot written now; earlier slots hold tokens kept (padding: 0).
+        token_upd: [T] the row of `upd_pages` each token's page is (padding: W).
+        tile_upd: [N, M] the row of `upd_pages` of each tile page, W when the step does not write it.
     """
 
     write_page: jax.Array
@@ -101,6 +147,10 @@ class StepLayout:
     seq_pages: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
+    upd_pages: jax.Array
+    upd_kept: jax.Array
+    token_upd: jax.Array
+    tile_upd: jax.Array
 
 
 def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: int, page_size: int,
@@ -120,10 +170,24 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     tile_kv_len = np.zeros(N, np.int32)
     token_tile_row = np.zeros(T, np.int32)
     tile_new_src = np.full((N, M * page_size), T, np.int32)
-    t = tile = 0
+    W = max(1, min(T, T // page_size + 2 * R))
+    upd_pages = np.full(W, spare_page, np.int32)
+    upd_kept = np.zeros(W, np.int32)
+    token_upd = np.full(T, W, np.int32)
+    tile_upd = np.full((N, M), W, np.int32)
+    t = tile = w = 0
     for i, (start, n, pages) in enumerate(seqs):
         pos = np.arange(start, start + n)
         pages = np.asarray(pages, np.int32)
+        seq_upd = np.full(M, W, np.int32)
+        if n:
+            first, last = start // page_size, (start + n - 1) // page_size
+            rows = np.arange(w, w + last - first + 1)
+            upd_pages[rows] = pages[first : last + 1]
+            upd_kept[w] = start % page_size
+            token_upd[t : t + n] = w + pos // page_size - first
+            seq_upd[first : last + 1] = rows
+            w += len(rows)
         write_page[t : t + n] = pages[pos // page_size]
         write_offset[t : t + n] = pos % page_size
         slot_mapping[t : t + n] = write_page[t : t + n] * page_size + write_offset[t : t + n]
@@ -136,6 +200,7 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
             tile_tokens[tile, :rows] = np.arange(t + j, t + j + rows)
             tile_positions[tile, :rows] = pos[j : j + rows]
             tile_pages[tile, :n_pages] = pages[:n_pages]
+            tile_upd[tile] = seq_upd
             tile_kv_len[tile] = start + n
             token_tile_row[t + j : t + j + rows] = tile * TILE + np.arange(rows)
             tile_new_src[tile, start : start + n] = np.arange(t, t + n)
@@ -144,7 +209,8 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
     return StepLayout(*(jnp.asarray(a) for a in (write_page, write_offset, tile_tokens, tile_positions,
                                                    tile_pages, tile_kv_len, token_tile_row, tile_new_src, slot_mapping,
-                                                   seq_kv_lens, seq_pages, cu_q_lens, np.int32(len(seqs)))))
+                                                   seq_kv_lens, seq_pages, cu_q_lens, np.int32(len(seqs)),
+                                                   upd_pages, upd_kept, token_upd, tile_upd)))
 
 
 def tiles_needed(seq_lens) -> int:
@@ -152,17 +218,21 @@ def tiles_needed(seq_lens) -> int:
 
 
 def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, layout: StepLayout, sm_scale=None,
-                          new_kv=None):
+                          new_kv=None, new_pages=None):
     """Ragged attention over paged K/V (plain jnp; the CPU path).
 
     Args:
         q_THD: queries of the flat tokens [T, q_heads, head_dim].
         k_pages_KPSD, v_pages_KPSD: one layer's pages [kv_heads, pages, page_size, head_dim].
-        k_scale, v_scale: f32 [kv_heads, pages, page_size] for int8 pages, else None.
+        k_scale, v_scale: for int8/fp8 pages, f32 [kv_heads, pages] (per page) or
+            [kv_heads, pages, page_size] (per slot); else None.
         layout: see `StepLayout`.
         new_kv: optional (k, v) [kv_heads, T, head_dim] of this step's tokens, not yet in the
             pages: they are laid over the gathered keys (`layout.tile_new_src`), so the pool
             is written once after all layers instead of copied per layer.
+        new_pages: optional (k_rows, v_rows, k_row_scale, v_row_scale), the pages this step
+            writes ([kv_heads, W, page_size, head_dim] and f32 [kv_heads, W], rows as in
+            `layout.upd_pages`), laid over the gathered pages in place of `new_kv`.
 
     Returns:
         [T, q_heads, head_dim] in q's dtype.
@@ -175,9 +245,15 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     q_pad = jnp.concatenate([q_THD, jnp.zeros((1, H, D), q_THD.dtype)])
     q_NRKGD = q_pad[layout.tile_tokens].reshape(N, TILE, K, G, D)
 
-    def gather(pages, scales, new_KTD):
+    def gather(pages, scales, new_KTD, rows=None, row_scale=None):
         x_KNMSD = pages[:, layout.tile_pages]
         s = None if scales is None else scales[:, layout.tile_pages]
+        if rows is not None:
+            hit = layout.tile_upd < rows.shape[1]
+            rows = jnp.concatenate([rows, jnp.zeros_like(rows[:, :1])], axis=1)[:, layout.tile_upd]
+            x_KNMSD = jnp.where(hit[None, :, :, None, None], rows, x_KNMSD)
+            row_scale = jnp.concatenate([row_scale, jnp.zeros_like(row_scale[:, :1])], axis=1)[:, layout.tile_upd]
+            s = jnp.where(hit[None], row_scale, s)
         x = dequantize(x_KNMSD, s, q_THD.dtype).reshape(K, N, M * S, D)
         if new_KTD is not None:
             new_pad = jnp.concatenate([new_KTD.astype(x.dtype), jnp.zeros((K, 1, D), x.dtype)], axis=1)
@@ -186,7 +262,9 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
         return x
 
     k_new, v_new = new_kv if new_kv is not None else (None, None)
-    k_KNCD, v_KNCD = gather(k_pages_KPSD, k_scale, k_new), gather(v_pages_KPSD, v_scale, v_new)
+    k_rows, v_rows, k_rs, v_rs = new_pages if new_pages is not None else (None,) * 4
+    k_KNCD = gather(k_pages_KPSD, k_scale, k_new, k_rows, k_rs)
+    v_KNCD = gather(v_pages_KPSD, v_scale, v_new, v_rows, v_rs)
     s_NKGRC = jnp.einsum("nrkgd,kncd->nkgrc", q_NRKGD, k_KNCD, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(M * S)
     mask_NRC = (key_pos[None, None, :] <= layout.tile_positions[:, :, None]) & (
@@ -197,19 +275,43 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     return o_flat[layout.token_tile_row].astype(q_THD.dtype)
 
 
+def rewrite_pages(pages_KPSD, scale_KP, new_TKD, layout: StepLayout):
+    """The pages one step writes, with their grown scales and the new tokens in place.
+
+    Args:
+        pages_KPSD: one layer's int8/fp8 pages [kv_heads, pages, page_size, head_dim].
+        scale_KP: f32[kv_heads, pages] their scales.
+        new_TKD: this step's keys or values [T, kv_heads, head_dim] (float).
+        layout: the step (`upd_pages`, `upd_kept`, `token_upd`, `write_offset`).
+
+    Returns:
+        (rows [kv_heads, W, page_size, head_dim] in the pages' dtype, scales f32[kv_heads, W]),
+        row w being page `layout.upd_pages[w]` after the step.
+    """
+    W = layout.upd_pages.shape[0]
+    old_KWSD = pages_KPSD[:, layout.upd_pages]
+    old_scale_KW = scale_KP[:, layout.upd_pages]
+    scale_KW = page_scales(old_scale_KW, layout.upd_kept, new_TKD, layout.token_upd, pages_KPSD.dtype)
+    rows_KWSD = requantize_pages(old_KWSD, old_scale_KW, scale_KW, layout.upd_kept)
+    tok_scale_KT = safe_scale(scale_KW[:, jnp.minimum(layout.token_upd, W - 1)])
+    x_KTD = quantize_with_scale(jnp.swapaxes(new_TKD, 0, 1), tok_scale_KT[:, :, None], pages_KPSD.dtype)
+    rows_KWSD = rows_KWSD.at[:, layout.token_upd, layout.write_offset].set(x_KTD, mode="drop")
+    return rows_KWSD, scale_KW
+
+
 @flax.struct.dataclass
 class PagedKVCache:
     """Paged K/V pages for every layer plus this step's ragged layout; satisfies the model's cache protocol.
 
     Example:
-        >>> cache = PagedKVCache.create(config, num_pages=65, page_size=16, kv_dtype="auto")
+        >>> cache = PagedKVCache.create(config, num_pages=65, page_size=16, kv_dtype="fp8_e4m3")
         >>> cache = cache.replace(layout=build_layout(seqs, 32, 8, 4, 16, spare_page=64))
         >>> h, cache = model.hidden(ids_1T, positions=pos_1T, cache=cache)
     """
 
     k_pages: jax.Array  # [L, K, P, S, D]
     v_pages: jax.Array
-    k_scale: jax.Array | None = None  # [L, K, P, S] f32 for int8
+    k_scale: jax.Array | None = None  # [L, K, P] f32 per page per kv head, for int8/fp8 pages
     v_scale: jax.Array | None = None
     layout: StepLayout | None = None
     impl: str = flax.struct.field(pytree_node=False, default="tiled")
@@ -217,18 +319,18 @@ class PagedKVCache:
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, kv_dtype: str = "auto",
                impl: str = "auto") -> "PagedKVCache":
-        """Zeroed pages. `impl`: "tiled" (plain jnp, any backend), "kernel" (the Pallas ragged
-        paged-attention kernel; not for int8, whose scales are per token here) or "auto"
-        (kernel on GPU/TPU when the dtype allows, tiled otherwise)."""
+        """Zeroed pages (and zero scales for int8/fp8). `impl`: "tiled" (plain jnp, any backend),
+        "kernel" (the Pallas ragged paged-attention kernel) or "auto" (kernel on GPU/TPU, tiled
+        otherwise)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
         if impl not in ("auto", "tiled", "kernel"):
             raise ValueError(f"paged attention impl={impl!r}; accepted: auto, tiled, kernel")
-        if impl == "kernel" and dtype == jnp.int8:
-            raise ValueError("impl='kernel' does not take int8 pages (per-token scales); use 'tiled'")
         if impl == "auto":
-            impl = "kernel" if jax.default_backend() in ("gpu", "tpu") and dtype != jnp.int8 else "tiled"
+            impl = "kernel" if jax.default_backend() in ("gpu", "tpu") else "tiled"
         shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
-        scales = (jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)) if dtype == jnp.int8 else (None, None)
+        scales = (None, None)
+        if is_quantized(dtype):
+            scales = (jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape[:3], jnp.float32))
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales, impl=impl)
 
     @property
@@ -245,14 +347,18 @@ class PagedKVCache:
     def with_layers(self, arrays) -> "PagedKVCache":
         """Write this step's tokens, as `attend` returned them for every layer, into the pool.
 
-        `attend` returns only the new tokens (stored form, [L, K, T, D] and scales
-        [L, K, T] once stacked by the layer scan), not whole layers: one scatter into
+        `attend` returns only what the step writes, not whole layers: float pages get
+        the new tokens ([L, K, T, D] once stacked by the layer scan), int8/fp8 pages the
+        rewritten pages and their scales ([L, K, W, S, D], [L, K, W]). One scatter into
         the donated pool then updates it in place, where returning whole layers would
         copy the pool every step.
         """
         k_new, v_new, ks_new, vs_new = arrays
         lay = self.layout
-        put = lambda pool, x: None if pool is None else pool.at[:, :, lay.write_page, lay.write_offset].set(x)
+        if is_quantized(self.k_pages.dtype):
+            put = lambda pool, x: pool.at[:, :, lay.upd_pages].set(x)
+        else:
+            put = lambda pool, x: None if pool is None else pool.at[:, :, lay.write_page, lay.write_offset].set(x)
         return self.replace(k_pages=put(self.k_pages, k_new), v_pages=put(self.v_pages, v_new),
                             k_scale=put(self.k_scale, ks_new), v_scale=put(self.v_scale, vs_new))
 
@@ -261,30 +367,42 @@ class PagedKVCache:
         lay = self.layout
         if q_BTHD.shape[0] != 1:
             raise ValueError(f"PagedKVCache expects one ragged row of tokens [1, T, ...]; got q {q_BTHD.shape}")
+        if is_quantized(k_pages.dtype):
+            k_rows, k_rs = rewrite_pages(k_pages, k_scale, k_BTKD[0], lay)
+            v_rows, v_rs = rewrite_pages(v_pages, v_scale, v_BTKD[0], lay)
+            new_layer = (k_rows, v_rows, k_rs, v_rs)
+            if self.impl == "kernel":
+                return self._attend_kernel(layer_arrays, q_BTHD, new_layer), new_layer
+            o_THD = tiled_paged_attention(q_BTHD[0], k_pages, v_pages, k_scale, v_scale, lay, new_pages=new_layer)
+            return o_THD[None], new_layer
 
-        # This step's tokens in their stored form (what later steps will read back).
-        kq, ks = quantize(jnp.swapaxes(k_BTKD[0], 0, 1), k_pages.dtype)
-        vq, vs = quantize(jnp.swapaxes(v_BTKD[0], 0, 1), v_pages.dtype)
-        new_layer = (kq, vq, ks, vs)
+        # Float pages: this step's tokens in their stored dtype (what later steps will read back).
+        kq = jnp.swapaxes(k_BTKD[0], 0, 1).astype(k_pages.dtype)
+        vq = jnp.swapaxes(v_BTKD[0], 0, 1).astype(v_pages.dtype)
+        new_layer = (kq, vq, None, None)
         if self.impl == "kernel":
-            return self._attend_kernel(layer_arrays, q_BTHD, kq, vq), new_layer
-        new_kv = (dequantize(kq, ks, q_BTHD.dtype), dequantize(vq, vs, q_BTHD.dtype))
-        o_THD = tiled_paged_attention(q_BTHD[0], k_pages, v_pages, k_scale, v_scale, lay, new_kv=new_kv)
+            return self._attend_kernel(layer_arrays, q_BTHD, new_layer), new_layer
+        new_kv = (kq.astype(q_BTHD.dtype), vq.astype(q_BTHD.dtype))
+        o_THD = tiled_paged_attention(q_BTHD[0], k_pages, v_pages, None, None, lay, new_kv=new_kv)
         return o_THD[None], new_layer
 
-    def _attend_kernel(self, layer_arrays, q_BTHD, kq_KTD, vq_KTD):
-        """The Pallas ragged kernel reads the new tokens from the pages: write them into this
-        layer's slice first (stored values, so fp8 gets the unit scale the tiled path uses)."""
+    def _attend_kernel(self, layer_arrays, q_BTHD, new_layer):
+        """The Pallas ragged kernel reads the new tokens from the pages: write them (float pages)
+        or the rewritten pages and their scales (int8/fp8) into this layer's slice first."""
         from jmem.kernels.paged_attention import ragged_paged_attention
 
-        k_pages, v_pages, _, _ = layer_arrays
+        k_pages, v_pages, k_scale, v_scale = layer_arrays
+        k_new, v_new, ks_new, vs_new = new_layer
         lay = self.layout
         scales = {}
-        if k_pages.dtype == jnp.float8_e4m3fn:
-            ones = jnp.ones(k_pages.shape[:2], jnp.float32)
-            scales = dict(k_scale=ones, v_scale=ones)
-        k_pages = k_pages.at[:, lay.write_page, lay.write_offset].set(kq_KTD)
-        v_pages = v_pages.at[:, lay.write_page, lay.write_offset].set(vq_KTD)
+        if is_quantized(k_pages.dtype):
+            k_pages = k_pages.at[:, lay.upd_pages].set(k_new)
+            v_pages = v_pages.at[:, lay.upd_pages].set(v_new)
+            scales = dict(k_scale=k_scale.at[:, lay.upd_pages].set(ks_new),
+                          v_scale=v_scale.at[:, lay.upd_pages].set(vs_new))
+        else:
+            k_pages = k_pages.at[:, lay.write_page, lay.write_offset].set(k_new)
+            v_pages = v_pages.at[:, lay.write_page, lay.write_offset].set(v_new)
         o_THD = ragged_paged_attention(q_BTHD[0], k_pages, v_pages, lay.seq_kv_lens, lay.seq_pages, lay.cu_q_lens,
                                        lay.num_seqs, **scales)
         return o_THD[None]

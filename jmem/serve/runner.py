@@ -103,7 +103,7 @@ class ModelRunner:
 
     @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str) -> int:
-        per_block = kv_bytes_per_token(config, kv_dtype) * block_size
+        per_block = kv_bytes_per_token(config, kv_dtype, block_size) * block_size  # int8/fp8: scales included
         n = budget_bytes // per_block - 1  # one spare page
         if n < 1:
             raise ValueError(f"a KV-cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "

@@ -102,7 +102,8 @@ def test_capacity_fp8_twice_bf16():
     budget = 64 << 20
     n_bf16 = ModelRunner.num_blocks_for_budget(cfg, budget, 16, "bf16")
     n_fp8 = ModelRunner.num_blocks_for_budget(cfg, budget, 16, "fp8_e4m3")
-    assert n_fp8 + 1 == 2 * (n_bf16 + 1)
+    # int8/fp8 pools also hold f32 per-page-per-head scales: slightly under twice the blocks.
+    assert 0.99 * 2 * (n_bf16 + 1) <= n_fp8 + 1 <= 2 * (n_bf16 + 1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_bytes_per_token(cfg, "fp4")
 

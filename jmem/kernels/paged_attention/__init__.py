@@ -21,9 +21,10 @@ from jmem.kernels.paged_attention.reference import (
     ragged_paged_attention_reference,
     write_pages_reference,
 )
-from jmem.kernels.paged_attention.write import slots_for, write_pages
+from jmem.kernels.paged_attention.write import append_pages, slots_for, write_pages
 
 __all__ = [
+    "append_pages",
     "dequantize_pages",
     "paged_attention",
     "paged_attention_reference",
