@@ -19,7 +19,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
 
     Args:
         prompt: Text to continue.
-        model: Preset name (smollm2-135m, tiny, ...) or a .gguf path.
+        model: Preset name (smollm2-135m, tiny, ...), a .gguf path or a `jmem quantize --out DIR` directory.
         max_new_tokens: Upper bound on generated tokens.
         temperature: 0 is greedy; higher samples more freely.
         top_k: Keep only the k most likely tokens (off when unset).
