@@ -10,6 +10,8 @@ the CPU backend computes bf16 in f32).
     python experiments/memory_sweep.py --remat none,full,minimal,dots --precision f32 \
         --accum 1 --optimizer adamw --out docs/sweep_remat.json
     python experiments/memory_sweep.py --precision f32,bf16 --remat none --target tpu:v5e:2x2
+    python experiments/memory_sweep.py --precision f32,bf16 --remat none,full --accum 1 --optimizer adamw \
+        --target tpu:v5e:2x2 --attention pallas
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_sweep.py \
         --mesh data=8 --zero 0,1,2,3 --remat full --precision f32 --accum 1 --optimizer adamw
 
@@ -56,6 +58,9 @@ class SweepConfig:
     """Comma-separated ZeRO stages (0-3) compiled on each --mesh."""
     rules: str = ""
     """Sharding-rule overrides 'logical=mesh_axes,...' (with --mesh)."""
+    attention: str | None = None
+    """Attention implementation: auto, pallas, xla, reference (the preset's, xla, when unset). With a TPU
+    --target, pallas compiles the Mosaic flash kernel."""
     out: str = "docs/memory_sweep.json"
     """JSON records."""
     md: str = "docs/memory_sweep.md"
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         n = 1
         for v in grid.values():
             n *= len(v)
-        print(f"{cfg.preset} batch={cfg.batch} seq={cfg.seq} target={cfg.target or 'local'}: {n} compilations")
+        print(f"{cfg.preset} batch={cfg.batch} seq={cfg.seq} target={cfg.target or 'local'} "
+              f"attention={cfg.attention or 'preset'}: {n} compilations")
 
         def show(r):
             where = f"{r['mesh']} zero={r['zero']} " if r["mesh"] else ""
@@ -98,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['flops'] / 1e9:8.1f} GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
 
         records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
-                        rules=cfg.rules, **grid)
+                        rules=cfg.rules, attention=cfg.attention, **grid)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in (cfg.out, cfg.md, cfg.png):
         pathlib.Path(p).expanduser().parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(cfg.out).write_text(json.dumps(records, indent=1))
-    title = f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}]"
+    title = f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}, attention {records[0]['attention']}]"
     pathlib.Path(cfg.md).write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
     plot_records(records, cfg.png, title)
     print(f"wrote {cfg.out}, {cfg.md}, {cfg.png}")

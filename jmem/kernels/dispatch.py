@@ -3,14 +3,73 @@
 `impl="xla"` is plain jnp (XLA fuses it; also the CPU path), `"reference"` is
 the same math written for clarity, `"pallas"` the Pallas flash kernel, and
 `"auto"` picks Pallas on GPU/TPU and XLA elsewhere.
+
+"Where" means the platform the traced code will be compiled for, which is not
+always the default backend: `jmem.memory.measure(..., target="tpu:v5e:2x2")`
+traces on a CPU host for a TPU. `compiling_for("tpu")` names that platform for
+everything traced inside it; `target_platform()` reads it (the default backend
+outside any such context). The Pallas kernels consult it too, so they lower
+to Mosaic for a TPU target and run in the interpreter only for a CPU one.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "xla", "reference")
+PLATFORMS = ("cpu", "gpu", "tpu")
+_BACKEND_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+# A contextvar, not a global: a compile for a target in one thread (or task)
+# must not change what a concurrent local trace picks.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmem_target_platform", default=None)
+
+
+def target_platform() -> str:
+    """The platform code traced now is compiled for: "cpu", "gpu" or "tpu".
+
+    The innermost `compiling_for` context's platform, else `jax.default_backend()`.
+    """
+    platform = _TARGET_PLATFORM.get()
+    if platform is None:
+        backend = jax.default_backend()
+        platform = _BACKEND_ALIASES.get(backend, backend)
+    return platform
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str | None):
+    """Trace-time context: kernels traced inside it are lowered for `platform`.
+
+    The choice is made when tracing. JAX's trace caches are keyed on the
+    function and its argument types, not on this context, so a function
+    already traced outside it with the same argument types may come back
+    from the cache: trace it with arguments that carry the target's shardings
+    (as `jmem.memory.measure` does) or trace a fresh function.
+
+    Args:
+        platform: "cpu", "gpu" or "tpu" (also "cuda"/"rocm"); None leaves the
+            current choice unchanged.
+
+    Example:
+        >>> with compiling_for("tpu"):
+        ...     lowered = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
+    """
+    if platform is None:
+        yield
+        return
+    name = _BACKEND_ALIASES.get(platform, platform) if isinstance(platform, str) else platform
+    if name not in PLATFORMS:
+        raise ValueError(f"compiling_for platform={platform!r}; accepted: {', '.join(PLATFORMS)}")
+    token = _TARGET_PLATFORM.set(name)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
 
 
 def _check(q, k, v):
@@ -74,6 +133,9 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
 def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None, impl="auto"):
     """Dispatch attention to an implementation; see `xla_attention` for the arguments.
 
+    `impl="auto"` picks Pallas when the platform being compiled for
+    (`target_platform()`) is a GPU or TPU, else XLA.
+
     Example:
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
@@ -81,7 +143,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        impl = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
     if impl == "pallas":
         from jmem.kernels.flash_attention import flash_attention
 

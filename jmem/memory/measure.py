@@ -8,8 +8,10 @@ it works on `jax.ShapeDtypeStruct`s for models that do not fit on the machine.
 With `target="tpu:v5e:2x2"` the function is compiled ahead of time for that
 TPU topology (through `jax.experimental.topologies` and `libtpu`, the `tpu`
 extra), so a TPU run's HBM use is known on a CPU machine. The numbers are per
-device. Note the CPU backend computes bf16 in f32, so bf16 savings show only
-on a TPU/GPU target.
+device. Tracing happens inside `jmem.kernels.dispatch.compiling_for("tpu")`, so
+`jmem.kernels.attention` and the Pallas kernels lower for the TPU (Mosaic),
+not for the CPU host (the Pallas interpreter). Note the CPU backend computes
+bf16 in f32, so bf16 savings show only on a TPU/GPU target.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import re
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jmem.kernels.dispatch import compiling_for
 
 _FIELDS = ("argument", "output", "temp", "alias", "generated_code")
 _TARGET_RE = re.compile(r"^tpu:(?P<chip>[a-z0-9]+):(?P<topo>\d+(x\d+){1,2})$")
@@ -139,14 +143,17 @@ def target_mesh(target: str, axis_names: tuple[str, ...] = ("data",), shape: tup
     return Mesh(devices.reshape(shape or (devices.size,)), axis_names)
 
 
+def _on_mesh(x, mesh: Mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and set(sharding.mesh.devices.flat) == set(mesh.devices.flat)
+
+
 def _to_target_struct(x, mesh: Mesh):
     """An abstract value on `mesh`: keeps a NamedSharding already on that mesh,
     else replicates (numbers are per device either way)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         return x
-    sharding = getattr(x, "sharding", None)
-    if not (isinstance(sharding, NamedSharding) and set(sharding.mesh.devices.flat) == set(mesh.devices.flat)):
-        sharding = NamedSharding(mesh, PartitionSpec())
+    sharding = x.sharding if _on_mesh(x, mesh) else NamedSharding(mesh, PartitionSpec())
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
@@ -167,11 +174,20 @@ def compile_for(fn, *args, target: str | None = None, **kwargs):
     static arguments and shardings are kept). Arguments may be arrays or
     `jax.ShapeDtypeStruct`s.
     """
-    if target is not None:
-        mesh = target_mesh(target)
-        args, kwargs = jax.tree.map(lambda x: _to_target_struct(x, mesh), (args, kwargs))
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return jitted.lower(*args, **kwargs).compile()
+    if target is None:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        return jitted.lower(*args, **kwargs).compile()
+    mesh = target_mesh(target)
+    if not any(_on_mesh(x, mesh) for x in jax.tree.leaves((args, kwargs))):
+        # Nothing is sharded, so every chip would run the same replicated
+        # program: compile it for one chip. The per-device numbers are the
+        # same, and Pallas (Mosaic) kernels, which XLA's SPMD partitioner
+        # cannot split even when replicated, compile without a shard_map.
+        mesh = Mesh(np.array(target_devices(target)[:1]), ("data",))
+    args, kwargs = jax.tree.map(lambda x: _to_target_struct(x, mesh), (args, kwargs))
+    with compiling_for("tpu"):
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        return jitted.lower(*args, **kwargs).compile()
 
 
 def measure(fn, *args, target: str | None = None, **kwargs) -> MemoryReport:
@@ -182,7 +198,10 @@ def measure(fn, *args, target: str | None = None, **kwargs) -> MemoryReport:
         *args, **kwargs: arrays or `jax.ShapeDtypeStruct`s (any pytree).
         target: None for the local backend, or a TPU topology `"tpu:CHIP:AxB"`
             (e.g. `"tpu:v5e:2x2"`) to compile ahead of time with libtpu;
-            arguments not already sharded on that topology are replicated.
+            arguments not already sharded on that topology are replicated
+            (when none is sharded, the program is compiled for one chip,
+            which gives the same per-device numbers). Kernels traced for it
+            lower for TPU (`jmem.kernels.dispatch.compiling_for`).
 
     Returns:
         A `MemoryReport` (per-device bytes; `.total_bytes`, `.table()`).

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.kernels.dispatch import IMPLS
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.measure import measure, parse_target, tree_bytes
 from jmem.memory.precision import Policy, loss_scale_for
@@ -34,7 +35,7 @@ from jmem.train.step import make_train_fns
 
 RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "temp_bytes", "output_bytes",
                "total_bytes", "flops", "param_bytes", "opt_state_bytes", "mesh", "zero", "param_bytes_per_device",
-               "grad_bytes_per_device", "opt_bytes_per_device")
+               "grad_bytes_per_device", "opt_bytes_per_device", "attention")
 
 
 def parse_list(text: str, name: str) -> list[str]:
@@ -76,12 +77,14 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
 
 def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precision: str, accum: int,
                    optimizer: str, target: str | None = None, mesh: str | None = None, zero: int = 0,
-                   rules: str = "") -> dict:
+                   rules: str = "", attention: str | None = None) -> dict:
     """Memory and FLOPs of one jitted train step (donated state), compiled only.
 
     With `mesh` (e.g. "data=8") the step is compiled with the ZeRO-`zero` shardings of
-    `jmem.parallel.jit_train_step` (byte counts are then per device). Every record
-    also has `mesh`, `zero` and the per-device model-state bytes
+    `jmem.parallel.jit_train_step` (byte counts are then per device). `attention`
+    overrides the model's attention implementation (`jmem.kernels.IMPLS`); with a TPU
+    `target`, "pallas" (and "auto") compile the Mosaic flash kernel. Every record
+    also has `attention`, `mesh`, `zero` and the per-device model-state bytes
     (`param_bytes_per_device`, `grad_bytes_per_device`, `opt_bytes_per_device`,
     from those shardings; the whole trees without a mesh).
     """
@@ -90,7 +93,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
 
     policy = Policy.parse(precision)
     mc = mc.replace(param_dtype=_dtype_name(policy.param), compute_dtype=_dtype_name(policy.compute), remat=remat,
-                    max_seq_len=max(mc.max_seq_len, seq))
+                    max_seq_len=max(mc.max_seq_len, seq), attention_impl=attention or mc.attention_impl)
     model = nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0)))
     tcfg = TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0, mesh=mesh, zero=zero,
                        rules=rules)
@@ -117,6 +120,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     return {
         "mesh": par.mesh_summary(dmesh) if dmesh is not None else None, "zero": zero, **per_device,
         "remat": remat, "precision": precision, "accum": accum, "optimizer": optimizer,
+        "attention": mc.attention_impl,
         "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
         "total_bytes": r.total_bytes, "flops": r.flops,
         "param_bytes": tree_bytes(state.params), "opt_state_bytes": tree_bytes(state.opt_state),
@@ -128,17 +132,20 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
 def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], precisions: Iterable[str],
           accums: Iterable[int], optimizers: Iterable[str], target: str | None = None,
           meshes: Iterable[str | None] = (None,), zeros: Iterable[int] = (0,), rules: str = "",
-          on_record: Callable[[dict], None] | None = None) -> list[dict]:
+          attention: str | None = None, on_record: Callable[[dict], None] | None = None) -> list[dict]:
     """One `compile_record` per combination (mesh varies slowest, then zero, remat, precision,
     accum; optimizer fastest)."""
     remats, precisions, accums, optimizers, meshes, zeros = map(list, (remats, precisions, accums, optimizers,
                                                                       meshes, zeros))
     validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros)
+    if attention is not None and attention not in IMPLS:
+        raise ValueError(f"unknown attention {attention!r}; accepted: {', '.join(IMPLS)}")
     out = []
     for mesh, zero, remat, precision, accum, optimizer in itertools.product(meshes, zeros, remats, precisions,
                                                                             accums, optimizers):
         rec = compile_record(mc, batch=batch, seq=seq, remat=remat, precision=precision, accum=accum,
-                             optimizer=optimizer, target=target, mesh=mesh, zero=zero, rules=rules)
+                             optimizer=optimizer, target=target, mesh=mesh, zero=zero, rules=rules,
+                             attention=attention)
         out.append(rec)
         if on_record is not None:
             on_record(rec)

@@ -106,3 +106,62 @@ def test_measure_and_compile_returns_a_runnable_executable():
     report, compiled = measure_and_compile(_mm, x, x)
     assert report.argument_bytes == 2 * 4 * 64
     np.testing.assert_allclose(compiled(x, x), jnp.tanh(x @ x), rtol=1e-6)
+
+
+def _attention_grad(impl):
+    from jmem.kernels import attention
+
+    def loss(q, k, v):
+        return attention(q, k, v, causal=True, impl=impl).astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def test_compiling_for_names_the_platform_for_the_dispatcher_only_inside():
+    from jmem.kernels.dispatch import compiling_for, target_platform
+
+    local = target_platform()
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+    # A fresh function per trace: JAX's trace cache is keyed on the function and
+    # argument types, not on this context (`measure` differs in the shardings).
+    fwd = lambda: (lambda q: _attention_grad("auto")(q, q, q))  # noqa: E731
+    with compiling_for("tpu"):
+        assert target_platform() == "tpu"
+        assert "pallas_call" in str(jax.make_jaxpr(fwd())(q))
+        with compiling_for("cuda"):
+            assert target_platform() == "gpu"
+        assert target_platform() == "tpu"
+    assert target_platform() == local
+    if local == "cpu":
+        assert "pallas_call" not in str(jax.make_jaxpr(fwd())(q))
+    with pytest.raises(ValueError, match="compiling_for platform='tpu:v5e'"):
+        with compiling_for("tpu:v5e"):
+            pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the tpu extra) is not installed")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU interpreter path after a TPU compile")
+def test_tpu_target_compiles_the_mosaic_flash_kernel_and_does_not_leak():
+    from jmem.kernels.dispatch import target_platform, xla_attention
+    from jmem.memory.measure import measure_and_compile
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 40, 2, 16)), jnp.float32) for _ in range(3))
+    grad = jax.jit(_attention_grad("pallas"))
+    ref = jax.grad(lambda q, k, v: xla_attention(q, k, v, causal=True).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    def check_cpu_interpreter():
+        text = grad.lower(q, k, v).compile().as_text()
+        assert "tpu_custom_call" not in text and "while" in text  # the interpreter's grid loop
+        for got, want in zip(grad(q, k, v), ref):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    check_cpu_interpreter()  # traced for CPU first: the TPU compile below must not reuse it
+    x = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    report, compiled = measure_and_compile(grad, x, x, x, target="tpu:v5e:2x2")
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") >= 3  # forward, dq and dk/dv kernels
+    assert " while(" not in text  # no interpreter loop
+    assert report.target == "tpu:v5e:2x2" and report.argument_bytes == 3 * 128 * 2 * 64 * 2
+    assert target_platform() == "cpu"
+    check_cpu_interpreter()  # and the CPU path is still the interpreter after it

@@ -30,6 +30,7 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (rec,) = json.loads(out.read_text())
     assert set(RECORD_KEYS) <= set(rec)
     assert (rec["remat"], rec["precision"], rec["accum"], rec["optimizer"]) == ("full", "f32", 2, "adafactor")
+    assert rec["attention"] == "xla"  # the preset's implementation when --attention is not given
     assert rec["temp_bytes"] > 0 and rec["flops"] > 0
     assert rec["total_bytes"] >= rec["argument_bytes"] > rec["param_bytes"] > 0
     assert "| full | f32 | 2 | adafactor |" in md.read_text() and png.stat().st_size > 1000
@@ -42,6 +43,7 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--optimizer", "adamw,lion"], "unknown optimizer 'lion'"),
     (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
     (["--accum", "two"], "--accum 'two' is not a positive integer"),
+    (["--attention", "flash"], "unknown attention 'flash'"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
     rc, cap = _main(argv + ["--out", str(tmp_path / "x.json")], capsys)

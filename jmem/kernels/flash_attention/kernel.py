@@ -59,8 +59,16 @@ def effective_block(block: int, length: int, what: str) -> int:
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """None means: interpret on CPU, compile on GPU/TPU."""
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    """None means: interpret when compiling for CPU, compile the kernel for a GPU/TPU.
+
+    The platform is the one being compiled for (`jmem.kernels.dispatch.target_platform`),
+    so an ahead-of-time compile for a TPU target on a CPU host gets the Mosaic
+    kernel. Call it outside any `jax.jit` whose cache would otherwise keep the
+    first answer.
+    """
+    from jmem.kernels.dispatch import target_platform
+
+    return target_platform() == "cpu" if interpret is None else bool(interpret)
 
 
 def per_platform(call, interpret: bool, *args):
@@ -355,7 +363,6 @@ def to_padded_bhtd(x_BTHD, block):
     return jnp.pad(x_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_k", "interpret"))
 def flash_attention(
     q,
     k,
@@ -376,7 +383,8 @@ def flash_attention(
         sm_scale: softmax scale; 1/sqrt(head_dim) when None.
         block_q, block_k: tile sizes (powers of two >= 16), shrunk for short sequences.
             Lengths need not be multiples: the wrapper pads and masks.
-        interpret: run the kernel in the Pallas interpreter; None picks it on CPU.
+        interpret: run the kernel in the Pallas interpreter; None picks it when
+            the platform compiled for is CPU (see `jmem.kernels.dispatch.compiling_for`).
 
     Returns:
         [batch, q_len, q_heads, head_dim] in q's dtype.
@@ -385,6 +393,14 @@ def flash_attention(
         >>> o = flash_attention(q, k, v, causal=True)
         >>> dq = jax.grad(lambda q: flash_attention(q, k, v).sum())(q)
     """
+    # Resolved here, not inside the jit: the jit cache is keyed on the static
+    # value, so `None` resolved at trace time would pin the first platform seen.
+    return _flash_jit(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
+                      interpret=resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_k", "interpret"))
+def _flash_jit(q, k, v, *, causal, sm_scale, block_q, block_k, interpret: bool):
     check_qkv("flash_attention", q, k, v)
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
     cfg = _Cfg(
@@ -394,7 +410,7 @@ def flash_attention(
         block_k=effective_block(block_k, S, "block_k"),
         q_len=T,
         kv_len=S,
-        interpret=resolve_interpret(interpret),
+        interpret=interpret,
     )
     o = _flash_bhtd(to_padded_bhtd(q, cfg.block_q), to_padded_bhtd(k, cfg.block_k), to_padded_bhtd(v, cfg.block_k), cfg)
     return o.transpose(0, 2, 1, 3)[:, :T]
