@@ -9,8 +9,8 @@ compute dtype's bytes, H/K query/key-value heads of width D, model width d,
 MLP width F, sequence length T:
 
     ===========================  ===============================================
-    RMSNorm (x2)                 input x (c), normalised x (f32), output (c),
-                                 plus an f32 copy of x when c is not f32
+    RMSNorm (x2)                 input x (c, the residual stream), output (c),
+                                 one f32 row scale (its custom backward pass)
     projections                  q (H D), k (K D), v (K D), attention out (H D), c
     plain attention (xla)        scores, exp(scores), probabilities: 3 x H T f32,
                                  plus a c copy of the probabilities when c != f32
@@ -125,7 +125,7 @@ class _Sizes:
     """Per-token bytes of each named activation and of the attention internals."""
 
     named: dict[str, int]
-    norms_extra: int  # f32 normalised x (and f32 copy of x) per layer, not named
+    norms_extra: int  # each norm's f32 row scale, not named
     attention_internal: int  # scores/probabilities (T-dependent) or log-sum-exp
     mlp_internal: int  # sigmoid(gate), its complement, silu(gate)
     lora_internal: int = 0  # x @ A of every adapter (rank r each)
@@ -147,7 +147,7 @@ def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     named = {"layer_input": d * c, "attn_norm": d * c, "query": HD * c, "key": KD * c, "value": KD * c,
              "attention": HD * c, "attn_out": d * c, "mlp_norm": d * c, "mlp_gate": F * c, "mlp_up": F * c,
              "mlp_hidden": F * c, "mlp_out": d * c}
-    norms_extra = 2 * d * (4 + (4 if c != 4 else 0))
+    norms_extra = 2 * 4
     if attention == "pallas":
         attn = H * 4
     else:

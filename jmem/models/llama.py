@@ -14,6 +14,8 @@ so the training loss can add the load-balancing and z-losses.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,11 +44,35 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 }
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
-    """RMSNorm computed in f32, returned in `x.dtype`."""
+    """RMSNorm computed in f32, returned in `x.dtype`.
+
+    The backward pass keeps only `x` in its own (compute) dtype and the f32 row
+    scale `[..., 1]`: autodiff of the plain formula keeps an f32 copy of `x` and
+    the f32 normalised `x` for every norm of every layer, which in bf16 compute
+    is more than the bf16 activations themselves.
+    """
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * r * scale.astype(jnp.float32)).astype(x.dtype), (x, scale, r)
+
+
+def _rms_norm_bwd(eps, res, g):
+    x, scale, r = res
+    n = x.astype(jnp.float32) * r
+    g32 = g.astype(jnp.float32)
+    gn = g32 * scale.astype(jnp.float32)
+    dx = r * (gn - n * jnp.mean(gn * n, axis=-1, keepdims=True))
+    dscale = jnp.sum((g32 * n).reshape(-1, n.shape[-1]), axis=0).reshape(scale.shape)  # over every leading axis
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rope(x_BTHD, positions_BT, base):

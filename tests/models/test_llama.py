@@ -77,3 +77,27 @@ def test_config_errors():
         LlamaConfig.tiny(param_dtype="f8")
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_config("huge")
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_rms_norm_custom_gradient_equals_autodiff(dtype, tol):
+    """`rms_norm`'s hand-written backward pass (it keeps x in the compute dtype) equals autodiff of the formula."""
+    from jmem.models.llama import rms_norm
+
+    def plain(x, scale, eps=1e-5):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+    kx, ks, kg = jax.random.split(jax.random.key(7), 3)
+    x = (jax.random.normal(kx, (3, 5, 64)) * 3).astype(dtype)
+    scale = (1 + 0.1 * jax.random.normal(ks, (64,))).astype(dtype)
+    g = jax.random.normal(kg, (3, 5, 64)).astype(dtype)
+    want = jax.vjp(plain, x, scale)[1](g)
+    got = jax.vjp(lambda x, s: rms_norm(x, s, 1e-5), x, scale)[1](g)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
+                                   atol=tol * float(jnp.abs(b.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(rms_norm(x, scale, 1e-5), np.float32), np.asarray(plain(x, scale), np.float32),
+                               rtol=tol, atol=tol)
