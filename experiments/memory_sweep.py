@@ -14,6 +14,9 @@ the CPU backend computes bf16 in f32).
         --target tpu:v5e:2x2 --attention pallas
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_sweep.py \
         --mesh data=8 --zero 0,1,2,3 --remat full --precision f32 --accum 1 --optimizer adamw
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_sweep.py --mesh stage=2,data=4 \
+        --pipeline-stages 2 --microbatches 2,8 --pipeline-schedule gpipe,1f1b --batch 32 --seq 256 \
+        --remat full --precision f32 --accum 1 --optimizer adamw
 
 Writes `--out` (JSON list of records), `--md` (markdown table) and `--png`.
 """
@@ -58,6 +61,12 @@ class SweepConfig:
     """Comma-separated ZeRO stages (0-3) compiled on each --mesh."""
     rules: str = ""
     """Sharding-rule overrides 'logical=mesh_axes,...' (with --mesh)."""
+    pipeline_stages: int = 1
+    """Pipeline stages over the --mesh's 'stage' axis (1: no pipeline)."""
+    microbatches: str = "1"
+    """Comma-separated pipeline microbatch counts (with --pipeline-stages > 1)."""
+    pipeline_schedule: str = "gpipe"
+    """Comma-separated pipeline schedules: gpipe, 1f1b."""
     attention: str | None = None
     """Attention implementation: auto, pallas, xla, reference (the preset's, xla, when unset). With a TPU
     --target, pallas compiles the Mosaic flash kernel."""
@@ -89,7 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--mesh is empty; give a mesh such as 'data=8'")
         if meshes == [None] and zeros != [0]:
             raise ValueError(f"--zero {cfg.zero} needs --mesh (ZeRO shards over the data axes of a mesh)")
-        grid = dict(remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
+        micros = []
+        for m in parse_list(cfg.microbatches, "microbatches"):
+            if not m.isdigit() or int(m) < 1:
+                raise ValueError(f"--microbatches {m!r} is not a positive integer")
+            micros.append(int(m))
+        if cfg.pipeline_stages > 1 and meshes == [None]:
+            raise ValueError(f"--pipeline-stages {cfg.pipeline_stages} needs --mesh with a 'stage' axis")
+        grid = dict(microbatches=micros, schedules=parse_list(cfg.pipeline_schedule, "pipeline-schedule"),
+                    remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)
         n = 1
         for v in grid.values():
@@ -99,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def show(r):
             where = f"{r['mesh']} zero={r['zero']} " if r["mesh"] else ""
+            where += f"[{r['pipeline']}] " if r["pipeline"] else ""
             print(f"  {where}{r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
                   f"temp {r['temp_bytes'] / 2**20:9.1f} MiB  total {r['total_bytes'] / 2**20:9.1f} MiB  "
                   f"{r['flops'] / 1e9:8.1f} GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
 
         records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
-                        rules=cfg.rules, attention=cfg.attention, **grid)
+                        rules=cfg.rules, attention=cfg.attention, pipeline_stages=cfg.pipeline_stages, **grid)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from jmem.train.step import make_train_fns
 
 RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "temp_bytes", "output_bytes",
                "total_bytes", "flops", "param_bytes", "opt_state_bytes", "mesh", "zero", "param_bytes_per_device",
-               "grad_bytes_per_device", "opt_bytes_per_device", "attention")
+               "grad_bytes_per_device", "opt_bytes_per_device", "attention", "pipeline")
 
 
 def parse_list(text: str, name: str) -> list[str]:
@@ -77,7 +77,8 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
 
 def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precision: str, accum: int,
                    optimizer: str, target: str | None = None, mesh: str | None = None, zero: int = 0,
-                   rules: str = "", attention: str | None = None) -> dict:
+                   rules: str = "", attention: str | None = None, pipeline_stages: int = 1,
+                   microbatches: int = 1, schedule: str = "gpipe") -> dict:
     """Memory and FLOPs of one jitted train step (donated state), compiled only.
 
     With `mesh` (e.g. "data=8") the step is compiled with the ZeRO-`zero` shardings of
@@ -86,7 +87,9 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     `target`, "pallas" (and "auto") compile the Mosaic flash kernel. Every record
     also has `attention`, `mesh`, `zero` and the per-device model-state bytes
     (`param_bytes_per_device`, `grad_bytes_per_device`, `opt_bytes_per_device`,
-    from those shardings; the whole trees without a mesh).
+    from those shardings; the whole trees without a mesh). With `pipeline_stages` > 1 the
+    loss runs the `schedule` ("gpipe" or "1f1b") over `microbatches` on the mesh's
+    `stage` axis, and the record has `pipeline` = "S stages x M microbatches, schedule".
     """
     from jmem import parallel as par
     from jmem.models.llama import Llama
@@ -99,8 +102,14 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
                        rules=rules)
     dmesh = par.make_mesh(mesh) if mesh is not None else None
     tx = make_tx(tcfg, policy, dmesh)
+    loss_fn = None
+    if pipeline_stages > 1:
+        if dmesh is None:
+            raise ValueError(f"pipeline_stages={pipeline_stages} needs a --mesh with a 'stage' axis")
+        loss_fn, _ = par.schedule_lm_loss_fn(schedule, model, n_stages=pipeline_stages,
+                                             n_microbatches=microbatches, mesh=dmesh, chunk=mc.loss_chunk)
     fns = make_train_fns(model, tx, accum=accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
-                         mesh=dmesh, zero=zero, rules=rules or None)
+                         mesh=dmesh, zero=zero, rules=rules or None, loss_fn=loss_fn)
     # Initialise inside eval_shape: shapes only, no parameter is allocated.
     state = jax.eval_shape(lambda: fns.init_state(Llama(mc, rngs=nnx.Rngs(0))))
     batch_abs = {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
@@ -121,6 +130,8 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
         "mesh": par.mesh_summary(dmesh) if dmesh is not None else None, "zero": zero, **per_device,
         "remat": remat, "precision": precision, "accum": accum, "optimizer": optimizer,
         "attention": mc.attention_impl,
+        "pipeline": f"{pipeline_stages} stages x {microbatches} microbatches, {schedule}" if pipeline_stages > 1
+        else None,
         "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
         "total_bytes": r.total_bytes, "flops": r.flops,
         "param_bytes": tree_bytes(state.params), "opt_state_bytes": tree_bytes(state.opt_state),
@@ -132,20 +143,25 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
 def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], precisions: Iterable[str],
           accums: Iterable[int], optimizers: Iterable[str], target: str | None = None,
           meshes: Iterable[str | None] = (None,), zeros: Iterable[int] = (0,), rules: str = "",
-          attention: str | None = None, on_record: Callable[[dict], None] | None = None) -> list[dict]:
-    """One `compile_record` per combination (mesh varies slowest, then zero, remat, precision,
-    accum; optimizer fastest)."""
+          attention: str | None = None, pipeline_stages: int = 1, microbatches: Iterable[int] = (1,),
+          schedules: Iterable[str] = ("gpipe",), on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """One `compile_record` per combination (mesh varies slowest, then zero, microbatches,
+    schedule, remat, precision, accum; optimizer fastest)."""
     remats, precisions, accums, optimizers, meshes, zeros = map(list, (remats, precisions, accums, optimizers,
                                                                       meshes, zeros))
     validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros)
     if attention is not None and attention not in IMPLS:
         raise ValueError(f"unknown attention {attention!r}; accepted: {', '.join(IMPLS)}")
+    from jmem.parallel.pipeline_1f1b import check_schedule
+
+    microbatches, schedules = list(microbatches), [check_schedule(s) for s in schedules]
     out = []
-    for mesh, zero, remat, precision, accum, optimizer in itertools.product(meshes, zeros, remats, precisions,
-                                                                            accums, optimizers):
+    for mesh, zero, micro, schedule, remat, precision, accum, optimizer in itertools.product(
+            meshes, zeros, microbatches, schedules, remats, precisions, accums, optimizers):
         rec = compile_record(mc, batch=batch, seq=seq, remat=remat, precision=precision, accum=accum,
                              optimizer=optimizer, target=target, mesh=mesh, zero=zero, rules=rules,
-                             attention=attention)
+                             attention=attention, pipeline_stages=pipeline_stages, microbatches=micro,
+                             schedule=schedule)
         out.append(rec)
         if on_record is not None:
             on_record(rec)
@@ -175,13 +191,14 @@ def markdown_table(records: list[dict]) -> str:
 def zero_table(records: list[dict]) -> str:
     """One row per record of a mesh sweep: per-device model-state MiB (from the shardings)
     beside the compiler's per-device argument / temp / total MiB."""
-    head = ("| mesh | zero | remat | precision | accum | optimizer | params MiB/dev | grads MiB/dev | opt MiB/dev "
-            "| model state MiB/dev | arguments MiB | temp MiB | total MiB | GFLOPs |")
-    lines = [head, "|" + "---|" * 14]
+    head = ("| mesh | zero | pipeline | remat | precision | accum | optimizer | params MiB/dev | grads MiB/dev "
+            "| opt MiB/dev | model state MiB/dev | arguments MiB | temp MiB | total MiB | GFLOPs |")
+    lines = [head, "|" + "---|" * 15]
     for r in records:
         mib = lambda k: f"{r[k] / 2**20:.2f}"  # noqa: E731,B023
         state = r["param_bytes_per_device"] + r["grad_bytes_per_device"] + r["opt_bytes_per_device"]
-        lines.append(f"| {r.get('mesh') or '1 device'} | {r['zero']} | {r['remat']} | {r['precision']} | {r['accum']} "
+        lines.append(f"| {r.get('mesh') or '1 device'} | {r['zero']} | {r.get('pipeline') or '-'} | {r['remat']} "
+                     f"| {r['precision']} | {r['accum']} "
                      f"| {r['optimizer']} | {mib('param_bytes_per_device')} | {mib('grad_bytes_per_device')} "
                      f"| {mib('opt_bytes_per_device')} | {state / 2**20:.2f} | {mib('argument_bytes')} "
                      f"| {mib('temp_bytes')} | {mib('total_bytes')} | {r['flops'] / 1e9:.1f} |")

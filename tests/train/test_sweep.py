@@ -44,9 +44,26 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
     (["--accum", "two"], "--accum 'two' is not a positive integer"),
     (["--attention", "flash"], "unknown attention 'flash'"),
+    (["--pipeline-stages", "2"], "needs --mesh with a 'stage' axis"),
+    (["--mesh", "stage=2,data=4", "--accum", "1", "--pipeline-stages", "2", "--pipeline-schedule", "zb"],
+     "unknown pipeline schedule 'zb'"),
+    (["--microbatches", "0"], "--microbatches '0' is not a positive integer"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
     rc, cap = _main(argv + ["--out", str(tmp_path / "x.json")], capsys)
     lines = cap.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and expected in lines[0], cap.err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc, cap = _main(["--preset", "tiny", "--mesh", "stage=2,data=4", "--pipeline-stages", "2", "--microbatches", "4",
+                     "--pipeline-schedule", "gpipe,1f1b", "--batch", "32", "--seq", "32", "--remat", "full",
+                     "--precision", "f32", "--accum", "1", "--optimizer", "adamw", "--out", str(out),
+                     "--md", str(tmp_path / "p.md"), "--png", str(tmp_path / "p.png")], capsys)
+    assert rc == 0, cap.err
+    gpipe, one_f_one_b = json.loads(out.read_text())
+    assert gpipe["pipeline"] == "2 stages x 4 microbatches, gpipe"
+    assert one_f_one_b["pipeline"] == "2 stages x 4 microbatches, 1f1b"
+    assert one_f_one_b["temp_bytes"] < gpipe["temp_bytes"]  # at most S stage inputs held, not M
