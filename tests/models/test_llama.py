@@ -32,6 +32,7 @@ def test_unrolled_per_layer_path_equals_scan(tiny, per_layer_cache):
     """`hidden(..., layers=unstack_layers(model))` (the CPU decode path) equals the scanned blocks,
     with a per-layer and with a stacked cache, through prefill and decode."""
     cfg, layers = tiny.config, unstack_layers(tiny)
+    assert {"wqkv", "w_gate_up"} <= set(layers[0]) and "wq" not in layers[0]  # fused projections
     ids = jax.random.randint(jax.random.key(3), (2, 9), 0, cfg.vocab_size)
     scan_cache = ContiguousKVCache.create(cfg, 2, 16)
     loop_cache = ContiguousKVCache.create(cfg, 2, 16, per_layer=per_layer_cache)
