@@ -265,13 +265,17 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     k_rows, v_rows, k_rs, v_rs = new_pages if new_pages is not None else (None,) * 4
     k_KNCD = gather(k_pages_KPSD, k_scale, k_new, k_rows, k_rs)
     v_KNCD = gather(v_pages_KPSD, v_scale, v_new, v_rows, v_rs)
-    s_NKGRC = jnp.einsum("nrkgd,kncd->nkgrc", q_NRKGD, k_KNCD, preferred_element_type=jnp.float32) * scale
+    # Batch axes (kv head, tile) leading on every operand: XLA's CPU backend runs such batched
+    # matmuls without transposing the gathered keys/values.
+    q_KNQD = jnp.transpose(q_NRKGD, (2, 0, 3, 1, 4)).reshape(K, N, G * TILE, D)
+    s_KNQC = jnp.einsum("knqd,kncd->knqc", q_KNQD, k_KNCD, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(M * S)
     mask_NRC = (key_pos[None, None, :] <= layout.tile_positions[:, :, None]) & (
         key_pos[None, None, :] < layout.tile_kv_len[:, None, None])
-    p = masked_softmax(s_NKGRC, mask_NRC[:, None, None])
-    o_NRKGD = jnp.einsum("nkgrc,kncd->nrkgd", p.astype(v_KNCD.dtype), v_KNCD, preferred_element_type=jnp.float32)
-    o_flat = o_NRKGD.reshape(N * TILE, H, D)
+    mask_NQC = jnp.broadcast_to(mask_NRC[:, None], (N, G, TILE, M * S)).reshape(N, G * TILE, M * S)
+    p = masked_softmax(s_KNQC, mask_NQC[None])
+    o_KNQD = jnp.einsum("knqc,kncd->knqd", p.astype(v_KNCD.dtype), v_KNCD, preferred_element_type=jnp.float32)
+    o_flat = jnp.transpose(o_KNQD.reshape(K, N, G, TILE, D), (1, 3, 0, 2, 4)).reshape(N * TILE, H, D)
     return o_flat[layout.token_tile_row].astype(q_THD.dtype)
 
 
