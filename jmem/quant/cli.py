@@ -112,6 +112,8 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     if method not in (*METHOD_BITS, *GGUF_METHODS):
         raise ValueError(f"--method {args.method!r}; accepted: {', '.join((*METHOD_BITS, *GGUF_METHODS))}")
     # Fail before any heavy work.
+    if method in METHOD_BITS and args.bits is not None and args.bits not in METHOD_BITS[method]:
+        raise ValueError(f"bits={args.bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
     if kind == "gguf":
         resolve_qtype(args.store_type)
     else:
