@@ -75,8 +75,6 @@ def _rms_norm_fwd(x, scale, eps):
 
 def _rms_norm_bwd(eps, res, g):
     x, scale, r = res
-    if g.ndim == 3:  # [batch, length, embed]: under sequence parallelism, work on the local shard of x
-        g = constrain(g, ACTIVATION_AXES)
     n = x.astype(jnp.float32) * r
     g32 = g.astype(jnp.float32)
     gn = g32 * scale.astype(jnp.float32)
