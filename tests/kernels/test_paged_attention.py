@@ -278,3 +278,16 @@ def test_bench_quick_runs(tmp_path):
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     for name in ("jmem paged_attention bf16", "jmem paged_attention int8", "jmem ragged_paged_attention (all decode)"):
         assert rows[name]["ms"] > 0 and rows[name]["GB/s"] > 0, rows[name]
+
+
+def test_kernel_body_follows_the_compile_target():
+    """An ahead-of-time compile for a GPU/TPU from this CPU host gets the compiled body, not the interpreter."""
+    from jmem.kernels.dispatch import compiling_for
+    from jmem.kernels.paged_attention import core
+
+    assert core.resolve(None, None) == ("mosaic", True)  # this CPU machine
+    with compiling_for("tpu"):
+        assert core.resolve(None, None) == ("mosaic", False)
+    with compiling_for("gpu"):
+        assert core.resolve(None, None) == ("triton", False)
+    assert core.resolve(None, None) == ("mosaic", True)

@@ -31,8 +31,11 @@ META = 4  # per-item ints: lo, hi, pos0, unused (a power of two for Triton)
 
 
 def default_backend() -> str:
-    """Kernel body for the default device: Mosaic on TPU, Triton on GPU, Mosaic (interpreted) on CPU."""
-    return "triton" if jax.default_backend() in ("gpu", "cuda", "rocm") else "mosaic"
+    """Kernel body for the platform being compiled for (`jmem.kernels.dispatch.target_platform`):
+    Mosaic on TPU, Triton on GPU, Mosaic (interpreted) on CPU."""
+    from jmem.kernels.dispatch import target_platform
+
+    return "triton" if target_platform() == "gpu" else "mosaic"
 
 
 def resolve(backend, interpret):
@@ -40,7 +43,9 @@ def resolve(backend, interpret):
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; accepted: None, {', '.join(map(repr, BACKENDS))}")
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        from jmem.kernels.dispatch import target_platform
+
+        interpret = target_platform() == "cpu"
     return backend, bool(interpret)
 
 
