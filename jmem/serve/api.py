@@ -148,6 +148,25 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    def stream_response(streams, request, chunk, n_prompt, include_usage, opening, choice):
+        """The SSE body of completions and chat: the `opening` choices, then one chunk per output
+        for which `choice(i, output)` gives a choice, the usage chunk if asked, `[DONE]`."""
+        async def events():
+            finals = {}
+            for c in opening:
+                yield sse({**chunk, "choices": [c]})
+            async for i, o in merged(streams, request):
+                c = choice(i, o)
+                if c is not None:
+                    yield sse({**chunk, "choices": [c]})
+                if o.finished:
+                    finals[i] = o
+            if include_usage and len(finals) == len(streams):
+                yield sse({**chunk, "choices": [], "usage": usage(n_prompt * len(streams), finals.values())})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health():
@@ -224,29 +243,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            offsets = [len(echo)] * body.n
 
-            async def events():
-                finals = {}
-                offsets = [len(echo)] * body.n
-                if echo:
-                    for i in range(body.n):
-                        yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None,
-                                                        "finish_reason": None}]})
-                async for i, o in merged(streams, request):
-                    lp = None
-                    if body.logprobs is not None:
-                        lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i])
-                    offsets[i] += len(o.text)
-                    if o.text or o.finished or lp:
-                        yield sse({**base, "choices": [{"index": i, "text": o.text, "logprobs": lp,
-                                                        "finish_reason": o.finish_reason if o.finished else None}]})
-                    if o.finished:
-                        finals[i] = o
-                if include_usage and len(finals) == body.n:
-                    yield sse({**base, "choices": [], "usage": usage(len(ids) * body.n, finals.values())})
-                yield "data: [DONE]\n\n"
+            def choice(i, o):
+                lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i]) \
+                    if body.logprobs is not None else None
+                offsets[i] += len(o.text)
+                if not (o.text or o.finished or lp):
+                    return None
+                return {"index": i, "text": o.text, "logprobs": lp,
+                        "finish_reason": o.finish_reason if o.finished else None}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+                       for i in range(body.n)] if echo else []
+            return stream_response(streams, request, base, len(ids), include_usage, opening, choice)
 
         collected = await collect(streams, request)
         if collected is None:
@@ -280,26 +290,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunk = {**base, "object": "chat.completion.chunk"}
+            def choice(i, o):
+                lp = chat_logprobs(list(zip(o.token_ids, o.logprobs))) if body.logprobs else None
+                if not (o.text or o.finished or lp):
+                    return None
+                return {"index": i, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
+                        "finish_reason": o.finish_reason if o.finished else None}
 
-            async def events():
-                finals = {}
-                for i in range(body.n):
-                    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-                async for i, o in merged(streams, request):
-                    lp = chat_logprobs(list(zip(o.token_ids, o.logprobs))) if body.logprobs else None
-                    delta = {"content": o.text} if o.text else {}
-                    if o.text or o.finished or lp:
-                        yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                                         "finish_reason": o.finish_reason if o.finished else None}]})
-                    if o.finished:
-                        finals[i] = o
-                if include_usage and len(finals) == body.n:
-                    yield sse({**chunk, "choices": [], "usage": usage(len(ids) * body.n, finals.values())})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(body.n)]
+            return stream_response(streams, request, {**base, "object": "chat.completion.chunk"}, len(ids),
+                                   include_usage, opening, choice)
 
         collected = await collect(streams, request)
         if collected is None:
