@@ -29,3 +29,33 @@ def run_train_script(argv, capsys):
         sys.path.pop(0)
     rc = script.main(argv)
     return rc, capsys.readouterr().err
+
+
+def counting_batches(vocab_size: int, steps: int, batch: int, seq: int, seed: int):
+    """`steps` batches of counting sequences from random starts: learnable, so a loss falls in a few steps."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        ids = ((rng.integers(0, vocab_size, (batch, 1)) + np.arange(seq + 1)) % vocab_size).astype(np.int32)
+        out.append({"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": np.ones((batch, seq), np.float32)})
+    return out
+
+
+def train_sharded(loss_fn, params, mesh, batches, **kw):
+    """Adam steps of `jmem.parallel.make_sharded_train_step` over `batches`: (losses, compiled HLO text,
+    trainer with its `compiled` step, final state)."""
+    import numpy as np
+    import optax
+
+    from jmem import parallel as par
+
+    trainer = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, mesh, **kw)
+    state = trainer.init(params)
+    trainer.compiled = trainer.compile(state, batches[0])
+    losses = []
+    for b in batches:
+        state, m = trainer.step(state, b)
+        losses.append(float(m["loss"]))
+    return np.array(losses), trainer.compiled.as_text(), trainer, state

@@ -8,31 +8,17 @@ from flax import nnx
 
 from jmem import parallel as par
 from jmem.models import Llama, LlamaConfig
+from tests.helpers import counting_batches, train_sharded
 
 STEPS, B, T = 5, 16, 16
 
 
 def _batches(cfg):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):
-        # Counting sequences from random starts: learnable, so the loss visibly falls in 5 steps.
-        ids = ((rng.integers(0, cfg.vocab_size, (B, 1)) + np.arange(T + 1)) % cfg.vocab_size).astype(np.int32)
-        out.append({"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": np.ones((B, T), np.float32)})
-    return out
+    return counting_batches(cfg.vocab_size, STEPS, B, T, seed=0)
 
 
 def _train(loss_fn, params, mesh, batches, **kw):
-    trainer = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, mesh, **kw)
-    state = trainer.init(params)
-    compiled = trainer.compile(state, batches[0])
-    trainer.compiled = compiled
-    text = compiled.as_text()
-    losses = []
-    for b in batches:
-        state, m = trainer.step(state, b)
-        losses.append(float(m["loss"]))
-    return np.array(losses), text, trainer, state
+    return train_sharded(loss_fn, params, mesh, batches, **kw)
 
 
 @pytest.fixture(scope="module")
