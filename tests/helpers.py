@@ -59,3 +59,39 @@ def train_sharded(loss_fn, params, mesh, batches, **kw):
         state, m = trainer.step(state, b)
         losses.append(float(m["loss"]))
     return np.array(losses), trainer.compiled.as_text(), trainer, state
+
+
+@functools.lru_cache(maxsize=1)
+def _jitted_forward():
+    # One jitted forward: models with equal graphdefs and state structure (an in-memory model and
+    # what jmem.load builds from its file) share one compile.
+    import jax
+
+    from jmem.models import forward
+
+    return jax.jit(forward, static_argnums=0)
+
+
+def logits_of(model, ids):
+    """f32 logits of `model` on `ids` as numpy, through the shared jitted forward."""
+    import numpy as np
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    return np.asarray(_jitted_forward()(graphdef, state, ids)[0])
+
+
+def random_model(cfg, seed):
+    """A model with random numpy weights, built the way jmem.load builds one (no init compile)."""
+    import numpy as np
+    from flax import nnx
+
+    from jmem.lm import set_weights
+    from jmem.models import Llama
+
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    weights = {".".join(map(str, path)): (rng.normal(size=v.shape) * 0.2 + (path[-1] == "scale")).astype(np.float32)
+               for path, v in nnx.to_flat_state(nnx.state(model))}
+    set_weights(model, weights)
+    return model

@@ -1,7 +1,6 @@
 """write_gguf: llama-architecture GGUF files that gguf reads back bit-exactly and jmem.load runs."""
 
 import gguf
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,9 +9,9 @@ import jmem
 from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
 from jmem.lm import set_weights
 from jmem.models.config import LlamaConfig
-from jmem.models.llama import Llama, forward
 from jmem.quant import ggml
 from jmem.quant.ggml_weight import GGMLWeight
+from tests.helpers import logits_of, random_model
 
 KERNELS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
            "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
@@ -46,26 +45,6 @@ def expected_float_tensors(cfg, model):
 def read_back(path):
     reader = gguf.GGUFReader(path)
     return reader, {t.name: t for t in reader.tensors}
-
-
-# One jitted forward for every model here: models with equal graphdefs and state
-# structure (the in-memory float model and what jmem.load builds) share one compile.
-FORWARD = jax.jit(forward, static_argnums=0)
-
-
-def logits_of(model, ids):
-    graphdef, state = nnx.split(model)
-    return np.asarray(FORWARD(graphdef, state, ids)[0])
-
-
-def random_model(cfg, seed):
-    """A model with random numpy weights, built the way jmem.load builds one (no init compile)."""
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-    weights = {".".join(map(str, path)): (rng.normal(size=v.shape) * 0.2 + (path[-1] == "scale")).astype(np.float32)
-               for path, v in nnx.to_flat_state(nnx.state(model))}
-    set_weights(model, weights)
-    return model
 
 
 def config(**overrides):

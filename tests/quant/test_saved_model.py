@@ -11,33 +11,15 @@ from flax import nnx
 import jmem
 from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
 from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
-from jmem.lm import LM, set_weights
+from jmem.lm import LM
 from jmem.models.config import LlamaConfig
-from jmem.models.llama import Llama, forward
 from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, quantize
 from jmem.cli import info
 from jmem.quant.cli import _gguf_block_model, quantize_main
 from jmem.quant.ggml_weight import GGMLWeight
 from jmem.quant.saved import MANIFEST, QuantizedDirError, describe, save_quantized
+from tests.helpers import logits_of, random_model
 
-# One jitted forward: the in-memory model and the one loaded back share a graphdef
-# and state structure, so each format compiles once.
-FORWARD = jax.jit(forward, static_argnums=0)
-
-
-def logits_of(model, ids):
-    graphdef, state = nnx.split(model)
-    return np.asarray(FORWARD(graphdef, state, ids)[0])
-
-
-def random_model(cfg, seed):
-    """Random numpy weights set into an abstract model (no init compile)."""
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-    weights = {".".join(map(str, path)): (rng.normal(size=v.shape) * 0.2 + (path[-1] == "scale")).astype(np.float32)
-               for path, v in nnx.to_flat_state(nnx.state(model))}
-    set_weights(model, weights)
-    return model
 
 
 def bits_of(x) -> np.ndarray:
