@@ -15,7 +15,8 @@ Dispatch (`quantized_dot`, what `IntTensor.__jmem_dot__` and
 `NF4Tensor.__jmem_dot__` call): the implementation is chosen when the matmul
 is traced, from `matmul_impl(...)` (a context manager over a contextvar):
 
-* "auto" (default): the kernel, compiled, when JAX's default backend is a GPU;
+* "auto" (default): the kernel, compiled, when compiling for a GPU
+  (`jmem.kernels.dispatch.target_platform`);
   the XLA path elsewhere (on CPU the interpreter would only be slower; on TPU
   the kernel's tiling has not been checked against Mosaic's rules).
 * "pallas": the kernel wherever it can tile the weight (interpreted on CPU).
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jmem.kernels.dispatch import target_platform
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
 from jmem.quant.qtensor import IntTensor
@@ -173,7 +175,7 @@ _kernel_dot.defvjp(_kernel_dot_fwd, _kernel_dot_bwd)
 def uses_kernel(x_features: int, w, impl: str | None = None) -> bool:
     """Whether `quantized_dot` takes the kernel for this weight under `impl` (default: the context's)."""
     impl = current_matmul_impl() if impl is None else impl
-    if impl == "xla" or (impl == "auto" and jax.default_backend() not in AUTO_KERNEL_BACKENDS):
+    if impl == "xla" or (impl == "auto" and target_platform() not in AUTO_KERNEL_BACKENDS):
         return False
     return kernel_unsupported(w, x_features) is None
 
@@ -186,7 +188,7 @@ def quantized_dot(x: jax.Array, w: IntTensor | NF4Tensor) -> jax.Array:
     """
     if not uses_kernel(x.shape[-1], w):
         return _xla_dot(x, w)
-    interpret = jax.default_backend() not in ("gpu", "tpu")
+    interpret = fk.resolve_interpret(None)  # compiled for a GPU/TPU target, interpreted for CPU
     return _kernel_dot(x, w, interpret)
 
 

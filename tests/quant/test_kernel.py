@@ -149,3 +149,16 @@ def test_auto_uses_the_compiled_kernel_on_gpu():
         y = jax.jit(lambda x, q: dot(x, q))(x, q)
         # GPU f32 dots may run as TF32 (10-bit mantissa) in either path.
         np.testing.assert_allclose(y, reference_matmul(x, q), rtol=2e-3, atol=2e-3 * float(jnp.abs(y).max()))
+
+
+def test_auto_follows_the_compile_target():
+    """'auto' takes the kernel when compiling for a GPU (also ahead of time from a CPU host), not for CPU/TPU."""
+    from jmem.kernels.dispatch import compiling_for
+    from jmem.quant.kernel import uses_kernel
+
+    q = IntTensor.quantize(np.ones((K, N), np.float32), 4, 64)
+    assert not uses_kernel(K, q, "auto")
+    with compiling_for("gpu"):
+        assert uses_kernel(K, q, "auto") and not uses_kernel(K, q, "xla")
+    with compiling_for("tpu"):
+        assert not uses_kernel(K, q, "auto")
