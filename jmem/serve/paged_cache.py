@@ -6,11 +6,13 @@ run of tokens from many sequences (`ids [1, T]`): each token writes its K/V to
 `(write_page, write_offset)` and attends to its own sequence's cached keys up
 to its position.
 
-Attention is computed over query tiles: the host lays each sequence's tokens
-into tiles of `TILE` rows that belong to one sequence, so a tile gathers only
-its own sequence's pages. Decodes fill one row of a tile; a prefill chunk of n
-tokens fills ceil(n / TILE) tiles. The model's dense layers still run on the
-unpadded flat tokens.
+Attention of a sequence with several tokens in the step (a prefill chunk) is
+computed over query tiles: the host lays its tokens into tiles of `TILE` rows
+that belong to one sequence, so a tile gathers only its own sequence's pages;
+a chunk of n tokens fills ceil(n / TILE) tiles. A sequence with one token (a
+decode) is a decode row instead (`jmem.serve.paged_decode`): its query reads
+its pages in chunks, one row of work per token. The model's dense layers run
+on the unpadded flat tokens.
 
 KV dtypes: the compute dtype, bf16, or fp8_e4m3 / int8 pages with one f32
 scale per page per kv head (`k_scale`, `v_scale` f32[layers, kv_heads, pages],
@@ -40,6 +42,7 @@ from jmem.kernels.dispatch import masked_softmax
 from jmem.kernels.paged_attention.checks import is_quantized
 from jmem.kernels.paged_attention.reference import quantize as quantize_with_scale
 from jmem.kernels.paged_attention.write import page_scales, requantize_pages, safe_scale
+from jmem.serve.paged_decode import chunk_pages, decode_attention, dequantize
 
 TILE = 8  # query rows per attention tile
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")
@@ -97,14 +100,6 @@ def quantize(x, dtype):
     return x.astype(dtype), None
 
 
-def dequantize(x, scale, dtype):
-    """x * scale in `dtype`; `scale` covers x's leading axes (per page, or per slot) and broadcasts over the rest."""
-    if scale is None:
-        return x.astype(dtype)
-    scale = scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
-    return (x.astype(jnp.float32) * scale).astype(dtype)
-
-
 @flax.struct.dataclass
 class StepLayout:
     """Where each token of a ragged step writes and which tile computes its attention (all int32).
@@ -115,9 +110,21 @@ class StepLayout:
         tile_positions: [N, TILE] position of each tile row (padding: -1, sees nothing).
         tile_pages: [N, M] the tile's sequence's pages (padding: the spare page).
         tile_kv_len: [N] keys valid in the tile's sequence after this step.
-        token_tile_row: [T] flat index `tile * TILE + row` holding each token's output.
         tile_new_src: [N, M * page_size] flat index of the token of this step whose K/V sits at
             each key position of the tile's sequence (T where the key comes from the pages).
+        token_out_row: [T] where each token's output is: `tile * TILE + row` for a tile row,
+            `N * TILE + r` for decode row r.
+
+    Decode rows (sequences with one token this step), Rd rows, Nc chunks of Mc pages, at most Cm
+    chunks per row:
+        dec_token: [Rd] flat index of each row's token (padding: T).
+        dec_pos: [Rd] its position (padding: 0).
+        dec_cur_page: [Rd] the page it writes (padding: the spare page).
+        dec_cur_upd: [Rd] the row of `upd_pages` that page is (padding: W).
+        dec_chunk_pages: [Nc, Mc] complete pages before the written one (padding: the spare page).
+        dec_chunk_len: [Nc] keys of the chunk that hold tokens (padding: 0).
+        dec_chunk_row: [Nc] the decode row of each chunk (padding: Rd).
+        dec_row_chunks: [Rd, Cm] each row's chunks (padding: Nc).
 
     The same step for the ragged kernels (`jmem.kernels.paged_attention`), R = rows:
         slot_mapping: [T] page * page_size + offset (padding: -1).
@@ -140,8 +147,8 @@ class StepLayout:
     tile_positions: jax.Array
     tile_pages: jax.Array
     tile_kv_len: jax.Array
-    token_tile_row: jax.Array
     tile_new_src: jax.Array
+    token_out_row: jax.Array
     slot_mapping: jax.Array
     seq_kv_lens: jax.Array
     seq_pages: jax.Array
@@ -151,16 +158,42 @@ class StepLayout:
     upd_kept: jax.Array
     token_upd: jax.Array
     tile_upd: jax.Array
+    dec_token: jax.Array
+    dec_pos: jax.Array
+    dec_cur_page: jax.Array
+    dec_cur_upd: jax.Array
+    dec_chunk_pages: jax.Array
+    dec_chunk_len: jax.Array
+    dec_chunk_row: jax.Array
+    dec_row_chunks: jax.Array
+
+
+def decode_shape(seqs, page_size: int) -> tuple[int, int, int]:
+    """(decode rows, chunks, most chunks of one row) of `seqs` = [(start, num tokens, pages), ...]."""
+    mc = chunk_pages(page_size)
+    chunks = [-(-(start // page_size) // mc) for start, n, _ in seqs if n == 1]
+    return len(chunks), sum(chunks), max(chunks, default=0)
 
 
 def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: int, page_size: int,
-                 spare_page: int, max_seqs: int | None = None) -> StepLayout:
-    """Host side: the layout for `seqs` = [(start position, num tokens, page list), ...] in flat order."""
+                 spare_page: int, max_seqs: int | None = None, pages_per_seq: int | None = None,
+                 decode_rows: int | None = None, decode_chunks: int | None = None,
+                 chunks_per_row: int | None = None) -> StepLayout:
+    """Host side: the layout for `seqs` = [(start position, num tokens, page list), ...] in flat order.
+
+    Sizes (static shapes of the step; None: the least `seqs` needs): `num_tiles` and `pages_per_tile`
+    for the sequences with several tokens, `pages_per_seq` (default `pages_per_tile`) for the block
+    tables of all, and `decode_rows`, `decode_chunks`, `chunks_per_row` for the one-token sequences
+    (`decode_shape`).
+    """
+    need_rows, need_chunks, need_per_row = decode_shape(seqs, page_size)
     T, N, M = num_tokens_padded, num_tiles, pages_per_tile
+    Rd, Nc, Cm = max(1, decode_rows or need_rows), max(1, decode_chunks or need_chunks), max(1, chunks_per_row or need_per_row)
+    Mc = chunk_pages(page_size)
     R = max_seqs or len(seqs)
     slot_mapping = np.full(T, -1, np.int32)
     seq_kv_lens = np.zeros(R, np.int32)
-    seq_pages = np.full((R, M), spare_page, np.int32)
+    seq_pages = np.full((R, max(M, pages_per_seq or M)), spare_page, np.int32)
     cu_q_lens = np.zeros(R + 1, np.int32)
     write_page = np.full(T, spare_page, np.int32)
     write_offset = np.zeros(T, np.int32)
@@ -168,53 +201,80 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     tile_positions = np.full((N, TILE), -1, np.int32)
     tile_pages = np.full((N, M), spare_page, np.int32)
     tile_kv_len = np.zeros(N, np.int32)
-    token_tile_row = np.zeros(T, np.int32)
     tile_new_src = np.full((N, M * page_size), T, np.int32)
+    token_out_row = np.zeros(T, np.int32)
     W = max(1, min(T, T // page_size + 2 * R))
     upd_pages = np.full(W, spare_page, np.int32)
     upd_kept = np.zeros(W, np.int32)
     token_upd = np.full(T, W, np.int32)
     tile_upd = np.full((N, M), W, np.int32)
-    t = tile = w = 0
+    dec_token = np.full(Rd, T, np.int32)
+    dec_pos = np.zeros(Rd, np.int32)
+    dec_cur_page = np.full(Rd, spare_page, np.int32)
+    dec_cur_upd = np.full(Rd, W, np.int32)
+    dec_chunk_pages = np.full((Nc, Mc), spare_page, np.int32)
+    dec_chunk_len = np.zeros(Nc, np.int32)
+    dec_chunk_row = np.full(Nc, Rd, np.int32)
+    dec_row_chunks = np.full((Rd, Cm), Nc, np.int32)
+    if need_rows > Rd or need_chunks > Nc or need_per_row > Cm:
+        raise ValueError(f"decode sizes ({Rd}, {Nc}, {Cm}) too small for the step's ({need_rows}, {need_chunks}, "
+                         f"{need_per_row})")
+    t = tile = w = d = c = 0
     for i, (start, n, pages) in enumerate(seqs):
         pos = np.arange(start, start + n)
         pages = np.asarray(pages, np.int32)
-        seq_upd = np.full(M, W, np.int32)
+        n_pages = -(-(start + n) // page_size)
         if n:
             first, last = start // page_size, (start + n - 1) // page_size
             rows = np.arange(w, w + last - first + 1)
             upd_pages[rows] = pages[first : last + 1]
             upd_kept[w] = start % page_size
             token_upd[t : t + n] = w + pos // page_size - first
-            seq_upd[first : last + 1] = rows
             w += len(rows)
         write_page[t : t + n] = pages[pos // page_size]
         write_offset[t : t + n] = pos % page_size
         slot_mapping[t : t + n] = write_page[t : t + n] * page_size + write_offset[t : t + n]
-        n_pages = -(-(start + n) // page_size)
         seq_kv_lens[i] = start + n
         seq_pages[i, :n_pages] = pages[:n_pages]
         cu_q_lens[i + 1] = cu_q_lens[i] + n
-        for j in range(0, n, TILE):
-            rows = min(TILE, n - j)
-            tile_tokens[tile, :rows] = np.arange(t + j, t + j + rows)
-            tile_positions[tile, :rows] = pos[j : j + rows]
-            tile_pages[tile, :n_pages] = pages[:n_pages]
-            tile_upd[tile] = seq_upd
-            tile_kv_len[tile] = start + n
-            token_tile_row[t + j : t + j + rows] = tile * TILE + np.arange(rows)
-            tile_new_src[tile, start : start + n] = np.arange(t, t + n)
-            tile += 1
+        if n == 1:
+            dec_token[d], dec_pos[d] = t, start
+            dec_cur_page[d], dec_cur_upd[d] = write_page[t], token_upd[t]
+            complete = pages[: start // page_size]
+            for j in range(0, len(complete), Mc):
+                part = complete[j : j + Mc]
+                dec_chunk_pages[c, : len(part)] = part
+                dec_chunk_len[c] = len(part) * page_size
+                dec_chunk_row[c] = d
+                dec_row_chunks[d, j // Mc] = c
+                c += 1
+            token_out_row[t] = N * TILE + d
+            d += 1
+        elif n:
+            seq_upd = np.full(M, W, np.int32)
+            seq_upd[first : last + 1] = rows
+            for j in range(0, n, TILE):
+                k = min(TILE, n - j)
+                tile_tokens[tile, :k] = np.arange(t + j, t + j + k)
+                tile_positions[tile, :k] = pos[j : j + k]
+                tile_pages[tile, :n_pages] = pages[:n_pages]
+                tile_upd[tile] = seq_upd
+                tile_kv_len[tile] = start + n
+                token_out_row[t + j : t + j + k] = tile * TILE + np.arange(k)
+                tile_new_src[tile, start : start + n] = np.arange(t, t + n)
+                tile += 1
         t += n
     cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
-    return StepLayout(*(jnp.asarray(a) for a in (write_page, write_offset, tile_tokens, tile_positions,
-                                                   tile_pages, tile_kv_len, token_tile_row, tile_new_src, slot_mapping,
-                                                   seq_kv_lens, seq_pages, cu_q_lens, np.int32(len(seqs)),
-                                                   upd_pages, upd_kept, token_upd, tile_upd)))
+    return StepLayout(*(jnp.asarray(a) for a in (
+        write_page, write_offset, tile_tokens, tile_positions, tile_pages, tile_kv_len, tile_new_src, token_out_row,
+        slot_mapping, seq_kv_lens, seq_pages, cu_q_lens, np.int32(len(seqs)), upd_pages, upd_kept, token_upd,
+        tile_upd, dec_token, dec_pos, dec_cur_page, dec_cur_upd, dec_chunk_pages, dec_chunk_len, dec_chunk_row,
+        dec_row_chunks)))
 
 
 def tiles_needed(seq_lens) -> int:
-    return sum(-(-n // TILE) for n in seq_lens)
+    """Query tiles of the sequences with several tokens (one-token sequences are decode rows)."""
+    return sum(-(-n // TILE) for n in seq_lens if n > 1)
 
 
 def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, layout: StepLayout, sm_scale=None,
@@ -276,7 +336,31 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     p = masked_softmax(s_KNQC, mask_NQC[None])
     o_KNQD = jnp.einsum("knqc,kncd->knqd", p.astype(v_KNCD.dtype), v_KNCD, preferred_element_type=jnp.float32)
     o_flat = jnp.transpose(o_KNQD.reshape(K, N, G, TILE, D), (1, 3, 0, 2, 4)).reshape(N * TILE, H, D)
-    return o_flat[layout.token_tile_row].astype(q_THD.dtype)
+    o_dec = decode_attention(q_pad[layout.dec_token].reshape(-1, K, G, D), k_pages_KPSD, v_pages_KPSD, k_scale,
+                             v_scale, current_page(k_pages_KPSD, k_scale, k_new, k_rows, k_rs, layout),
+                             current_page(v_pages_KPSD, v_scale, v_new, v_rows, v_rs, layout), layout, scale)
+    o_all = jnp.concatenate([o_flat, o_dec.reshape(-1, H, D)])
+    return o_all[layout.token_out_row].astype(q_THD.dtype)
+
+
+def current_page(pages_KPSD, scale, new_KTD, rows, row_scale, layout: StepLayout):
+    """The page each decode row writes, as it stands after this step: (pages [K, Rd, S, D], scales or None).
+
+    int8/fp8 pages: the rewritten rows (`new_pages`); float pages: the stored page with this
+    step's token (`new_kv`) in its slot; neither given: the pages as they are (already written).
+    """
+    if rows is not None:
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)[:, layout.dec_cur_upd]
+        return pad(rows), pad(row_scale)
+    page = pages_KPSD[:, layout.dec_cur_page]
+    page_scale = None if scale is None else scale[:, layout.dec_cur_page]
+    if new_KTD is not None:
+        T = new_KTD.shape[1]
+        new_pad = jnp.concatenate([new_KTD, jnp.zeros_like(new_KTD[:, :1])], axis=1)[:, layout.dec_token]
+        slot = (jnp.arange(page.shape[2])[None, :] == (layout.dec_pos % page.shape[2])[:, None]) & (
+            layout.dec_token < T)[:, None]
+        page = jnp.where(slot[None, :, :, None], new_pad[:, :, None].astype(page.dtype), page)
+    return page, page_scale
 
 
 def rewrite_pages(pages_KPSD, scale_KP, new_TKD, layout: StepLayout):

@@ -1,10 +1,10 @@
 """Model runner: owns the device arrays (weights, paged KV cache) and runs one jitted step per batch.
 
 A step takes whatever the scheduler picked (decodes and prefill chunks of many
-requests, in any mix), lays the tokens out flat, pads the token count, tile
-count and pages per tile to a few bucket sizes, runs the model once over the
-paged cache, computes logits only at each sequence's last token and samples
-them. Padding to buckets keeps the number of compiled programs small and
+requests, in any mix), lays the tokens out flat, pads the token count, the
+prefill tiles and pages per tile and the decode rows and chunks to a few
+bucket sizes, runs the model once over the paged cache, computes logits only
+at each sequence's last token and samples them. Padding to buckets keeps the number of compiled programs small and
 independent of the request mix (`num_compilations` counts them).
 
 The step is general in "tokens per sequence", so a speculative-decoding verify
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.serve.paged_cache import PagedKVCache, build_layout, kv_bytes_per_token, tiles_needed
+from jmem.serve.paged_cache import PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
 from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
 
@@ -34,6 +34,16 @@ def _bucket(n: int, smallest: int) -> int:
     """Next power of two >= n (at least `smallest`)."""
     b = smallest
     while b < n:
+        b *= 2
+    return b
+
+
+def _fine_bucket(n: int, smallest: int) -> int:
+    """Next of smallest * (1, 1.5, 2, 3, 4, 6, ...) >= n (`smallest` even): a third of padding at most."""
+    b = smallest
+    while b < n:
+        if b * 3 // 2 >= n:
+            return b * 3 // 2
         b *= 2
     return b
 
@@ -118,8 +128,12 @@ class ModelRunner:
         n_tok = out.num_tokens
         T = _bucket(n_tok, 16)
         N = _bucket(tiles_needed([s.num_tokens for s in seqs]), 8)
-        pages_needed = max(-(-(s.start + s.num_tokens) // self.block_size) for s in seqs)
-        M = min(_bucket(pages_needed, 8), _bucket(self.max_pages_per_seq, 1))
+        pages = lambda group: max((-(-(s.start + s.num_tokens) // self.block_size) for s in group), default=1)
+        page_bucket = lambda n: min(_bucket(n, 8), _bucket(self.max_pages_per_seq, 1))
+        M = page_bucket(pages([s for s in seqs if s.num_tokens > 1]))
+        M_all = page_bucket(pages(seqs))
+        rows, chunks, per_row = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
+        Rd, Nc, Cm = _bucket(rows, 8), _fine_bucket(chunks, 8), _bucket(per_row, 1)
         S = self.max_num_seqs
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
@@ -132,7 +146,8 @@ class ModelRunner:
             last[i] = t + s.num_tokens - 1
             t += s.num_tokens
         layout = build_layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], T, N, M, self.block_size,
-                              self.spare_page, max_seqs=S)
+                              self.spare_page, max_seqs=S, pages_per_seq=M_all, decode_rows=Rd, decode_chunks=Nc,
+                              chunks_per_row=Cm)
         reqs = [s.request for s in seqs]
         params = [r.params for r in reqs]
         H = 0
@@ -140,7 +155,7 @@ class ModelRunner:
             H = _bucket(max(r.num_tokens for r in reqs), 64)
         sarr = make_arrays(params, seeds=[r.seed for r in reqs], steps=[len(r.output_token_ids) for r in reqs],
                            histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs], batch=S, hist_len=H)
-        self.compiled_keys.add((T, N, M, H))
+        self.compiled_keys.add((T, N, M, M_all, Rd, Nc, Cm, H))
         cache = self.cache.replace(layout=layout)
         toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
                                                       jnp.asarray(last), sarr)
