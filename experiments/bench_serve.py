@@ -70,8 +70,27 @@ def make_trace(cfg: Config, tokenizer):
     return reqs
 
 
+def time_steps(engine: Engine) -> dict:
+    """Time the engine's runner steps, split into steps that prefill (a sequence computes several
+    tokens) and decode-only steps: {kind: [steps, seconds]}."""
+    split = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    step = engine.runner.step
+
+    def timed(out):
+        start = time.monotonic()
+        res = step(out)
+        entry = split["prefill" if any(s.num_tokens > 1 for s in out.seqs) else "decode"]
+        entry[0] += 1
+        entry[1] += time.monotonic() - start
+        return res
+
+    engine.runner.step = timed
+    return split
+
+
 def run_engine(engine: Engine, trace) -> dict:
     """Replay `trace` stepping the engine inline; per-token timestamps from the streams."""
+    split = time_steps(engine)
     t0 = time.monotonic()
     pending = list(range(len(trace)))
     streams, times, util = {}, {}, []
@@ -100,7 +119,7 @@ def run_engine(engine: Engine, trace) -> dict:
     itl = [b - a for v in times.values() for a, b in zip(v[1:], v[2:])]
     return {"tok_s": n_out / elapsed, "elapsed": elapsed, "tokens": n_out, "ttft": ttft, "itl": itl,
             "kv_util": float(np.mean(util)) if util else 0.0, "preemptions": engine.metrics()["preemptions_total"],
-            "compilations": engine.runner.num_compilations}
+            "compilations": engine.runner.num_compilations, "steps": split}
 
 
 def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
@@ -137,7 +156,7 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
     elapsed = time.monotonic() - t0
     n_out = sum(out for _, _, out in sub)
     return {"tok_s": n_out / elapsed, "elapsed": elapsed, "tokens": n_out, "ttft": [], "itl": [],
-            "kv_util": float("nan"), "preemptions": 0, "compilations": 0}
+            "kv_util": float("nan"), "preemptions": 0, "compilations": 0, "steps": None}
 
 
 def pct(xs, q):
@@ -171,7 +190,7 @@ def main(cfg: Config) -> None:
                             enable_prefix_caching=False)
         run_engine(Engine(model, tok, ecfg), trace)  # warm-up: compiles every shape the timed run uses
         rows[name] = run_engine(Engine(model, tok, ecfg), trace)
-        print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl")}, flush=True)
+        print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl", "steps")}, flush=True)
     if cfg.hf_requests:
         hf = run_hf(cfg, trace, model_path, mcfg)
         if hf is not None:
@@ -184,6 +203,11 @@ def main(cfg: Config) -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['tok_s']:.1f} | {pct(r['ttft'], 50):.0f} / {pct(r['ttft'], 99):.0f} | "
               f"{pct(r['itl'], 50):.1f} / {pct(r['itl'], 99):.1f} | {r['kv_util']:.1%} | {r['preemptions']:.0f} |")
+    print("\n| run | prefill steps: count / s | decode-only steps: count / s |\n|---|---|---|")
+    for name, r in rows.items():
+        if r["steps"]:
+            (np_, tp), (nd, td) = r["steps"]["prefill"], r["steps"]["decode"]
+            print(f"| {name} | {np_} / {tp:.1f} | {nd} / {td:.1f} |")
     a = rows["(a) jmem continuous batching"]["tok_s"]
     print(f"\ncontinuous / static: {a / rows['(b) jmem static batching']['tok_s']:.2f}x")
     for name, r in rows.items():
