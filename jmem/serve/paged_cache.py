@@ -387,6 +387,39 @@ def rewrite_pages(pages_KPSD, scale_KP, new_TKD, layout: StepLayout):
     return rows_KWSD, scale_KW
 
 
+def as_bits(x):
+    """A 1- or 2-byte array (fp8, bf16, int8) as unsigned-integer bits; other arrays and None unchanged.
+
+    The pool crosses the layer scan, and is written, as bits: XLA's CPU backend has
+    no fp8/bf16 gather, dynamic-slice or scatter, and converted the whole pool to a
+    wider float and back around every step, a cost that grew with the pool rather
+    than with the tokens read and written. Bits are moved exactly and in place;
+    only what a step gathers is reinterpreted (`PageBits`).
+    """
+    if x is None or x.dtype.itemsize not in (1, 2):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16)
+
+
+def from_bits(bits, dtype):
+    """Inverse of `as_bits` for arrays of `dtype`."""
+    return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
+class PageBits:
+    """One layer's pages held as bits, read as `dtype`: indexing gathers bits, then reinterprets them."""
+
+    def __init__(self, bits, dtype):
+        self.bits, self.dtype, self.shape = bits, jnp.dtype(dtype), bits.shape
+
+    def __getitem__(self, index):
+        return from_bits(self.bits[index], self.dtype)
+
+    @property
+    def array(self):
+        return from_bits(self.bits, self.dtype)
+
+
 @flax.struct.dataclass
 class PagedKVCache:
     """Paged K/V pages for every layer plus this step's ragged layout; satisfies the model's cache protocol.
@@ -430,28 +463,35 @@ class PagedKVCache:
         return self.k_pages.shape[3]
 
     def layer_arrays(self):
-        return (self.k_pages, self.v_pages, self.k_scale, self.v_scale)
+        """What the layer scan slices: the pages as bits (`as_bits`) and their scales."""
+        return (as_bits(self.k_pages), as_bits(self.v_pages), self.k_scale, self.v_scale)
 
     def with_layers(self, arrays) -> "PagedKVCache":
         """Write this step's tokens, as `attend` returned them for every layer, into the pool.
 
         `attend` returns only what the step writes, not whole layers: float pages get
         the new tokens ([L, K, T, D] once stacked by the layer scan), int8/fp8 pages the
-        rewritten pages and their scales ([L, K, W, S, D], [L, K, W]). One scatter into
-        the donated pool then updates it in place, where returning whole layers would
-        copy the pool every step.
+        rewritten pages and their scales ([L, K, W, S, D], [L, K, W]), pages as bits
+        (`as_bits`). One scatter into the donated pool then updates it in place, where
+        returning whole layers would copy the pool every step.
         """
         k_new, v_new, ks_new, vs_new = arrays
         lay = self.layout
-        if is_quantized(self.k_pages.dtype):
-            put = lambda pool, x: pool.at[:, :, lay.upd_pages].set(x)
-        else:
-            put = lambda pool, x: None if pool is None else pool.at[:, :, lay.write_page, lay.write_offset].set(x)
+        index = (slice(None), slice(None)) + (
+            (lay.upd_pages,) if is_quantized(self.k_pages.dtype) else (lay.write_page, lay.write_offset))
+        put = lambda pool, x: None if pool is None else from_bits(as_bits(pool).at[index].set(x), pool.dtype)
         return self.replace(k_pages=put(self.k_pages, k_new), v_pages=put(self.v_pages, v_new),
                             k_scale=put(self.k_scale, ks_new), v_scale=put(self.v_scale, vs_new))
 
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
-        k_pages, v_pages, k_scale, v_scale = layer_arrays
+        """Attention of this step's tokens for one layer, and what the step writes (pages as bits)."""
+        o, (k_new, v_new, ks_new, vs_new) = self._attend(layer_arrays, q_BTHD, k_BTKD, v_BTKD)
+        return o, (as_bits(k_new), as_bits(v_new), ks_new, vs_new)
+
+    def _attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD):
+        k_bits, v_bits, k_scale, v_scale = layer_arrays
+        k_pages, v_pages = PageBits(k_bits, self.k_pages.dtype), PageBits(v_bits, self.v_pages.dtype)
+        layer_arrays = (k_pages, v_pages, k_scale, v_scale)
         lay = self.layout
         if q_BTHD.shape[0] != 1:
             raise ValueError(f"PagedKVCache expects one ragged row of tokens [1, T, ...]; got q {q_BTHD.shape}")
@@ -480,6 +520,7 @@ class PagedKVCache:
         from jmem.kernels.paged_attention import ragged_paged_attention
 
         k_pages, v_pages, k_scale, v_scale = layer_arrays
+        k_pages, v_pages = k_pages.array, v_pages.array
         k_new, v_new, ks_new, vs_new = new_layer
         lay = self.layout
         scales = {}

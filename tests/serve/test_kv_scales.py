@@ -1,5 +1,7 @@
 """Per-page-per-head scales of int8/fp8 KV pages: writes, attention over wide-range keys, the engine, the budget."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,6 +17,7 @@ from jmem.models import Llama, LlamaConfig
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.paged_cache import PagedKVCache, build_layout, kv_bytes_per_token, tiles_needed
 from jmem.serve.request import SamplingParams
+import jmem.serve.runner as runner_module
 from jmem.serve.runner import ModelRunner
 
 QDTYPES = {"int8": (jnp.int8, np.int8, 127.0), "fp8_e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0)}
@@ -296,3 +299,32 @@ def test_scales_count_in_budget_and_fp8_holds_about_twice_bf16():
         cache = PagedKVCache.create(tiny, 10, 8, name, "tiled")
         nbytes = sum(x.nbytes for x in cache.layer_arrays() if x is not None)
         assert nbytes == 10 * 8 * kv_bytes_per_token(tiny, name, 8)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "bf16"])
+def test_step_never_converts_the_whole_pool(model, name):
+    """The compiled engine step reads and writes fp8/bf16 pages without widening the whole pool
+    (XLA's CPU backend did, around the layer scan and the write, when the pool crossed them as
+    floats): no array of the pool's [layers, kv_heads, pages] shape in another float dtype."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=40, kv_cache_dtype=name, **SMALL))
+    runner = engine.runner
+    compiled = []
+    step = runner_module._step_fn
+
+    def spy(*args):
+        compiled.append(step.lower(*args).compile().as_text())
+        return step(*args)
+
+    runner_module._step_fn = spy
+    try:
+        engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6]], SamplingParams(max_tokens=3, temperature=0.0))
+    finally:
+        runner_module._step_fn = step
+    L, K, P = runner.cache.k_pages.shape[:3]
+    pool = f"[{L},{K},{P},"
+    assert compiled and all(pool in hlo for hlo in compiled)  # the pool is in the program...
+    own = {"bf16": "bf16", "fp8_e4m3": "f8e4m3fn"}[name]
+    wider = [t for t in ("f16", "bf16", "f32") if t != own]
+    for hlo in compiled:  # ...only in its own width (as bits or as itself)
+        widened = [t for t in wider if re.search(rf"(?<![a-z0-9]){t}{re.escape(pool)}", hlo)]
+        assert not widened, widened
