@@ -25,7 +25,7 @@ from jmem.kernels import attention
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
-from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, active_activation_sharding, constrain
+from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain
 
 # Logical axis names of every parameter, by state path (read by the sharding rules).
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -44,26 +44,15 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 }
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
     """RMSNorm computed in f32, returned in `x.dtype`.
 
     Its backward pass keeps only `x` in its own (compute) dtype and the f32 row
     scale `[..., 1]`: autodiff of the plain formula keeps an f32 copy of `x` and
     the f32 normalised `x` for every norm of every layer, which in bf16 compute
-    is more than the bf16 activations themselves. Under sequence parallelism
-    (activation rules that shard `length`) the plain formula is used instead:
-    with the hand-written backward pass XLA all-gathers the sharded residual in
-    the backward pass (6 instead of 4 sequence all-gathers per layer, forward and
-    backward, in tests/parallel/test_sequence_parallel.py).
+    is more than the bf16 activations themselves.
     """
-    active = active_activation_sharding()
-    if active is not None and active[0].mesh_axes("length"):
-        return _rms_norm_fwd(x, scale, eps)[0]
-    return _rms_norm_saving_memory(x, scale, eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm_saving_memory(x, scale, eps):
     return _rms_norm_fwd(x, scale, eps)[0]
 
 
@@ -79,11 +68,13 @@ def _rms_norm_bwd(eps, res, g):
     g32 = g.astype(jnp.float32)
     gn = g32 * scale.astype(jnp.float32)
     dx = r * (gn - n * jnp.mean(gn * n, axis=-1, keepdims=True))
-    dscale = jnp.sum((g32 * n).reshape(-1, n.shape[-1]), axis=0).reshape(scale.shape)  # over every leading axis
+    # Summed over the leading axes in place: flattening them first (a reshape) made XLA all-gather a
+    # sequence-sharded x in sequence-parallel backward passes.
+    dscale = jnp.sum(g32 * n, axis=tuple(range(n.ndim - scale.ndim)))
     return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
 
-_rms_norm_saving_memory.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rope(x_BTHD, positions_BT, base):
