@@ -4,8 +4,9 @@ A step takes whatever the scheduler picked (decodes and prefill chunks of many
 requests, in any mix), lays the tokens out flat, pads the token count, the
 prefill tiles and pages per tile and the decode rows and chunks to a few
 bucket sizes, runs the model once over the paged cache, computes logits only
-at each sequence's last token and samples them. Padding to buckets keeps the number of compiled programs small and
-independent of the request mix (`num_compilations` counts them).
+at each sequence's last token and samples them. Padding to buckets keeps the
+number of compiled programs small and independent of the request mix
+(`num_compilations` counts them).
 
 The step is general in "tokens per sequence", so a speculative-decoding verify
 step (several proposed tokens per sequence, logits at each) fits the same
@@ -127,11 +128,14 @@ class ModelRunner:
             return StepResult({}, {})
         n_tok = out.num_tokens
         T = _bucket(n_tok, 16)
-        N = _bucket(tiles_needed([s.num_tokens for s in seqs]), 8)
-        pages = lambda group: max((-(-(s.start + s.num_tokens) // self.block_size) for s in group), default=1)
+        pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
         page_bucket = lambda n: min(_bucket(n, 8), _bucket(self.max_pages_per_seq, 1))
-        M = page_bucket(pages([s for s in seqs if s.num_tokens > 1]))
         M_all = page_bucket(pages(seqs))
+        # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
+        # smallest shape), not a padded bucket, since decode steps are most steps.
+        tiled = [s for s in seqs if s.num_tokens > 1]
+        N = _bucket(tiles_needed([s.num_tokens for s in tiled]), 8) if tiled else 1
+        M = page_bucket(pages(tiled)) if tiled else 1
         rows, chunks, per_row = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
         Rd, Nc, Cm = _bucket(rows, 8), _fine_bucket(chunks, 8), _bucket(per_row, 1)
         S = self.max_num_seqs
