@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jmem.kernels.paged_attention.core import combine_splits
+
 DECODE_CHUNK_KEYS = 64  # keys per chunk of a decode row's complete pages
 
 
@@ -41,9 +43,9 @@ def _partial(q_KNGD, k_KNCD, v_KNCD, visible_NC, sm_scale):
     """Softmax partials of queries [K, N, G, D] over keys [K, N, C, D] where visible: (max, sum, weighted V).
 
     Shapes for XLA's CPU backend, which the decode path serves: with G (a few)
-    query rows per batch, scores [K, N, C, G] (keys leading) run about twice
-    as fast as [K, N, G, C], and the weighted sum of values as a broadcast
-    product reduced over keys (one fused loop) faster than a batched matmul.
+    query rows per batch, scores [K, N, C, G] (keys leading) run faster than
+    [K, N, G, C], and the weighted sum of values as a broadcast product
+    reduced over keys (one fused loop) faster than a batched matmul.
     """
     s = jnp.einsum("kncd,kngd->kncg", k_KNCD, q_KNGD, preferred_element_type=jnp.float32) * sm_scale
     s = jnp.where(visible_NC[None, :, :, None], s, -jnp.inf)
@@ -92,11 +94,9 @@ def decode_attention(q_RKGD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, cur_k
     visible_cur = jnp.arange(S)[None, :] <= (layout.dec_pos % S)[:, None]
     m_r, l_r, o_r = _partial(q_KRGD, dequantize(*cur_k, dtype), dequantize(*cur_v, dtype), visible_cur, sm_scale)
 
-    # Merge each row's chunk partials (padding index Nc: an empty partial) with its page's.
+    # Each row's chunk partials (padding index Nc: an empty partial) and its page's, merged as split-KV
+    # kernels merge their splits.
     pad = lambda x, fill: jnp.concatenate([x, jnp.full_like(x[:, :1], fill)], axis=1)[:, layout.dec_row_chunks]
-    m_RC, l_RC, o_RC = pad(m_c, -jnp.inf), pad(l_c, 0.0), pad(o_c, 0.0)  # [K, R, Cm, G(, D)]
-    m = jnp.maximum(jnp.max(m_RC, axis=2), m_r)  # finite: a row always sees its own token
-    w_RC, w_r = jnp.exp(m_RC - m[:, :, None]), jnp.exp(m_r - m)
-    num = jnp.sum(w_RC[..., None] * o_RC, axis=2) + w_r[..., None] * o_r
-    den = jnp.sum(w_RC * l_RC, axis=2) + w_r * l_r
-    return jnp.swapaxes(num / den[..., None], 0, 1)
+    splits = lambda chunks, fill, page: jnp.moveaxis(
+        jnp.concatenate([pad(chunks, fill), page[:, :, None]], axis=2), 0, 2)  # [R, Cm + 1, K, G(, D)]
+    return combine_splits(splits(o_c, 0.0, o_r), splits(m_c, -jnp.inf, m_r), splits(l_c, 0.0, l_r))
