@@ -197,7 +197,8 @@ def main(cfg: Config) -> None:
             rows[f"(c) HF transformers, one at a time ({cfg.hf_requests} req)"] = hf
     print(f"\nmodel {cfg.model}{' (random weights)' if cfg.random_weights else ''}, {cfg.num_requests} requests, "
           f"{cfg.arrival} arrivals, prompts {cfg.prompt_len}, outputs {cfg.output_len}, "
-          f"max_num_seqs {cfg.max_num_seqs}, {blocks} KV blocks x {cfg.block_size}, kv {cfg.kv_cache_dtype}\n")
+          f"max_num_seqs {cfg.max_num_seqs}, {blocks} KV blocks x {cfg.block_size}, kv {cfg.kv_cache_dtype}; "
+          f"{sum(len(p) for _, p, _ in trace)} prompt and {sum(o for _, _, o in trace)} output tokens\n")
     print("| run | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV util | preemptions |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
