@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             where += f"[{r['pipeline']}] " if r["pipeline"] else ""
             print(f"  {where}{r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
                   f"temp {r['temp_bytes'] / 2**20:9.1f} MiB  total {r['total_bytes'] / 2**20:9.1f} MiB  "
-                  f"{r['flops'] / 1e9:8.1f} GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
+                  f"{r['flops'] / 1e9:8.1f} GFLOPs (cost model)  {(r['matmul_flops'] or float('nan')) / 1e9:8.1f} "
+                  f"matmul GFLOPs  ({r['compile_s']:.0f}s)", flush=True)
 
         records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
                         rules=cfg.rules, attention=cfg.attention, pipeline_stages=cfg.pipeline_stages, **grid)

@@ -2,7 +2,9 @@
 
 `measure(fn, *args)` lowers and compiles `fn` for the arguments' shapes and
 reads XLA's buffer assignment (`memory_analysis()`) and cost model
-(`cost_analysis()`). Nothing is executed and no argument buffer is touched, so
+(`cost_analysis()`), and counts the matmul FLOPs of every loop iteration from
+the optimized HLO (`jmem.memory.hlo_flops`; the cost model counts a loop body
+once). Nothing is executed and no argument buffer is touched, so
 it works on `jax.ShapeDtypeStruct`s for models that do not fit on the machine.
 
 With `target="tpu:v5e:2x2"` the function is compiled ahead of time for that
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import re
 
@@ -27,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmem.kernels.dispatch import compiling_for
+from jmem.memory.hlo_flops import matmul_flops
 
 _FIELDS = ("argument", "output", "temp", "alias", "generated_code")
 _TARGET_RE = re.compile(r"^tpu:(?P<chip>[a-z0-9]+):(?P<topo>\d+(x\d+){1,2})$")
@@ -45,7 +49,12 @@ class MemoryReport:
         generated_code_bytes: device memory by kind; `alias_bytes` is the part
             of the outputs that reuses (donated) argument buffers.
         host_*_bytes: the same for host memory (offloaded buffers).
-        flops: floating-point operations of one call (cost_analysis).
+        flops: floating-point operations of one call from XLA's cost model
+            (`cost_analysis()`), which counts the body of a `while` loop (a layer
+            scan, an accumulation or loss-chunk scan) once.
+        matmul_flops: FLOPs of every dot and convolution, each loop body counted
+            as many times as it runs (`jmem.memory.hlo_flops.matmul_flops`); nan
+            for TPU targets and for loops of unknown trip count.
         peak_bytes: XLA's own peak figure where the backend reports one, else None.
         target: the platform compiled for ("cpu", "gpu", "tpu:v5e:2x2", ...).
     """
@@ -61,6 +70,7 @@ class MemoryReport:
     host_alias_bytes: int
     host_generated_code_bytes: int
     flops: float
+    matmul_flops: float
     peak_bytes: int | None
     target: str
 
@@ -89,7 +99,8 @@ class MemoryReport:
         head = f"{title or 'memory'} [{self.target}]"
         lines = [head, f"{'':16s}{'device MiB':>14s}{'host MiB':>12s}"]
         lines += [f"{n:16s}{d / 2**20:14.2f}{h / 2**20:12.2f}" for n, d, h in rows]
-        lines.append(f"{'GFLOPs':16s}{self.flops / 1e9:14.3f}")
+        lines.append(f"{'GFLOPs':16s}{self.flops / 1e9:14.3f}  (cost model: loop bodies once)")
+        lines.append(f"{'matmul GFLOPs':16s}{self.matmul_flops / 1e9:14.3f}  (every loop iteration)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -248,6 +259,7 @@ def report_from_compiled(compiled, target: str) -> MemoryReport:
         host_alias_bytes=get("host_alias_size_in_bytes"),
         host_generated_code_bytes=get("host_generated_code_size_in_bytes"),
         flops=_cost_flops(compiled),
+        matmul_flops=math.nan if target.startswith("tpu") else matmul_flops(compiled.as_text()),
         peak_bytes=int(peak) if peak else None,
         target=target,
     )

@@ -99,6 +99,7 @@ def memory_table(report: MemoryReport, estimate: dict[str, int]) -> str:
     lines = [f"memory of one train step [{report.target}]" + " " * 19 + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
     lines.append(f"  {'cost model GFLOPs per step':<48s}{report.flops / 1e9:10.3f}")
+    lines.append(f"  {'matmul GFLOPs per step (every loop iteration)':<48s}{report.matmul_flops / 1e9:10.3f}")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Callable, Iterable
 
@@ -34,8 +35,8 @@ from jmem.train.setup import _dtype_name, make_tx
 from jmem.train.step import make_train_fns
 
 RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "temp_bytes", "output_bytes",
-               "total_bytes", "flops", "param_bytes", "opt_state_bytes", "mesh", "zero", "param_bytes_per_device",
-               "grad_bytes_per_device", "opt_bytes_per_device", "attention", "pipeline")
+               "total_bytes", "flops", "matmul_flops", "param_bytes", "opt_state_bytes", "mesh", "zero",
+               "param_bytes_per_device", "grad_bytes_per_device", "opt_bytes_per_device", "attention", "pipeline")
 
 
 def parse_list(text: str, name: str) -> list[str]:
@@ -134,6 +135,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
         else None,
         "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
         "total_bytes": r.total_bytes, "flops": r.flops,
+        "matmul_flops": r.matmul_flops if math.isfinite(r.matmul_flops) else None,
         "param_bytes": tree_bytes(state.params), "opt_state_bytes": tree_bytes(state.opt_state),
         "alias_bytes": r.alias_bytes, "host_temp_bytes": r.host_temp_bytes, "target": r.target,
         "batch": batch, "seq": seq, "compile_s": round(time.perf_counter() - t0, 2),
@@ -168,23 +170,30 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
     return out
 
 
+def _gflops(flops) -> str:
+    return "-" if flops is None else f"{flops / 1e9:.1f}"
+
+
 def markdown_table(records: list[dict]) -> str:
-    """One row per record: MiB columns, GFLOPs, and temp/FLOPs relative to the first row's
-    matching baseline (remat none, same precision/accum/optimizer) when present."""
+    """One row per record: MiB columns, GFLOPs (the cost model's, which counts a loop body
+    once, and the matmul FLOPs of every iteration), and temp/FLOPs relative to the matching
+    baseline (remat none, same precision/accum/optimizer) when present."""
     if any(r.get("mesh") for r in records):
         return zero_table(records)
     base = {(r["precision"], r["accum"], r["optimizer"]): r for r in records if r["remat"] == "none"}
     head = ("| remat | precision | accum | optimizer | params MiB | opt state MiB | arguments MiB | temp MiB "
-            "| total MiB | GFLOPs | temp / none | FLOPs / none |")
-    lines = [head, "|" + "---|" * 12]
+            "| total MiB | GFLOPs (cost model) | matmul GFLOPs | temp / none | FLOPs / none | matmul FLOPs / none |")
+    lines = [head, "|" + "---|" * 14]
     for r in records:
         b = base.get((r["precision"], r["accum"], r["optimizer"]))
         rel_t = f"{r['temp_bytes'] / b['temp_bytes']:.3f}" if b else ""
         rel_f = f"{r['flops'] / b['flops']:.3f}" if b and b["flops"] else ""
+        rel_m = f"{r['matmul_flops'] / b['matmul_flops']:.3f}" if b and r.get("matmul_flops") and b.get(
+            "matmul_flops") else ""
         mib = lambda k: f"{r[k] / 2**20:.1f}"  # noqa: E731,B023
         lines.append(f"| {r['remat']} | {r['precision']} | {r['accum']} | {r['optimizer']} | {mib('param_bytes')} "
                      f"| {mib('opt_state_bytes')} | {mib('argument_bytes')} | {mib('temp_bytes')} | {mib('total_bytes')} "
-                     f"| {r['flops'] / 1e9:.1f} | {rel_t} | {rel_f} |")
+                     f"| {r['flops'] / 1e9:.1f} | {_gflops(r.get('matmul_flops'))} | {rel_t} | {rel_f} | {rel_m} |")
     return "\n".join(lines)
 
 
@@ -192,8 +201,9 @@ def zero_table(records: list[dict]) -> str:
     """One row per record of a mesh sweep: per-device model-state MiB (from the shardings)
     beside the compiler's per-device argument / temp / total MiB."""
     head = ("| mesh | zero | pipeline | remat | precision | accum | optimizer | params MiB/dev | grads MiB/dev "
-            "| opt MiB/dev | model state MiB/dev | arguments MiB | temp MiB | total MiB | GFLOPs |")
-    lines = [head, "|" + "---|" * 15]
+            "| opt MiB/dev | model state MiB/dev | arguments MiB | temp MiB | total MiB | GFLOPs (cost model) "
+            "| matmul GFLOPs |")
+    lines = [head, "|" + "---|" * 16]
     for r in records:
         mib = lambda k: f"{r[k] / 2**20:.2f}"  # noqa: E731,B023
         state = r["param_bytes_per_device"] + r["grad_bytes_per_device"] + r["opt_bytes_per_device"]
@@ -201,7 +211,8 @@ def zero_table(records: list[dict]) -> str:
                      f"| {r['precision']} | {r['accum']} "
                      f"| {r['optimizer']} | {mib('param_bytes_per_device')} | {mib('grad_bytes_per_device')} "
                      f"| {mib('opt_bytes_per_device')} | {state / 2**20:.2f} | {mib('argument_bytes')} "
-                     f"| {mib('temp_bytes')} | {mib('total_bytes')} | {r['flops'] / 1e9:.1f} |")
+                     f"| {mib('temp_bytes')} | {mib('total_bytes')} | {r['flops'] / 1e9:.1f} "
+                     f"| {_gflops(r.get('matmul_flops'))} |")
     return "\n".join(lines)
 
 

@@ -93,3 +93,27 @@ def test_offload_policy_moves_residuals_to_host():
     assert "MemorySpace.Host" not in str(jax.make_jaxpr(fn_min)(params, batch))
     fn_spec, _ = _grad_fn("query=device,mlp_up=offload")
     assert "MemorySpace.Host" in str(jax.make_jaxpr(fn_spec)(params, batch))
+
+
+def test_matmul_flops_count_every_layer_and_exactly_the_recompute():
+    """Whole-step matmul FLOPs of the tiny model (2 layers, 4 x 128 tokens), against the
+    formula: the backward pass costs two forward passes, `full` adds each layer's forward
+    matmuls but `w_down` (its output feeds nothing the backward needs), `dots` adds none."""
+    cfg = LlamaConfig.tiny()
+    B, T = 4, 128
+    tokens = B * T
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    projections = cfg.dim * (2 * hq + 2 * hkv)  # wq, wk, wv, wo: multiply-adds per token
+    mlp = 3 * cfg.dim * cfg.ffn_dim  # gate, up, down
+    attention = 2 * (2 * B * cfg.n_heads * T * T * cfg.head_dim)  # QK^T and PV, FLOPs per layer
+    head = 2 * tokens * cfg.dim * cfg.vocab_size
+    forward = cfg.n_layers * (2 * tokens * (projections + mlp) + attention) + head
+    recompute = cfg.n_layers * (2 * tokens * (projections + mlp - cfg.dim * cfg.ffn_dim) + attention)
+    batch = _batch(B, T)
+    mm = {}
+    for policy in ("none", "full", "dots"):
+        fn, params = _grad_fn(policy)
+        mm[policy] = measure(fn, params, batch).matmul_flops
+    assert mm["none"] == 3 * forward
+    assert mm["full"] - mm["none"] == recompute
+    assert mm["dots"] == mm["none"]
