@@ -7,8 +7,9 @@ A model names each parameter dimension with a logical axis (`embed`, `mlp`,
 block; `length=tensor` gives Megatron sequence parallelism). `Rules`
 maps each logical name to zero or more mesh axes. The defaults give Megatron
 tensor parallelism (heads, kv_heads and mlp on `tensor`: column-parallel
-wq/wk/wv/w_gate/w_up, row-parallel wo/w_down), experts on `expert` and the
-batch on the data axes; ZeRO (`jmem.parallel.zero`) adds the data axes to
+wq/wk/wv/w_gate/w_up, row-parallel wo/w_down, and the embedding and head split
+over the vocabulary where it divides), experts on `expert` and the batch on the
+data axes; ZeRO (`jmem.parallel.zero`) adds the data axes to
 whatever it shards.
 
 Example:
@@ -38,13 +39,21 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
-    "vocab": (),
+    "vocab": ("tensor",),
     "layers": (),
     "exp": ("expert",),
     "stage": ("stage",),
 }
-"""Default mapping. `vocab` stays whole (byte-level vocabularies are odd-sized);
-`length` stays whole (set `length=tensor` for sequence sharding between blocks)."""
+"""Default mapping. `length` stays whole (set `length=tensor` for sequence
+sharding between blocks). `vocab` is in `WHERE_DIVISIBLE`."""
+
+WHERE_DIVISIBLE: frozenset[str] = frozenset({"vocab"})
+"""Default rules that apply only where the dimension divides by the mesh axes,
+and otherwise leave it whole. The embedding and head shard their vocabulary
+over `tensor` (a vocabulary-parallel head and cross-entropy: each device
+computes the logits of its slice, XLA reduces the softmax statistics), except
+for vocabularies such as the 259 byte-level tokens that do not divide. A
+`vocab=...` rule given by the user is strict like any other."""
 
 
 class ShardingError(ValueError):
@@ -61,6 +70,7 @@ class Rules:
     """
 
     table: tuple[tuple[str, tuple[str, ...]], ...]
+    where_divisible: frozenset[str] = WHERE_DIVISIBLE
 
     @classmethod
     def parse(cls, spec: "str | Mapping[str, Any] | Rules | None" = None) -> "Rules":
@@ -89,7 +99,8 @@ class Rules:
             raise ShardingError(f"sharding rules {spec!r}: give a string like 'embed=fsdp' or a dict")
         for name, axes in items:
             table[name] = _mesh_axes(name, axes)
-        return cls(tuple(sorted(table.items())))
+        given = {name for name, _ in items}
+        return cls(tuple(sorted(table.items())), WHERE_DIVISIBLE - given)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         """Mesh axes of one logical name (empty for None or unknown names)."""
@@ -102,7 +113,8 @@ class Rules:
         """PartitionSpec for an array whose dims have `logical_axes`.
 
         A mesh axis is used at most once per array (the first dim that asks wins),
-        and axes of size 1 in `mesh` are dropped.
+        and axes of size 1 in `mesh` are dropped. A default rule in `WHERE_DIVISIBLE`
+        leaves a dimension it does not divide whole.
 
         Raises:
             ShardingError: `shape[i]` is not divisible by the size of its mesh axes.
@@ -114,7 +126,9 @@ class Rules:
                          and (mesh is None or mesh.shape.get(a, 1) > 1))
             if mesh is not None and shape is not None and axes:
                 size = math.prod(mesh.shape[a] for a in axes)
-                if shape[i] % size:
+                if shape[i] % size and logical in self.where_divisible:
+                    axes = ()
+                elif shape[i] % size:
                     raise ShardingError(
                         f"{name}: dim {i} ({logical}) has size {shape[i]}, not divisible by mesh axes "
                         f"{'+'.join(axes)} of size {size}; change the mesh or the rule "

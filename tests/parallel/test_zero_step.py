@@ -5,8 +5,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jmem import parallel as par
+from jmem.memory.hlo_flops import matmul_flops
 from jmem.models import Llama, LlamaConfig
 from tests.helpers import counting_batches, train_sharded
 
@@ -122,3 +124,26 @@ def test_plain_jit_accumulation_reduces_per_microbatch(tiny):
                 in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
     looped = par.collectives(f.lower(params, batches[0]).compile().as_text(), in_loops=True)
     assert looped.get("all-reduce", 0) + looped.get("reduce-scatter", 0) > 0
+
+
+def test_vocabulary_parallel_head_by_default_where_the_vocabulary_divides():
+    """A vocabulary that divides by `tensor` is split by default (embedding and head): the
+    losses are the single-device ones and each device computes a quarter of the logits;
+    the 259-token byte vocabulary stays whole."""
+    cfg = LlamaConfig.tiny(n_layers=2, loss_chunk=T, vocab_size=256)
+    loss_fn, params = par.model_loss_fn(Llama(cfg, rngs=nnx.Rngs(0)))
+    batches = _batches(cfg)
+    ref, _, _, _ = _train(loss_fn, params, par.make_mesh(devices=jax.devices()[:1]), batches)
+    losses, text, trainer, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert trainer.zero.params["head"]["kernel"].spec == P(None, "tensor")
+    assert trainer.zero.params["embed"]["embedding"].spec == P("tensor", None)
+    # Per device, the head's forward and two backward matmuls shrink to a quarter.
+    _, text_whole, _, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches[:1], rules="vocab=none")
+    head = 3 * 2 * (B // 2 * T) * cfg.dim * cfg.vocab_size  # per data-parallel group
+    assert matmul_flops(text_whole) - matmul_flops(text) >= 0.75 * head
+
+    whole = par.Rules.parse().spec(("embed", "vocab"), (64, 259), par.make_mesh("data=2,tensor=4"))
+    assert whole == P(None, None)
+    with pytest.raises(par.ShardingError, match="not divisible"):
+        par.Rules.parse("vocab=tensor").spec(("embed", "vocab"), (64, 259), par.make_mesh("data=2,tensor=4"))
