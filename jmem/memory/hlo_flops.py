@@ -26,7 +26,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _PARAM = re.compile(r"([\w.\-]+):\s*([a-z][a-z0-9]*\[[\d,]*\])")
-_CALLEE = re.compile(r"\b(calls|body|to_apply|condition)=%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
                        r"false_computation=%?([\w.\-]+))")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -69,7 +69,7 @@ class _Computation:
         self.name = name
         self.shapes: dict[str, list[int] | None] = {}
         self.flops = 0.0
-        self.calls: list[tuple[float, list[str]]] = []  # (multiplier, callees; several: the costliest counts)
+        self.calls: list[tuple[float, list[str]]] = []  # (multiplier, callees: several for a conditional)
 
 
 def _operand_dims(comp: _Computation, operand: str) -> list[int] | None:
@@ -86,7 +86,7 @@ def _dot_flops(out: list[int], lhs: list[int] | None, contracting: list[int]) ->
 
 def _instruction_flops(comp: _Computation, type_text: str, op: str, rest: str) -> float:
     out = _dims(type_text)
-    if out is None:
+    if out is None or op not in ("dot", "convolution", "custom-call"):
         return 0.0
     ops = _operands(rest)
     if op == "dot" and ops:
@@ -141,10 +141,8 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
                 branches += [c for c in (true_c, false_c) if c]
             if branches:
                 comp.calls.append((1.0, branches))
-        else:
-            for key, callee in _CALLEE.findall(rest):
-                if key in ("calls", "to_apply"):  # fusions, async computations, calls (reducers hold no dots)
-                    comp.calls.append((1.0, [callee]))
+        else:  # fusions, async computations, calls (and reducers, which hold no dots)
+            comp.calls += [(1.0, [callee]) for callee in _CALLEE.findall(rest)]
     return comps, entry
 
 
