@@ -115,8 +115,7 @@ class StepLayout:
         token_out_row: [T] where each token's output is: `tile * TILE + row` for a tile row,
             `N * TILE + r` for decode row r.
 
-    Decode rows (sequences with one token this step), Rd rows, Nc chunks of Mc pages, at most Cm
-    chunks per row:
+    Decode rows (sequences with one token this step), Rd rows, Nc chunks of Mc pages:
         dec_token: [Rd] flat index of each row's token (padding: T).
         dec_pos: [Rd] its position (padding: 0).
         dec_cur_page: [Rd] the page it writes (padding: the spare page).
@@ -124,7 +123,6 @@ class StepLayout:
         dec_chunk_pages: [Nc, Mc] complete pages before the written one (padding: the spare page).
         dec_chunk_len: [Nc] keys of the chunk that hold tokens (padding: 0).
         dec_chunk_row: [Nc] the decode row of each chunk (padding: Rd).
-        dec_row_chunks: [Rd, Cm] each row's chunks (padding: Nc).
 
     The same step for the ragged kernels (`jmem.kernels.paged_attention`), R = rows:
         slot_mapping: [T] page * page_size + offset (padding: -1).
@@ -165,30 +163,27 @@ class StepLayout:
     dec_chunk_pages: jax.Array
     dec_chunk_len: jax.Array
     dec_chunk_row: jax.Array
-    dec_row_chunks: jax.Array
 
 
-def decode_shape(seqs, page_size: int) -> tuple[int, int, int]:
-    """(decode rows, chunks, most chunks of one row) of `seqs` = [(start, num tokens, pages), ...]."""
+def decode_shape(seqs, page_size: int) -> tuple[int, int]:
+    """(decode rows, chunks) of `seqs` = [(start, num tokens, pages), ...]."""
     mc = chunk_pages(page_size)
     chunks = [-(-(start // page_size) // mc) for start, n, _ in seqs if n == 1]
-    return len(chunks), sum(chunks), max(chunks, default=0)
+    return len(chunks), sum(chunks)
 
 
 def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: int, page_size: int,
                  spare_page: int, max_seqs: int | None = None, pages_per_seq: int | None = None,
-                 decode_rows: int | None = None, decode_chunks: int | None = None,
-                 chunks_per_row: int | None = None) -> StepLayout:
+                 decode_rows: int | None = None, decode_chunks: int | None = None) -> StepLayout:
     """Host side: the layout for `seqs` = [(start position, num tokens, page list), ...] in flat order.
 
     Sizes (static shapes of the step; None: the least `seqs` needs): `num_tiles` and `pages_per_tile`
     for the sequences with several tokens, `pages_per_seq` (default `pages_per_tile`) for the block
-    tables of all, and `decode_rows`, `decode_chunks`, `chunks_per_row` for the one-token sequences
-    (`decode_shape`).
+    tables of all, and `decode_rows`, `decode_chunks` for the one-token sequences (`decode_shape`).
     """
-    need_rows, need_chunks, need_per_row = decode_shape(seqs, page_size)
+    need_rows, need_chunks = decode_shape(seqs, page_size)
     T, N, M = num_tokens_padded, num_tiles, pages_per_tile
-    Rd, Nc, Cm = max(1, decode_rows or need_rows), max(1, decode_chunks or need_chunks), max(1, chunks_per_row or need_per_row)
+    Rd, Nc = max(1, decode_rows or need_rows), max(1, decode_chunks or need_chunks)
     Mc = chunk_pages(page_size)
     R = max_seqs or len(seqs)
     slot_mapping = np.full(T, -1, np.int32)
@@ -215,10 +210,8 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     dec_chunk_pages = np.full((Nc, Mc), spare_page, np.int32)
     dec_chunk_len = np.zeros(Nc, np.int32)
     dec_chunk_row = np.full(Nc, Rd, np.int32)
-    dec_row_chunks = np.full((Rd, Cm), Nc, np.int32)
-    if need_rows > Rd or need_chunks > Nc or need_per_row > Cm:
-        raise ValueError(f"decode sizes ({Rd}, {Nc}, {Cm}) too small for the step's ({need_rows}, {need_chunks}, "
-                         f"{need_per_row})")
+    if need_rows > Rd or need_chunks > Nc:
+        raise ValueError(f"decode sizes ({Rd}, {Nc}) too small for the step's ({need_rows}, {need_chunks})")
     t = tile = w = d = c = 0
     for i, (start, n, pages) in enumerate(seqs):
         pos = np.arange(start, start + n)
@@ -246,7 +239,6 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
                 dec_chunk_pages[c, : len(part)] = part
                 dec_chunk_len[c] = len(part) * page_size
                 dec_chunk_row[c] = d
-                dec_row_chunks[d, j // Mc] = c
                 c += 1
             token_out_row[t] = N * TILE + d
             d += 1
@@ -268,8 +260,7 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     return StepLayout(*(jnp.asarray(a) for a in (
         write_page, write_offset, tile_tokens, tile_positions, tile_pages, tile_kv_len, tile_new_src, token_out_row,
         slot_mapping, seq_kv_lens, seq_pages, cu_q_lens, np.int32(len(seqs)), upd_pages, upd_kept, token_upd,
-        tile_upd, dec_token, dec_pos, dec_cur_page, dec_cur_upd, dec_chunk_pages, dec_chunk_len, dec_chunk_row,
-        dec_row_chunks)))
+        tile_upd, dec_token, dec_pos, dec_cur_page, dec_cur_upd, dec_chunk_pages, dec_chunk_len, dec_chunk_row)))
 
 
 def tiles_needed(seq_lens) -> int:

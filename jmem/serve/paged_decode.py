@@ -19,9 +19,8 @@ depends on: a batch of decodes is bound by reading its keys and values.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-
-from jmem.kernels.paged_attention.core import combine_splits
 
 DECODE_CHUNK_KEYS = 64  # keys per chunk of a decode row's complete pages
 
@@ -94,9 +93,15 @@ def decode_attention(q_RKGD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, cur_k
     visible_cur = jnp.arange(S)[None, :] <= (layout.dec_pos % S)[:, None]
     m_r, l_r, o_r = _partial(q_KRGD, dequantize(*cur_k, dtype), dequantize(*cur_v, dtype), visible_cur, sm_scale)
 
-    # Each row's chunk partials (padding index Nc: an empty partial) and its page's, merged as split-KV
-    # kernels merge their splits.
-    pad = lambda x, fill: jnp.concatenate([x, jnp.full_like(x[:, :1], fill)], axis=1)[:, layout.dec_row_chunks]
-    splits = lambda chunks, fill, page: jnp.moveaxis(
-        jnp.concatenate([pad(chunks, fill), page[:, :, None]], axis=2), 0, 2)  # [R, Cm + 1, K, G(, D)]
-    return combine_splits(splits(o_c, 0.0, o_r), splits(m_c, -jnp.inf, m_r), splits(l_c, 0.0, l_r))
+    # Each row's chunk partials and its page's, merged by their log-sum-exp as split-KV kernels merge
+    # their splits. Chunks reach their row by segment reductions (padding chunks, row Rd, drop out), so
+    # the step's shape does not depend on how many chunks one row has.
+    row = layout.dec_chunk_row
+    m_c, l_c, o_c = (jnp.moveaxis(x, 0, 1) for x in (m_c, l_c, o_c))  # [Nc, K, G(, D)]
+    m_r, l_r, o_r = (jnp.moveaxis(x, 0, 1) for x in (m_r, l_r, o_r))  # [R, K, G(, D)]
+    m = jnp.maximum(jax.ops.segment_max(m_c, row, num_segments=R), m_r)  # finite: a row sees its own token
+    w_c = jnp.exp(m_c - jnp.concatenate([m, jnp.zeros_like(m[:1])])[row])
+    w_r = jnp.exp(m_r - m)
+    den = jax.ops.segment_sum(w_c * l_c, row, num_segments=R) + w_r * l_r
+    o = jax.ops.segment_sum(w_c[..., None] * o_c, row, num_segments=R) + w_r[..., None] * o_r
+    return o / den[..., None]

@@ -130,14 +130,15 @@ class ModelRunner:
         T = _bucket(n_tok, 16)
         pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
         page_bucket = lambda n: min(_bucket(n, 8), _bucket(self.max_pages_per_seq, 1))
-        M_all = page_bucket(pages(seqs))
+        # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
+        M_all = page_bucket(pages(seqs)) if self.cache.impl == "kernel" else page_bucket(self.max_pages_per_seq)
         # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
         # smallest shape), not a padded bucket, since decode steps are most steps.
         tiled = [s for s in seqs if s.num_tokens > 1]
         N = _bucket(tiles_needed([s.num_tokens for s in tiled]), 8) if tiled else 1
         M = page_bucket(pages(tiled)) if tiled else 1
-        rows, chunks, per_row = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
-        Rd, Nc, Cm = _bucket(rows, 8), _fine_bucket(chunks, 8), _bucket(per_row, 1)
+        rows, chunks = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
+        Rd, Nc = _bucket(rows, 8), _fine_bucket(chunks, 8)
         S = self.max_num_seqs
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
@@ -150,8 +151,7 @@ class ModelRunner:
             last[i] = t + s.num_tokens - 1
             t += s.num_tokens
         layout = build_layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], T, N, M, self.block_size,
-                              self.spare_page, max_seqs=S, pages_per_seq=M_all, decode_rows=Rd, decode_chunks=Nc,
-                              chunks_per_row=Cm)
+                              self.spare_page, max_seqs=S, pages_per_seq=M_all, decode_rows=Rd, decode_chunks=Nc)
         reqs = [s.request for s in seqs]
         params = [r.params for r in reqs]
         H = 0
@@ -159,7 +159,7 @@ class ModelRunner:
             H = _bucket(max(r.num_tokens for r in reqs), 64)
         sarr = make_arrays(params, seeds=[r.seed for r in reqs], steps=[len(r.output_token_ids) for r in reqs],
                            histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs], batch=S, hist_len=H)
-        self.compiled_keys.add((T, N, M, M_all, Rd, Nc, Cm, H))
+        self.compiled_keys.add((T, N, M, M_all, Rd, Nc, H))
         cache = self.cache.replace(layout=layout)
         toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
                                                       jnp.asarray(last), sarr)

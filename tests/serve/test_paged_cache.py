@@ -87,7 +87,7 @@ def test_decode_rows_split_over_chunks_match_reference(dtype):
     T = sum(n for _, n, _ in seqs) + 2
     M = max(len(p) for _, _, p in seqs)
     lay = build_layout(seqs, T, tiles_needed([n for _, n, _ in seqs]) + 1, M, PAGE, npages - 1, max_seqs=8,
-                       decode_rows=8, decode_chunks=12, chunks_per_row=5)
+                       decode_rows=8, decode_chunks=12)
     assert int(np.sum(np.asarray(lay.dec_chunk_len) > 0)) == sum(-(-(s // PAGE) // (DECODE_CHUNK_KEYS // PAGE))
                                                                  for s in starts)
     q = jnp.asarray(rng.normal(size=(T, H, D)), jnp.float32)
