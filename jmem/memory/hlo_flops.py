@@ -168,15 +168,15 @@ def matmul_flops(hlo_text: str) -> float:
         return float("nan")
     memo: dict[str, float] = {}
 
-    def total(name: str, stack: tuple = ()) -> float:
+    def total(name: str) -> float:  # HLO computations call each other without cycles
         if name in memo:
             return memo[name]
         comp = comps.get(name)
-        if comp is None or name in stack:
+        if comp is None:
             return 0.0
         value = comp.flops
         for mult, callees in comp.calls:
-            costs = {total(c, stack + (name,)) for c in callees}
+            costs = {total(c) for c in callees}
             # Branches of a conditional that differ: which one runs is decided at run time.
             inner = costs.pop() if len(costs) == 1 else math.nan
             value += mult * inner if inner else 0.0  # a loop of no matmuls adds none, known trip count or not

@@ -54,7 +54,8 @@ class MemoryReport:
             scan, an accumulation or loss-chunk scan) once.
         matmul_flops: FLOPs of every dot and convolution, each loop body counted
             as many times as it runs (`jmem.memory.hlo_flops.matmul_flops`); nan
-            for TPU targets and for loops of unknown trip count.
+            for TPU targets (whose executables pad and rewrite matmuls), loops of
+            unknown trip count and conditionals whose branches differ.
         peak_bytes: XLA's own peak figure where the backend reports one, else None.
         target: the platform compiled for ("cpu", "gpu", "tpu:v5e:2x2", ...).
     """

@@ -131,7 +131,7 @@ class ModelRunner:
         pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
         page_bucket = lambda n: min(_bucket(n, 8), _bucket(self.max_pages_per_seq, 1))
         # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
-        M_all = page_bucket(pages(seqs)) if self.cache.impl == "kernel" else page_bucket(self.max_pages_per_seq)
+        M_all = page_bucket(pages(seqs) if self.cache.impl == "kernel" else self.max_pages_per_seq)
         # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
         # smallest shape), not a padded bucket, since decode steps are most steps.
         tiled = [s for s in seqs if s.num_tokens > 1]
