@@ -34,6 +34,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         # Hashes of each request's full blocks, in order (chained, so prefix i covers blocks 0..i).
         self.req_hashes: dict[str, list[bytes]] = {}
+        # Full blocks allocated for the step being scheduled: (request id, index, block, hash),
+        # registered for prefix hits once that step has written them (`commit_written`).
+        self._unwritten: list[tuple[str, int, int, bytes]] = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -113,12 +116,21 @@ class KVCacheManager:
         if need > 0:
             blocks = blocks + self.pool.allocate(need)
         self.req_blocks[req.request_id] = blocks
-        # Blocks full after this step can serve later requests (their K/V are written
-        # this step, before any later step can read them).
+        # Blocks full after this step can serve requests scheduled after it, not a request of
+        # the same step: the step attends to pages as earlier steps left them.
         num_full = min(total, req.num_tokens) // self.block_size
         for i, h in enumerate(self._hashes(req, num_full)[:num_full]):
-            self.pool.cache_block(blocks[i], h)
+            if self.pool.blocks[blocks[i]].block_hash is None:
+                self._unwritten.append((req.request_id, i, blocks[i], h))
         return blocks
+
+    def commit_written(self) -> None:
+        """After a step ran: its full blocks become prefix hits (those of requests still holding them)."""
+        for rid, i, bid, h in self._unwritten:
+            blocks = self.req_blocks.get(rid, [])
+            if i < len(blocks) and blocks[i] == bid:
+                self.pool.cache_block(bid, h)
+        self._unwritten.clear()
 
     def free(self, req: Request) -> None:
         """Release every block of `req` (tail first) and forget it."""

@@ -195,6 +195,7 @@ class Scheduler:
         Returns:
             Requests that got a token this step (finished ones have a finished status).
         """
+        self.kv.commit_written()
         touched = []
         for seq in out.seqs:
             req = seq.request
