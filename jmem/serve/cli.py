@@ -53,7 +53,7 @@ class ServeArgs:
     attention_impl: str = "auto"
     """Paged attention: auto (Pallas kernel on GPU/TPU, plain jnp on CPU), tiled, kernel."""
     warmup: bool = True
-    """Compile the decode step before listening."""
+    """Compile the largest step shapes before listening; smaller ones then compile in the background."""
     log_level: str = "info"
     """uvicorn / jmem log level."""
 
@@ -87,7 +87,6 @@ def serve_main(argv: list[str] | None = None) -> None:
         import uvicorn
 
         from jmem.serve.api import create_app
-        from jmem.serve.request import SamplingParams
 
         engine, name = build_engine(args)
     except (ValueError, FileNotFoundError) as e:
@@ -98,7 +97,7 @@ def serve_main(argv: list[str] | None = None) -> None:
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)
     if args.warmup:
-        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        engine.precompile()
     engine.start()
     app = create_app(engine, name, args.api_key)
     log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",

@@ -181,6 +181,14 @@ class Engine:
         self._token_times: collections.deque = collections.deque()
         self.started = time.monotonic()
 
+    def precompile(self) -> None:
+        """Compile the largest step shapes now, so that no step waits for XLA while serving
+        (`ModelRunner.precompile`: smaller shapes then compile on a background thread)."""
+        start = time.monotonic()
+        shapes = self.runner.precompile(self.config.max_num_batched_tokens)
+        log.info("compiled %d step shapes in %.1f s; others compile in the background", len(shapes),
+                 time.monotonic() - start)
+
     # ------------------------------------------------------------------ requests
     @property
     def max_request_tokens(self) -> int:
@@ -375,6 +383,7 @@ class Engine:
                 "requests_aborted_total": self.stats["requests_aborted"],
                 "engine_steps_total": self.stats["steps"],
                 "step_compilations": self.runner.num_compilations,
+                "step_compilations_blocking_total": self.runner.num_blocking_compilations,
             }
 
 

@@ -6,7 +6,9 @@ prefill tiles and pages per tile and the decode rows and chunks to a few
 bucket sizes, runs the model once over the paged cache, computes logits only
 at each sequence's last token and samples them. Padding to buckets keeps the
 number of compiled programs small and independent of the request mix
-(`num_compilations` counts them).
+(`num_compilations` counts them). After `precompile`, a step never waits for
+a compilation: a shape not compiled yet runs padded to a compiled one that
+holds it while its own compiles on a background thread.
 
 The step is general in "tokens per sequence", so a speculative-decoding verify
 step (several proposed tokens per sequence, logits at each) fits the same
@@ -15,16 +17,20 @@ layout by asking for logits at more positions.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.serve.paged_cache import PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
+from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
+from jmem.serve.paged_decode import chunk_pages
 from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
 
@@ -70,6 +76,30 @@ def kv_cache_budget(weights_bytes: int, kv_cache_memory: int | None, memory_util
     return budget
 
 
+class StepShape(NamedTuple):
+    """The padded sizes of one compiled step (see `StepLayout` for what each one pads).
+
+    tokens: flat tokens T; tiles, pages_per_tile: prefill tiles N and their pages M;
+    pages_per_seq: block-table width; decode_rows, decode_chunks: Rd, Nc; hist_len: penalty history H.
+    """
+
+    tokens: int
+    tiles: int
+    pages_per_tile: int
+    pages_per_seq: int
+    decode_rows: int
+    decode_chunks: int
+    hist_len: int
+
+    def holds(self, other: StepShape) -> bool:
+        """Whether a step of shape `other` can run padded to this one (penalties on in both or neither)."""
+        return all(a >= b for a, b in zip(self, other)) and (self.hist_len == 0) == (other.hist_len == 0)
+
+    def cost(self) -> tuple:
+        """Order among shapes that hold a step: fewest tokens (the dense layers) first, then attention work."""
+        return self.tokens, self.tiles * self.pages_per_tile, self.decode_rows + self.decode_chunks, self.hist_len
+
+
 @dataclass
 class StepResult:
     """Per scheduled sequence that samples: token, its logprob, top logprobs and ids (host numpy)."""
@@ -105,12 +135,116 @@ class ModelRunner:
         self.spare_page = num_blocks
         self.cache = PagedKVCache.create(self.config, num_blocks + 1, block_size, kv_dtype, attention_impl)
         self.graphdef, self.state = nnx.split(model)
-        self.compiled_keys: set[tuple] = set()
+        self._abstract_state, self._abstract_cache = _abstract(self.state), _abstract(self.cache)
+        self.compiled_shapes: set[StepShape] = set()  # shapes this runner has compiled or run
+        # Shapes compiled by any runner of the same model and cache (one jitted step serves them all).
+        self._known_shapes = _COMPILED_SHAPES[(self.graphdef, *_flat(self._abstract_state),
+                                               *_flat(self._abstract_cache))]
+        self._compiling: dict[StepShape, concurrent.futures.Future] = {}
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # set by `precompile`
+        self.num_blocking_compilations = 0  # steps that waited for XLA to compile their shape
 
     @property
     def num_compilations(self) -> int:
-        """Distinct padded shapes the step has been traced for."""
-        return len(self.compiled_keys)
+        """Distinct padded shapes the step has been compiled for (in the foreground or the background)."""
+        return len(self.compiled_shapes)
+
+    def precompile(self, max_num_batched_tokens: int) -> list[StepShape]:
+        """Compile the largest decode-only step and the largest step that prefills, then serve every step
+        without waiting for XLA.
+
+        After this, a step whose exact padded shape is not compiled yet runs padded to the smallest
+        compiled shape that holds it, while its own shape compiles on a background thread for the
+        steps after it; a serving loop never stalls on a compilation (steps with penalties, whose
+        history length is its own dimension, compile on first use). Returns the shapes compiled.
+        """
+        S, B = self.max_num_seqs, max_num_batched_tokens
+        max_chunks = S * -(-self.max_pages_per_seq // chunk_pages(self.block_size))
+        rows, chunks = _bucket(min(S, B), 8), _fine_bucket(max_chunks, 8)
+        prefills = min(S, B // 2)  # sequences with at least two tokens in one step
+        width = self._table_width(self.max_pages_per_seq)
+        shapes = [StepShape(_bucket(min(S, B), 16), 1, 1, width, rows, chunks, 0),
+                  StepShape(_bucket(B, 16), _bucket((B + (TILE - 1) * prefills) // TILE, 8),
+                            self._page_bucket(self.max_pages_per_seq), width,
+                            rows, chunks, 0)]
+        for shape in shapes:
+            if shape not in self._known_shapes:
+                self._compile(shape)
+                self._known_shapes.add(shape)
+            self.compiled_shapes.add(shape)
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jmem-step-compile")
+        return shapes
+
+    def _page_bucket(self, pages: int) -> int:
+        return min(_bucket(pages, 8), _bucket(self.max_pages_per_seq, 1))
+
+    def _table_width(self, pages: int) -> int:
+        # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
+        return self._page_bucket(pages if self.cache.impl == "kernel" else self.max_pages_per_seq)
+
+    def _shape_needed(self, seqs, params) -> StepShape:
+        """The bucketed shape of a step over `seqs` (scheduled sequences)."""
+        pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
+        # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
+        # smallest shape), not a padded bucket, since decode steps are most steps.
+        tiled = [s for s in seqs if s.num_tokens > 1]
+        N = _bucket(tiles_needed([s.num_tokens for s in tiled]), 8) if tiled else 1
+        M = self._page_bucket(pages(tiled)) if tiled else 1
+        rows, chunks = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
+        H = 0
+        if any(p.uses_penalties for p in params):
+            H = _bucket(max(s.request.num_tokens for s in seqs), 64)
+        return StepShape(_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
+                         _bucket(rows, 8), _fine_bucket(chunks, 8), H)
+
+    def _shape_to_run(self, need: StepShape) -> StepShape:
+        """`need` when compiled (or when compiling it now is the only way); else, after `precompile`,
+        the cheapest compiled shape that holds it, with `need` compiling in the background."""
+        self._collect_compiled()
+        known = self._known_shapes
+        if need not in known and self._compiler is not None:
+            fits = [s for s in known if s.holds(need)]
+            if fits:
+                if need not in self._compiling:
+                    self._compiling[need] = self._compiler.submit(self._compile, need)
+                shape = min(fits, key=StepShape.cost)
+                self.compiled_shapes.add(shape)
+                return shape
+        if need not in known:  # the call compiles it
+            known.add(need)
+            self.num_blocking_compilations += 1
+        self.compiled_shapes.add(need)
+        return need
+
+    def finish_compilations(self) -> None:
+        """Wait for the background compilations to finish (benchmarks and tests)."""
+        concurrent.futures.wait(list(self._compiling.values()))
+        self._collect_compiled()
+
+    def _collect_compiled(self) -> None:
+        for shape, fut in list(self._compiling.items()):
+            if fut.done():
+                fut.result()  # a failed compilation raises here, on the serving thread
+                self._known_shapes.add(shape)  # only the serving thread changes the shape sets
+                self.compiled_shapes.add(shape)
+                del self._compiling[shape]
+
+    def _layout(self, seqs, shape: StepShape):
+        return build_layout(seqs, shape.tokens, shape.tiles, shape.pages_per_tile, self.block_size, self.spare_page,
+                            max_seqs=self.max_num_seqs, pages_per_seq=shape.pages_per_seq,
+                            decode_rows=shape.decode_rows, decode_chunks=shape.decode_chunks)
+
+    def _compile(self, shape: StepShape) -> None:
+        """Compile the step for `shape` from abstract arguments; the jitted step's cache keeps the program,
+        so the first real call of that shape runs it without compiling (safe on another thread: nothing
+        here reads the live cache arrays)."""
+        S = self.max_num_seqs
+        layout = self._layout([], shape)
+        sarr = make_arrays([], seeds=[], steps=[], batch=S, hist_len=shape.hist_len)
+        tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
+        _step_fn.lower(self.graphdef, self._abstract_state, self._abstract_cache.replace(layout=_abstract(layout)),
+                       tokens, tokens, jax.ShapeDtypeStruct((S,), jnp.int32), _abstract(sarr)).compile()
 
     @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str) -> int:
@@ -126,20 +260,9 @@ class ModelRunner:
         seqs = out.seqs
         if not seqs:
             return StepResult({}, {})
-        n_tok = out.num_tokens
-        T = _bucket(n_tok, 16)
-        pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
-        page_bucket = lambda n: min(_bucket(n, 8), _bucket(self.max_pages_per_seq, 1))
-        # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
-        M_all = page_bucket(pages(seqs) if self.cache.impl == "kernel" else self.max_pages_per_seq)
-        # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
-        # smallest shape), not a padded bucket, since decode steps are most steps.
-        tiled = [s for s in seqs if s.num_tokens > 1]
-        N = _bucket(tiles_needed([s.num_tokens for s in tiled]), 8) if tiled else 1
-        M = page_bucket(pages(tiled)) if tiled else 1
-        rows, chunks = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
-        Rd, Nc = _bucket(rows, 8), _fine_bucket(chunks, 8)
-        S = self.max_num_seqs
+        params = [s.request.params for s in seqs]
+        shape = self._shape_to_run(self._shape_needed(seqs, params))
+        T, S = shape.tokens, self.max_num_seqs
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
         last = np.zeros(S, np.int32)
@@ -150,16 +273,11 @@ class ModelRunner:
             pos[t : t + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
             last[i] = t + s.num_tokens - 1
             t += s.num_tokens
-        layout = build_layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], T, N, M, self.block_size,
-                              self.spare_page, max_seqs=S, pages_per_seq=M_all, decode_rows=Rd, decode_chunks=Nc)
+        layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
         reqs = [s.request for s in seqs]
-        params = [r.params for r in reqs]
-        H = 0
-        if any(p.uses_penalties for p in params):
-            H = _bucket(max(r.num_tokens for r in reqs), 64)
         sarr = make_arrays(params, seeds=[r.seed for r in reqs], steps=[len(r.output_token_ids) for r in reqs],
-                           histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs], batch=S, hist_len=H)
-        self.compiled_keys.add((T, N, M, M_all, Rd, Nc, H))
+                           histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs], batch=S,
+                           hist_len=shape.hist_len)
         cache = self.cache.replace(layout=layout)
         toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
                                                       jnp.asarray(last), sarr)
@@ -178,6 +296,28 @@ class ModelRunner:
             logprobs[rid] = (float(lp[i]), tops)
         return StepResult(tokens, logprobs)
 
+
+def _abstract(tree):
+    """Shapes, dtypes and (multi-device) shardings of a tree's arrays, for ahead-of-time lowering.
+
+    A single-device array gets no sharding, as the jitted call sees an uncommitted one: the
+    program compiled from these is then the one the call finds in the jit cache.
+    """
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            sharding = None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(spec, tree)
+
+
+def _flat(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, *leaves)
+
+
+_COMPILED_SHAPES: collections.defaultdict[tuple, set[StepShape]] = collections.defaultdict(set)
 
 # One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

@@ -92,6 +92,33 @@ def test_shared_prefix_in_one_step_matches_full_forward(model, reference):
             np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
 
 
+def test_precompiled_engine_never_waits_for_a_compilation(model, reference):
+    """After `precompile`, steps of new shapes run padded to a compiled one (same tokens) while their
+    own shape compiles in the background; once compiled, the next steps use it."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=24, **{**SMALL, "max_model_len": 128}))
+    engine.precompile()
+    runner = engine.runner
+    envelopes = set(runner.compiled_shapes)
+    ran = []
+    choose = runner._shape_to_run
+    runner._shape_to_run = lambda need: ran.append((need, choose(need))) or ran[-1][1]
+    ps = prompts(5, 4)
+    for round_ in range(2):
+        ran.clear()
+        for p, o in zip(ps, engine.generate(ps, greedy(6))):
+            want, want_lp = reference(tuple(p), 6)
+            assert o.token_ids == want
+            np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
+        assert runner.num_blocking_compilations == 0
+        assert all(run.holds(need) for need, run in ran)
+        if round_ == 0:
+            assert any(need != run for need, run in ran), "meant to meet shapes smaller than the largest"
+            runner.finish_compilations()
+        else:
+            assert all(need == run for need, run in ran)
+    assert envelopes < runner.compiled_shapes and not runner._compiling
+
+
 @pytest.mark.parametrize("kv_dtype, atol", [("int8", 0.05), ("fp8_e4m3", 0.25)])
 def test_quantized_kv_close_to_full_precision(model, reference, kv_dtype, atol):
     """With K/V stored quantized, the reference's next token keeps nearly its log-probability.
