@@ -37,6 +37,7 @@ class KVCacheManager:
         # Full blocks allocated for the step being scheduled: (request id, index, block, hash),
         # registered for prefix hits once that step has written them (`commit_written`).
         self._unwritten: list[tuple[str, int, int, bytes]] = []
+        self._unwritten_hashes: set[bytes] = set()
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -85,6 +86,13 @@ class KVCacheManager:
             hits.append(bid)
         return hits, len(hits) * self.block_size
 
+    def prefix_in_flight(self, req: Request, num_hit_blocks: int) -> bool:
+        """Whether `req`'s next block after its `num_hit_blocks` hits is being computed by the step being
+        scheduled (so it becomes a hit once that step has run)."""
+        if not self.pool.enable_prefix_caching or num_hit_blocks >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self._hashes(req, num_hit_blocks + 1)[num_hit_blocks] in self._unwritten_hashes
+
     def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Add one admitted request's lookup to the hit-rate counters."""
         self.prefix_queries += num_tokens
@@ -122,6 +130,7 @@ class KVCacheManager:
         for i, h in enumerate(self._hashes(req, num_full)[:num_full]):
             if self.pool.blocks[blocks[i]].block_hash is None:
                 self._unwritten.append((req.request_id, i, blocks[i], h))
+                self._unwritten_hashes.add(h)
         return blocks
 
     def commit_written(self) -> None:
@@ -131,6 +140,7 @@ class KVCacheManager:
             if i < len(blocks) and blocks[i] == bid:
                 self.pool.cache_block(bid, h)
         self._unwritten.clear()
+        self._unwritten_hashes.clear()
 
     def free(self, req: Request) -> None:
         """Release every block of `req` (tail first) and forget it."""

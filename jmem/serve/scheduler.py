@@ -165,6 +165,8 @@ class Scheduler:
             req = self.waiting[0]
             # Waiting requests (new or preempted) hold no blocks and have nothing computed.
             hit_blocks, n_hit = self.kv.get_computed_blocks(req)
+            if not self.config.static_batching and self.kv.prefix_in_flight(req, len(hit_blocks)):
+                break  # this step writes its next prefix block: admitted next step, it shares it
             req.num_computed_tokens = n_hit
             req.num_cached_tokens = n_hit
             n = req.num_tokens - req.num_computed_tokens

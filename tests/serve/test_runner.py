@@ -76,14 +76,14 @@ def test_paged_engine_matches_full_forward(model, reference):
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
 
 
-def test_shared_prefix_in_one_step_matches_full_forward(model, reference):
-    """Requests sharing a full block, admitted in one step (a prefill chunk and a one-token rest), then again."""
+def test_shared_prefix_submitted_together_matches_full_forward(model, reference):
+    """Requests sharing a full block submitted together (a prefill chunk and a one-token rest), then again."""
     engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
     prefix = [int(x) for x in np.random.default_rng(3).integers(0, 256, size=8)]  # one full block
     ps = [prefix + [7, 9], prefix + [11], prefix + [4, 5, 6, 2]]
-    # Round one: the first two share the first step (budget 16), the third starts a step later and
-    # hits the block the first one wrote; round two hits it three times.
-    for want_cached in ([0, 0, 8], [8, 8, 8]):
+    # Round one: the first request writes the block, the others wait one step and share it; round two
+    # hits it three times.
+    for want_cached in ([0, 8, 8], [8, 8, 8]):
         outs = engine.generate(ps, greedy(4))
         assert [o.num_cached_tokens for o in outs] == want_cached
         for p, o in zip(ps, outs):

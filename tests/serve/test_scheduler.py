@@ -111,22 +111,24 @@ def test_prefix_hits_shared_blocks():
 
 
 def test_blocks_become_hits_after_the_step_that_writes_them():
-    """A request admitted in the same step as the one computing its prefix computes the prefix too:
-    the step attends to the pages as earlier steps left them."""
+    """A block is a prefix hit only once the step that writes it has run; a request whose next prefix
+    block the step being scheduled writes waits one step and then shares it."""
     kv = KVCacheManager(num_blocks=16, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
     prefix = list(range(100, 108))  # 2 full blocks
     sched.add_request(Request("a", prefix + [1], SamplingParams(max_tokens=3)))
     sched.add_request(Request("b", prefix + [2], SamplingParams(max_tokens=3)))
+    sched.add_request(Request("e", [60, 61], SamplingParams(max_tokens=3)))
     out = sched.schedule()
-    a, b = out.seqs
-    assert (a.start, b.start) == (0, 0) and not set(a.block_ids) & set(b.block_ids)
+    assert [s.request.request_id for s in out.seqs] == ["a"]  # b waits for a's blocks; e keeps FCFS order
+    a = out.seqs[0]
     assert kv.pool.lookup(kv.req_hashes["a"][0]) is None  # not written yet
-    sched.update_from_output(out, {"a": 5, "b": 6})
-    sched.add_request(Request("c", prefix + [3], SamplingParams(max_tokens=3)))
+    sched.update_from_output(out, {"a": 5})
     out = sched.schedule()
-    c = next(s for s in out.seqs if s.request.request_id == "c")
-    assert c.start == 8 and c.block_ids[:2] == a.block_ids[:2]
+    b = next(s for s in out.seqs if s.request.request_id == "b")
+    assert b.start == 8 and b.block_ids[:2] == a.block_ids[:2] and b.request.num_cached_tokens == 8
+    assert "e" in [s.request.request_id for s in out.seqs]
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.samples})
     # A request that leaves its blocks before the step ran never makes them hits.
     sched.add_request(Request("d", [50, 51, 52, 53, 54], SamplingParams(max_tokens=3)))
     out = sched.schedule()
@@ -134,6 +136,13 @@ def test_blocks_become_hits_after_the_step_that_writes_them():
     sched.finish("d")
     sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.samples})
     assert kv.pool.lookup(hash_block(None, [50, 51, 52, 53])) is None and d.block_ids
+    # Static batches form at once: a shared prefix does not hold a request out of the batch.
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                      static_batching=True), kv)
+    for rid in "ab":
+        sched.add_request(Request(rid, prefix + [1], SamplingParams(max_tokens=3)))
+    assert len(sched.schedule().seqs) == 2
 
 
 def test_full_prompt_hit_still_computes_last_token():
