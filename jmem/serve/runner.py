@@ -163,8 +163,8 @@ class ModelRunner:
         rows, chunks = _bucket(min(S, B), 8), _fine_bucket(max_chunks, 8)
         prefills = min(S, B // 2)  # sequences with at least two tokens in one step
         width = self._table_width(self.max_pages_per_seq)
-        shapes = [StepShape(_bucket(min(S, B), 16), 1, 1, width, rows, chunks, 0),
-                  StepShape(_bucket(B, 16), _bucket((B + (TILE - 1) * prefills) // TILE, 8),
+        shapes = [StepShape(_fine_bucket(min(S, B), 16), 1, 1, width, rows, chunks, 0),
+                  StepShape(_fine_bucket(B, 16), _bucket((B + (TILE - 1) * prefills) // TILE, 8),
                             self._page_bucket(self.max_pages_per_seq), width,
                             rows, chunks, 0)]
         for shape in shapes:
@@ -195,7 +195,8 @@ class ModelRunner:
         H = 0
         if any(p.uses_penalties for p in params):
             H = _bucket(max(s.request.num_tokens for s in seqs), 64)
-        return StepShape(_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
+        # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
+        return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
                          _bucket(rows, 8), _fine_bucket(chunks, 8), H)
 
     def _shape_to_run(self, need: StepShape) -> StepShape:
