@@ -174,12 +174,15 @@ def decode_shape(seqs, page_size: int) -> tuple[int, int]:
 
 def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: int, page_size: int,
                  spare_page: int, max_seqs: int | None = None, pages_per_seq: int | None = None,
-                 decode_rows: int | None = None, decode_chunks: int | None = None) -> StepLayout:
+                 decode_rows: int | None = None, decode_chunks: int | None = None,
+                 tiled: bool = True) -> StepLayout:
     """Host side: the layout for `seqs` = [(start position, num tokens, page list), ...] in flat order.
 
     Sizes (static shapes of the step; None: the least `seqs` needs): `num_tiles` and `pages_per_tile`
     for the sequences with several tokens, `pages_per_seq` (default `pages_per_tile`) for the block
     tables of all, and `decode_rows`, `decode_chunks` for the one-token sequences (`decode_shape`).
+    `tiled=False` leaves the prefill tiles and decode rows as padding, for the kernel path, which
+    reads only the writes and the block tables (pass sizes of 1 there).
     """
     need_rows, need_chunks = decode_shape(seqs, page_size)
     T, N, M = num_tokens_padded, num_tiles, pages_per_tile
@@ -210,7 +213,7 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
     dec_chunk_pages = np.full((Nc, Mc), spare_page, np.int32)
     dec_chunk_len = np.zeros(Nc, np.int32)
     dec_chunk_row = np.full(Nc, Rd, np.int32)
-    if need_rows > Rd or need_chunks > Nc:
+    if tiled and (need_rows > Rd or need_chunks > Nc):
         raise ValueError(f"decode sizes ({Rd}, {Nc}) too small for the step's ({need_rows}, {need_chunks})")
     t = tile = w = d = c = 0
     for i, (start, n, pages) in enumerate(seqs):
@@ -230,7 +233,7 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
         seq_kv_lens[i] = start + n
         seq_pages[i, :n_pages] = pages[:n_pages]
         cu_q_lens[i + 1] = cu_q_lens[i] + n
-        if n == 1:
+        if tiled and n == 1:
             dec_token[d], dec_pos[d] = t, start
             dec_cur_page[d], dec_cur_upd[d] = write_page[t], token_upd[t]
             complete = pages[: start // page_size]
@@ -242,7 +245,7 @@ def build_layout(seqs, num_tokens_padded: int, num_tiles: int, pages_per_tile: i
                 c += 1
             token_out_row[t] = N * TILE + d
             d += 1
-        elif n:
+        elif tiled and n:
             seq_upd = np.full(M, W, np.int32)
             seq_upd[first : last + 1] = rows
             for j in range(0, n, TILE):

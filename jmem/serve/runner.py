@@ -162,11 +162,12 @@ class ModelRunner:
         max_chunks = S * -(-self.max_pages_per_seq // chunk_pages(self.block_size))
         rows, chunks = _bucket(min(S, B), 8), _fine_bucket(max_chunks, 8)
         prefills = min(S, B // 2)  # sequences with at least two tokens in one step
+        tiles, pages = _bucket((B + (TILE - 1) * prefills) // TILE, 8), self._page_bucket(self.max_pages_per_seq)
+        if self._kernel:
+            rows = chunks = tiles = pages = 1
         width = self._table_width(self.max_pages_per_seq)
         shapes = [StepShape(_fine_bucket(min(S, B), 16), 1, 1, width, rows, chunks, 0),
-                  StepShape(_fine_bucket(B, 16), _bucket((B + (TILE - 1) * prefills) // TILE, 8),
-                            self._page_bucket(self.max_pages_per_seq), width,
-                            rows, chunks, 0)]
+                  StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, 0)]
         for shape in shapes:
             if shape not in self._known_shapes:
                 self._compile(shape)
@@ -179,9 +180,13 @@ class ModelRunner:
     def _page_bucket(self, pages: int) -> int:
         return min(_bucket(pages, 8), _bucket(self.max_pages_per_seq, 1))
 
+    @property
+    def _kernel(self) -> bool:
+        return self.cache.impl == "kernel"
+
     def _table_width(self, pages: int) -> int:
         # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
-        return self._page_bucket(pages if self.cache.impl == "kernel" else self.max_pages_per_seq)
+        return self._page_bucket(pages if self._kernel else self.max_pages_per_seq)
 
     def _shape_needed(self, seqs, params) -> StepShape:
         """The bucketed shape of a step over `seqs` (scheduled sequences)."""
@@ -192,12 +197,15 @@ class ModelRunner:
         N = _bucket(tiles_needed([s.num_tokens for s in tiled]), 8) if tiled else 1
         M = self._page_bucket(pages(tiled)) if tiled else 1
         rows, chunks = decode_shape([(s.start, s.num_tokens, None) for s in seqs], self.block_size)
+        Rd, Nc = _bucket(rows, 8), _fine_bucket(chunks, 8)
         H = 0
         if any(p.uses_penalties for p in params):
             H = _bucket(max(s.request.num_tokens for s in seqs), 64)
+        if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
+            N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
         return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
-                         _bucket(rows, 8), _fine_bucket(chunks, 8), H)
+                         Rd, Nc, H)
 
     def _shape_to_run(self, need: StepShape) -> StepShape:
         """`need` when compiled (or when compiling it now is the only way); else, after `precompile`,
@@ -234,7 +242,7 @@ class ModelRunner:
     def _layout(self, seqs, shape: StepShape):
         return build_layout(seqs, shape.tokens, shape.tiles, shape.pages_per_tile, self.block_size, self.spare_page,
                             max_seqs=self.max_num_seqs, pages_per_seq=shape.pages_per_seq,
-                            decode_rows=shape.decode_rows, decode_chunks=shape.decode_chunks)
+                            decode_rows=shape.decode_rows, decode_chunks=shape.decode_chunks, tiled=not self._kernel)
 
     def _compile(self, shape: StepShape) -> None:
         """Compile the step for `shape` from abstract arguments; the jitted step's cache keeps the program,

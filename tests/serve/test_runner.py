@@ -193,3 +193,6 @@ def test_kernel_impl_matches_tiled(model, reference):
         want, want_lp = reference(tuple(p), 3)
         assert o.token_ids == want
         np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
+    # Tiles and decode rows, which only the plain-jnp path reads, stay out of the kernel path's shapes.
+    assert {(s.tiles, s.pages_per_tile, s.decode_rows, s.decode_chunks) for s in engine.runner.compiled_shapes} \
+        == {(1, 1, 1, 1)}
