@@ -141,7 +141,7 @@ class ModelRunner:
         self._known_shapes = _COMPILED_SHAPES[(self.graphdef, *_flat(self._abstract_state),
                                                *_flat(self._abstract_cache))]
         self._compiling: dict[StepShape, concurrent.futures.Future] = {}
-        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # set by `precompile`
+        self._compile_ahead = False  # set by `precompile`: new shapes compile in the background
         self.num_blocking_compilations = 0  # steps that waited for XLA to compile their shape
 
     @property
@@ -173,8 +173,7 @@ class ModelRunner:
                 self._compile(shape)
                 self._known_shapes.add(shape)
             self.compiled_shapes.add(shape)
-        if self._compiler is None:
-            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jmem-step-compile")
+        self._compile_ahead = True
         return shapes
 
     def _page_bucket(self, pages: int) -> int:
@@ -212,11 +211,11 @@ class ModelRunner:
         the cheapest compiled shape that holds it, with `need` compiling in the background."""
         self._collect_compiled()
         known = self._known_shapes
-        if need not in known and self._compiler is not None:
+        if need not in known and self._compile_ahead:
             fits = [s for s in known if s.holds(need)]
             if fits:
                 if need not in self._compiling:
-                    self._compiling[need] = self._compiler.submit(self._compile, need)
+                    self._compiling[need] = _background_compiler().submit(self._compile, need)
                 shape = min(fits, key=StepShape.cost)
                 self.compiled_shapes.add(shape)
                 return shape
@@ -327,6 +326,12 @@ def _flat(tree) -> tuple:
 
 
 _COMPILED_SHAPES: collections.defaultdict[tuple, set[StepShape]] = collections.defaultdict(set)
+
+
+@functools.cache
+def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread compiles step shapes for every runner of the process, one at a time."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jmem-step-compile")
 
 # One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
