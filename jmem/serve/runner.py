@@ -80,7 +80,8 @@ class StepShape(NamedTuple):
     """The padded sizes of one compiled step (see `StepLayout` for what each one pads).
 
     tokens: flat tokens T; tiles, pages_per_tile: prefill tiles N and their pages M;
-    pages_per_seq: block-table width; decode_rows, decode_chunks: Rd, Nc; hist_len: penalty history H.
+    pages_per_seq: block-table width; decode_rows, decode_chunks: Rd, Nc; sample_rows: sequences whose
+    logits are computed and sampled (the head's rows); hist_len: penalty history H.
     """
 
     tokens: int
@@ -89,6 +90,7 @@ class StepShape(NamedTuple):
     pages_per_seq: int
     decode_rows: int
     decode_chunks: int
+    sample_rows: int
     hist_len: int
 
     def holds(self, other: StepShape) -> bool:
@@ -97,7 +99,8 @@ class StepShape(NamedTuple):
 
     def cost(self) -> tuple:
         """Order among shapes that hold a step: fewest tokens (the dense layers) first, then attention work."""
-        return self.tokens, self.tiles * self.pages_per_tile, self.decode_rows + self.decode_chunks, self.hist_len
+        return (self.tokens, self.sample_rows, self.tiles * self.pages_per_tile, self.decode_rows + self.decode_chunks,
+                self.hist_len)
 
 
 @dataclass
@@ -166,8 +169,8 @@ class ModelRunner:
         if self._kernel:
             rows = chunks = tiles = pages = 1
         width = self._table_width(self.max_pages_per_seq)
-        shapes = [StepShape(_fine_bucket(min(S, B), 16), 1, 1, width, rows, chunks, 0),
-                  StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, 0)]
+        shapes = [StepShape(_fine_bucket(min(S, B), 16), 1, 1, width, rows, chunks, S, 0),
+                  StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, S, 0)]
         for shape in shapes:
             if shape not in self._known_shapes:
                 self._compile(shape)
@@ -203,8 +206,10 @@ class ModelRunner:
         if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
             N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
+        # The head runs on the step's sequences (power-of-two rows), not on every slot: padded to 32 rows
+        # it cost a one-sequence decode step of SmolLM2-135M several times that token's own work.
         return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
-                         Rd, Nc, H)
+                         Rd, Nc, min(_bucket(len(seqs), 1), self.max_num_seqs), H)
 
     def _shape_to_run(self, need: StepShape) -> StepShape:
         """`need` when compiled (or when compiling it now is the only way); else, after `precompile`,
@@ -247,12 +252,12 @@ class ModelRunner:
         """Compile the step for `shape` from abstract arguments; the jitted step's cache keeps the program,
         so the first real call of that shape runs it without compiling (safe on another thread: nothing
         here reads the live cache arrays)."""
-        S = self.max_num_seqs
         layout = self._layout([], shape)
-        sarr = make_arrays([], seeds=[], steps=[], batch=S, hist_len=shape.hist_len)
+        sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
         _step_fn.lower(self.graphdef, self._abstract_state, self._abstract_cache.replace(layout=_abstract(layout)),
-                       tokens, tokens, jax.ShapeDtypeStruct((S,), jnp.int32), _abstract(sarr)).compile()
+                       tokens, tokens, jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32),
+                       _abstract(sarr)).compile()
 
     @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str) -> int:
@@ -270,10 +275,10 @@ class ModelRunner:
             return StepResult({}, {})
         params = [s.request.params for s in seqs]
         shape = self._shape_to_run(self._shape_needed(seqs, params))
-        T, S = shape.tokens, self.max_num_seqs
+        T = shape.tokens
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
-        last = np.zeros(S, np.int32)
+        last = np.zeros(shape.sample_rows, np.int32)
         t = 0
         for i, s in enumerate(seqs):
             toks = s.request.all_token_ids[s.start : s.start + s.num_tokens]
@@ -284,8 +289,8 @@ class ModelRunner:
         layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
         reqs = [s.request for s in seqs]
         sarr = make_arrays(params, seeds=[r.seed for r in reqs], steps=[len(r.output_token_ids) for r in reqs],
-                           histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs], batch=S,
-                           hist_len=shape.hist_len)
+                           histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+                           batch=shape.sample_rows, hist_len=shape.hist_len)
         cache = self.cache.replace(layout=layout)
         toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
                                                       jnp.asarray(last), sarr)
