@@ -217,17 +217,19 @@ def main(cfg: Config) -> None:
                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
                             kv_cache_dtype=cfg.kv_cache_dtype, num_blocks=blocks, static_batching=static,
                             enable_prefix_caching=False)
-        for _ in range(3):  # warm-up: compiles the shapes the timed run uses
-            compiles0 = COMPILES.count
+        def fresh_engine():
             engine = Engine(model, tok, ecfg)
             engine.precompile()
+            return engine
+
+        for _ in range(3):  # warm-up: compiles the shapes the timed run uses
+            compiles0 = COMPILES.count
+            engine = fresh_engine()
             run_engine(engine, trace)
             engine.runner.finish_compilations()
             if COMPILES.count == compiles0:
                 break
-        engine = Engine(model, tok, ecfg)
-        engine.precompile()
-        rows[name] = run_engine(engine, trace)
+        rows[name] = run_engine(fresh_engine(), trace)
         print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl", "steps")}, flush=True)
     if cfg.hf_requests:
         hf = run_hf(cfg, trace, model_path, mcfg)

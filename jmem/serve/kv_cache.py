@@ -34,10 +34,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         # Hashes of each request's full blocks, in order (chained, so prefix i covers blocks 0..i).
         self.req_hashes: dict[str, list[bytes]] = {}
-        # Full blocks allocated for the step being scheduled: (request id, index, block, hash),
-        # registered for prefix hits once that step has written them (`commit_written`).
-        self._unwritten: list[tuple[str, int, int, bytes]] = []
-        self._unwritten_hashes: set[bytes] = set()
+        # Full blocks the step being scheduled writes: hash -> (request id, index, block), registered
+        # for prefix hits once that step has run (`commit_written`).
+        self._unwritten: dict[bytes, tuple[str, int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -91,7 +90,7 @@ class KVCacheManager:
         scheduled (so it becomes a hit once that step has run)."""
         if not self.pool.enable_prefix_caching or num_hit_blocks >= (req.num_tokens - 1) // self.block_size:
             return False
-        return self._hashes(req, num_hit_blocks + 1)[num_hit_blocks] in self._unwritten_hashes
+        return self._hashes(req, num_hit_blocks + 1)[num_hit_blocks] in self._unwritten
 
     def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Add one admitted request's lookup to the hit-rate counters."""
@@ -129,18 +128,16 @@ class KVCacheManager:
         num_full = min(total, req.num_tokens) // self.block_size
         for i, h in enumerate(self._hashes(req, num_full)[:num_full]):
             if self.pool.blocks[blocks[i]].block_hash is None:
-                self._unwritten.append((req.request_id, i, blocks[i], h))
-                self._unwritten_hashes.add(h)
+                self._unwritten.setdefault(h, (req.request_id, i, blocks[i]))
         return blocks
 
     def commit_written(self) -> None:
         """After a step ran: its full blocks become prefix hits (those of requests still holding them)."""
-        for rid, i, bid, h in self._unwritten:
+        for h, (rid, i, bid) in self._unwritten.items():
             blocks = self.req_blocks.get(rid, [])
             if i < len(blocks) and blocks[i] == bid:
                 self.pool.cache_block(bid, h)
         self._unwritten.clear()
-        self._unwritten_hashes.clear()
 
     def free(self, req: Request) -> None:
         """Release every block of `req` (tail first) and forget it."""

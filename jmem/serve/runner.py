@@ -98,7 +98,8 @@ class StepShape(NamedTuple):
         return all(a >= b for a, b in zip(self, other)) and (self.hist_len == 0) == (other.hist_len == 0)
 
     def cost(self) -> tuple:
-        """Order among shapes that hold a step: fewest tokens (the dense layers) first, then attention work."""
+        """Order among shapes that hold a step: fewest tokens (the dense layers) first, then sampled rows
+        (the head), then attention work."""
         return (self.tokens, self.sample_rows, self.tiles * self.pages_per_tile, self.decode_rows + self.decode_chunks,
                 self.hist_len)
 
@@ -206,8 +207,8 @@ class ModelRunner:
         if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
             N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
-        # The head runs on the step's sequences (power-of-two rows), not on every slot: padded to 32 rows
-        # it cost a one-sequence decode step of SmolLM2-135M several times that token's own work.
+        # The head runs on the step's sequences (power-of-two rows), not on every slot: for SmolLM2-135M,
+        # 31 padded rows of its 576 x 49152 head are 6.5x all of one token's matmuls.
         return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
                          Rd, Nc, min(_bucket(len(seqs), 1), self.max_num_seqs), H)
 

@@ -69,7 +69,8 @@ def test_paged_engine_matches_full_forward(model, reference):
     assert m["prefix_cache_hit_tokens_total"] > 0
     assert m["kv_cache_blocks_in_use"] == 0 and m["num_requests_running"] == 0
     first = engine.runner.num_compilations
-    assert first <= 6, engine.runner.compiled_shapes
+    shapes = engine.runner.compiled_shapes
+    assert len({s._replace(sample_rows=0) for s in shapes}) <= 2 and {s.sample_rows for s in shapes} <= {1, 2, 4}
     compiled = _step_fn._cache_size()
     # A different mix of lengths and batch sizes reuses the compiled step.
     outs = engine.generate(prompts(2, 3), greedy(max_tokens=5))
