@@ -13,8 +13,9 @@ and batched matmuls, rewritten as windowed convolutions, this reader does not
 follow) rather than an undercount, and also when the branches of a
 conditional differ in matmul FLOPs (which branch runs, and how often, is
 decided at run time: a pipeline tick that runs a forward, a backward or
-nothing). Elementwise work and custom kernels (Pallas/Mosaic calls) are not
-counted.
+nothing). For those, `branch_flops` gives each branch's FLOPs, for a caller
+who knows how often each runs. Elementwise work and custom kernels
+(Pallas/Mosaic calls) are not counted.
 """
 
 from __future__ import annotations
@@ -146,26 +147,10 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
     return comps, entry
 
 
-def matmul_flops(hlo_text: str) -> float:
-    """FLOPs of every dot and convolution in an optimized HLO module, loop iterations counted.
-
-    Args:
-        hlo_text: `jax.stages.Compiled.as_text()` (the module after XLA's passes,
-            where `while` loops carry `known_trip_count`).
-
-    Returns:
-        2 x multiply-adds of all dots/convolutions, each counted as often as it runs;
-        nan if the text holds no ENTRY computation, a loop without a known trip count,
-        or a conditional whose branches differ in matmul FLOPs.
-
-    Example:
-        >>> f = jax.jit(lambda x, w: jax.lax.scan(lambda h, w: (h @ w, None), x, w)[0])
-        >>> matmul_flops(f.lower(jnp.ones((64, 256)), jnp.ones((8, 256, 256))).compile().as_text())
-        67108864.0   # 8 x 2 x 64 x 256 x 256; cost_analysis() says 1/8 of it
-    """
-    comps, entry = _parse(hlo_text)
-    if entry is None:
-        return float("nan")
+def _flops_of(comps: dict[str, _Computation], differing: str):
+    """`name -> matmul FLOPs` of a computation and everything it calls; `differing` says what a
+    conditional whose branches differ counts: "nan" (unknown), "max" (its costliest branch) or
+    "zero" (nothing: what runs outside such conditionals)."""
     memo: dict[str, float] = {}
 
     def total(name: str) -> float:  # HLO computations call each other without cycles
@@ -178,10 +163,61 @@ def matmul_flops(hlo_text: str) -> float:
         for mult, callees in comp.calls:
             costs = {total(c) for c in callees}
             # Branches of a conditional that differ: which one runs is decided at run time.
-            inner = costs.pop() if len(costs) == 1 else math.nan
+            inner = costs.pop() if len(costs) == 1 else {"max": max(costs), "zero": 0.0}.get(differing, math.nan)
             value += mult * inner if inner else 0.0  # a loop of no matmuls adds none, known trip count or not
         memo[name] = value
         return value
 
-    return total(entry)
+    return total
 
+
+def matmul_flops(hlo_text: str, *, differing: str = "nan") -> float:
+    """FLOPs of every dot and convolution in an optimized HLO module, loop iterations counted.
+
+    Args:
+        hlo_text: `jax.stages.Compiled.as_text()` (the module after XLA's passes,
+            where `while` loops carry `known_trip_count`).
+        differing: what a conditional whose branches differ in matmul FLOPs counts:
+            "nan" (the total is unknown), or "zero" (the total is what runs outside
+            such conditionals; `branch_flops` gives the branches).
+
+    Returns:
+        2 x multiply-adds of all dots/convolutions, each counted as often as it runs;
+        nan if the text holds no ENTRY computation, a loop without a known trip count,
+        or (by default) a conditional whose branches differ in matmul FLOPs.
+
+    Example:
+        >>> f = jax.jit(lambda x, w: jax.lax.scan(lambda h, w: (h @ w, None), x, w)[0])
+        >>> matmul_flops(f.lower(jnp.ones((64, 256)), jnp.ones((8, 256, 256))).compile().as_text())
+        67108864.0   # 8 x 2 x 64 x 256 x 256; cost_analysis() says 1/8 of it
+    """
+    if differing not in ("nan", "zero"):
+        raise ValueError(f"differing={differing!r}; accepted: 'nan', 'zero'")
+    comps, entry = _parse(hlo_text)
+    if entry is None:
+        return float("nan")
+    return _flops_of(comps, differing)(entry)
+
+
+def branch_flops(hlo_text: str) -> list[tuple[float, ...]]:
+    """Matmul FLOPs of each branch of every conditional in an optimized HLO module.
+
+    What `matmul_flops` cannot total: a conditional chooses a branch at run time
+    (a pipeline tick runs a forward, a backward or nothing), so the caller, who
+    knows how often each branch runs, weighs them. Loops inside a branch count
+    every iteration; a conditional nested in a branch whose own branches differ
+    counts its costliest branch (an upper bound).
+
+    Returns:
+        one tuple per conditional (in the order of the text: nested ones first), its branches' FLOPs in the
+        order XLA lists them: branch index order (`lax.switch`; false, true for `lax.cond`).
+
+    Example:
+        >>> f = jax.jit(lambda i, x, w: jax.lax.switch(i, [lambda x: x, lambda x: x @ w], x))
+        >>> branch_flops(f.lower(0, jnp.ones((64, 256)), jnp.ones((256, 256))).compile().as_text())
+        [(0.0, 8388608.0)]
+    """
+    comps, _ = _parse(hlo_text)
+    total = _flops_of(comps, "max")
+    return [tuple(total(c) for c in callees)
+            for comp in comps.values() for _, callees in comp.calls if len(callees) > 1]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem.memory.hlo_flops import matmul_flops
+from jmem.memory.hlo_flops import branch_flops, matmul_flops
 from jmem.memory.measure import measure
 
 M, K, N, L = 64, 256, 128, 8
@@ -68,6 +68,24 @@ def test_conditional_branches_of_equal_cost_count_once_unequal_ones_are_unknown(
     assert math.isnan(matmul_flops(_hlo(unequal, True, x, w)))
     assert matmul_flops(_hlo(equal, True, x, w)) == 2 * M * K * K
     assert matmul_flops(_hlo(no_matmul, True, x, w)) == 2 * M * K * K
+
+
+def test_branch_flops_of_a_switch_with_a_nested_conditional():
+    x, w = jnp.ones((M, K)), jnp.ones((L, K, K))
+    one = 2 * M * K * K
+
+    def f(i, p, x, w):
+        nested = lambda x: jax.lax.cond(p, lambda x: x @ w[0] @ w[1], lambda x: x, x)  # noqa: E731
+        return jax.lax.switch(i, [lambda x: x, lambda x: _scan(x, w), nested], x)
+
+    # Branch 1 is a scan of L matmuls (every iteration counted); branch 2 holds a cond whose
+    # branches differ, counted as its costliest (two matmuls).
+    text = _hlo(lambda i, p, x, w: f(i, p, x, w) @ w[0], 0, True, x, w)
+    assert sorted(branch_flops(text)) == [(0.0, 2 * one), (0.0, L * one, 2 * one)]
+    assert math.isnan(matmul_flops(text))
+    assert matmul_flops(text, differing="zero") == one  # the matmul after the switch
+    with pytest.raises(ValueError, match="differing='max'; accepted: 'nan', 'zero'"):
+        matmul_flops(text, differing="max")
 
 
 def test_a_loop_of_unknown_trip_count_is_nan_not_an_undercount():
