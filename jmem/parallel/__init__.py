@@ -16,8 +16,9 @@ from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
 from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
 from jmem.parallel.pipeline import PipelineError, pipeline, pipeline_hidden, pipeline_lm_loss_fn, split_stages
-from jmem.parallel.pipeline_1f1b import (SCHEDULES, pipeline_1f1b, pipeline_1f1b_lm_loss_fn,
-                                         pipeline_1f1b_lm_value_and_grad, schedule_lm_loss_fn)
+from jmem.parallel.pipeline_1f1b import (SCHEDULES, busiest_stage_matmul_flops, pipeline_1f1b,
+                                         pipeline_1f1b_lm_loss_fn, pipeline_1f1b_lm_value_and_grad,
+                                         schedule_lm_loss_fn)
 from jmem.parallel.rules import (ACTIVATION_AXES, DEFAULT_RULES, Rules, ShardingError, activation_sharding,
                                  active_activation_sharding, batch_sharding, constrain, logical_tree, shard, shardings)
 from jmem.parallel.step import (ParallelState, ShardedTrainStep, dp_accumulate_value_and_grad, jit_train_step,
@@ -35,5 +36,5 @@ __all__ = [
     "mesh_summary", "model_loss_fn", "model_state_bytes", "parse_mesh", "shard", "shardings", "state_shardings", "zero_model_bytes",
     "zero_shardings",
 ]
-__all__ += ["SCHEDULES", "pipeline_1f1b", "pipeline_1f1b_lm_loss_fn", "pipeline_1f1b_lm_value_and_grad",
-            "schedule_lm_loss_fn"]
+__all__ += ["SCHEDULES", "busiest_stage_matmul_flops", "pipeline_1f1b", "pipeline_1f1b_lm_loss_fn",
+            "pipeline_1f1b_lm_value_and_grad", "schedule_lm_loss_fn"]

@@ -57,7 +57,10 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
         mesh: puts the stage axis of params and buffer on `stage_axis` (None: no constraint).
         stage_axis: the mesh axis of the stages.
         remat: recompute each tick's stage activations in the backward pass
-            (keeps one buffer per tick instead of every layer's activations).
+            (keeps one buffer per tick instead of every layer's activations). Leave it
+            off when `stage_fn` already checkpoints its layers: the recompute would
+            itself keep each layer's input, and each layer would then run forward three
+            times (`pipeline_hidden` turns it on only without a remat policy).
 
     Returns:
         `[M, micro, ...]`: the last stage's output for every microbatch.
@@ -110,7 +113,9 @@ def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: 
         return jax.lax.scan(layer, x_BTE, w_stage)[0]
 
     x_M = x.reshape((n_microbatches, B // n_microbatches) + x.shape[1:])
-    y = pipeline(stage_fn, weights, x_M, mesh=mesh).reshape(x.shape)
+    # A remat policy already decides what each layer keeps; recomputing the stage on top of it would run
+    # every layer's forward three times. Without one the stage is recomputed from its input (GPipe's own remat).
+    y = pipeline(stage_fn, weights, x_M, mesh=mesh, remat=cfg.remat == "none").reshape(x.shape)
     return rms_norm(y, model.norm.scale.get_value(), cfg.norm_eps)
 
 

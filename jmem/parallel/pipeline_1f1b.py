@@ -1,11 +1,11 @@
 """Pipeline parallelism with the 1F1B (one-forward-one-backward, PipeDream-flush) schedule.
 
 GPipe (`jmem.parallel.pipeline`) runs every microbatch's forward pass, then
-every backward pass, so each stage keeps the stage inputs of all M microbatches
+every backward pass, so each stage keeps the activations of all M microbatches
 until the backward pass reaches them. 1F1B starts a microbatch's backward pass
 as soon as the last stage has its loss, so a stage never holds more than S
-stored stage inputs (S = number of stages), whatever M is. The flush at the end
-of every step keeps the update synchronous: the gradients equal plain
+microbatches' activations (S = number of stages), whatever M is. The flush at
+the end of every step keeps the update synchronous: the gradients equal plain
 `jax.value_and_grad` of the unpipelined model.
 
 Because forward and backward passes interleave, the schedule is not the
@@ -19,12 +19,17 @@ gradients in one `jax.shard_map` over the `stage` axis. A `lax.scan` walks the
 or waits. Forward and backward ticks of a stage have opposite parity, so they
 never collide, an activation sent at tick t is used by the next stage at t + 1,
 and a cotangent sent at t is used by the previous stage at t + 1: both travel by
-`lax.ppermute` at the end of every tick. The backward of a microbatch is
-`jax.vjp` of the stage function recomputed from its stored input (a ring of S
-slots per stage), so only one microbatch's layer activations exist at a time;
-parameter gradients accumulate in f32 in the loop. Stage 0 also embeds the
-token ids, and the last stage runs the loss head (final norm + chunked
-cross-entropy), whose backward starts the backward chain.
+`lax.ppermute` at the end of every tick. A stage stores what its backward
+tick needs in a ring of S slots (one per microbatch in flight): with a
+`layer_fn` (the LM loss with a remat policy) every layer's input, and the
+backward tick recomputes and differentiates one layer at a time, so each
+layer's forward runs twice per step, as under `full` remat without a
+pipeline; with a `stage_fn` (no remat policy) the stage input alone, and the
+backward tick is `jax.vjp` of the whole stage (two forwards too, with one
+microbatch's stage activations alive at a time). Parameter gradients
+accumulate in f32 in the loop. Stage 0 also embeds the token ids, and the last
+stage runs the loss head (final norm + chunked cross-entropy), whose backward
+starts the backward chain.
 
 `pipeline_1f1b_lm_loss_fn` wraps this for the train step as a loss with a
 `jax.custom_vjp`: its forward rule runs the whole schedule and keeps the
@@ -34,8 +39,10 @@ loss scaling and 1/token-count do) runs the 1F1B schedule, and the train step
 needs no change. Evaluating the loss without a gradient runs the GPipe forward.
 
 Bubble: every stage is busy 2M of the 2(M + S - 1) ticks, the same
-(S - 1)/(M + S - 1) fraction as GPipe. Any M >= 1 works; M >= S is where the
-memory bound (S stage inputs instead of M) pays off.
+(S - 1)/(M + S - 1) fraction as GPipe, but an idle tick computes nothing (GPipe's
+bubble ticks compute on zeros). Any M >= 1 works; M >= S is where the memory
+bound (S microbatches' stored activations instead of M) pays off. Matmul FLOPs
+of the schedule: `busiest_stage_matmul_flops`.
 
 Example:
     >>> loss_fn, params = pipeline_1f1b_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
@@ -90,13 +97,15 @@ def _add(acc, g):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
 
-def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, stage_params, shared_params,
-                  inputs_M, targets_M, *, mesh: Mesh, stage_axis: str = "stage"):
+def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callable, stage_params, shared_params,
+                  inputs_M, targets_M, *, mesh: Mesh, stage_axis: str = "stage", layer_fn: Callable | None = None):
     """Loss and gradients of `last_fn(stage_S-1(... stage_0(first_fn(inputs))))` under the 1F1B schedule.
 
     Args:
         first_fn: `(shared_params, inputs[micro, ...]) -> x[micro, ...]` (e.g. the embedding); run on stage 0.
-        stage_fn: `(params of one stage, x) -> y` of the same shape and dtype as `x`.
+        stage_fn: `(params of one stage, x) -> y` of the same shape and dtype as `x`. A stage keeps
+            its input per microbatch in flight, and its backward tick recomputes the whole stage
+            under one `jax.vjp`. None when `layer_fn` is given.
         last_fn: `(shared_params, y, targets[micro, ...]) -> (loss_sum f32[], count f32[])`; run on the
             last stage. The loss must be a sum over the microbatch (the result adds microbatches).
         stage_params: pytree with leading stage axis `[S, ...]` (e.g. from `split_stages`).
@@ -107,6 +116,11 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
         mesh: a mesh with `stage_axis` of size S; other axes stay automatic (data parallelism
             inside each stage is left to the compiler).
         stage_axis: the mesh axis of the stages.
+        layer_fn: `(params of one layer, x) -> y` of the same shape as `x`, instead of `stage_fn`: a
+            stage is the scan of it over the stage's layers (`stage_params` leaves `[S, L/S, ...]`),
+            and a stage keeps the input of every layer (and its output) per microbatch in flight;
+            its backward tick recomputes one layer at a time under `jax.vjp`, so each layer's
+            forward runs twice in all (the forward tick and the recompute), as with `full` remat.
 
     Returns:
         `((loss_sum, count), (grad of stage_params, grad of shared_params))`, gradients
@@ -117,6 +131,8 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
         >>> (s, c), (g_stages, g_shared) = pipeline_1f1b(embed_fn, stage_fn, head_fn, w_S, shared,
         ...                                              ids_M, (tgt_M, mask_M), mesh=mesh)
     """
+    if (stage_fn is None) == (layer_fn is None):
+        raise PipelineError("pipeline_1f1b takes a stage_fn or a layer_fn; accepted: exactly one of them")
     S = jax.tree.leaves(stage_params)[0].shape[0]
     M = jax.tree.leaves(inputs_M)[0].shape[0]
     if mesh.shape.get(stage_axis, 1) != S:
@@ -132,25 +148,68 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         at = lambda tree, m: jax.tree.map(lambda a: a[m], tree)  # noqa: E731
 
-        def backward(role_first: bool, role_last: bool):
-            """`(x, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)` for one role."""
-            def run(x, m, ct_y):
-                def f(w_, sh_, x_):
-                    h = first_fn(sh_, at(ins_M, m)) if role_first else x_
-                    y = stage_fn(w_, h)
-                    return last_fn(sh_, y, at(tgts_M, m)) if role_last else y
+        first = lambda sh, m: first_fn(sh, at(ins_M, m)).astype(x_shape.dtype)  # noqa: E731
 
-                out, vjp = jax.vjp(f, w, shared, x)
-                if role_last:
-                    g_w, g_sh, g_x = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
-                    loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
-                else:
-                    g_w, g_sh, g_x = vjp(ct_y)
+        if layer_fn is None:
+            stash_shape = x_shape.shape  # the stage input
+
+            def run_forward(x):
+                # The last stage only stores its input: its backward tick recomputes the stage with the loss head.
+                y = jax.lax.cond(s == S - 1, lambda: zeros_x, lambda: stage_fn(w, x).astype(x_shape.dtype))
+                return y, x
+
+            def backward(role_first: bool, role_last: bool):
+                """`(stage input, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)`."""
+                def run(x, m, ct_y):
+                    def f(w_, sh_, x_):
+                        h = first(sh_, m) if role_first else x_
+                        y = stage_fn(w_, h)
+                        return last_fn(sh_, y, at(tgts_M, m)) if role_last else y
+
+                    out, vjp = jax.vjp(f, w, shared, x)
+                    if role_last:
+                        g_w, g_sh, g_x = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
+                        loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
+                    else:
+                        g_w, g_sh, g_x = vjp(ct_y)
+                        loss = count = jnp.zeros((), jnp.float32)
+                    if role_first:  # nothing upstream to send a cotangent to
+                        g_x = jnp.zeros_like(g_x)
+                    return g_w, g_sh, g_x, loss, count
+                return run
+        else:
+            n_layers = jax.tree.leaves(w)[0].shape[0]
+            stash_shape = (n_layers + 1,) + x_shape.shape  # every layer's input, then the stage output
+
+            def layer(w_l, h):
+                return layer_fn(w_l, h).astype(h.dtype)
+
+            def run_forward(x):
+                y, inputs = jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w)
+                return y, jnp.concatenate([inputs, y[None]])
+
+            def backward(role_first: bool, role_last: bool):
+                """`(stored activations, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)`."""
+                def run(acts, m, ct_y):
+                    g_sh = jax.tree.map(jnp.zeros_like, shared)
                     loss = count = jnp.zeros((), jnp.float32)
-                if role_first:  # nothing upstream to send a cotangent to
-                    g_x = jnp.zeros_like(g_x)
-                return g_w, g_sh, g_x, loss, count
-            return run
+                    if role_last:
+                        out, vjp = jax.vjp(lambda sh_, y_: last_fn(sh_, y_, at(tgts_M, m)), shared, acts[-1])
+                        g_sh, ct_y = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
+                        loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
+
+                    def layer_back(ct, w_x):  # one layer recomputed from its stored input, then differentiated
+                        _, vjp = jax.vjp(layer, *w_x)
+                        g_l, ct = vjp(ct.astype(x_shape.dtype))
+                        return ct, g_l
+
+                    ct_x, g_w = jax.lax.scan(layer_back, ct_y, (w, acts[:-1]), reverse=True)
+                    if role_first:  # the embedding's gradient; nothing upstream to send a cotangent to
+                        _, vjp = jax.vjp(lambda sh_: first(sh_, m), shared)
+                        g_sh = _add(g_sh, vjp(ct_x.astype(x_shape.dtype))[0])
+                        ct_x = jnp.zeros_like(ct_x)
+                    return g_w, g_sh, ct_x.astype(x_shape.dtype), loss, count
+                return run
 
         roles = [backward(i & 1 == 1, i & 2 == 2) for i in range(4)]
         role = (s == 0).astype(jnp.int32) + 2 * (s == S - 1).astype(jnp.int32)
@@ -168,17 +227,15 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
 
             def forward(c):
                 ring, g_w, g_sh, loss, count = c
-                x = jax.lax.cond(s == 0, lambda: first_fn(shared, at(ins_M, m)).astype(x_shape.dtype),
-                                 lambda: recv_f)
-                ring = jax.lax.dynamic_update_index_in_dim(ring, x, m % S, 0)
-                # The last stage only stores its input: its backward tick recomputes the stage with the loss head.
-                y = jax.lax.cond(s == S - 1, lambda: zeros_x, lambda: stage_fn(w, x).astype(x_shape.dtype))
+                x = jax.lax.cond(s == 0, lambda: first(shared, m), lambda: recv_f)
+                y, stash = run_forward(x)
+                ring = jax.lax.dynamic_update_index_in_dim(ring, stash, m % S, 0)
                 return y, zeros_x, ring, g_w, g_sh, loss, count
 
             def backward_tick(c):
                 ring, g_w, g_sh, loss, count = c
-                x = jax.lax.dynamic_index_in_dim(ring, m % S, 0, keepdims=False)
-                dw, dsh, dx, l, n = jax.lax.switch(role, roles, x, m, recv_b)
+                stash = jax.lax.dynamic_index_in_dim(ring, m % S, 0, keepdims=False)
+                dw, dsh, dx, l, n = jax.lax.switch(role, roles, stash, m, recv_b)
                 return zeros_x, dx.astype(x_shape.dtype), ring, _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
 
             send_f, send_b, *rest = jax.lax.switch(action, [idle, forward, backward_tick],
@@ -188,7 +245,7 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
             return (recv_f, recv_b, *rest), None
 
         zero = jnp.zeros((), jnp.float32)
-        carry0 = (zeros_x, zeros_x, jnp.zeros((S,) + x_shape.shape, x_shape.dtype), _zeros_f32(w), _zeros_f32(shared),
+        carry0 = (zeros_x, zeros_x, jnp.zeros((S,) + stash_shape, x_shape.dtype), _zeros_f32(w), _zeros_f32(shared),
                   zero, zero)
         (_, _, _, g_w, g_sh, loss, count), _ = jax.lax.scan(tick, carry0, jnp.arange(2 * (M + S - 1)))
         g_sh = jax.lax.psum(g_sh, stage_axis)  # embedding from stage 0, head from the last stage
@@ -203,6 +260,30 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
                    out_specs=((P(), P()), (spec_S, rep(shared_params))), axis_names=frozenset({stage_axis}),
                    check_vma=False)
     return fn(stage_params, shared_params, inputs_M, targets_M)
+
+
+def busiest_stage_matmul_flops(hlo_text: str, n_microbatches: int) -> float:
+    """Matmul FLOPs per device of a compiled program that runs `pipeline_1f1b` once.
+
+    `jmem.memory.matmul_flops` cannot total the schedule: every tick's `lax.switch`
+    runs a forward, a backward or nothing, chosen at run time. Every stage runs M
+    forward and M backward ticks, so this counts M x (costliest forward tick +
+    costliest backward tick) plus the matmuls outside the schedule: the work of the
+    busiest stage, exact when one stage has both costliest ticks (with a remat
+    policy, the last stage: its backward tick adds the loss head), else an upper
+    bound. nan if the program does not hold exactly one tick switch.
+
+    Example:
+        >>> text = jax.jit(value_and_grad).lower(params, batch).compile().as_text()
+        >>> busiest_stage_matmul_flops(text, n_microbatches=4)
+    """
+    from jmem.memory.hlo_flops import branch_flops, matmul_flops
+
+    ticks = [b for b in branch_flops(hlo_text) if len(b) == 3 and b[0] == 0.0]  # idle, forward, backward
+    if len(ticks) != 1:
+        return float("nan")
+    _, forward, backward = ticks[0]
+    return matmul_flops(hlo_text, differing="zero") + n_microbatches * (forward + backward)
 
 
 def _block_weights(layers: dict) -> dict:
@@ -235,23 +316,21 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     chunk = cfg.loss_chunk if chunk is None else chunk
     compute = as_dtype(cfg.compute_dtype)
 
-    def layer_fn(positions):
-        def layer(x, w):
-            return block(cfg, w, x, positions)[0], None
-
-        if cfg.remat != "none":
-            from jmem.memory.remat import get_policy
-
-            layer = jax.checkpoint(layer, policy=get_policy(cfg.remat), prevent_cse=False)
-        return layer
-
     def first_fn(shared, ids_BT):
         return jnp.take(shared["embed"]["embedding"], ids_BT, axis=0).astype(compute)
 
-    def stage_fn(w_stage, x_BTE):
+    def layer_fn(w_layer, x_BTE):
         B, T = x_BTE.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return jax.lax.scan(layer_fn(positions), x_BTE, _block_weights(w_stage))[0]
+        return block(cfg, _block_weights(w_layer), x_BTE, positions)[0]
+
+    def stage_fn(w_stage, x_BTE):
+        return jax.lax.scan(lambda x, w: (layer_fn(w, x), None), x_BTE, w_stage)[0]
+
+    # With a remat policy a stage keeps every layer's input per microbatch in flight and recomputes one
+    # layer at a time (two forwards per layer); keeping the stage input alone would need the recompute of
+    # the stage to save those inputs again and then recompute each layer: three forwards.
+    stages = {"layer_fn": layer_fn} if cfg.remat != "none" else {"stage_fn": stage_fn}
 
     def last_fn(shared, y_BTE, tgt):
         # The model's own head code on the shared params; the layer leaves are never read by the head,
@@ -273,8 +352,9 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
         shared = {k: v for k, v in p.items() if k != "layers"}
         w_S = split_stages(p["layers"], n_stages)
         (s, c), (g_S, g_sh) = pipeline_1f1b(
-            first_fn, stage_fn, last_fn, w_S, shared, micro(batch["inputs"]),
-            (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis)
+            first_fn, stages.get("stage_fn"), last_fn, w_S, shared, micro(batch["inputs"]),
+            (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis,
+            layer_fn=stages.get("layer_fn"))
         g_layers = jax.tree.map(lambda g: g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:]), g_S)
         return (s, c), {**g_sh, "layers": g_layers}
 

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jmem import parallel as par
+from jmem.memory.hlo_flops import branch_flops
 from jmem.memory.measure import measure_and_compile
 from jmem.models import Llama, LlamaConfig
 from jmem.parallel.pipeline_1f1b import check_schedule, timetable
@@ -118,6 +119,57 @@ def test_1f1b_temp_memory_does_not_grow_with_microbatches(compiled_s2, model):
     assert temp["1f1b", 8] < temp["gpipe", 8], temp
 
 
+def _tick_flops(compiled):
+    """Matmul FLOPs of one forward tick and of each role's backward tick (middle, first, last, first+last)."""
+    branches = branch_flops(compiled.as_text())
+    ticks = [b for b in branches if len(b) == 3]  # idle, forward, backward
+    roles = [b for b in branches if len(b) == 4]
+    assert len(ticks) == len(roles) == 1, branches
+    assert ticks[0][0] == 0.0
+    return ticks[0][1], roles[0]
+
+
+def test_backward_tick_recomputes_each_layer_once(compiled_s2, model):
+    # With a remat policy the stage keeps every layer's input: stage 0's backward tick recomputes each layer
+    # once (minus w_down, whose output the backward pass does not need) and differentiates it, 3F - w_down.
+    # Keeping the stage input alone and recomputing the stage under remat costs 3.8F here.
+    fwd, roles = _tick_flops(compiled_s2["1f1b", 2][1])
+    cfg = model.config
+    w_down = 2 * (MICRO * T) * cfg.ffn_dim * cfg.dim * (cfg.n_layers // 2)  # two layers per stage
+    assert fwd > 0 and roles[1] == pytest.approx(3 * fwd - w_down, rel=1e-9), (fwd, roles)
+    assert roles[2] > roles[1]  # the last stage adds the loss head
+
+    # Stage 0's work plus the busiest (last) stage's is exactly the unpipelined step's: no recompute on top.
+    batch = _abstract(_batch(cfg, 2 * MICRO, 0))
+    loss_fn, params = par.model_loss_fn(model)
+    one_device, _ = measure_and_compile(lambda p, b: _vg_pair(loss_fn, p, b), _abstract(params), batch)
+    busiest = par.busiest_stage_matmul_flops(compiled_s2["1f1b", 2][1].as_text(), 2)
+    assert busiest == 2 * (fwd + roles[2])
+    assert busiest + 2 * (fwd + roles[1]) == pytest.approx(one_device.matmul_flops, rel=1e-9)
+
+
+def test_without_remat_the_stage_is_recomputed_from_its_input(compiled_s2):
+    model = Llama(LlamaConfig.tiny(n_layers=4, loss_chunk=8, remat="none"), rngs=nnx.Rngs(0))
+    mesh = par.make_mesh("stage=2,data=4")
+    batch = _batch(model.config, 2 * MICRO, 3)
+    params, s_ref, c_ref, g_ref = _unpipelined(model, batch)
+    fn = par.pipeline_1f1b_lm_value_and_grad(model, n_stages=2, n_microbatches=2, mesh=mesh)
+    _, compiled = measure_and_compile(fn, _abstract(params), _abstract(batch))
+    (s, c), g = compiled(params, batch)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-5)
+    assert float(c) == float(c_ref)
+    _assert_grads_close(g, g_ref)
+    fwd, roles = _tick_flops(compiled)
+    assert roles[1] == pytest.approx(3 * fwd, rel=1e-9)  # the stage forward again under vjp, then 2F back
+
+    # GPipe too recomputes the stage only without a layer policy: with one (`full`) its step costs less
+    # than without (w_down is not recomputed), not a third forward more.
+    loss_fn, p = par.pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=2, mesh=mesh)
+    gpipe_none, _ = measure_and_compile(lambda q, b: _vg_pair(loss_fn, q, b), _abstract(p), _abstract(batch))
+    gpipe_full = compiled_s2["gpipe", 2][0]
+    assert 0 < gpipe_full.matmul_flops < gpipe_none.matmul_flops, (gpipe_full.matmul_flops, gpipe_none.matmul_flops)
+
+
 def test_four_stages_loss_fn_gradient_matches_unpipelined(model):
     """Through the `custom_vjp` loss the train step differentiates, with a scaled objective."""
     mesh = par.make_mesh("stage=4,data=2")
@@ -139,6 +191,10 @@ def test_four_stages_loss_fn_gradient_matches_unpipelined(model):
 def test_unknown_schedule_is_one_clear_error(capsys):
     with pytest.raises(par.PipelineError, match="unknown pipeline schedule 'zb'; accepted: gpipe, 1f1b"):
         check_schedule("zb")
+    f = lambda *a: a[-1]  # noqa: E731
+    for stage_fn, layer_fn in [(None, None), (f, f)]:
+        with pytest.raises(par.PipelineError, match="takes a stage_fn or a layer_fn; accepted: exactly one"):
+            par.pipeline_1f1b(f, stage_fn, f, {}, {}, {}, {}, mesh=None, layer_fn=layer_fn)
     rc, err = run_train_script(["--model", "tiny", "--pipeline-stages", "2", "--pipeline-schedule", "zb"], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "accepted: gpipe, 1f1b" in lines[0], err
