@@ -26,6 +26,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from jmem.io.paths import prepare_output
 from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
 
 
@@ -217,6 +218,8 @@ def markdown(rows: list[dict]) -> str:
 def main(cfg: Config) -> list[dict]:
     if cfg.quick:
         cfg = cfg.shrunk()
+    if cfg.out:
+        prepare_output(cfg.out, "--out")  # before the benchmarks, not after them
     dev = jax.devices()[0]
     log(f"jax {jax.__version__} on {dev.platform} ({getattr(dev, 'device_kind', '?')}); config {cfg}")
     rows = run(cfg)
@@ -248,4 +251,7 @@ def parse_args() -> Config:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -28,6 +28,7 @@ import tyro
 from flax import nnx
 
 import jmem
+from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.api import LINEARS
 
@@ -116,6 +117,7 @@ def main(cfg: Config) -> list[dict]:
     bad = [m for m in methods if m not in ALL]
     if bad:
         raise ValueError(f"unknown methods {bad}; accepted: {', '.join(ALL)}")
+    prepare_output(cfg.out, "--out")
     text = open(cfg.text, encoding="utf-8").read() if cfg.text else default_text()
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
@@ -176,4 +178,7 @@ def markdown(records: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    try:
+        main(tyro.cli(Config))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None

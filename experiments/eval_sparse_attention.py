@@ -26,6 +26,7 @@ from flax import nnx
 
 import jmem
 from jmem.data import default_text
+from jmem.io.paths import prepare_output
 from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
 from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
 
@@ -113,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
     if cfg.impl not in ("auto", "pallas", "reference"):
         raise SystemExit(f"--impl={cfg.impl!r}; accepted: auto, pallas, reference")
+    if cfg.out:
+        try:
+            prepare_output(cfg.out, "--out")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     impl = cfg.impl if cfg.impl != "auto" else ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
     lm = jmem.load(cfg.model)
     text = default_text() if cfg.text is None else open(cfg.text, encoding="utf-8").read()

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import sys
 
 import tyro
 
+from jmem.io.paths import prepare_output
 from jmem.models.config import PRESETS
 from jmem.memory.remat import POLICIES
 from jmem.train.sweep import markdown_table, parse_list, plot_records, sweep
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.preset not in PRESETS:
             raise ValueError(f"unknown preset {cfg.preset!r}; accepted: {', '.join(PRESETS)}")
+        # Output directories now: a path that cannot be written fails before compiling, not after.
+        out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         accums = []
         for a in parse_list(cfg.accum, "accum"):
             if not a.isdigit():
@@ -127,12 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for p in (cfg.out, cfg.md, cfg.png):
-        pathlib.Path(p).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(cfg.out).write_text(json.dumps(records, indent=1))
+    out.write_text(json.dumps(records, indent=1))
     title = f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}, attention {records[0]['attention']}]"
-    pathlib.Path(cfg.md).write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
-    plot_records(records, cfg.png, title)
+    md.write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
+    plot_records(records, png, title)
     print(f"wrote {cfg.out}, {cfg.md}, {cfg.png}")
     return 0
 

