@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
 
         return quantize_main(argv[1:])
     try:
-        tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="jmem")
+        tyro.extras.subcommand_cli_from_dict(
+            commands, args=argv, prog="jmem",
+            description="jmem generate | info | serve | quantize. `jmem serve --help`: the OpenAI-compatible "
+                        "server; `jmem quantize --help`: quantize a model to GGUF or a jmem directory.")
     except (ValueError, FileNotFoundError) as e:
         print(f"jmem: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

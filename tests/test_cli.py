@@ -17,6 +17,12 @@ def test_generate_tiny():
     assert r.returncode == 0, r.stderr
 
 
+def test_help_names_every_subcommand():
+    r = _jmem("--help")
+    assert r.returncode == 0, r.stderr
+    assert all(c in r.stdout for c in ("generate", "info", "jmem serve --help", "jmem quantize --help")), r.stdout
+
+
 def test_info_smollm2():
     try:
         path = packaged_model_path("smollm2-135m")
