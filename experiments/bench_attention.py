@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import time
 import traceback
 
@@ -254,4 +255,5 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

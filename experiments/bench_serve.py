@@ -24,6 +24,7 @@ run are counted and reported (with the steps that waited for one).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import numpy as np
@@ -57,6 +58,21 @@ class Config:
     hf_requests: int = 8
     """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
     seed: int = 0
+
+
+def check(cfg: Config) -> None:
+    """One clear `ValueError` for a flag out of range, before the model loads."""
+    if cfg.num_requests < 1:
+        raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
+    if cfg.arrival not in ("burst", "poisson"):
+        raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
+    if cfg.arrival == "poisson" and not cfg.rate > 0:
+        raise ValueError(f"--rate={cfg.rate}; accepted: > 0 arrivals per second")
+    for flag, (lo, hi) in (("--prompt-len", cfg.prompt_len), ("--output-len", cfg.output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{flag} {lo} {hi}; accepted: LO HI with 1 <= LO <= HI")
+    if not 0 <= cfg.hf_requests <= cfg.num_requests:
+        raise ValueError(f"--hf-requests={cfg.hf_requests}; accepted: 0..{cfg.num_requests} (--num-requests)")
 
 
 def make_trace(cfg: Config, tokenizer):
@@ -196,6 +212,8 @@ def main(cfg: Config) -> None:
     import jmem
     from flax import nnx
 
+    check(cfg)
+
     from jmem.lm import PACKAGED_MODELS, packaged_model_path
     from jmem.models import Llama, get_config
 
@@ -261,4 +279,8 @@ def main(cfg: Config) -> None:
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(Config))
+    try:
+        main(tyro.cli(Config))
+    except ValueError as e:  # a flag the model or the engine refuses: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 
 import jax
@@ -181,4 +182,5 @@ if __name__ == "__main__":
     try:
         main(tyro.cli(Config))
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -7,13 +7,32 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
-def test_bench_serve_smoke(capsys):
+def _bench_serve():
     path = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_serve.py"
     spec = importlib.util.spec_from_file_location("bench_serve", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_serve"] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_requests=0), "--num-requests=0; accepted: >= 1"),
+    (dict(arrival="uniform"), "--arrival='uniform'; accepted: burst, poisson"),
+    (dict(arrival="poisson", rate=0.0), "--rate=0.0; accepted: > 0"),
+    (dict(prompt_len=(10, 5)), "--prompt-len 10 5; accepted: LO HI with 1 <= LO <= HI"),
+    (dict(output_len=(0, 4)), "--output-len 0 4"),
+    (dict(hf_requests=65), "--hf-requests=65; accepted: 0..64"),
+])
+def test_bad_flags_are_refused_before_loading(change, message):
+    mod = _bench_serve()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        mod.check(mod.Config(**change))
+
+
+@pytest.mark.slow
+def test_bench_serve_smoke(capsys):
+    mod = _bench_serve()
     mod.main(mod.Config(model="tiny", num_requests=6, prompt_len=(4, 20), output_len=(2, 6), max_num_seqs=4,
                         hf_requests=0))
     out = capsys.readouterr().out
