@@ -90,7 +90,9 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     (`param_bytes_per_device`, `grad_bytes_per_device`, `opt_bytes_per_device`,
     from those shardings; the whole trees without a mesh). With `pipeline_stages` > 1 the
     loss runs the `schedule` ("gpipe" or "1f1b") over `microbatches` on the mesh's
-    `stage` axis, and the record has `pipeline` = "S stages x M microbatches, schedule".
+    `stage` axis, and the record has `pipeline` = "S stages x M microbatches, schedule";
+    a 1F1B record's `matmul_flops` is its busiest stage's (`busiest_stage_matmul_flops`,
+    accumulation 1; None otherwise).
     """
     from jmem import parallel as par
     from jmem.models.llama import Llama
