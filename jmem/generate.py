@@ -80,7 +80,7 @@ def _decode(graphdef, state, layers, cache, logits_BV, pos_B, arrays: sampling.S
 
     def step(carry, _):
         logits, pos, cache, arrays = carry
-        tok = jnp.argmax(logits, -1).astype(jnp.int32) if greedy else sampling.sample(logits, arrays)[0]
+        tok = sampling.argmax_last(logits).astype(jnp.int32) if greedy else sampling.sample(logits, arrays)[0]
         h, cache = model.hidden(tok[:, None], positions=pos[:, None], cache=cache, layers=layers)
         new_logits = model.logits_from_hidden(h)
         return (new_logits[:, 0], pos + 1, cache, arrays._replace(step=arrays.step + 1)), tok

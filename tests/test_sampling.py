@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jmem.serve.request import SamplingParams
-from jmem.sampling import apply_penalties, make_arrays, masked_logits, sample
+from jmem.sampling import apply_penalties, argmax_last, make_arrays, masked_logits, sample
 
 V = 50
 
@@ -103,3 +103,18 @@ def test_sample_frequencies_follow_distribution(temperature):
     p = np.asarray(jax.nn.softmax(logits / temperature))[:5]
     freq = np.bincount(tok, minlength=V)[:5] / n
     assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() / n)
+
+
+def test_argmax_last_equals_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 1000)).astype(np.float32)
+    x[1, [3, 500]] = 10.0  # ties: the first index
+    x[2] = -np.inf  # a row masked out entirely
+    x[3, 7], x[3, 9] = np.inf, np.inf
+    x[4, 20], x[4, 10] = np.nan, np.inf  # NaN wins over inf, wherever it is
+    x[5, [30, 40]] = np.nan
+    x[6] = np.round(x[6])  # many ties
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    got = np.asarray(jax.jit(argmax_last)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, want)
+    assert list(want[1:6]) == [3, 0, 7, 20, 30]
