@@ -12,11 +12,11 @@ V = 50
 
 
 def ref_mask(logits, p: SamplingParams):
-    """One row, written the slow obvious way."""
+    """One row, written the slow obvious way (a sort, then a walk down it)."""
     x = logits / p.temperature
     order = np.argsort(-x, kind="stable")
     probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
-    keep = np.zeros(V, bool)
+    keep = np.zeros(x.shape[0], bool)
     mass = 0.0
     for rank, i in enumerate(order):
         ok = (p.top_k <= 0 or rank < p.top_k) and mass < p.top_p and probs[i] >= p.min_p * probs[order[0]]
@@ -52,6 +52,22 @@ def test_masks_match_reference():
         np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
 
 
+def test_masks_match_reference_on_random_settings():
+    # Many rows, a larger vocabulary, every filter alone and combined, down to k = 1 and tiny top_p.
+    rng = np.random.default_rng(4)
+    n, vocab = 48, 700
+    logits = (rng.normal(size=(n, vocab)) * rng.uniform(0.5, 4, size=(n, 1))).astype(np.float32)
+    params = [SamplingParams(temperature=float(rng.uniform(0.3, 2.0)),
+                             top_k=int(rng.choice([0, 1, 2, 7, 50, vocab - 1, vocab])),
+                             top_p=float(rng.choice([1.0, 0.99, 0.9, 0.5, 0.05, 1e-4])),
+                             min_p=float(rng.choice([0.0, 0.0, 0.01, 0.3]))) for _ in range(n)]
+    s = make_arrays(params, seeds=[0] * n, steps=[0] * n)
+    got = np.asarray(jax.jit(masked_logits)(jnp.asarray(logits), s))
+    for i, p in enumerate(params):
+        want = ref_mask(logits[i], p)
+        np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want), err_msg=str(p))
+
+
 def test_penalties_match_reference():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(2, V)).astype(np.float32)
@@ -67,7 +83,7 @@ def test_penalties_match_reference():
 def test_sample_greedy_seeded_and_within_mask():
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(size=(6, V)).astype(np.float32) * 2)
-    params = [SamplingParams(temperature=0.0)] + PARAMS + [SamplingParams(temperature=0.0)]
+    params = [SamplingParams(temperature=0.0, logprobs=5)] + PARAMS + [SamplingParams(temperature=0.0)]
     fn = jax.jit(sample)
     s = make_arrays(params, seeds=[1, 2, 3, 4, 5, 6], steps=[0] * 6, batch=8)
     pad = jnp.concatenate([logits, jnp.zeros((2, V))])
@@ -77,6 +93,13 @@ def test_sample_greedy_seeded_and_within_mask():
     lsm = np.asarray(jax.nn.log_softmax(logits, -1))
     np.testing.assert_allclose(np.asarray(lp)[:6], lsm[np.arange(6), tok[:6]], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(top_ids)[:6, 0], np.argmax(lsm, -1))
+    np.testing.assert_allclose(np.asarray(top_lp)[:6], -np.sort(-lsm, axis=-1)[:, :20], rtol=1e-5)
+    # No row asks for log-probabilities: the top ones are skipped (zeros), the tokens are the same.
+    s0 = make_arrays([SamplingParams(temperature=0.0)] + params[1:], seeds=[1, 2, 3, 4, 5, 6], steps=[0] * 6, batch=8)
+    tok0, lp0, top_lp0, top_ids0 = fn(pad, s0)
+    np.testing.assert_array_equal(np.asarray(tok0), tok)
+    np.testing.assert_array_equal(np.asarray(lp0), np.asarray(lp))
+    assert not np.asarray(top_lp0).any() and not np.asarray(top_ids0).any()
     # Same seed and step, different batch position and neighbours: same token.
     s2 = make_arrays(params[::-1], seeds=[6, 5, 4, 3, 2, 1], steps=[0] * 6, batch=8)
     tok2 = np.asarray(fn(jnp.concatenate([logits[::-1], jnp.zeros((2, V))]), s2)[0])
