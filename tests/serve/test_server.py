@@ -129,8 +129,10 @@ def test_streaming_n2_stop_logprobs(server, client):
     # Logprobs: one entry per token, top list of the requested size.
     text, r = greedy_text(client, "stream me", max_tokens=3, logprobs=2, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
-    assert len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert len(lp.token_logprobs) == 3 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
     assert all(l <= 0 for l in lp.token_logprobs)
+    # Greedy: the chosen token is the most likely one, so it heads its top list.
+    assert all(max(t.values()) == pytest.approx(l, abs=1e-5) for t, l in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 @pytest.mark.parametrize("body, status, param", [
