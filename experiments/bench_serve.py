@@ -55,6 +55,8 @@ class Config:
     num_blocks: int | None = None
     """KV pool size in blocks; default: enough for every request at once."""
     compute_dtype: str = "f32"
+    temperature: float = 0.0
+    """0 decodes greedily; above 0 every request samples (no top-k/top-p), as OpenAI's default of 1 does."""
     hf_requests: int = 8
     """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
     seed: int = 0
@@ -71,6 +73,8 @@ def check(cfg: Config) -> None:
     for flag, (lo, hi) in (("--prompt-len", cfg.prompt_len), ("--output-len", cfg.output_len)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{flag} {lo} {hi}; accepted: LO HI with 1 <= LO <= HI")
+    if not 0.0 <= cfg.temperature <= 2.0:
+        raise ValueError(f"--temperature={cfg.temperature}; accepted: 0..2")
     if not 0 <= cfg.hf_requests <= cfg.num_requests:
         raise ValueError(f"--hf-requests={cfg.hf_requests}; accepted: 0..{cfg.num_requests} (--num-requests)")
 
@@ -130,7 +134,7 @@ def time_steps(engine: Engine) -> dict:
     return split
 
 
-def run_engine(engine: Engine, trace) -> dict:
+def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
     """Replay `trace` stepping the engine inline; per-token timestamps from the streams."""
     split = time_steps(engine)
     compiles0, compile_s0 = COMPILES.count, COMPILES.seconds
@@ -142,7 +146,7 @@ def run_engine(engine: Engine, trace) -> dict:
         while pending and trace[pending[0]][0] <= now:
             i = pending.pop(0)
             _, prompt, out = trace[i]
-            sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+            sp = SamplingParams(max_tokens=out, temperature=temperature, seed=i, ignore_eos=True)
             streams[i] = engine.add_request(prompt, sp)
             times[i] = [trace[i][0]]
         if not engine.has_unfinished():
@@ -196,7 +200,9 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
         for _, prompt, out in sub:
             start = time.monotonic()
             ids = torch.tensor([prompt])
-            model.generate(ids, max_new_tokens=out, min_new_tokens=out, do_sample=False)
+            sample = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else \
+                dict(do_sample=False)
+            model.generate(ids, max_new_tokens=out, min_new_tokens=out, **sample)
             times.append(time.monotonic() - start)
     elapsed = time.monotonic() - t0
     n_out = sum(out for _, _, out in sub)
@@ -243,11 +249,11 @@ def main(cfg: Config) -> None:
         for _ in range(3):  # warm-up: compiles the shapes the timed run uses
             compiles0 = COMPILES.count
             engine = fresh_engine()
-            run_engine(engine, trace)
+            run_engine(engine, trace, cfg.temperature)
             engine.runner.finish_compilations()
             if COMPILES.count == compiles0:
                 break
-        rows[name] = run_engine(fresh_engine(), trace)
+        rows[name] = run_engine(fresh_engine(), trace, cfg.temperature)
         print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl", "steps")}, flush=True)
     if cfg.hf_requests:
         hf = run_hf(cfg, trace, model_path, mcfg)
@@ -255,7 +261,8 @@ def main(cfg: Config) -> None:
             rows[f"(c) HF transformers, one at a time ({cfg.hf_requests} req)"] = hf
     print(f"\nmodel {cfg.model}{' (random weights)' if cfg.random_weights else ''}, {cfg.num_requests} requests, "
           f"{cfg.arrival} arrivals, prompts {cfg.prompt_len}, outputs {cfg.output_len}, "
-          f"max_num_seqs {cfg.max_num_seqs}, {blocks} KV blocks x {cfg.block_size}, kv {cfg.kv_cache_dtype}; "
+          f"max_num_seqs {cfg.max_num_seqs}, {blocks} KV blocks x {cfg.block_size}, kv {cfg.kv_cache_dtype}, "
+          f"temperature {cfg.temperature}; "
           f"{sum(len(p) for _, p, _ in trace)} prompt and {sum(o for _, _, o in trace)} output tokens\n")
     print("| run | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV util | preemptions |")
     print("|---|---|---|---|---|---|")
