@@ -194,14 +194,14 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
         model = transformers.LlamaForCausalLM(hf_cfg)
     model.eval()
     sub = trace[: cfg.hf_requests]
+    sample = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else \
+        dict(do_sample=False)
     times = []
     t0 = time.monotonic()
     with torch.no_grad():
         for _, prompt, out in sub:
             start = time.monotonic()
             ids = torch.tensor([prompt])
-            sample = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else \
-                dict(do_sample=False)
             model.generate(ids, max_new_tokens=out, min_new_tokens=out, **sample)
             times.append(time.monotonic() - start)
     elapsed = time.monotonic() - t0

@@ -330,7 +330,7 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     # With a remat policy a stage keeps every layer's input per microbatch in flight and recomputes one
     # layer at a time (two forwards per layer); keeping the stage input alone would need the recompute of
     # the stage to save those inputs again and then recompute each layer: three forwards.
-    stages = {"layer_fn": layer_fn} if cfg.remat != "none" else {"stage_fn": stage_fn}
+    per_layer = cfg.remat != "none"
 
     def last_fn(shared, y_BTE, tgt):
         # The model's own head code on the shared params; the layer leaves are never read by the head,
@@ -352,9 +352,9 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
         shared = {k: v for k, v in p.items() if k != "layers"}
         w_S = split_stages(p["layers"], n_stages)
         (s, c), (g_S, g_sh) = pipeline_1f1b(
-            first_fn, stages.get("stage_fn"), last_fn, w_S, shared, micro(batch["inputs"]),
+            first_fn, None if per_layer else stage_fn, last_fn, w_S, shared, micro(batch["inputs"]),
             (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis,
-            layer_fn=stages.get("layer_fn"))
+            layer_fn=layer_fn if per_layer else None)
         g_layers = jax.tree.map(lambda g: g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:]), g_S)
         return (s, c), {**g_sh, "layers": g_layers}
 

@@ -339,6 +339,7 @@ def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
     """One thread compiles step shapes for every runner of the process, one at a time."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jmem-step-compile")
 
+
 # One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _step_fn(graphdef, state, cache, ids_T, pos_T, last_S, sarr):
