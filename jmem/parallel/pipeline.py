@@ -40,6 +40,27 @@ def split_stages(stacked, n_stages: int, *, name: str = "layers"):
     return jax.tree.map(one, stacked)
 
 
+def split_microbatches(x, n_microbatches: int):
+    """`[B, ...]` -> `[M, B/M, ...]`, microbatch m holding rows m, m + M, m + 2M, ...
+
+    Strided, not contiguous: a batch sharded over data-parallel devices in contiguous
+    blocks keeps every microbatch spread over all of them (each device's block gives
+    each microbatch the same number of rows), so picking a microbatch moves no data.
+    A contiguous split puts microbatch m on a few devices, and the compiler's
+    resharding when a pipeline tick picks it runs inside that tick's branch
+    (a collective only some devices reach). The inverse is `merge_microbatches`.
+    """
+    B = x.shape[0]
+    if n_microbatches < 1 or B % n_microbatches:
+        raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
+    return x.reshape((B // n_microbatches, n_microbatches) + x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x_M):
+    """The inverse of `split_microbatches`: `[M, B/M, ...]` -> `[B, ...]`."""
+    return x_M.swapaxes(0, 1).reshape((x_M.shape[0] * x_M.shape[1],) + x_M.shape[2:])
+
+
 def _constrain(tree, mesh: Mesh | None, axis: str):
     if mesh is None or mesh.shape.get(axis, 1) == 1:
         return tree
@@ -112,10 +133,10 @@ def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: 
     def stage_fn(w_stage, x_BTE):
         return jax.lax.scan(layer, x_BTE, w_stage)[0]
 
-    x_M = x.reshape((n_microbatches, B // n_microbatches) + x.shape[1:])
     # A remat policy already decides what each layer keeps; recomputing the stage on top of it would run
     # every layer's forward three times. Without one the stage is recomputed from its input (GPipe's own remat).
-    y = pipeline(stage_fn, weights, x_M, mesh=mesh, remat=cfg.remat == "none").reshape(x.shape)
+    y_M = pipeline(stage_fn, weights, split_microbatches(x, n_microbatches), mesh=mesh, remat=cfg.remat == "none")
+    y = merge_microbatches(y_M)
     return rms_norm(y, model.norm.scale.get_value(), cfg.norm_eps)
 
 

@@ -19,14 +19,15 @@ gradients in one `jax.shard_map` over the `stage` axis. A `lax.scan` walks the
 or waits. Forward and backward ticks of a stage have opposite parity, so they
 never collide, an activation sent at tick t is used by the next stage at t + 1,
 and a cotangent sent at t is used by the previous stage at t + 1: both travel by
-`lax.ppermute` at the end of every tick. A stage stores what its backward
-tick needs in a ring of S slots (one per microbatch in flight): with a
-`layer_fn` (the LM loss with a remat policy) every layer's input, and the
-backward tick recomputes and differentiates one layer at a time, so each
-layer's forward runs twice per step, as under `full` remat without a
-pipeline; with a `stage_fn` (no remat policy) the stage input alone, and the
-backward tick is `jax.vjp` of the whole stage (two forwards too, with one
-microbatch's stage activations alive at a time). Parameter gradients
+`lax.ppermute` at the end of every tick. A stage's forward tick runs `jax.vjp`
+of the stage and stores the pullback's residuals until the backward tick calls
+it (`jmem.parallel.residuals`): the activations in a ring of S slots (one per
+microbatch in flight), the parameter-only residuals once. So nothing is
+recomputed beyond what a remat policy asks: under the LM loss each layer is
+wrapped in the model's policy, and
+the stored residuals are what the policy saves (all of a layer's activations
+without a policy, its input under `full`), the backward tick recomputing the
+rest as it would without a pipeline. Parameter gradients
 accumulate in f32 in the loop. Stage 0 also embeds the token ids, and the last
 stage runs the loss head (final norm + chunked cross-entropy), whose backward
 starts the backward chain.
@@ -60,7 +61,8 @@ import numpy as np
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_stages
+from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_microbatches, split_stages
+from jmem.parallel.residuals import split_residuals
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -97,15 +99,20 @@ def _add(acc, g):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
 
-def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callable, stage_params, shared_params,
-                  inputs_M, targets_M, *, mesh: Mesh, stage_axis: str = "stage", layer_fn: Callable | None = None):
+def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, stage_params, shared_params,
+                  inputs_M, targets_M, *, mesh: Mesh, stage_axis: str = "stage"):
     """Loss and gradients of `last_fn(stage_S-1(... stage_0(first_fn(inputs))))` under the 1F1B schedule.
+
+    A stage's forward tick runs `jax.vjp` of `stage_fn` and stores the pullback's residuals
+    until the microbatch's backward tick (`jmem.parallel.residuals`): the activation residuals
+    in a ring of S slots, the parameter-only ones (casts, constants) once. No forward runs
+    twice unless `stage_fn` asks for it: put `jax.checkpoint` inside it (per layer, with a
+    policy) and its residuals shrink to what the policy saves, and the backward tick
+    recomputes the rest, as without a pipeline.
 
     Args:
         first_fn: `(shared_params, inputs[micro, ...]) -> x[micro, ...]` (e.g. the embedding); run on stage 0.
-        stage_fn: `(params of one stage, x) -> y` of the same shape and dtype as `x`. A stage keeps
-            its input per microbatch in flight, and its backward tick recomputes the whole stage
-            under one `jax.vjp`. None when `layer_fn` is given.
+        stage_fn: `(params of one stage, x) -> y` of the same shape and dtype as `x`.
         last_fn: `(shared_params, y, targets[micro, ...]) -> (loss_sum f32[], count f32[])`; run on the
             last stage. The loss must be a sum over the microbatch (the result adds microbatches).
         stage_params: pytree with leading stage axis `[S, ...]` (e.g. from `split_stages`).
@@ -116,11 +123,6 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callab
         mesh: a mesh with `stage_axis` of size S; other axes stay automatic (data parallelism
             inside each stage is left to the compiler).
         stage_axis: the mesh axis of the stages.
-        layer_fn: `(params of one layer, x) -> y` of the same shape as `x`, instead of `stage_fn`: a
-            stage is the scan of it over the stage's layers (`stage_params` leaves `[S, L/S, ...]`),
-            and a stage keeps the input of every layer (and its output) per microbatch in flight;
-            its backward tick recomputes one layer at a time under `jax.vjp`, so each layer's
-            forward runs twice in all (the forward tick and the recompute), as with `full` remat.
 
     Returns:
         `((loss_sum, count), (grad of stage_params, grad of shared_params))`, gradients
@@ -131,8 +133,6 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callab
         >>> (s, c), (g_stages, g_shared) = pipeline_1f1b(embed_fn, stage_fn, head_fn, w_S, shared,
         ...                                              ids_M, (tgt_M, mask_M), mesh=mesh)
     """
-    if (stage_fn is None) == (layer_fn is None):
-        raise PipelineError("pipeline_1f1b takes a stage_fn or a layer_fn; accepted: exactly one of them")
     S = jax.tree.leaves(stage_params)[0].shape[0]
     M = jax.tree.leaves(inputs_M)[0].shape[0]
     if mesh.shape.get(stage_axis, 1) != S:
@@ -142,77 +142,39 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callab
     fwd_perm = [(i, i + 1) for i in range(S - 1)]
     bwd_perm = [(i + 1, i) for i in range(S - 1)]
 
+    def stage(w_, x_):
+        return stage_fn(w_, x_).astype(x_.dtype)
+
     def body(w_1, shared, ins_M, tgts_M):
         w = jax.tree.map(lambda a: a[0], w_1)  # this stage's params (local stage dim of size 1)
         s = jax.lax.axis_index(stage_axis)
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         at = lambda tree, m: jax.tree.map(lambda a: a[m], tree)  # noqa: E731
-
         first = lambda sh, m: first_fn(sh, at(ins_M, m)).astype(x_shape.dtype)  # noqa: E731
+        res = split_residuals(stage, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w), x_shape)
 
-        if layer_fn is None:
-            stash_shape = x_shape.shape  # the stage input
-
-            def run_forward(x):
-                # The last stage only stores its input: its backward tick recomputes the stage with the loss head.
-                y = jax.lax.cond(s == S - 1, lambda: zeros_x, lambda: stage_fn(w, x).astype(x_shape.dtype))
-                return y, x
-
-            def backward(role_first: bool, role_last: bool):
-                """`(stage input, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)`."""
-                def run(x, m, ct_y):
-                    def f(w_, sh_, x_):
-                        h = first(sh_, m) if role_first else x_
-                        y = stage_fn(w_, h)
-                        return last_fn(sh_, y, at(tgts_M, m)) if role_last else y
-
-                    out, vjp = jax.vjp(f, w, shared, x)
-                    if role_last:
-                        g_w, g_sh, g_x = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
-                        loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
-                    else:
-                        g_w, g_sh, g_x = vjp(ct_y)
-                        loss = count = jnp.zeros((), jnp.float32)
-                    if role_first:  # nothing upstream to send a cotangent to
-                        g_x = jnp.zeros_like(g_x)
-                    return g_w, g_sh, g_x, loss, count
-                return run
-        else:
-            n_layers = jax.tree.leaves(w)[0].shape[0]
-            stash_shape = (n_layers + 1,) + x_shape.shape  # every layer's input, then the stage output
-
-            def layer(w_l, h):
-                return layer_fn(w_l, h).astype(h.dtype)
-
-            def run_forward(x):
-                y, inputs = jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w)
-                return y, jnp.concatenate([inputs, y[None]])
-
-            def backward(role_first: bool, role_last: bool):
-                """`(stored activations, m, cotangent in) -> (g_w, g_shared, cotangent out, loss_sum, count)`."""
-                def run(acts, m, ct_y):
-                    g_sh = jax.tree.map(jnp.zeros_like, shared)
-                    loss = count = jnp.zeros((), jnp.float32)
-                    if role_last:
-                        out, vjp = jax.vjp(lambda sh_, y_: last_fn(sh_, y_, at(tgts_M, m)), shared, acts[-1])
-                        g_sh, ct_y = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
-                        loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
-
-                    def layer_back(ct, w_x):  # one layer recomputed from its stored input, then differentiated
-                        _, vjp = jax.vjp(layer, *w_x)
-                        g_l, ct = vjp(ct.astype(x_shape.dtype))
-                        return ct, g_l
-
-                    ct_x, g_w = jax.lax.scan(layer_back, ct_y, (w, acts[:-1]), reverse=True)
-                    if role_first:  # the embedding's gradient; nothing upstream to send a cotangent to
-                        _, vjp = jax.vjp(lambda sh_: first(sh_, m), shared)
-                        g_sh = _add(g_sh, vjp(ct_x.astype(x_shape.dtype))[0])
-                        ct_x = jnp.zeros_like(ct_x)
-                    return g_w, g_sh, ct_x.astype(x_shape.dtype), loss, count
-                return run
+        def backward(role_first: bool, role_last: bool):
+            """`(micro residuals, shared residuals, stage output, m, cotangent in)
+            -> (g_w, g_shared, cotangent out, loss_sum, count)`."""
+            def run(micro, kept, y, m, ct_y):
+                g_sh = jax.tree.map(jnp.zeros_like, shared)
+                loss = count = jnp.zeros((), jnp.float32)
+                if role_last:  # the loss head runs here, on the stored stage output
+                    out, vjp = jax.vjp(lambda sh_, y_: last_fn(sh_, y_, at(tgts_M, m)), shared, y)
+                    g_sh, ct_y = vjp((jnp.ones((), out[0].dtype), jnp.zeros((), out[1].dtype)))
+                    loss, count = out[0].astype(jnp.float32), out[1].astype(jnp.float32)
+                g_w, ct_x = res.pullback(w, micro, kept)(ct_y.astype(x_shape.dtype))
+                if role_first:  # the embedding's gradient; nothing upstream to send a cotangent to
+                    _, vjp = jax.vjp(lambda sh_: first(sh_, m), shared)
+                    g_sh = _add(g_sh, vjp(ct_x.astype(x_shape.dtype))[0])
+                    ct_x = jnp.zeros_like(ct_x)
+                return g_w, g_sh, ct_x.astype(x_shape.dtype), loss, count
+            return run
 
         roles = [backward(i & 1 == 1, i & 2 == 2) for i in range(4)]
         role = (s == 0).astype(jnp.int32) + 2 * (s == S - 1).astype(jnp.int32)
+        put = lambda ring, v, m: jax.lax.dynamic_update_index_in_dim(ring, v, m % S, 0)  # noqa: E731
+        get = lambda ring, m: jax.lax.dynamic_index_in_dim(ring, m % S, 0, keepdims=False)  # noqa: E731
 
         def tick(carry, t):
             recv_f, recv_b, ring, g_w, g_sh, loss, count = carry
@@ -226,17 +188,17 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callab
                 return (zeros_x, zeros_x) + c
 
             def forward(c):
-                ring, g_w, g_sh, loss, count = c
+                (micro_S, kept, y_S), g_w, g_sh, loss, count = c
                 x = jax.lax.cond(s == 0, lambda: first(shared, m), lambda: recv_f)
-                y, stash = run_forward(x)
-                ring = jax.lax.dynamic_update_index_in_dim(ring, stash, m % S, 0)
+                y, micro, kept = res.forward(w, x)
+                ring = (tuple(put(r, v, m) for r, v in zip(micro_S, micro)), kept, put(y_S, y, m))
                 return y, zeros_x, ring, g_w, g_sh, loss, count
 
             def backward_tick(c):
-                ring, g_w, g_sh, loss, count = c
-                stash = jax.lax.dynamic_index_in_dim(ring, m % S, 0, keepdims=False)
-                dw, dsh, dx, l, n = jax.lax.switch(role, roles, stash, m, recv_b)
-                return zeros_x, dx.astype(x_shape.dtype), ring, _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
+                (micro_S, kept, y_S), g_w, g_sh, loss, count = c
+                micro = tuple(get(r, m) for r in micro_S)
+                dw, dsh, dx, l, n = jax.lax.switch(role, roles, micro, kept, get(y_S, m), m, recv_b)
+                return zeros_x, dx, c[0], _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
 
             send_f, send_b, *rest = jax.lax.switch(action, [idle, forward, backward_tick],
                                                    (ring, g_w, g_sh, loss, count))
@@ -244,9 +206,13 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable | None, last_fn: Callab
             recv_b = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
             return (recv_f, recv_b, *rest), None
 
+        # The ring: each micro residual and the stage output (read by the last stage's loss head) for S
+        # microbatches in flight; the parameter-only residuals, the same for every microbatch, once.
+        zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+        ring0 = (tuple(zeros((S,) + a.shape, a.dtype) for a in res.micro),
+                 tuple(zeros(a.shape, a.dtype) for a in res.shared), zeros((S,) + x_shape.shape, x_shape.dtype))
         zero = jnp.zeros((), jnp.float32)
-        carry0 = (zeros_x, zeros_x, jnp.zeros((S,) + stash_shape, x_shape.dtype), _zeros_f32(w), _zeros_f32(shared),
-                  zero, zero)
+        carry0 = (zeros_x, zeros_x, ring0, _zeros_f32(w), _zeros_f32(shared), zero, zero)
         (_, _, _, g_w, g_sh, loss, count), _ = jax.lax.scan(tick, carry0, jnp.arange(2 * (M + S - 1)))
         g_sh = jax.lax.psum(g_sh, stage_axis)  # embedding from stage 0, head from the last stage
         loss, count = jax.lax.psum((loss, count), stage_axis)
@@ -269,8 +235,8 @@ def busiest_stage_matmul_flops(hlo_text: str, n_microbatches: int) -> float:
     runs a forward, a backward or nothing, chosen at run time. Every stage runs M
     forward and M backward ticks, so this counts M x (costliest forward tick +
     costliest backward tick) plus the matmuls outside the schedule: the work of the
-    busiest stage, exact when one stage has both costliest ticks (with a remat
-    policy, the last stage: its backward tick adds the loss head), else an upper
+    busiest stage, exact when one stage has both costliest ticks (for the LM
+    loss, the last stage: its backward tick adds the loss head), else an upper
     bound. nan if the program does not hold exactly one tick switch.
 
     Example:
@@ -303,6 +269,7 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     from flax import nnx
 
     from jmem.models.config import as_dtype
+    from jmem.memory.remat import remat
     from jmem.models.llama import block, rms_norm
     from jmem.train.loss import chunked_cross_entropy
 
@@ -319,18 +286,16 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     def first_fn(shared, ids_BT):
         return jnp.take(shared["embed"]["embedding"], ids_BT, axis=0).astype(compute)
 
-    def layer_fn(w_layer, x_BTE):
+    def layer_fn(x_BTE, w_layer):
         B, T = x_BTE.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return block(cfg, _block_weights(w_layer), x_BTE, positions)[0]
+        return block(cfg, _block_weights(w_layer), x_BTE, positions)[0].astype(x_BTE.dtype), None
 
     def stage_fn(w_stage, x_BTE):
-        return jax.lax.scan(lambda x, w: (layer_fn(w, x), None), x_BTE, w_stage)[0]
-
-    # With a remat policy a stage keeps every layer's input per microbatch in flight and recomputes one
-    # layer at a time (two forwards per layer); keeping the stage input alone would need the recompute of
-    # the stage to save those inputs again and then recompute each layer: three forwards.
-    per_layer = cfg.remat != "none"
+        # The model's remat policy per layer, as without a pipeline: the forward tick stores what it
+        # saves (everything under "none", each layer's input under "full") and the backward tick
+        # recomputes the rest.
+        return jax.lax.scan(remat(layer_fn, cfg.remat, prevent_cse=False), x_BTE, w_stage)[0]
 
     def last_fn(shared, y_BTE, tgt):
         # The model's own head code on the shared params; the layer leaves are never read by the head,
@@ -345,16 +310,12 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     layers_abstract = jax.eval_shape(lambda: nnx.to_pure_dict(param_state)["layers"])
 
     def value_and_grad(p, batch):
-        B = batch["inputs"].shape[0]
-        if B % n_microbatches:
-            raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
-        micro = lambda x: x.reshape((n_microbatches, B // n_microbatches) + x.shape[1:])  # noqa: E731
+        micro = lambda x: split_microbatches(x, n_microbatches)  # noqa: E731
         shared = {k: v for k, v in p.items() if k != "layers"}
         w_S = split_stages(p["layers"], n_stages)
         (s, c), (g_S, g_sh) = pipeline_1f1b(
-            first_fn, None if per_layer else stage_fn, last_fn, w_S, shared, micro(batch["inputs"]),
-            (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis,
-            layer_fn=layer_fn if per_layer else None)
+            first_fn, stage_fn, last_fn, w_S, shared, micro(batch["inputs"]),
+            (micro(batch["targets"]), micro(batch["mask"])), mesh=mesh, stage_axis=stage_axis)
         g_layers = jax.tree.map(lambda g: g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:]), g_S)
         return (s, c), {**g_sh, "layers": g_layers}
 
