@@ -71,7 +71,7 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
     hist_ids = np.full((B, hist_len), -1, np.int32)
     hist_out = np.zeros((B, hist_len), bool)
     if hist_len:
-        for i, (prompt, out) in enumerate(histories):
+        for i, (prompt, out) in enumerate(histories or ()):  # none when compiling for a shape
             toks = (list(prompt) + list(out))[-hist_len:]
             hist_ids[i, : len(toks)] = toks
             n_out = min(len(out), len(toks))

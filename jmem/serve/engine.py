@@ -278,9 +278,10 @@ class Engine:
             req.first_token_time = time.monotonic()
         finished = req.status.finished
         ids = req.output_token_ids
-        # A stop token id ends the output without appearing in the text.
-        text_ids = ids[:-1] if finished and req.status is Status.FINISHED_STOPPED and ids and (
-            ids[-1] in req.params.stop_token_ids or ids[-1] in req.eos_token_ids) and not req.params.ignore_eos else ids
+        # A stop token id (or EOS, unless ignored) ends the output without appearing in the text.
+        stopped_by_token = finished and req.status is Status.FINISHED_STOPPED and ids and (
+            ids[-1] in req.params.stop_token_ids or (ids[-1] in req.eos_token_ids and not req.params.ignore_eos))
+        text_ids = ids[:-1] if stopped_by_token else ids
         delta, hit_stop = detok.update(text_ids, finished)
         if hit_stop and not finished:
             self.scheduler.finish(rid, Status.FINISHED_STOPPED)

@@ -61,7 +61,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
             ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
-            ("top_k", self.top_k >= -1, "-1, 0 (all) or a positive count"),
+            ("top_k", -1 <= self.top_k < 1 << 31, "-1, 0 (all) or a positive count below 2**31"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "0..1"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "-2..2"),

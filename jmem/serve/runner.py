@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,6 +34,8 @@ from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shap
 from jmem.serve.paged_decode import chunk_pages
 from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
+
+log = logging.getLogger("jmem.serve")
 
 DEFAULT_CPU_KV_BYTES = 256 << 20  # CPU backends report no memory: a fixed default budget
 
@@ -146,6 +149,7 @@ class ModelRunner:
                                                *_flat(self._abstract_cache))]
         self._compiling: dict[StepShape, concurrent.futures.Future] = {}
         self._compile_ahead = False  # set by `precompile`: new shapes compile in the background
+        self._compile_failed: set[StepShape] = set()  # background compilations that raised (logged once)
         self.num_blocking_compilations = 0  # steps that waited for XLA to compile their shape
 
     @property
@@ -220,7 +224,7 @@ class ModelRunner:
         if need not in known and self._compile_ahead:
             fits = [s for s in known if s.holds(need)]
             if fits:
-                if need not in self._compiling:
+                if need not in self._compiling and need not in self._compile_failed:
                     self._compiling[need] = _background_compiler().submit(self._compile, need)
                 shape = min(fits, key=StepShape.cost)
                 self.compiled_shapes.add(shape)
@@ -238,11 +242,16 @@ class ModelRunner:
 
     def _collect_compiled(self) -> None:
         for shape, fut in list(self._compiling.items()):
-            if fut.done():
-                fut.result()  # a failed compilation raises here, on the serving thread
-                self._known_shapes.add(shape)  # only the serving thread changes the shape sets
-                self.compiled_shapes.add(shape)
-                del self._compiling[shape]
+            if not fut.done():
+                continue
+            del self._compiling[shape]
+            if fut.exception() is not None:
+                # Not the running steps' fault: they ran padded to another shape, as later ones will.
+                log.warning("background compilation of %s failed: %r", shape, fut.exception())
+                self._compile_failed.add(shape)
+                continue
+            self._known_shapes.add(shape)  # only the serving thread changes the shape sets
+            self.compiled_shapes.add(shape)
 
     def _layout(self, seqs, shape: StepShape):
         return build_layout(seqs, shape.tokens, shape.tiles, shape.pages_per_tile, self.block_size, self.spare_page,

@@ -123,6 +123,25 @@ def test_precompiled_engine_never_waits_for_a_compilation(model, reference):
     assert envelopes < runner.compiled_shapes and not runner._compiling
 
 
+def test_penalty_shapes_compile_in_the_background_without_failing_steps(model):
+    """Steps with penalties have their own history-length dimension: a short request after a long one runs
+    padded to the long one's shape while its own compiles in the background; later steps all work."""
+    tok = ByteTokenizer()
+    engine = Engine(model, tok, EngineConfig(num_blocks=24, **{**SMALL, "max_model_len": 128}))
+    engine.precompile()
+    pen = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)
+    engine.generate([list(range(1, 71))], pen)  # 70+ tokens of history: H = 128, compiled in the foreground
+    runner = engine.runner
+    [short] = engine.generate([tok.encode("ab")], pen)  # H = 64 runs padded to 128 meanwhile
+    runner.finish_compilations()
+    assert not runner._compile_failed
+    assert any(s.hist_len == 64 for s in runner.compiled_shapes), runner.compiled_shapes
+    [again] = engine.generate([tok.encode("ab")], pen)  # now on its own shape: same tokens
+    assert again.token_ids == short.token_ids and len(short.token_ids) == 4
+    [plain] = engine.generate([tok.encode("ab")], greedy(4))
+    assert len(plain.token_ids) == 4
+
+
 @pytest.mark.parametrize("kv_dtype, atol", [("int8", 0.05), ("fp8_e4m3", 0.25)])
 def test_quantized_kv_close_to_full_precision(model, reference, kv_dtype, atol):
     """With K/V stored quantized, the reference's next token keeps nearly its log-probability.
@@ -166,9 +185,10 @@ def test_stop_strings_penalties_and_abort(model):
     if stop and "\ufffd" not in stop:
         [o] = engine.generate([p], greedy(max_tokens=12, stop=[stop]))
         assert o.text == text[: text.find(stop)] and o.finish_reason == "stop"
-    # Stop token id: excluded from the text, reason "stop".
+    # Stop token id: excluded from the text (with EOS ignored too), reason "stop".
     [o] = engine.generate([p], greedy(max_tokens=12, stop_token_ids=[free.token_ids[2]]))
     assert o.token_ids == free.token_ids[:3] and o.finish_reason == "stop"
+    assert o.text == tok.decode(free.token_ids[:2])
     # A strong frequency penalty forbids repeating an output token within this short run.
     [o] = engine.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                 frequency_penalty=2.0, repetition_penalty=2.0))

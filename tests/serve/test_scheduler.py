@@ -212,6 +212,7 @@ def test_abort_frees_blocks_and_errors():
 
 def test_sampling_params_validation():
     SamplingParams().validate()
-    for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2), dict(logprobs=21)):
+    for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2),
+                dict(logprobs=21), dict(top_k=-2), dict(top_k=2**31)):  # top_k: an int32 on the device
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad).validate()
