@@ -155,7 +155,10 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config
-        max_len = config.max_model_len or mcfg.max_seq_len
+        max_len = mcfg.max_seq_len if config.max_model_len is None else config.max_model_len
+        if not 1 <= max_len <= mcfg.max_seq_len:
+            raise ValueError(f"max_model_len={max_len} is out of range; accepted: 1..{mcfg.max_seq_len} "
+                             f"(the model's context length)")
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:

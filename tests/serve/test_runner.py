@@ -206,6 +206,9 @@ def test_stop_strings_penalties_and_abort(model):
     assert engine.kv.pool.num_used == 0
     with pytest.raises(ValueError, match="exceeds the maximum context"):
         engine.add_request(list(range(60)), greedy(max_tokens=8))
+    for bad in (0, model.config.max_seq_len + 1):
+        with pytest.raises(ValueError, match=f"max_model_len={bad} is out of range; accepted: 1..512"):
+            Engine(model, tok, EngineConfig(num_blocks=16, **{**SMALL, "max_model_len": bad}))
 
 
 def test_kernel_impl_matches_tiled(model, reference):
