@@ -214,6 +214,18 @@ class Engine:
         self._commands.put(("add", req, stream))
         return stream
 
+    def prompt_logprobs(self, prompt_ids: list[int], k: int = 0) -> list:
+        """Each prompt token's log-probability given the tokens before it, with the top `k`
+        (0..20): `[None, (lp, [(id, lp), ...]), ...]` (see `ModelRunner.prompt_logprobs`).
+        Safe to call from any thread; it does not touch the paged cache or the schedule."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; accepted: at least one token")
+        if len(prompt_ids) > self.max_request_tokens:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}")
+        if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
+            raise ValueError(f"logprobs={k} is out of range; accepted: 0..{SamplingParams.MAX_LOGPROBS}")
+        return self.runner.prompt_logprobs(list(prompt_ids), k)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (thread-safe; unknown ids are ignored)."""
         self._commands.put(("abort", request_id, None))

@@ -269,6 +269,21 @@ class ModelRunner:
                        tokens, tokens, jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32),
                        _abstract(sarr)).compile()
 
+    def prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """Log-probability of each prompt token given the ones before it, with the `k` most likely
+        tokens at each position: `[None, (lp, [(id, lp), ...]), ...]`, one entry per token (the first
+        has no context). One forward pass over the prompt, outside the paged cache (what `echo`
+        with `logprobs` scores, as for lm-eval-harness's loglikelihood requests); the length is
+        padded to a bucket, and causal attention keeps the padding out of the real positions.
+        """
+        T = len(ids)
+        padded = np.zeros(_fine_bucket(T, 16), np.int32)
+        padded[:T] = ids
+        lp, top_lp, top_ids = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1))
+        lp, top_lp, top_ids = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
+        return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])])
+                         for t in range(T - 1)]
+
     @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str) -> int:
         per_block = kv_bytes_per_token(config, kv_dtype, block_size) * block_size  # int8/fp8: scales included
@@ -350,6 +365,26 @@ def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
 
 
 # One jitted function for every runner: engines over the same model share compiled steps.
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _prompt_logprobs_fn(graphdef, state, ids_T, k: int):
+    """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32.
+    The head runs over chunks of positions: the whole [T, vocab] logits never exist at once."""
+    model = nnx.merge(graphdef, state)
+    h_TE = model.hidden(ids_T[None])[0][0]
+    C = 8  # T is a multiple of 8 (`_fine_bucket(T, 16)`)
+    targets_T = jnp.concatenate([ids_T[1:], ids_T[:1]])  # the last position's target is padding
+
+    def chunk(_, xs):
+        h_CE, tgt_C = xs
+        lsm_CV = jax.nn.log_softmax(model.logits_from_hidden(h_CE[None])[0].astype(jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lsm_CV, k)
+        return None, (jnp.take_along_axis(lsm_CV, tgt_C[:, None], axis=-1)[:, 0], top_lp, top_ids)
+
+    T, E = h_TE.shape
+    _, (lp, top_lp, top_ids) = jax.lax.scan(chunk, None, (h_TE.reshape(T // C, C, E), targets_T.reshape(T // C, C)))
+    return lp.reshape(T), top_lp.reshape(T, k), top_ids.reshape(T, k)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _step_fn(graphdef, state, cache, ids_T, pos_T, last_S, sarr):
     model = nnx.merge(graphdef, state)

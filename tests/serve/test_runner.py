@@ -123,6 +123,25 @@ def test_precompiled_engine_never_waits_for_a_compilation(model, reference):
     assert envelopes < runner.compiled_shapes and not runner._compiling
 
 
+def test_prompt_logprobs_equal_the_full_forward(model):
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
+    [ids] = prompts(11, 1)
+    ids = ids + [7] * (20 - len(ids))  # 20 tokens, padded to 24: three chunks of 8 positions, the last part padding
+    got = engine.prompt_logprobs(ids, k=3)
+    lsm = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids]))[0][0], -1))
+    assert got[0] is None and len(got) == len(ids)
+    for t in range(1, len(ids)):
+        lp, top = got[t]
+        np.testing.assert_allclose(lp, lsm[t - 1, ids[t]], atol=1e-4)
+        want_ids = np.argsort(-lsm[t - 1])[:3]
+        assert [i for i, _ in top] == list(want_ids)
+        np.testing.assert_allclose([v for _, v in top], lsm[t - 1, want_ids], atol=1e-4)
+    assert all(len(x[1]) == 0 for x in engine.prompt_logprobs(ids[:5], k=0)[1:])
+    for bad, message in [([], "empty"), (list(range(70)), "at most 64"), ([1, 2], "logprobs=21")]:
+        with pytest.raises(ValueError, match=message):
+            engine.prompt_logprobs(bad, k=21 if message.startswith("logprobs") else 1)
+
+
 def test_penalty_shapes_compile_in_the_background_without_failing_steps(model):
     """Steps with penalties have their own history-length dimension: a short request after a long one runs
     padded to the long one's shape while its own compiles in the background; later steps all work."""
