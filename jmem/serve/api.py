@@ -2,35 +2,166 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
-Errors are OpenAI-shaped; a client that disconnects has its requests aborted,
-which frees their KV blocks.
+Errors are OpenAI-shaped (an engine error mid-stream is an SSE error event
+before `data: [DONE]`); a client that disconnects, streaming or not, has its
+requests aborted, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
+from jmem.io.tokenizer import ByteTokenizer
 from jmem.serve.engine import Engine, RequestOutput
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest)
+                                 TokenizeRequest, chat_dicts, choice_seed)
+
+log = logging.getLogger("jmem.serve")
+
+DISCONNECT_POLL_S = 0.25  # how often a running request checks whether its client is still there
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+# ---------------------------------------------------------------------------- validation errors
+def _is_union_tag(x) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`, `ChatMessage`) in the error
+    location; field names here are lowercase identifiers, so anything else is a tag."""
+    return isinstance(x, str) and (not x.isidentifier() or x in {"str", "int", "float", "bool", "dict", "list", "none"}
+                                   or x[:1].isupper())
+
+
+def _param_name(loc) -> str | None:
+    """`("messages", 0, "content")` -> `"messages[0].content"` (OpenAI's spelling)."""
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out or None
+
+
+def _value_at(body, loc):
+    for x in loc:
+        try:
+            body = body[x]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field; a union mismatch lists the accepted types."""
+    errors = exc.errors()
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if err.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-    field = ".".join(loc) or None
-    return APIError(400, f"{field or 'body'}: {err['msg']}", field)
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    tag_at = next((k for k, x in enumerate(loc) if _is_union_tag(x)), None)
+    if tag_at is None:
+        param = _param_name(loc)
+        shown = param or "body"
+        if err.get("type") != "missing":
+            shown += "=" + json.dumps(err.get("input"), default=repr)[:80]
+        return APIError(400, f"{shown}: {err['msg']}", param)
+    # Every union member failed: name the field, its value and what it accepts.
+    prefix = loc[:tag_at]
+    tags = []
+    for e in errors:
+        el = [x for x in e.get("loc", ()) if x != "body"]
+        if el[:tag_at] == prefix and len(el) > tag_at and el[tag_at] not in tags:
+            tags.append(el[tag_at])
+    param = _param_name(prefix)
+    value = json.dumps(_value_at(getattr(exc, "body", None), prefix), default=repr)
+    accepted = ", ".join(t.replace("dict[any,any]", "dict") for t in tags)
+    return APIError(400, f"{param}={value[:80]} has the wrong type; accepted: {accepted}", param)
 
 
+# ---------------------------------------------------------------------------- auth (pure ASGI)
+class RequireAPIKey:
+    """401 on /v1 routes without `Authorization: Bearer KEY`.
+
+    A pure ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware wraps
+    `receive`, and a request behind it never sees its client disconnect.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(got, self.expected):
+                body = APIError(401, "missing or invalid API key", code="invalid_api_key").body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------- token bytes
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM) spell byte b as one printable character:
+    b itself where it is printable, else the next code point from 256 up. This is the inverse map."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, shifted = {}, 256
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(shifted)] = b
+            shifted += 1
+    return out
+
+
+class TokenBytes:
+    """The raw UTF-8 bytes of a token id, which may hold part of a character.
+
+    `decode([id])` of such a token is U+FFFD; this reads the tokenizer's own pieces instead:
+    byte-level BPE pieces of `tokenizer.tokens` (special tokens as their text), or ids 0..255 as
+    bytes for the byte tokenizer.
+
+    Example:
+        >>> tb = TokenBytes(tok)
+        >>> b"".join(tb(i) for i in tok.encode("日本")) == "日本".encode()
+        True
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.alphabet = _byte_level_alphabet()
+        self.special = set(getattr(tokenizer, "special_ids", ()) or ())
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self.cache.get(token_id)
+        if b is None:
+            b = self.cache[token_id] = self._lookup(int(token_id))
+        return b
+
+    def _lookup(self, i: int) -> bytes:
+        pieces = getattr(self.tok, "tokens", None)
+        if pieces is not None:
+            piece = pieces[i]
+            if i in self.special or any(c not in self.alphabet for c in piece):
+                return piece.encode("utf-8")
+            return bytes(self.alphabet[c] for c in piece)
+        if isinstance(self.tok, ByteTokenizer):
+            return bytes([i]) if i < 256 else b""
+        return self.tok.decode([i], skip_special=False).encode("utf-8")
+
+    def text(self, token_id: int) -> str:
+        """The token as text; bytes of an unfinished character are escaped as OpenAI does (`\\xe6`)."""
+        return self(token_id).decode("utf-8", errors="backslashreplace")
+
+
+# ---------------------------------------------------------------------------- app
 def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
@@ -40,7 +171,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     """
     app = FastAPI(title="jmem", docs_url=None, redoc_url=None)
     tok = engine.tokenizer
+    token_bytes = TokenBytes(tok)
     created = int(time.time())
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -48,36 +182,64 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_, exc: RequestValidationError):
-        e = _validation_error(exc)
+        e = validation_error(exc)
         return JSONResponse(e.body(), status_code=e.status)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(APIError(401, "missing or invalid API key", code="invalid_api_key").body(),
-                                    status_code=401)
-        return await call_next(request)
 
     def check_model(name):
         if name != model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            code="model_not_found")
 
-    def submit(prompt_ids, params, n, rid):
+    def submit(prompts: list[list[int]], params, n, rid):
+        """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j."""
         loop = asyncio.get_running_loop()
         streams = []
-        for i in range(n):
-            p = params
-            if n > 1 and params.seed is not None:  # distinct but reproducible choices
-                p = type(params)(**{**params.__dict__, "seed": params.seed + i})
-            try:
-                streams.append(engine.add_request(prompt_ids, p, f"{rid}-{i}", loop=loop))
-            except ValueError as e:
-                for s in streams:
-                    engine.abort(s.request_id)
-                raise APIError(400, str(e), "prompt" if "context" in str(e) else None) from None
+        for pi, ids in enumerate(prompts):
+            for j in range(n):
+                p = params
+                if n > 1 and params.seed is not None:  # distinct but reproducible choices
+                    p = type(params)(**{**params.__dict__, "seed": choice_seed(params.seed, j)})
+                try:
+                    streams.append(engine.add_request(ids, p, f"{rid}-{pi * n + j}", loop=loop))
+                except ValueError as e:
+                    for s in streams:
+                        engine.abort(s.request_id)
+                    param = "prompt" if "context" in str(e) or "prompt" in str(e) else None
+                    raise APIError(400, str(e) if len(prompts) == 1 else f"prompt {pi}: {e}", param) from None
         return streams
+
+    async def merged(streams, request: Request):
+        """(choice index, output) as they arrive. Stops when the client leaves (watched all along, not
+        only between outputs) and aborts every unfinished request then, or on an error."""
+        q: asyncio.Queue = asyncio.Queue()
+        pending = set(range(len(streams)))
+
+        async def pump(i, s):
+            async for o in s:
+                await q.put((i, o))
+
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            await q.put((None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks.append(asyncio.create_task(watch()))
+        try:
+            while pending:
+                i, o = await q.get()
+                if i is None:
+                    return
+                if o.finished:
+                    pending.discard(i)
+                if o.error:
+                    raise APIError(500, o.error)
+                yield i, o
+        finally:
+            for t in tasks:
+                t.cancel()
+            for i in pending:
+                engine.abort(streams[i].request_id)
 
     async def collect(streams, request):
         """Every stream to its end: (texts, (token, logprob) pairs, final outputs), or None when the client left."""
@@ -89,43 +251,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 finals[i] = o
         return (texts, lps, finals) if len(finals) == len(streams) else None
 
-
-    async def merged(streams, request: Request):
-        """(choice index, output) as they arrive; aborts unfinished requests when the client leaves."""
-        q: asyncio.Queue = asyncio.Queue()
-        pending = set(range(len(streams)))
-
-        async def pump(i, s):
-            async for o in s:
-                await q.put((i, o))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            while pending:
-                try:
-                    i, o = await asyncio.wait_for(q.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                if o.error:
-                    raise APIError(500, o.error)
-                if o.finished:
-                    pending.discard(i)
-                yield i, o
-        finally:
-            for t in tasks:
-                t.cancel()
-            for i in pending:
-                engine.abort(streams[i].request_id)
-
     def usage(prompt_tokens, outs):
+        """OpenAI's usage: each prompt counted once however many choices it has."""
         completion = sum(o.num_output_tokens for o in outs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
     def tok_text(i):
-        return tok.decode([i], skip_special=False) if hasattr(tok, "tokens") else tok.decode([i])
+        return tok.decode([i], skip_special=False)
 
     def completion_logprobs(lps, offset0):
         tokens, token_lps, tops, offsets, off = [], [], [], [], offset0
@@ -137,32 +270,37 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_logprobs(lps):
-        content = []
-        for tid, (lp, top) in lps:
-            t = tok_text(tid)
-            content.append({"token": t, "logprob": lp, "bytes": list(t.encode()),
-                            "top_logprobs": [{"token": tok_text(i), "logprob": l, "bytes": list(tok_text(i).encode())}
-                                             for i, l in top]})
-        return {"content": content}
+        def entry(i, l):
+            return {"token": token_bytes.text(i), "logprob": l, "bytes": list(token_bytes(i))}
+        return {"content": [{**entry(tid, lp), "top_logprobs": [entry(i, l) for i, l in top]}
+                            for tid, (lp, top) in lps]}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
     def stream_response(streams, request, chunk, n_prompt, include_usage, opening, choice):
         """The SSE body of completions and chat: the `opening` choices, then one chunk per output
-        for which `choice(i, output)` gives a choice, the usage chunk if asked, `[DONE]`."""
+        for which `choice(i, output)` gives a choice, the usage chunk if asked, `[DONE]`. An error
+        after the headers went out is an `{"error": ...}` event, still followed by `[DONE]`."""
         async def events():
             finals = {}
-            for c in opening:
-                yield sse({**chunk, "choices": [c]})
-            async for i, o in merged(streams, request):
-                c = choice(i, o)
-                if c is not None:
+            try:
+                for c in opening:
                     yield sse({**chunk, "choices": [c]})
-                if o.finished:
-                    finals[i] = o
-            if include_usage and len(finals) == len(streams):
-                yield sse({**chunk, "choices": [], "usage": usage(n_prompt * len(streams), finals.values())})
+                async for i, o in merged(streams, request):
+                    c = choice(i, o)
+                    if c is not None:
+                        yield sse({**chunk, "choices": [c]})
+                    if o.finished:
+                        finals[i] = o
+            except APIError as e:
+                yield sse(e.body())
+            except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not a cut
+                log.exception("error while streaming %s", chunk.get("id"))
+                yield sse(APIError(500, f"internal error: {e}").body())
+            else:
+                if include_usage and len(finals) == len(streams):
+                    yield sse({**chunk, "choices": [], "usage": usage(n_prompt, finals.values())})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -185,6 +323,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             lines += [f"# TYPE jmem_{k} {kind}", f"jmem_{k} {float(v)}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    def check_ids(ids, param):
+        vocab = getattr(tok, "vocab_size", None)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range; accepted: 0..{vocab - 1}", param)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:
@@ -192,58 +336,51 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         text = body.prompt if body.prompt is not None else tok.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt)
+            chat_dicts(body.messages), body.add_generation_prompt)
         ids = tok.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        vocab = getattr(tok, "vocab_size", None)
-        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range; accepted: 0..{vocab - 1}", "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        if body.model is not None:
+            check_model(body.model)
+        check_ids(body.tokens, "tokens")
+        return {"prompt": tok.decode(body.tokens, skip_special=False)}  # special tokens kept, as vLLM
 
-    def prompt_ids_of(prompt) -> list[int]:
+    def prompt_ids_of(prompt, param) -> list[int]:
         if isinstance(prompt, str):
             ids = tok.encode(prompt)
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return prompt_ids_of(prompt[0])
-        elif isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
-            ids = list(prompt)
-            vocab = getattr(tok, "vocab_size", None)
-            if any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
-                raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         else:
-            raise APIError(400, "prompt must be a string, one list of token ids, or a list of one of those "
-                           "(batched prompts: send one request each)", "prompt")
+            ids = list(prompt)
+            check_ids(ids, param)
         if not ids:
-            raise APIError(400, "prompt is empty; need at least one token", "prompt")
+            raise APIError(400, f"{param} is empty; need at least one token", param)
         return ids
 
-    def resolve_max_tokens(value, n_prompt, param):
-        if value is None:
-            return None
-        if value < 1:
+    def resolve_max_tokens(value, param):
+        if value is not None and value < 1:
             raise APIError(400, f"{param}={value} is out of range; accepted: >= 1", param)
         return value
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(400, f"logprobs={body.logprobs} is out of range; accepted: 0..20", "logprobs")
-        ids = prompt_ids_of(body.prompt)
-        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), "max_tokens") or 16
+        body.check_supported()
+        raw = body.prompts()
+        prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]") for k, p in enumerate(raw)]
+        max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens") or 16
         params = body.sampling_params(max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = submit(ids, params, body.n, rid)
+        n = body.n
+        streams = submit(prompts, params, n, rid)
+        n_prompt = sum(len(ids) for ids in prompts)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        echo = tok.decode(ids) if body.echo else ""
+        echoes = [tok.decode(ids, skip_special=False) if body.echo else "" for ids in prompts]
+        echo_of = [echoes[k // n] for k in range(len(streams))]
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [len(echo)] * body.n
+            offsets = [len(e) for e in echo_of]
 
             def choice(i, o):
                 lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i]) \
@@ -254,42 +391,42 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 return {"index": i, "text": o.text, "logprobs": lp,
                         "finish_reason": o.finish_reason if o.finished else None}
 
-            opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
-                       for i in range(body.n)] if echo else []
-            return stream_response(streams, request, base, len(ids), include_usage, opening, choice)
+            opening = [{"index": i, "text": e, "logprobs": None, "finish_reason": None}
+                       for i, e in enumerate(echo_of) if e]
+            return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
 
         collected = await collect(streams, request)
         if collected is None:
-            return JSONResponse({}, status_code=499)  # the client has gone
+            return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
-        choices = [{"index": i, "text": echo + "".join(texts[i]),
-                    "logprobs": completion_logprobs(lps[i], len(echo)) if body.logprobs is not None else None,
-                    "finish_reason": finals[i].finish_reason} for i in range(body.n)]
-        return {**base, "choices": choices, "usage": usage(len(ids) * body.n, finals.values())}
+        choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
+                    "logprobs": completion_logprobs(lps[i], len(echo_of[i])) if body.logprobs is not None else None,
+                    "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
+        return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs={body.top_logprobs} is out of range; accepted: 0..20", "top_logprobs")
+        body.check_supported()
         try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            text = tok.apply_chat_template(chat_dicts(body.messages))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         ids = tok.encode(text)
         raw = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = resolve_max_tokens(raw, len(ids), param)
+        max_tokens = resolve_max_tokens(raw, param)
         if max_tokens is None:
             max_tokens = max(1, min(engine.max_request_tokens - len(ids), 512))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = submit(ids, params, body.n, rid)
+        streams = submit([ids], params, body.n, rid)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
             def choice(i, o):
                 lp = chat_logprobs(list(zip(o.token_ids, o.logprobs))) if body.logprobs else None
                 if not (o.text or o.finished or lp):
@@ -304,14 +441,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
         collected = await collect(streams, request)
         if collected is None:
-            return JSONResponse({}, status_code=499)  # the client has gone
+            return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                     "logprobs": chat_logprobs(lps[i]) if body.logprobs else None,
                     "finish_reason": finals[i].finish_reason} for i in range(body.n)]
-        return {**base, "choices": choices, "usage": usage(len(ids) * body.n, finals.values())}
+        return {**base, "choices": choices, "usage": usage(len(ids), finals.values())}
 
     return app
 
 
-__all__ = ["create_app", "RequestOutput"]
+__all__ = ["create_app", "validation_error", "RequireAPIKey", "TokenBytes", "RequestOutput"]

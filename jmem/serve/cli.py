@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import sys
+from typing import NoReturn
 
 import tyro
 
@@ -55,22 +57,66 @@ class ServeArgs:
     warmup: bool = True
     """Compile the largest step shapes before listening; smaller ones then compile in the background."""
     log_level: str = "info"
-    """uvicorn / jmem log level."""
+    """uvicorn / jmem log level: critical, error, warning, info, debug, trace."""
+
+
+LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}  # uvicorn's
+
+
+def check_args(args: ServeArgs) -> None:
+    """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
+    from jmem.serve.paged_cache import KV_DTYPES
+
+    if args.log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
+    if args.kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        raise ValueError("--block-size, --max-num-seqs and --max-num-batched-tokens must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port={args.port}; accepted: 1..65535")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening; uvicorn listens on it).
+
+    Binding before the model loads turns a port in use or a bad host into one clear error
+    in a second, not after minutes of loading.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _check_max_model_len(args: ServeArgs, context: int) -> None:
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len={args.max_model_len} exceeds the context length of model "
+                         f"{args.model!r} ({context} tokens); accepted: 1..{context}")
 
 
 def build_engine(args: ServeArgs):
     """Load the model and build the engine described by `args`; returns (engine, model name)."""
     import jmem
+    from jmem.models.config import PRESETS, get_config
     from jmem.serve.engine import Engine, EngineConfig
-    from jmem.serve.paged_cache import KV_DTYPES
 
-    if args.kv_cache_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
-    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
-        raise ValueError("--block-size, --max-num-seqs and --max-num-batched-tokens must be >= 1")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    check_args(args)
+    if args.model in PRESETS:  # known without loading; a model file's context is read as it loads
+        _check_max_model_len(args, get_config(args.model).max_seq_len)
     lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    _check_max_model_len(args, lm.config.max_seq_len)
     cfg = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
@@ -79,19 +125,32 @@ def build_engine(args: ServeArgs):
     return Engine(lm.model, lm.tokenizer, cfg), args.model
 
 
+def _fail(message: str) -> NoReturn:
+    print(f"jmem serve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def serve_main(argv: list[str] | None = None) -> None:
-    """Entry point of `jmem serve`: parse flags, load, log capacity and address, serve until interrupted."""
+    """Entry point of `jmem serve`: parse flags, bind, load, log capacity and address, serve until interrupted."""
     args = tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_args(args)
+    except ValueError as e:
+        _fail(str(e))
+    level = args.log_level.lower()
+    logging.basicConfig(level=LOG_LEVELS[level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = None
+    try:
+        sock = bind_socket(args.host, args.port)
         import uvicorn
 
         from jmem.serve.api import create_app
 
         engine, name = build_engine(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"jmem serve: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        if sock is not None:
+            sock.close()
+        _fail(str(e))
     m = engine.metrics()
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
@@ -100,9 +159,12 @@ def serve_main(argv: list[str] | None = None) -> None:
         engine.precompile()
     engine.start()
     app = create_app(engine, name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level))
+    host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
-             name, args.host, args.port, engine.num_kv_tokens)
+             name, host, sock.getsockname()[1], engine.num_kv_tokens)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        server.run(sockets=[sock])
     finally:
         engine.stop()
+        sock.close()

