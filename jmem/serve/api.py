@@ -10,6 +10,7 @@ requests aborted, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -257,17 +258,28 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    def tok_text(i):
-        return tok.decode([i], skip_special=False)
-
     def completion_logprobs(lps, offset0):
+        """OpenAI's completions logprobs of `(token id, (logprob, top) | None)` pairs (None: a prompt's
+        first token, which has no context). Offsets count characters of the decoded bytes."""
         tokens, token_lps, tops, offsets, off = [], [], [], [], offset0
-        for tid, (lp, top) in lps:
-            t = tok_text(tid)
-            tokens.append(t), token_lps.append(lp), offsets.append(off)
-            tops.append({tok_text(i): l for i, l in top})
-            off += len(t)
+        chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for tid, entry in lps:
+            tokens.append(token_bytes.text(tid)), offsets.append(off)
+            off += len(chars.decode(token_bytes(tid)))
+            lp, top = entry if entry is not None else (None, None)
+            token_lps.append(lp)
+            tops.append(None if top is None else {token_bytes.text(i): l for i, l in top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def prompt_logprobs(prompts, k):
+        """Per prompt, its tokens paired with their log-probabilities (echo with logprobs)."""
+        out = []
+        for ids in prompts:
+            try:
+                out.append(list(zip(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, k))))
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
+        return out
 
     def chat_logprobs(lps):
         def entry(i, l):
@@ -372,6 +384,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         params = body.sampling_params(max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
+        # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests)
+        scored = await prompt_logprobs(prompts, body.logprobs) if body.echo and body.logprobs is not None \
+            else [[] for _ in prompts]
         streams = submit(prompts, params, n, rid)
         n_prompt = sum(len(ids) for ids in prompts)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -391,7 +406,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 return {"index": i, "text": o.text, "logprobs": lp,
                         "finish_reason": o.finish_reason if o.finished else None}
 
-            opening = [{"index": i, "text": e, "logprobs": None, "finish_reason": None}
+            opening = [{"index": i, "text": e, "finish_reason": None,
+                        "logprobs": completion_logprobs(scored[i // n], 0) if body.logprobs is not None else None}
                        for i, e in enumerate(echo_of) if e]
             return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
 
@@ -400,7 +416,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
-                    "logprobs": completion_logprobs(lps[i], len(echo_of[i])) if body.logprobs is not None else None,
+                    "logprobs": completion_logprobs(scored[i // n] + lps[i], 0) if body.logprobs is not None else None,
                     "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
         return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 

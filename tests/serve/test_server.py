@@ -135,6 +135,30 @@ def test_streaming_n2_stop_logprobs(server, client):
     assert all(max(t.values()) == pytest.approx(l, abs=1e-5) for t, l in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client):
+    """lm-eval-harness's loglikelihood request: the prompt's own tokens get log-probabilities (the
+    first none), computed apart from the paged cache; they agree with what generation gave."""
+    first = client.completions.create(model="tiny", prompt="scoring", max_tokens=1, temperature=0, logprobs=1)
+    g_lp = first.choices[0].logprobs
+    g = g_lp.tokens[0]  # the tiny model's byte tokenizer: token id = byte (partial characters read "\xe6")
+    g_id = int(g[2:], 16) if g.startswith("\\x") and len(g) == 4 else g.encode()[0]
+    ids = list(b"scoring") + [g_id]
+    n = len(ids)
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == n + 1 and r.choices[0].text.startswith("scoring")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[:n] == list(range(n))
+    assert all(l <= 0 for l in lp.token_logprobs[1:])
+    # The last prompt token is the one generated from "scoring": same log-probability by both paths.
+    assert lp.tokens[n - 1] == g
+    assert lp.token_logprobs[n - 1] == pytest.approx(g_lp.token_logprobs[0], abs=1e-3)
+    # Streaming: the opening chunk carries the prompt's logprobs.
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"max_tokens": -1}, 400, "max_tokens"),
     ({"temperature": 3.0}, 400, "temperature"),
