@@ -21,7 +21,9 @@ On several devices (8 simulated CPU devices here; the same flags on GPUs/TPUs):
     python experiments/train.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 --mesh fsdp=-1 --zero 3
 
 Bad flags (unknown policy or optimizer, --accum not dividing --batch, a
-precision string that does not parse, a checkpoint dir of another model,
+precision string that does not parse, a non-finite or negative --lr, --clip or
+--weight-decay, --seq beyond a model file's context, a checkpoint dir of
+another model or setup, --resume with no checkpoint or no steps left,
 `--zero 4`, a mesh that does not match the device count) end
 with one line on stderr and exit status 2; nothing is written.
 Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint).

@@ -36,8 +36,18 @@ class ProcessInfo:
 
 
 def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """Validate explicit settings (all three together, or none for auto-detection)."""
+    """Validate explicit settings (all three together, or none for auto-detection).
+
+    A lone `process_id` is refused rather than ignored: without a coordinator JAX detects
+    the process index itself (or runs one process) and would not use it.
+
+    Raises:
+        DistributedError: an incomplete or inconsistent set (one line naming what is missing or bad).
+    """
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if coordinator is None and process_id is not None:
+        raise DistributedError(f"process_id={process_id} needs coordinator and num_processes as well "
+                               f"(give coordinator, num_processes and process_id, or none of them)")
     if any(v is not None for v in given.values()) and coordinator is not None:
         missing = [k for k, v in given.items() if v is None]
         if missing:

@@ -65,19 +65,30 @@ class Rules:
     """Logical axis name -> tuple of mesh axes (empty tuple: replicated).
 
     Build with `Rules.parse(spec)`: the defaults plus overrides from a string
-    `"embed=fsdp,mlp=tensor,vocab=none,batch=data+fsdp"` or a dict. Logical names
-    outside the defaults are accepted (a user's own model may define its own).
+    `"embed=fsdp,mlp=tensor,vocab=none,batch=data+fsdp"` or a dict. The logical names
+    are those of `DEFAULT_RULES`; a user's own model that names its dimensions
+    otherwise passes its names as `extra_names`.
     """
 
     table: tuple[tuple[str, tuple[str, ...]], ...]
     where_divisible: frozenset[str] = WHERE_DIVISIBLE
 
     @classmethod
-    def parse(cls, spec: "str | Mapping[str, Any] | Rules | None" = None) -> "Rules":
+    def parse(cls, spec: "str | Mapping[str, Any] | Rules | None" = None, *,
+              extra_names: Sequence[str] = ()) -> "Rules":
         """Defaults updated by `spec` (see the class docstring).
 
+        Args:
+            spec: overrides `"logical=mesh_axes,..."`, a dict of the same, a `Rules`, or None.
+            extra_names: logical names accepted beside `DEFAULT_RULES`' (a user's own table).
+
         Raises:
-            ShardingError: a mesh axis name that does not exist, or an entry that is not `name=axes`.
+            ShardingError: a logical name or mesh axis that does not exist, a logical name
+                given twice, or an entry that is not `name=axes`.
+
+        Example:
+            >>> Rules.parse("embed=fsdp,length=tensor").mesh_axes("embed")
+            ('fsdp',)
         """
         if isinstance(spec, Rules):
             return spec
@@ -97,7 +108,15 @@ class Rules:
             items = list(spec.items())
         else:
             raise ShardingError(f"sharding rules {spec!r}: give a string like 'embed=fsdp' or a dict")
+        known = (*DEFAULT_RULES, *(n for n in extra_names if n not in DEFAULT_RULES))
+        seen: set[str] = set()
         for name, axes in items:
+            if name not in known:
+                raise ShardingError(f"sharding rule {name}={axes}: unknown logical axis {name!r}; "
+                                    f"accepted: {', '.join(known)}")
+            if name in seen:
+                raise ShardingError(f"sharding rule for {name!r} is given twice; give each logical axis once")
+            seen.add(name)
             table[name] = _mesh_axes(name, axes)
         given = {name for name, _ in items}
         return cls(tuple(sorted(table.items())), WHERE_DIVISIBLE - given)

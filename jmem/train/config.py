@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
+DEFAULT_WARMUP = 20
+"""Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +27,8 @@ class TrainConfig:
     """Tokens per sequence."""
     lr: float = 3e-3
     """Peak learning rate (linear warmup, then cosine decay to 10%)."""
-    warmup: int = 20
-    """Warmup steps of the learning-rate schedule."""
+    warmup: int | None = None
+    """Warmup steps of the learning-rate schedule, 0..--steps (unset: min(20, --steps // 5), so short runs warm up for a fifth of their steps)."""
     remat: str = "full"
     """Remat policy: none, full, dots, dots_no_batch, minimal, save_dot_except_mlp, offload, or 'name=remat|device|offload,...'."""
     precision: str = "bf16"
@@ -36,9 +38,9 @@ class TrainConfig:
     optimizer: str = "adafactor"
     """Optimizer: adamw, adafactor, adam8bit, sgd."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (adamw, adam8bit)."""
+    """Decoupled weight decay, >= 0 (adamw, adam8bit; 0: none)."""
     clip: float = 1.0
-    """Global gradient-norm clipping (0 disables)."""
+    """Global gradient-norm clipping, >= 0 (0 disables)."""
     seed: int = 0
     """Seed of the parameter init and the batch order."""
     ckpt_dir: str | None = None
@@ -88,6 +90,11 @@ class TrainConfig:
     """Comma-separated linears that get adapters."""
     quantize_base: str | None = None
     """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
+
+    @property
+    def warmup_steps(self) -> int:
+        """--warmup, or min(DEFAULT_WARMUP, steps // 5) when it is unset."""
+        return min(DEFAULT_WARMUP, self.steps // 5) if self.warmup is None else self.warmup
 
     @property
     def distributed(self) -> bool:

@@ -24,16 +24,17 @@ import json
 import signal
 import sys
 import time
+import weakref
 from typing import Any, Callable, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.io.checkpoint import Checkpointer
-from jmem.memory.measure import MemoryReport, measure
+from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
+from jmem.memory.measure import MemoryReport, measure_and_compile
 from jmem.train.config import TrainConfig
-from jmem.train.setup import Run, build
+from jmem.train.setup import Run, build, check_steps_left, state_settings_diff
 
 
 @dataclasses.dataclass
@@ -86,8 +87,27 @@ def estimate_bytes(run: Run) -> dict[str, int]:
                     loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32), **lora)
 
 
-def memory_table(report: MemoryReport, estimate: dict[str, int]) -> str:
-    """Measured (compiler) and estimated (analytic) memory of one step, MiB."""
+def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple[str, float]:
+    """(what is counted, matmul FLOPs per step) for the memory table.
+
+    Every loop iteration's matmuls (`MemoryReport.matmul_flops`), except under the 1F1B
+    schedule, whose ticks pick forward, backward or idle work at run time: there the
+    busiest stage's (`jmem.parallel.busiest_stage_matmul_flops`, per device), each
+    stage running --microbatches forward and backward ticks per accumulation step.
+    """
+    if cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b" and not report.target.startswith("tpu"):
+        from jmem import parallel as par
+
+        return ("busiest pipeline stage",
+                par.busiest_stage_matmul_flops(compiled.as_text(), cfg.microbatches * cfg.accum))
+    return "every loop iteration", report.matmul_flops
+
+
+def memory_table(report: MemoryReport, estimate: dict[str, int],
+                 matmul: tuple[str, float] | None = None) -> str:
+    """Measured (compiler) and estimated (analytic) memory of one step, MiB; `matmul` is
+    `step_matmul_flops`'s (label, FLOPs), the report's own count when None."""
+    matmul = ("every loop iteration", report.matmul_flops) if matmul is None else matmul
     rows = [("measured", "arguments (params, opt state, batch)", report.argument_bytes),
             ("measured", "temp (activations, grads, logits)", report.temp_bytes),
             ("measured", "outputs", report.output_bytes),
@@ -99,7 +119,7 @@ def memory_table(report: MemoryReport, estimate: dict[str, int]) -> str:
     lines = [f"memory of one train step [{report.target}]" + " " * 19 + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
     lines.append(f"  {'cost model GFLOPs per step':<48s}{report.flops / 1e9:10.3f}")
-    lines.append(f"  {'matmul GFLOPs per step (every loop iteration)':<48s}{report.matmul_flops / 1e9:10.3f}")
+    lines.append(f"  {f'matmul GFLOPs per step ({matmul[0]})':<48s}{matmul[1] / 1e9:10.3f}")
     return "\n".join(lines)
 
 
@@ -152,8 +172,13 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     start = 0
     if ckpt is not None:
+        _check_state_settings(ckpt, run)
         resume_step = ckpt.check(run.meta, resume=cfg.resume)
+        if cfg.resume and resume_step is None:
+            raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
+                             f"drop --resume to start a new run")
         if resume_step is not None:
+            check_steps_left(cfg, resume_step)
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
@@ -161,7 +186,8 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     step_fn, place = _jitted(run, state)
     state = place(state=state)
     batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
-    report = measure(step_fn, state, batch0)  # compiles; the loop reuses it
+    report, compiled = measure_and_compile(step_fn, state, batch0)  # compiles; the loop reuses it
+    matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     print(f"model {cfg.model}: {n_params / 1e6:.2f}M params, remat={cfg.remat}, precision={run.policy}, "
@@ -176,10 +202,11 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
               "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
                                                                    rules=_rules(run)).items()), file=out)
-    print(memory_table(report, estimate), file=out)
+    print(memory_table(report, estimate, matmul), file=out)
 
     log = _Logger(cfg.log, append=start > 0)
-    log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params})
+    log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
+               "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0]})
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
@@ -205,7 +232,9 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                 if on_step is not None:
                     on_step(rec)
                 done = step + 1
-                if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
+                # Also at a --stop-after boundary, so a split run logs the evals of an uninterrupted one;
+                # the last step's eval is the final one below.
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
                     ev = _evaluate(_jitted_eval(fns), state.params, run)
                     if ev is not None:
                         evals[done] = ev
@@ -271,7 +300,10 @@ def _rules(run: Run) -> str:
     return rules_for(run.cfg)
 
 
-_JIT_CACHE: dict[int, Any] = {}
+# Jitted (step, eval, state shardings, batch sharding) per live TrainFns: an entry goes with
+# its TrainFns (dropped by `setup._cached_fns`'s LRU and by every Run), so the cache stays as
+# small as that LRU and a new TrainFns never finds an old one's step.
+_JIT_CACHE: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _jitted(run: Run, state):
@@ -281,7 +313,7 @@ def _jitted(run: Run, state):
     One jitted callable per TrainFns so a cached build reuses its compile.
     """
     fns, mesh = run.fns, run.mesh
-    key = id(fns)
+    key = fns
     if key not in _JIT_CACHE:
         if mesh is None:
             _JIT_CACHE[key] = (jax.jit(fns.step, donate_argnums=0), jax.jit(fns.eval_loss), None, None)
@@ -306,7 +338,24 @@ def _jitted(run: Run, state):
 
 
 def _jitted_eval(fns):
-    return _JIT_CACHE[id(fns)][1]
+    return _JIT_CACHE[fns][1]
+
+
+def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:
+    """Name the flags behind a state structure that differs from the checkpoint's (before
+    `Checkpointer.check`, whose last resort is the structure hash)."""
+    if ckpt.latest_step() is None:
+        return
+    old = ckpt.read_meta() or {}
+    if old.get("structure") == run.meta["structure"]:
+        return
+    if any(old.get(k) != run.meta.get(k) for k in ("model", "optimizer", "precision")):
+        return  # Checkpointer.check names those
+    diff = state_settings_diff(old, run.cfg)
+    if diff:
+        raise CheckpointMismatchError(
+            f"checkpoint dir {ckpt.directory} holds a run with a different train state ({'; '.join(diff)}); "
+            f"use the checkpoint's settings or choose another --ckpt-dir (nothing was written)")
 
 
 class _progress:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import pathlib
 
 import jax
@@ -33,33 +34,120 @@ _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 def validate(cfg: TrainConfig) -> Policy:
     """Check every flag; returns the parsed precision policy.
 
+    Reads no more than a checkpoint directory's listing and a model file's first
+    bytes; builds, compiles and writes nothing except the output directories.
+
     Raises:
         ValueError: one line naming the bad value and what is accepted.
     """
     for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
-    if cfg.eval_every < 0 or cfg.warmup < 0 or cfg.clip < 0:
-        raise ValueError("--eval-every, --warmup and --clip must be >= 0")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr={cfg.lr} must be > 0")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every={cfg.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if cfg.warmup is not None and not 0 <= cfg.warmup <= cfg.steps:
+        raise ValueError(f"--warmup={cfg.warmup} must be in 0..--steps={cfg.steps}")
+    _validate_floats(cfg)
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if cfg.weight_decay and cfg.optimizer not in DECAYING:
+        raise ValueError(f"--weight-decay={cfg.weight_decay} is not applied by --optimizer {cfg.optimizer}; "
+                         f"accepted with: {', '.join(DECAYING)}")
     validate_remat(cfg.remat)
     policy = Policy.parse(cfg.precision)
     check_divisible(cfg.batch, cfg.accum)
     if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
         raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+    _validate_model_file(cfg)
     if cfg.stop_after is not None and cfg.stop_after < 1:
         raise ValueError(f"--stop-after={cfg.stop_after} must be >= 1")
     if cfg.resume and not cfg.ckpt_dir:
         raise ValueError("--resume needs --ckpt-dir")
+    if cfg.resume:
+        _validate_resume(cfg)
     if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
     _validate_lora(cfg)
     _make_output_dirs(cfg)
     return policy
+
+
+DECAYING = ("adamw", "adam8bit")
+"""Optimizers that apply --weight-decay."""
+
+
+def _validate_floats(cfg: TrainConfig) -> None:
+    """NaN passes every comparison, so finiteness is checked first."""
+    for flag, value, ok, accepted in (("--lr", cfg.lr, cfg.lr > 0, "> 0"),
+                                      ("--clip", cfg.clip, cfg.clip >= 0, ">= 0 (0 disables clipping)"),
+                                      ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                                      ("--lora-alpha", cfg.lora_alpha, True, "finite")):
+        if not math.isfinite(value) or not ok:
+            raise ValueError(f"{flag}={value} must be a finite number {accepted}")
+
+
+def _validate_model_file(cfg: TrainConfig) -> None:
+    """A model read from a file must be a GGUF file (its context length is checked once it is
+    loaded, `check_seq`)."""
+    path = model_file(cfg.model)
+    if path is None:
+        return
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"--model {cfg.model!r} is not a GGUF file; accepted: a .gguf path or a preset "
+                             f"({', '.join(PRESETS)})")
+
+
+def check_seq(cfg: TrainConfig, context: int) -> None:
+    """A model read from a file keeps its context length; --seq must fit in it.
+    (Presets trained from scratch raise their max_seq_len to --seq instead.)"""
+    if cfg.seq > context:
+        raise ValueError(f"--seq={cfg.seq} exceeds the context length {context} of --model {cfg.model}; "
+                         f"accepted: 1..{context}")
+
+
+def model_file(model: str) -> str | None:
+    """The file a --model is read from (a packaged model's or the given path); None for presets.
+
+    Raises:
+        ValueError: a packaged model whose package is not installed (with the pip command).
+    """
+    from jmem.lm import PACKAGED_MODELS, packaged_model_path
+
+    if model in PACKAGED_MODELS:
+        try:
+            return packaged_model_path(model)
+        except FileNotFoundError as e:
+            raise ValueError(f"--model {model}: {e}") from None
+    if model in PRESETS:
+        return None
+    return str(pathlib.Path(model).expanduser())
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Step numbers of the finished checkpoints in `directory` (Orbax writes a step under a
+    temporary name and renames it to the bare number when complete); [] when absent."""
+    d = pathlib.Path(directory).expanduser()
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _validate_resume(cfg: TrainConfig) -> None:
+    """--resume needs a checkpoint to continue and steps left to train (the directory is not created)."""
+    steps = checkpoint_steps(cfg.ckpt_dir)
+    if not steps:
+        raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
+                         f"drop --resume to start a new run")
+    check_steps_left(cfg, steps[-1])
+
+
+def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:
+    """A resumed run must end after its checkpoint (--steps counts the steps done before)."""
+    if cfg.steps <= checkpoint_step:
+        raise ValueError(f"--steps={cfg.steps} is not beyond the checkpoint's step {checkpoint_step} in "
+                         f"{cfg.ckpt_dir}: nothing to train; accepted: --steps > {checkpoint_step}")
 
 
 def _make_output_dirs(cfg: TrainConfig) -> None:
@@ -123,6 +211,9 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
         raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
                          f"for gradient accumulation)")
+    if cfg.pipeline_stages == 1 and mesh.get("stage", 1) != 1:
+        raise ValueError(f"--mesh {cfg.mesh!r} has a stage axis but --pipeline-stages is 1 (the stage axis would "
+                         f"only replicate work); give --pipeline-stages equal to its size, or drop stage")
     if cfg.pipeline_stages > 1:
         if mesh.get("stage", cfg.pipeline_stages) not in (cfg.pipeline_stages, -1):
             raise ValueError(f"--mesh {cfg.mesh!r} has stage={mesh['stage']} but --pipeline-stages="
@@ -215,6 +306,7 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     import jmem
 
     lm = jmem.load(cfg.model, param_dtype=overrides["param_dtype"], compute_dtype=overrides["compute_dtype"])
+    check_seq(cfg, lm.config.max_seq_len)
     mc = lm.config.replace(**overrides)
     # The loaded module keeps its weights; this run's remat and loss chunk are config.
     lm.model.config = mc
@@ -227,11 +319,12 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None) -> optax.GradientTransf
     `mesh`, the incoming gradients get their ZeRO-stage sharding."""
     from jmem.optim.factory import make_optimizer
 
-    warmup = min(cfg.warmup, cfg.steps // 5)
+    warmup = cfg.warmup_steps
     schedule = optax.warmup_cosine_decay_schedule(
         0.0 if warmup else cfg.lr, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1
     )
-    kw = {"weight_decay": cfg.weight_decay} if cfg.weight_decay and cfg.optimizer in ("adamw", "adam8bit") else {}
+    # Always passed: the constructors' own defaults (1e-4) would decay a run that asked for none.
+    kw = {"weight_decay": cfg.weight_decay} if cfg.optimizer in DECAYING else {}
     tx = make_optimizer(cfg.optimizer, schedule, **kw)
     if cfg.clip:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
@@ -247,15 +340,54 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None) -> optax.GradientTransf
 
 
 def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstract_state) -> dict:
-    """Checkpoint metadata; `MUST_MATCH` fields decide whether a dir is this run's."""
+    """Checkpoint metadata; `MUST_MATCH` fields decide whether a dir is this run's, and
+    `settings` (see `STATE_SETTINGS`) name the flags behind a differing state structure."""
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_STATE}
     return {
         "model": model,
         "optimizer": cfg.optimizer,
         "precision": f"p={_dtype_name(policy.param)}",
         "structure": structure_fingerprint(abstract_state),
+        "settings": {name: getattr(cfg, name) for name in STATE_SETTINGS},
         "config": dataclasses.asdict(cfg),
     }
+
+
+def _clipping(clip) -> bool:
+    return bool(clip)
+
+
+def _loss_scaling(precision) -> bool:
+    return Policy.parse(precision).needs_loss_scale
+
+
+STATE_SETTINGS = {
+    "clip": _clipping,  # clipping adds a link to the optimizer chain; its value does not
+    "precision": _loss_scaling,  # fp16 compute adds the non-finite-skipping wrapper and a loss scale
+    "lora_rank": lambda v: v,
+    "lora_targets": lambda v: v,
+    "quantize_base": lambda v: v,
+}
+"""Flags that shape the train state (beyond the model, optimizer and param dtype, which
+`MUST_MATCH` compares), each with the part of its value that does."""
+
+
+def state_settings_diff(old_meta: dict, cfg: TrainConfig) -> list[str]:
+    """`--flag: checkpoint X vs run Y` for each `STATE_SETTINGS` flag whose state-shaping part
+    differs between a checkpoint's metadata and `cfg` (older checkpoints: their `config`)."""
+    old = old_meta.get("settings") or old_meta.get("config") or {}
+    out = []
+    for name, part in STATE_SETTINGS.items():
+        if name not in old:
+            continue
+        mine = getattr(cfg, name)
+        try:
+            differs = part(old[name]) != part(mine)
+        except ValueError:  # a setting this version cannot parse
+            differs = old[name] != mine
+        if differs and (name != "lora_targets" or (old.get("lora_rank") and cfg.lora_rank)):
+            out.append(f"--{name.replace('_', '-')}: checkpoint {old[name]} vs run {mine}")
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -284,7 +416,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
 
 def _program_key(cfg: TrainConfig) -> TrainConfig:
     """The config with the fields that do not change the compiled program reset."""
-    return dataclasses.replace(cfg, data="default", ckpt_dir=None, ckpt_every=1, resume=False, stop_after=None,
+    return dataclasses.replace(cfg, warmup=cfg.warmup_steps, data="default", ckpt_dir=None, ckpt_every=1, resume=False, stop_after=None,
                                eval_every=0, eval_batches=1, log=None, plot=None, progress=True,
                                coordinator=None, process_id=None)
 

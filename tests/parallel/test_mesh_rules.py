@@ -45,6 +45,15 @@ def test_rules_defaults_overrides_and_specs():
     assert "mlp=tensor" in str(par.Rules.parse())
     with pytest.raises(par.ShardingError, match="unknown mesh axis 'model'"):
         par.Rules.parse("mlp=model")
+    with pytest.raises(par.ShardingError, match="unknown logical axis 'emebd'; accepted: batch, length, embed, "
+                                                "heads, kv_heads, mlp, vocab, layers, exp, stage"):
+        par.Rules.parse("emebd=fsdp")
+    with pytest.raises(par.ShardingError, match="unknown logical axis 'ffn'"):
+        par.Rules.parse({"ffn": "tensor"})
+    with pytest.raises(par.ShardingError, match="rule for 'embed' is given twice"):
+        par.Rules.parse("embed=fsdp,embed=tensor")
+    # A user's own logical names are accepted when declared.
+    assert par.Rules.parse("ffn=tensor", extra_names=("ffn",)).mesh_axes("ffn") == ("tensor",)
     with pytest.raises(par.ShardingError, match=r"layers.w_up.kernel: dim 2 \(mlp\) has size 7, not divisible by "
                                                 r"mesh axes tensor of size 2"):
         rules.spec(("layers", "embed", "mlp"), (2, 64, 7), mesh, name="layers.w_up.kernel")
@@ -167,5 +176,7 @@ def test_initialize_checks_and_single_process(monkeypatch):
         par.initialize("localhost", 2, 0)
     with pytest.raises(par.DistributedError, match="process_id=2 must be in 0..1"):
         par.initialize("127.0.0.1:1234", 2, 2)
+    with pytest.raises(par.DistributedError, match="process_id=1 needs coordinator and num_processes as well"):
+        par.initialize(None, None, 1)  # refused, not ignored
     info = par.initialize()  # no cluster in the environment: single process, nothing joined
     assert (info.process_id, info.num_processes, info.global_devices) == (0, 1, 8)

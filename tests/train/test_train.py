@@ -26,9 +26,10 @@ def _files(d: pathlib.Path) -> dict:
 
 
 def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
-    straight = train(BASE, out=io.StringIO())
+    ev = dataclasses.replace(BASE, eval_every=5)  # the program of BASE: no new compile
+    straight = train(ev, out=io.StringIO())
     assert sorted(straight.losses) == list(range(10))
-    ck = dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"), ckpt_every=100)
+    ck = dataclasses.replace(ev, ckpt_dir=str(tmp_path / "ck"), ckpt_every=100)
 
     def sigterm_after_3(rec):
         if rec["step"] == 3:
@@ -37,12 +38,17 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     out = io.StringIO()
     a = train(ck, out=out, on_step=sigterm_after_3)
     assert a.interrupted and a.final_step == 3 and "interrupted at step 3" in out.getvalue()
-    b = train(dataclasses.replace(ck, resume=True, stop_after=3), out=io.StringIO())
-    assert not b.interrupted and b.final_step == 6 and sorted(b.losses) == [3, 4, 5]
+    b = train(dataclasses.replace(ck, resume=True, stop_after=2), out=io.StringIO())
+    assert not b.interrupted and b.final_step == 5 and sorted(b.losses) == [3, 4]
     c = train(dataclasses.replace(ck, resume=True), out=io.StringIO())
-    assert c.final_step == 10 and sorted(c.losses) == [6, 7, 8, 9]
+    assert c.final_step == 10 and sorted(c.losses) == [5, 6, 7, 8, 9]
     resumed = {**a.losses, **b.losses, **c.losses}
     np.testing.assert_allclose([resumed[k] for k in range(10)], [straight.losses[k] for k in range(10)],
+                               rtol=0, atol=1e-6)
+    # The split run logs the evals of the uninterrupted one, also the one where --stop-after ended.
+    assert sorted(straight.eval_losses) == [5, 10] and not a.eval_losses
+    assert sorted(b.eval_losses) == [5] and sorted(c.eval_losses) == [10]
+    np.testing.assert_allclose([b.eval_losses[5], c.eval_losses[10]], [straight.eval_losses[k] for k in (5, 10)],
                                rtol=0, atol=1e-6)
     # The loss goes down on the default text.
     assert np.mean([straight.losses[k] for k in (7, 8, 9)]) < np.mean([straight.losses[k] for k in (0, 1, 2)])
@@ -58,8 +64,13 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
         train(other, out=io.StringIO())
     with pytest.raises(ValueError, match="already holds step 2; pass --resume"):
         train(dataclasses.replace(BASE, ckpt_dir=str(d)), out=io.StringIO())
+    # Settings that shape the optimizer state are named, not hashed.
+    with pytest.raises(ValueError, match=r"different train state \(--clip: checkpoint 1.0 vs run 0.0\)"):
+        train(dataclasses.replace(BASE, ckpt_dir=str(d), resume=True, clip=0.0), out=io.StringIO())
+    # A resume with no steps left is an error naming both steps, not an empty run.
+    with pytest.raises(ValueError, match=r"--steps=2 is not beyond the checkpoint's step 2 in .*accepted: --steps > 2"):
+        train(dataclasses.replace(BASE, ckpt_dir=str(d), resume=True, steps=2), out=io.StringIO())
     assert _files(d) == before
-
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -132,3 +143,18 @@ def test_f16_with_dynamic_loss_scale_and_bf16_params_train(tmp_path):
     assert r.skipped_steps == sum(not x["finite"] for x in recs)
     p = train(dataclasses.replace(BASE, steps=12, precision="bf16-pure"), out=io.StringIO())
     assert np.mean([p.losses[k] for k in (9, 10, 11)]) < np.mean([p.losses[k] for k in (0, 1, 2)])
+
+
+@pytest.mark.slow
+def test_1f1b_run_prints_the_busiest_stage_matmul_flops():
+    cfg = TrainConfig(model="tiny", steps=1, batch=16, seq=32, warmup=0, precision="f32", pipeline_stages=2,
+                      microbatches=2, pipeline_schedule="1f1b", remat="none", progress=False, eval_batches=1)
+    out = io.StringIO()
+    train(cfg, out=out)
+    line = [ln for ln in out.getvalue().splitlines() if "matmul GFLOPs" in ln]
+    assert len(line) == 1 and "(busiest pipeline stage)" in line[0], out.getvalue()
+    gflops = float(line[0].split()[-1])
+    # tiny (dim 64, 1 layer of 2 per stage, MLP 128, vocab 259): the last stage's layer and head,
+    # forward and backward (3x), on 16 x 32 tokens over data=4.
+    per_token = 2 * 64 * (64 + 32 + 32 + 64 + 3 * 128) + 2 * 2 * 32 * 64 + 2 * 64 * 259
+    assert abs(gflops * 1e9 - 3 * per_token * 16 * 32 / 4) <= 0.1 * 3 * per_token * 16 * 32 / 4, line

@@ -1,0 +1,155 @@
+"""Flag checks of `experiments/train.py` before any work (`jmem.train.setup.validate`), the
+optimizer chain (`make_tx`), the model-file header read, the jitted-step cache and the
+memory table's matmul count. Nothing here compiles a train step."""
+
+import dataclasses
+import gc
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem.memory.precision import Policy
+from jmem.train import TrainConfig
+from jmem.train import loop
+from jmem.train.setup import make_tx, validate
+from jmem.train.step import TrainFns
+from tests.helpers import run_train_script
+
+F32 = Policy.parse("f32")
+
+
+def _one_update(tx, params, grads):
+    @jax.jit
+    def update(params, grads):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return jax.tree.map(lambda p, u: p + u, params, updates)
+
+    return update(params, grads)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam8bit"])
+def test_weight_decay_zero_means_none(optimizer):
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64, 64)) + 3.0, jnp.float32)}  # 4096: adam8bit's 8-bit path
+    zero = jax.tree.map(jnp.zeros_like, params)
+    cfg = TrainConfig(optimizer=optimizer, lr=0.1, warmup=0, clip=1.0, weight_decay=0.0)
+    same = _one_update(make_tx(cfg, F32), params, zero)
+    np.testing.assert_array_equal(np.asarray(same["w"]), np.asarray(params["w"]))
+    shrunk = _one_update(make_tx(dataclasses.replace(cfg, weight_decay=0.1), F32), params, zero)
+    # Decoupled decay at the peak rate: p - lr * wd * p.
+    np.testing.assert_allclose(np.asarray(shrunk["w"]), np.asarray(params["w"]) * (1 - 0.1 * 0.1), rtol=1e-6)
+
+
+def _sgd_rates(cfg: TrainConfig, n: int) -> list[float]:
+    """Learning rate of each of the first n steps of `make_tx` (sgd on a unit gradient)."""
+    tx = make_tx(cfg, F32)
+    p, g = {"w": jnp.zeros(())}, {"w": jnp.ones(())}
+    state, out = tx.init(p), []
+    for _ in range(n):
+        u, state = tx.update(g, state, p)
+        out.append(-float(u["w"]))
+    return out
+
+
+def test_explicit_warmup_is_honoured_and_unset_scales_with_short_runs():
+    rates = _sgd_rates(TrainConfig(optimizer="sgd", lr=1.0, steps=20, warmup=15, clip=0.0), 8)
+    np.testing.assert_allclose(rates, [k / 15 for k in range(8)], rtol=1e-6)  # linear from 0 over 15 steps
+    assert TrainConfig(steps=20).warmup_steps == 4 and TrainConfig(steps=200).warmup_steps == 20
+    assert TrainConfig(steps=10_000).warmup_steps == 20 and TrainConfig(steps=20, warmup=0).warmup_steps == 0
+    auto = _sgd_rates(TrainConfig(optimizer="sgd", lr=1.0, steps=20, clip=0.0), 5)
+    np.testing.assert_allclose(auto[:5], [0, 0.25, 0.5, 0.75, 1.0], rtol=1e-6)
+
+
+def _one_line_exit_2(argv, capsys) -> str:
+    rc, err = run_train_script(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--lr", "inf"], "--lr=inf must be a finite number > 0"),
+    (["--lr", "nan"], "--lr=nan must be a finite number > 0"),
+    (["--lr", "0"], "--lr=0.0 must be a finite number > 0"),
+    (["--clip", "nan"], "--clip=nan must be a finite number >= 0"),
+    (["--clip", "-1"], "--clip=-1.0 must be a finite number >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay=nan must be a finite number >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay=-1.0 must be a finite number >= 0"),
+    (["--weight-decay", "inf", "--optimizer", "adamw"], "--weight-decay=inf must be a finite number >= 0"),
+    (["--weight-decay", "0.1", "--optimizer", "sgd"], "--weight-decay=0.1 is not applied by --optimizer sgd"),
+    (["--warmup", "30", "--steps", "20"], "--warmup=30 must be in 0..--steps=20"),
+    (["--warmup", "-1"], "--warmup=-1 must be in 0..--steps=200"),
+    (["--mesh", "stage=2,data=4"], "has a stage axis but --pipeline-stages is 1"),
+    (["--process-id", "1"], "process_id=1 needs coordinator and num_processes as well"),
+    (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
+])
+def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
+    assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
+
+
+def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, capsys):
+    absent = tmp_path / "absent"
+    line = _one_line_exit_2(["--model", "tiny", "--ckpt-dir", str(absent), "--resume"], capsys)
+    assert f"nothing to resume in {absent}" in line and not absent.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=f"nothing to resume in {empty}"):
+        validate(TrainConfig(model="tiny", ckpt_dir=str(empty), resume=True))
+    assert list(empty.iterdir()) == []
+
+
+def test_model_file_must_be_gguf(tmp_path):
+    (tmp_path / "x.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        validate(TrainConfig(model=str(tmp_path / "x.txt")))
+    validate(TrainConfig(model="tiny", seq=4096))  # a preset from scratch grows its max_seq_len
+
+
+def test_seq_beyond_smollm2_context_is_refused(capsys):
+    from jmem.lm import packaged_model_path
+
+    try:
+        packaged_model_path("smollm2-135m")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    line = _one_line_exit_2(["--model", "smollm2-135m", "--seq", "8193"], capsys)
+    assert "--seq=8193 exceeds the context length 8192 of --model smollm2-135m" in line
+
+
+def test_jit_cache_follows_its_train_fns():
+    """A new TrainFns (even at a reused address) gets its own step; dead ones leave the cache."""
+    run = types.SimpleNamespace(mesh=None, cfg=None)
+    for i in range(12):
+        fns = TrainFns(init_state=None, step=lambda s, b, i=i: s, eval_loss=lambda p, b, i=i: p, merge=None)
+        run.fns = fns
+        step, _ = loop._jitted(run, None)
+        assert step.__wrapped__ is fns.step and loop._jitted_eval(fns).__wrapped__ is fns.eval_loss
+        del fns, step
+        run.fns = None
+    gc.collect()
+    assert len(loop._JIT_CACHE) <= 4  # at most the live entries of setup's LRU of 4 builds
+
+
+def test_1f1b_memory_table_counts_the_busiest_stage():
+    """Under 1F1B the table's matmul FLOPs are `busiest_stage_matmul_flops` with --microbatches x
+    --accum ticks of each kind, labelled so; other runs keep the report's own count."""
+    from jmem import parallel as par
+    from jmem.memory.hlo_flops import matmul_flops
+    from jmem.memory.measure import measure_and_compile
+
+    def tick(i, x, w):  # idle, "forward", "backward" (twice the matmuls), as a 1F1B tick switch
+        return jax.lax.switch(i, [lambda x: x, lambda x: x @ w, lambda x: (x @ w) @ w], x) @ w
+
+    report, compiled = measure_and_compile(tick, 1, jnp.ones((8, 32)), jnp.ones((32, 32)))
+    text = compiled.as_text()
+    one = 2 * 8 * 32 * 32
+    assert par.busiest_stage_matmul_flops(text, 1) == matmul_flops(text, differing="zero") + 3 * one
+    cfg = TrainConfig(pipeline_stages=2, microbatches=4, accum=2, batch=16, pipeline_schedule="1f1b")
+    label, flops = loop.step_matmul_flops(cfg, report, compiled)
+    assert label == "busiest pipeline stage" and flops == matmul_flops(text, differing="zero") + 8 * 3 * one
+    assert "matmul GFLOPs per step (busiest pipeline stage)" in loop.memory_table(report, {}, (label, flops))
+    gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
+    assert loop.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
