@@ -54,10 +54,30 @@ class Config:
     """Back-to-back calls per timed sample."""
 
     def shrunk(self) -> "Config":
-        return dataclasses.replace(
-            self, batch=2, context=64, q_heads=4, kv_heads=2, head_dim=32, page_size=8,
-            flash_batch=1, flash_seq=128, flash_heads=2, warmup=0, samples=1, reps=1,
-        )
+        """The --quick sizes for every shape / timing flag still at its default; flags given explicitly stay."""
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        return dataclasses.replace(self, **{k: v for k, v in QUICK.items() if getattr(self, k) == defaults[k]})
+
+    def validate(self) -> None:
+        """A ValueError naming the first flag no benchmark row could run with."""
+        for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "page_size", "flash_batch", "flash_seq",
+                     "flash_heads", "samples", "reps"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {v}; accepted: a positive integer")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup}; accepted: a non-negative integer")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}; accepted: "
+                             "q_heads = k * kv_heads (grouped-query attention)")
+        if self.context % self.page_size:
+            raise ValueError(f"--context {self.context} is not a multiple of --page-size {self.page_size}; "
+                             "accepted: a context of whole pages")
+
+
+# --quick: tiny shapes and one timed call, for the flags left at their defaults.
+QUICK = dict(batch=2, context=64, q_heads=4, kv_heads=2, head_dim=32, page_size=8, flash_batch=1, flash_seq=128,
+             flash_heads=2, warmup=0, samples=1, reps=1)
 
 
 def log(msg: str) -> None:
@@ -217,8 +237,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(cfg: Config) -> list[dict]:
+    """Run every row; a ValueError for bad flags before any benchmark (with --quick, after its sizes apply)."""
     if cfg.quick:
         cfg = cfg.shrunk()
+    cfg.validate()
     if cfg.out:
         prepare_output(cfg.out, "--out")  # before the benchmarks, not after them
     dev = jax.devices()[0]
@@ -232,7 +254,7 @@ def main(cfg: Config) -> list[dict]:
     return rows
 
 
-def parse_args() -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
     """Flags from `Config` via tyro; on a machine without tyro, the same flags via argparse."""
     try:
         import tyro
@@ -247,13 +269,19 @@ def parse_args() -> Config:
             else:
                 typ = int if f.type in ("int", int) else str
                 parser.add_argument(flag, type=typ, default=f.default)
-        return Config(**vars(parser.parse_args()))
-    return tyro.cli(Config)
+        return Config(**vars(parser.parse_args(argv)))
+    return tyro.cli(Config, args=argv)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: exit status 2 with one `error: ...` line for bad flags."""
+    try:
+        main(parse_args(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    sys.exit(cli())

@@ -8,7 +8,8 @@ calibration (gptq, awq): the windows after them, so the two never overlap.
 Default text: the standard library's `pydoc_data.topics`. `float` is the
 dequantized source model. GGUF block formats use llama.cpp's own fallback for
 matrices whose input dimension is not a multiple of 256 (Q4_K -> Q5_0,
-Q6_K -> Q8_0; SmolLM2's width 576 needs it), recorded per method. Likewise the
+Q6_K -> Q8_0; SmolLM2's width 576 needs it; `jmem.quant.ggml_weight.quantize_gguf_blocks`),
+recorded per method. Likewise the
 4/3-bit methods' group 128 does not divide the width 576: those matrices get
 group 96 (`jmem.quant.quantize`'s substitution), recorded per matrix in
 `group_sizes`.
@@ -29,16 +30,15 @@ import tyro
 from flax import nnx
 
 import jmem
+from jmem.data import load_documents
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
-from jmem.quant.api import LINEARS
+from jmem.quant.ggml_weight import quantize_gguf_blocks
 
 WINDOW = 512
 CALIBRATED = {"gptq4": ("gptq", 4), "gptq3": ("gptq", 3), "awq4": ("awq", 4), "awq3": ("awq", 3)}
 PLAIN = {"int8": ("int8", 8), "rtn4": ("rtn", 4), "rtn3": ("rtn", 3), "nf4": ("nf4", 4), "fp8": ("fp8", 8)}
 GGUF = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
-# llama.cpp's substitutes when a row length is not a multiple of the 256-wide super-block.
-K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 ALL = ("float", *PLAIN, *CALIBRATED, *GGUF)
 
 
@@ -69,12 +69,6 @@ class Config:
     """Windows per forward pass."""
 
 
-def default_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
 def perplexity(model, windows: np.ndarray, batch: int) -> float:
     graphdef, state = nnx.split(model)
 
@@ -90,36 +84,30 @@ def perplexity(model, windows: np.ndarray, batch: int) -> float:
     return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
-def gguf_model(model, qtype: str):
-    from jmem.quant.ggml import FORMATS
-    from jmem.quant.ggml_weight import GGMLWeight
-
-    model = nnx.clone(model)
-    used = {}
-    for name in LINEARS:
-        var = getattr(model.layers, name).kernel
-        w = np.asarray(var.get_value())
-        t = qtype
-        if w.shape[-2] % FORMATS[_qtype(t)].block_size:
-            t = K_FALLBACK.get(t, t)
-        var.set_value(GGMLWeight.from_float(w, _qtype(t)))
-        used[name] = t
-    return model, used
-
-
-def _qtype(name: str):
-    import gguf
-
-    return gguf.GGMLQuantizationType[name]
-
-
-def main(cfg: Config) -> list[dict]:
+def validate(cfg: Config) -> tuple[list[str], str]:
+    """(methods, text) after checking every flag; a ValueError naming the first bad one. No model is loaded."""
     methods = [m.strip() for m in cfg.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError(f"--methods is empty; accepted: a comma-separated list among {', '.join(ALL)}")
     bad = [m for m in methods if m not in ALL]
     if bad:
         raise ValueError(f"unknown methods {bad}; accepted: {', '.join(ALL)}")
+    positive = [("--windows", cfg.windows), ("--batch", cfg.batch), ("--group-size", cfg.group_size)]
+    if any(m in CALIBRATED for m in methods):
+        positive.append(("--calib-windows", cfg.calib_windows))
+    elif cfg.calib_windows < 0:
+        raise ValueError(f"--calib-windows {cfg.calib_windows}; accepted: a non-negative integer")
+    for flag, v in positive:
+        if v < 1:
+            raise ValueError(f"{flag} {v}; accepted: a positive integer")
+    text = "\n\n".join(load_documents(cfg.text, "--text"))
     prepare_output(cfg.out, "--out")
-    text = open(cfg.text, encoding="utf-8").read() if cfg.text else default_text()
+    return methods, text
+
+
+def main(cfg: Config) -> list[dict]:
+    """Quantize and evaluate every method of `cfg`; the flags are checked before the model loads."""
+    methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
     need = (cfg.windows + cfg.calib_windows) * WINDOW
@@ -151,7 +139,7 @@ def main(cfg: Config) -> list[dict]:
                              log=lambda line: print(line, flush=True))
             extra["group_sizes"] = group_sizes(model)
         else:
-            model, used = gguf_model(base, GGUF[m])
+            model, used = quantize_gguf_blocks(base, GGUF[m], log=print)
             extra["gguf_types"] = used
         t_quant = time.time() - t0
         ppl = perplexity(model, windows, cfg.batch)
@@ -178,9 +166,16 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: exit status 2 with one `error: ...` line for bad input."""
+    cfg = tyro.cli(Config, args=argv)
     try:
-        main(tyro.cli(Config))
+        main(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

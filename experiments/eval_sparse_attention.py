@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ import tyro
 from flax import nnx
 
 import jmem
-from jmem.data import default_text
+from jmem.data import load_documents
 from jmem.io.paths import prepare_output
 from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
 from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
@@ -110,27 +111,52 @@ def attention_memory(lm, seq: int, mask: Mask, impl: str) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
+def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
+    """(text, {mask name: (mask, tile stats)}, impl) after checking every flag; a ValueError naming the
+    first bad one. No model is loaded."""
     if cfg.impl not in ("auto", "pallas", "reference"):
-        raise SystemExit(f"--impl={cfg.impl!r}; accepted: auto, pallas, reference")
+        raise ValueError(f"--impl {cfg.impl!r}; accepted: auto, pallas, reference")
+    if cfg.seq < 2:  # a chunk scores seq - 1 next-token predictions
+        raise ValueError(f"--seq {cfg.seq}; accepted: an integer >= 2")
+    for flag, v, least in (("--chunks", cfg.chunks, 1), ("--window", cfg.window, 1), ("--stride", cfg.stride, 1),
+                           ("--bigbird-block", cfg.bigbird_block, 1), ("--num-global", cfg.num_global, 0),
+                           ("--num-random", cfg.num_random, 0)):
+        if v < least:
+            raise ValueError(f"{flag} {v}; accepted: an integer >= {least}")
+    if cfg.num_global > cfg.seq:
+        raise ValueError(f"--num-global {cfg.num_global} is larger than --seq {cfg.seq}; accepted: 0..{cfg.seq}")
+    text = "\n\n".join(load_documents(cfg.text, "--text"))
     if cfg.out:
-        try:
-            prepare_output(cfg.out, "--out")
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        prepare_output(cfg.out, "--out")
+    # The masks' own checks (and their tile layouts) before any model work.
+    planned = {name: (mask, sparse_attention_stats(mask, cfg.seq, cfg.seq)) for name, mask in masks(cfg).items()}
     impl = cfg.impl if cfg.impl != "auto" else ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
-    lm = jmem.load(cfg.model)
-    text = default_text() if cfg.text is None else open(cfg.text, encoding="utf-8").read()
+    return text, planned, impl
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the evaluation; bad input prints one `error: ...` line to stderr and returns 2."""
+    cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
+    try:
+        text, planned, impl = validate(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        lm = jmem.load(cfg.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: --model {cfg.model!r}: {e}", file=sys.stderr)
+        return 2
     ids = np.asarray(lm.tokenizer.encode(text), np.int32)
     if ids.size < cfg.seq * cfg.chunks:
-        raise SystemExit(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs {cfg.seq * cfg.chunks}")
+        print(f"error: the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "
+              f"{cfg.seq * cfg.chunks}; accepted: a longer --text or smaller --seq/--chunks", file=sys.stderr)
+        return 2
     ids_NT = ids[: cfg.seq * cfg.chunks].reshape(cfg.chunks, cfg.seq)
     rows = []
     print(f"{cfg.model}, {cfg.chunks} x {cfg.seq} tokens, attention impl {impl} on {jax.default_backend()}")
     print(f"{'mask':>16} {'ppl':>9} {'tiles visited':>14} {'attn mem ref':>13} {'attn mem kernel':>16}")
-    for name, mask in masks(cfg).items():
-        stats = sparse_attention_stats(mask, cfg.seq, cfg.seq)
+    for name, (mask, stats) in planned.items():
         row = dict(
             mask=name,
             ppl=perplexity(lm, ids_NT, MaskedAttention(mask, impl)),

@@ -78,11 +78,23 @@ class SweepConfig:
     """Bar chart."""
 
 
+def stage_axis_size(mesh: str) -> int:
+    """The size of a mesh spec's 'stage' axis on this host's devices (1 when the spec has none)."""
+    import jax
+
+    from jmem.parallel.mesh import resolve_shape
+
+    return resolve_shape(mesh, jax.device_count())["stage"]
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(SweepConfig, args=argv, description=__doc__.split("\n\n")[0])
     try:
         if cfg.preset not in PRESETS:
             raise ValueError(f"unknown preset {cfg.preset!r}; accepted: {', '.join(PRESETS)}")
+        for flag, v in (("--batch", cfg.batch), ("--seq", cfg.seq), ("--pipeline-stages", cfg.pipeline_stages)):
+            if v < 1:
+                raise ValueError(f"{flag} {v}; accepted: a positive integer")
         # Output directories now: a path that cannot be written fails before compiling, not after.
         out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         accums = []
@@ -105,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             if not m.isdigit() or int(m) < 1:
                 raise ValueError(f"--microbatches {m!r} is not a positive integer")
             micros.append(int(m))
-        if cfg.pipeline_stages > 1 and meshes == [None]:
-            raise ValueError(f"--pipeline-stages {cfg.pipeline_stages} needs --mesh with a 'stage' axis")
+        if cfg.pipeline_stages > 1:
+            for m in meshes:
+                if m is None or stage_axis_size(m) < 2:
+                    where = f"mesh {m!r} has none" if m is not None else "no --mesh given"
+                    raise ValueError(f"--pipeline-stages {cfg.pipeline_stages} needs --mesh with a 'stage' axis "
+                                     f"(e.g. 'stage={cfg.pipeline_stages},data=4'); {where}")
         grid = dict(microbatches=micros, schedules=parse_list(cfg.pipeline_schedule, "pipeline-schedule"),
                     remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)

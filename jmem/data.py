@@ -57,17 +57,22 @@ def default_text() -> str:
     return "\n\n".join(default_documents())
 
 
-def load_documents(path: str | os.PathLike | None) -> list[str]:
+def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list[str]:
     """The documents of a UTF-8 text file (the whole file is one document), or the
-    default text's documents when `path` is None or "default"."""
+    default text's documents when `path` is None or "default".
+
+    Raises:
+        ValueError: a missing or empty file, named by `flag` (the option it came from).
+    """
     if path is None or str(path) in ("", "default"):
         return default_documents()
     p = pathlib.Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"--data {str(path)!r}: no such file (give a UTF-8 text file, or 'default')")
+        raise ValueError(f"{flag} {str(path)!r}: no such file; accepted: a UTF-8 text file, or leave it unset "
+                         "for the default text (pydoc_data.topics)")
     text = p.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
-        raise ValueError(f"--data {str(path)!r}: the file is empty")
+        raise ValueError(f"{flag} {str(path)!r}: the file is empty; accepted: a non-empty UTF-8 text file")
     return [text]
 
 

@@ -116,6 +116,46 @@ def _group_plan(weights: dict, group_size, bits: int):
     return tuple(groups.items()), lines
 
 
+def describe_quantized(leaf) -> str | None:
+    """A short name of a quantized weight leaf's format ("int4, group size 32", "nf4", "Q4_K"); None for a
+    plain float array."""
+    if isinstance(leaf, IntTensor):
+        return f"int{leaf.bits}, group size {leaf.group_size}"
+    if isinstance(leaf, NF4Tensor):
+        return "nf4"
+    if isinstance(leaf, FP8Tensor):
+        return "fp8"
+    if hasattr(leaf, "qtype"):  # GGMLWeight
+        return leaf.qtype.name
+    if hasattr(leaf, "__jmem_dot__"):
+        base = describe_quantized(getattr(leaf, "base", None))
+        return f"{type(leaf).__name__} over {base}" if base else type(leaf).__name__
+    return None
+
+
+def check_float_model(model) -> dict:
+    """The layers' weights of `model`; a ValueError when a linear kernel is already quantized.
+
+    Quantizing quantized leaves would round their packed codes again, so the
+    float model is the only accepted input.
+    """
+    weights = model.layers.weights()
+    for name in LINEARS:
+        kind = describe_quantized(weights.get(name))
+        if kind is not None:
+            raise ValueError(f"the model is already quantized ({name}: {kind}); accepted: the float model "
+                             "(quantize the model as loaded, before any quantization)")
+    return weights
+
+
+def check_calibration_ids(ids, vocab_size: int) -> None:
+    """Token ids must index the model's embedding table: 0 <= id < vocab_size."""
+    lo, hi = int(np.min(ids)), int(np.max(ids))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"calibration token ids range over {lo}..{hi}; accepted: ids of the model's vocabulary, "
+                         f"0..{vocab_size - 1}")
+
+
 def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
     if method not in METHOD_BITS:
         raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
@@ -125,7 +165,7 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
         raise ValueError(f"bits={bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
     if method in ("int8", "fp8"):
         group_size = None
-    weights = model.layers.weights()
+    weights = check_float_model(model)
     groups, lines = (), ()
     if method == "nf4":
         for name in LINEARS:
@@ -146,6 +186,9 @@ def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs
     int arrays. Texts are tokenized, concatenated and cut into non-overlapping
     windows of `seq_len` (a shorter stream gives one shorter window).
     """
+    for name, n in (("seq_len", seq_len), ("max_seqs", max_seqs)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name}={n!r}; accepted: a positive integer")
     if calibration is None or (isinstance(calibration, (str, list, tuple)) and len(calibration) == 0):
         raise ValueError("calibration is empty; accepted: non-empty text(s) or token arrays")
     if isinstance(calibration, str):
@@ -308,6 +351,7 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     ids = None
     if method in CALIBRATED:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
+        check_calibration_ids(ids, model.config.vocab_size)
     if not inplace:
         model = nnx.clone(model)
     layers: Blocks = model.layers

@@ -1,7 +1,10 @@
 """`jmem quantize`: quantize a model and write it as a GGUF file or a quantized model directory.
 
 `--out PATH.gguf`: GGUF block methods (q4_0, q4_k, q8_0, ...) are written packed in
-that format. The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
+that format. A k-quant (q2_k..q6_k) whose 256-weight super-block does not divide a
+tensor's rows falls back for that tensor as llama.cpp does (q4_k -> Q5_0, q6_k ->
+Q8_0, ...; `jmem.quant.ggml.fitting_qtype`), one printed line per substitution:
+SmolLM2's width 576 needs it. The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
 type of their own: their quantized weights are dequantized and stored as
 `--store-type` (F16 by default), which keeps the method's accuracy in any
 llama.cpp-compatible reader.
@@ -71,19 +74,16 @@ def quantization_spec(args: QuantizeArgs, method: str) -> dict:
             "act_order": args.act_order if method == "gptq" else False}
 
 
-def _gguf_block_model(model, method: str):
-    """A copy of `model` whose linear kernels are packed `GGMLWeight`s of type `method`."""
-    import numpy as np
-    from flax import nnx
-
-    from jmem.quant.api import LINEARS
-    from jmem.quant.ggml_weight import GGMLWeight
-
-    model = nnx.clone(model)
-    for name in LINEARS:
-        kernel = getattr(model.layers, name).kernel
-        kernel.set_value(GGMLWeight.from_float(np.asarray(kernel.get_value()), method.upper()))
-    return model
+def _check_numbers(args: QuantizeArgs, method: str) -> None:
+    """The numeric flags the method reads, before the model loads."""
+    if method in GGUF_METHODS:
+        return
+    if method in ("rtn", "gptq", "awq") and args.group_size is not None and args.group_size != -1 \
+            and args.group_size <= 0:
+        raise ValueError(f"--group-size {args.group_size}; accepted: a positive number of input rows per scale "
+                         "(a multiple of 8), or -1 for per channel")
+    if method in ("gptq", "awq") and args.calibration_windows < 1:
+        raise ValueError(f"--calibration-windows {args.calibration_windows}; accepted: a positive integer")
 
 
 def _leaf_kinds(model) -> dict[str, str]:
@@ -99,13 +99,14 @@ def _leaf_kinds(model) -> dict[str, str]:
 def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     """Run the quantization and write `--out`; returns the GGUF type (or leaf type) of each tensor."""
     import jmem
-    from jmem.data import default_documents, load_documents
+    from jmem.data import load_documents
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.io.paths import prepare_output
     from jmem.io.tokenizer import ByteTokenizer
     from jmem.quant import quantize
-    from jmem.quant.api import METHOD_BITS
-    from jmem.quant.ggml import resolve_qtype
+    from jmem.quant.api import CALIBRATED, METHOD_BITS, check_float_model
+    from jmem.quant.ggml import fallback_lines, fitting_qtype, resolve_qtype
+    from jmem.quant.ggml_weight import quantize_gguf_blocks
     from jmem.quant.saved import check_new_dir, save_quantized
 
     kind = out_kind(args.out)
@@ -115,6 +116,8 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     # Fail before any heavy work.
     if method in METHOD_BITS and args.bits is not None and args.bits not in METHOD_BITS[method]:
         raise ValueError(f"bits={args.bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
+    _check_numbers(args, method)
+    docs = load_documents(args.calibration, "--calibration") if method in CALIBRATED else None
     if kind == "gguf":
         resolve_qtype(args.store_type)
         prepare_output(args.out, "--out")
@@ -122,14 +125,22 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
         check_new_dir(args.out)
         prepare_output(args.out, "--out", directory=True)  # new or empty: created empty now
     lm = jmem.load(args.model)
+    check_float_model(lm.model)
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
     if method in GGUF_METHODS:
         if kind == "gguf":
-            return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta,
-                              qtype_by_tensor=method.upper())
-        qmodel = _gguf_block_model(lm.model, method)
+            rows: dict[str, int] = {}
+
+            def qtype_of(name: str, shape_OI) -> str:
+                rows[name] = shape_OI[1]
+                return fitting_qtype(method, shape_OI[1]).name
+
+            types = write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of)
+            for line in fallback_lines(method, {n: (r, types[n]) for n, r in rows.items()}):
+                print(line)
+            return types
+        qmodel, _ = quantize_gguf_blocks(lm.model, method, log=print)
     else:
-        docs = load_documents(args.calibration) if args.calibration else default_documents()
         qmodel = quantize(lm.model, method, bits=args.bits, group_size=args.group_size, calibration=docs,
                           tokenizer=lm.tokenizer, symmetric=args.symmetric, act_order=args.act_order,
                           max_seqs=args.calibration_windows, log=print)

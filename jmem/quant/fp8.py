@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmem.quant.qtensor import QTensor
+from jmem.quant.qtensor import QTensor, check_weight_shape
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
 
 
 @jax.tree_util.register_pytree_node_class
@@ -42,6 +41,8 @@ class FP8Tensor(QTensor):
 
     @classmethod
     def quantize(cls, w) -> "FP8Tensor":
+        """FP8-quantize a float `[..., in, out]` weight (at least 2 axes, none empty)."""
+        check_weight_shape(w, "FP8 quantization")
         w = jnp.asarray(w)
         return cls(*_fp8_arrays(w), dtype=w.dtype)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,45 @@ def resolve_qtype(qtype) -> T:
             f"unsupported GGML tensor type {shown}; supported: {', '.join(SUPPORTED_TYPES)}"
         )
     return qt
+
+
+# llama.cpp's substitutes for a k-quant whose 256-weight super-block does not divide a row
+# (Q2_K/Q3_K take the legacy types llama.cpp used before IQ4_NL, which this module lacks).
+K_FALLBACK: dict[T, T] = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_1, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def fitting_qtype(qtype, row_length: int) -> T:
+    """The type a row of `row_length` weights is stored in when `qtype` is asked, as llama.cpp does.
+
+    `qtype` itself when its block divides the row; for a k-quant that does
+    not fit, its `K_FALLBACK` substitute, or F16 when that does not fit
+    either. Other types are returned as asked (`quantize` then refuses a row
+    they do not divide).
+
+    Example:
+        >>> fitting_qtype("Q4_K", 576).name, fitting_qtype("Q6_K", 576).name, fitting_qtype("Q4_K", 512).name
+        ('Q5_0', 'Q8_0', 'Q4_K')
+    """
+    qt = resolve_qtype(qtype)
+    if row_length % FORMATS[qt].block_size == 0 or qt not in K_FALLBACK:
+        return qt
+    sub = K_FALLBACK[qt]
+    return sub if row_length % FORMATS[sub].block_size == 0 else T.F16
+
+
+def fallback_lines(qtype, chosen: dict[str, tuple[int, str]]) -> list[str]:
+    """One line per substitution in `chosen` (tensor name -> (row length, type used)) for a request of
+    `qtype`; the layers of a stacked name (`blk.3.attn_q.weight`) are shown once as `blk.*`."""
+    asked = resolve_qtype(qtype).name
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name, (n, used) in chosen.items():
+        if used != asked:
+            shown = re.sub(r"^blk\.\d+\.", "blk.*.", name)
+            names = groups.setdefault((n, used), [])
+            if shown not in names:
+                names.append(shown)
+    return [f"{asked}: row length {n} is not a multiple of its block size {FORMATS[T[asked]].block_size}; "
+            f"stored as {used} (llama.cpp's fallback): {', '.join(names)}" for (n, used), names in groups.items()]
 
 
 def block_format(qtype) -> BlockFormat:

@@ -135,3 +135,54 @@ class GGMLWeight:
         # describe what is there.
         raw = getattr(self.raw, "shape", self.raw)
         return f"GGMLWeight({self.qtype.name}, raw={raw})"
+
+
+def quantize_gguf_blocks(model, qtype, *, inplace: bool = False, log=None):
+    """Store a float Llama model's linear kernels as packed `GGMLWeight`s of GGML type `qtype`.
+
+    A k-quant whose 256-weight super-block does not divide a kernel's input
+    dimension falls back as llama.cpp does (`ggml.fitting_qtype`: Q4_K ->
+    Q5_0, Q6_K -> Q8_0, ...), with one `log` line per substitution.
+    Embeddings, norms and the output head stay float.
+
+    Args:
+      model: a float `jmem.models.Llama` (layers stacked on a leading axis).
+      qtype: a GGML block type name or enum (Q4_0, Q4_K, Q6_K, Q8_0, ...).
+      inplace: modify `model` instead of a copy.
+      log: optional callable taking each substitution line (e.g. `print`).
+
+    Returns:
+      (model, types): the quantized model and the GGML type name each linear got.
+
+    Raises:
+      ValueError: an unsupported type, an already quantized model, or a row a
+        non-k-quant block does not divide; before any kernel is quantized.
+
+    Example:
+        >>> qmodel, types = quantize_gguf_blocks(smollm2, "Q4_K", log=print)
+        >>> types["wq"], types["w_down"]
+        ('Q5_0', 'Q4_K')
+    """
+    from flax import nnx
+
+    from jmem.quant.api import LINEARS, check_float_model
+
+    qt = ggml.resolve_qtype(qtype)
+    weights = check_float_model(model)
+    plan = {}
+    for name in LINEARS:
+        n_in = weights[name].shape[-2]
+        used = ggml.fitting_qtype(qt, n_in)
+        if n_in % ggml.FORMATS[used].block_size:
+            raise ValueError(f"{name}: input dimension {n_in} is not a multiple of the {used.name} block size "
+                             f"{ggml.FORMATS[used].block_size}; accepted: a type whose block divides {n_in}")
+        plan[name] = (n_in, used.name)
+    for line in ggml.fallback_lines(qt, plan):
+        if log is not None:
+            log(line)
+    if not inplace:
+        model = nnx.clone(model)
+    for name, (_, used) in plan.items():
+        kernel = getattr(model.layers, name).kernel
+        kernel.set_value(GGMLWeight.from_float(np.asarray(kernel.get_value()), used))
+    return model, {name: used for name, (_, used) in plan.items()}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.quant.qtensor import QTensor, pack_bits, unpack_bits
+from jmem.quant.qtensor import QTensor, check_weight_shape, pack_bits, unpack_bits
 
 NF4_BLOCK = 64
 NF4_ABSMAX_BLOCK = 256
@@ -85,6 +85,7 @@ class NF4Tensor(QTensor):
     @classmethod
     def quantize(cls, w) -> "NF4Tensor":
         """NF4-quantize a float `[..., in, out]` weight; `in` must be a multiple of 64."""
+        check_weight_shape(w, "NF4 quantization")
         w = jnp.asarray(w)
         if w.shape[-2] % NF4_BLOCK:
             raise ValueError(f"NF4 needs the input dimension to be a multiple of {NF4_BLOCK}; got {w.shape[-2]}")

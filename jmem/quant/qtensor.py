@@ -200,6 +200,7 @@ class IntTensor(QTensor):
           clip: optional f32[..., in/group_size, out] factors in (0, 1] that
             shrink each group's range before rounding (AWQ's clip search).
         """
+        check_weight_shape(w, f"{bits}-bit integer quantization")
         w = jnp.asarray(w)
         group_size = check_group_size(w.shape[-2], group_size, bits)
         packed, scale, zero = _rtn_arrays(w, clip, bits, group_size, symmetric)
@@ -222,18 +223,51 @@ def check_int_bits(bits) -> None:
         raise ValueError(f"bits={bits!r} is not supported for integer quantization; accepted: {SUPPORTED_INT_BITS}")
 
 
+def check_weight_shape(w, what: str = "quantize") -> None:
+    """Refuse a weight that is not a non-empty float `[..., in, out]` array (one clear ValueError)."""
+    shape = tuple(np.shape(w))
+    if len(shape) < 2 or 0 in shape:
+        raise ValueError(f"{what}: weight shape {shape} is not a weight matrix; accepted: an array with at least "
+                         "2 axes [..., in, out] and no empty axis")
+
+
+def _group_choices(n_in: int, unit: int, near) -> str:
+    """A few group sizes that work for `n_in`: divisors of it that are multiples of `unit`, nearest `near` first."""
+    divisors = [g for g in range(unit, n_in + 1, unit) if n_in % g == 0]
+    if isinstance(near, (int, np.integer)) and near > 0:
+        divisors.sort(key=lambda g: (abs(g - near), g))
+    else:
+        divisors.sort(reverse=True)
+    shown = ", ".join(map(str, sorted(divisors[:4])))
+    return f"a divisor of {n_in} that is a multiple of {unit} (e.g. {shown}), or None (per channel)"
+
+
 def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
-    """Validate and resolve a group size for an input dimension `n_in`; None means per channel."""
+    """Validate and resolve a group size for an input dimension `n_in`; None means per channel.
+
+    Codes narrower than 8 bits are packed 8 input rows at a time, so their
+    groups (and per channel, `n_in` itself) must be multiples of 8; 8-bit
+    codes are stored unpacked and take any divisor of `n_in`.
+    """
     check_int_bits(bits)
+    unit = 1 if bits == 8 else PACK_ROWS
     if group_size is None or group_size == -1:
-        group_size = n_in
-    if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or n_in % group_size:
-        raise ValueError(
-            f"group_size={group_size!r} does not divide the input dimension {n_in}; "
-            f"accepted: a positive divisor of {n_in} that is a multiple of {PACK_ROWS} (e.g. 32, 64, 128), or None")
-    if group_size % PACK_ROWS:
-        raise ValueError(f"group_size={group_size} must be a multiple of {PACK_ROWS} "
-                         "(codes are packed 8 rows at a time)")
+        if n_in % unit:
+            raise ValueError(f"per-channel {bits}-bit codes need an input dimension that is a multiple of {unit} "
+                             f"(codes are packed {unit} rows at a time); got {n_in}; accepted: bits=8 for "
+                             f"this matrix, or an input dimension that is a multiple of {unit}")
+        return int(n_in)
+    ok_type = isinstance(group_size, (int, np.integer)) and not isinstance(group_size, bool)
+    if not ok_type or group_size <= 0 or n_in % group_size:
+        if n_in % unit:
+            raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}, and no group "
+                             f"size can: {bits}-bit codes are packed {unit} rows at a time and {n_in} is not a "
+                             f"multiple of {unit}; accepted: bits=8 for this matrix")
+        raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}; accepted: "
+                         + _group_choices(n_in, unit, group_size if ok_type else None))
+    if group_size % unit:
+        raise ValueError(f"group_size={group_size} must be a multiple of {unit} ({bits}-bit codes are packed "
+                         f"{unit} rows at a time); accepted: " + _group_choices(n_in, unit, group_size))
     return int(group_size)
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jmem
 
@@ -36,3 +37,61 @@ def test_bad_input_one_line(tmp_path):
         r = _quantize("--model", "tiny", *args)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert not list(tmp_path.iterdir())
+
+
+def _refuse_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--method", "gptq", "--calibration-windows", "0"], "--calibration-windows 0; accepted: a positive integer"),
+    (["--method", "awq", "--calibration-windows", "-3"], "--calibration-windows -3; accepted: a positive integer"),
+    (["--method", "gptq", "--calibration", "/nonexist"], "--calibration '/nonexist': no such file"),
+    (["--method", "rtn", "--group-size", "0"], "--group-size 0; accepted: a positive number"),
+])
+def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypatch, capsys):
+    from jmem.quant.cli import quantize_main
+
+    monkeypatch.setattr(jmem, "load", _refuse_load)
+    with pytest.raises(SystemExit) as exc:
+        quantize_main(["--model", "tiny", *args, "--out", str(tmp_path / "a.gguf")])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in err and expected in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys):
+    """Every row of the tiny model (64, 128) is shorter than Q4_K's 256: llama.cpp's Q5_0 is written, and said."""
+    from jmem.io.gguf import read_gguf
+    from jmem.quant.cli import quantize_main
+
+    out = tmp_path / "q4k.gguf"
+    quantize_main(["--model", "tiny", "--method", "q4_k", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert ("Q4_K: row length 64 is not a multiple of its block size 256; stored as Q5_0 (llama.cpp's fallback): "
+            "token_embd.weight, blk.*.attn_q.weight") in printed, printed
+    assert "row length 128 is not a multiple of its block size 256; stored as Q5_0" in printed
+    types = {name: t.qtype for name, t in read_gguf(str(out)).tensors.items()}
+    assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == "Q5_0"
+    ids = np.arange(1, 17, dtype=np.int32)[None]
+    float_logits = np.asarray(jmem.load("tiny").logits(ids))
+    logits = np.asarray(jmem.load(str(out)).logits(ids))
+    assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
+
+
+@pytest.mark.slow
+def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
+    from tests.helpers import smollm2
+
+    lm = smollm2()  # skips when the package is absent
+    from jmem.quant.cli import quantize_main
+
+    out = tmp_path / "smollm2-q4k.gguf"
+    quantize_main(["--method", "q4_k", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Q4_K: row length 576 is not a multiple of its block size 256; stored as Q5_0" in printed, printed
+    assert "Q4_K x30" in printed  # ffn_down (row length 1536) keeps Q4_K
+    q = jmem.load(str(out))
+    ids = np.asarray(lm.tokenizer.encode("The capital of France is"), np.int32)[None]
+    ref, got = np.asarray(lm.logits(ids)), np.asarray(q.logits(ids))
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() >= 0.8

@@ -15,8 +15,8 @@ from jmem.lm import LM
 from jmem.models.config import LlamaConfig
 from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, quantize
 from jmem.cli import info
-from jmem.quant.cli import _gguf_block_model, quantize_main
-from jmem.quant.ggml_weight import GGMLWeight
+from jmem.quant.cli import quantize_main
+from jmem.quant.ggml_weight import GGMLWeight, quantize_gguf_blocks
 from jmem.quant.saved import MANIFEST, QuantizedDirError, describe, save_quantized
 from tests.helpers import logits_of, random_model
 
@@ -48,7 +48,7 @@ FORMATS = {
     "int8": (lambda m: quantize(m, "int8"), IntTensor),
     "nf4": (lambda m: quantize(m, "nf4"), NF4Tensor),
     "fp8": (lambda m: quantize(m, "fp8"), FP8Tensor),
-    "q8_0": (lambda m: _gguf_block_model(m, "q8_0"), GGMLWeight),
+    "q8_0": (lambda m: quantize_gguf_blocks(m, "q8_0")[0], GGMLWeight),
 }
 
 

@@ -48,6 +48,13 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--mesh", "stage=2,data=4", "--accum", "1", "--pipeline-stages", "2", "--pipeline-schedule", "zb"],
      "unknown pipeline schedule 'zb'"),
     (["--microbatches", "0"], "--microbatches '0' is not a positive integer"),
+    (["--batch", "0"], "--batch 0; accepted: a positive integer"),
+    (["--batch", "-2"], "--batch -2; accepted: a positive integer"),
+    (["--seq", "0"], "--seq 0; accepted: a positive integer"),
+    (["--seq", "-1"], "--seq -1; accepted: a positive integer"),
+    (["--pipeline-stages", "0"], "--pipeline-stages 0; accepted: a positive integer"),
+    (["--mesh", "data=4,fsdp=2", "--pipeline-stages", "2"], "mesh 'data=4,fsdp=2' has none"),
+    (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2"], "mesh 'data=8' has none"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
     rc, cap = _main(argv + ["--out", str(tmp_path / "x.json")], capsys)

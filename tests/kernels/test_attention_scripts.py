@@ -1,0 +1,77 @@
+"""`experiments/eval_sparse_attention.py` and `experiments/bench_attention.py`: bad flags are one `error:` line
+and exit status 2, before any model load or benchmark; `--quick` keeps flags given explicitly."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+import jmem
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", EXPERIMENTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sparse():
+    return _load("eval_sparse_attention")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("bench_attention")
+
+
+def _refuse_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--text", "/nonexist"], "--text '/nonexist': no such file"),
+    (["--seq", "0"], "--seq 0; accepted: an integer >= 2"),
+    (["--seq", "1"], "--seq 1; accepted: an integer >= 2"),
+    (["--window", "0"], "--window 0; accepted: an integer >= 1"),
+    (["--chunks", "-1"], "--chunks -1; accepted: an integer >= 1"),
+    (["--impl", "foo"], "--impl 'foo'; accepted: auto, pallas, reference"),
+    (["--seq", "64", "--num-global", "100"], "--num-global 100 is larger than --seq 64"),
+])
+def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jmem, "load", _refuse_load)
+    rc = sparse.main([*argv, "--out", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--samples", "0"], "--samples 0; accepted: a positive integer"),
+    (["--kv-heads", "3", "--q-heads", "4"], "--q-heads 4 is not a multiple of --kv-heads 3"),
+    (["--head-dim", "0"], "--head-dim 0; accepted: a positive integer"),
+    (["--context", "100", "--page-size", "16"], "--context 100 is not a multiple of --page-size 16"),
+    (["--warmup", "-1"], "--warmup -1; accepted: a non-negative integer"),
+    # --quick shrinks only the flags left at their defaults, so an explicit bad value is still refused.
+    (["--quick", "--samples", "0", "--kv-heads", "3"], "--samples 0; accepted: a positive integer"),
+    (["--quick", "--kv-heads", "3"], "--q-heads 4 is not a multiple of --kv-heads 3"),
+])
+def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))
+    rc = bench.cli(argv)
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+
+def test_quick_keeps_explicit_flags(bench, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda cfg: seen.append(cfg) or [])
+    assert bench.cli(["--quick", "--samples", "3", "--kv-heads", "4", "--q-heads", "8"]) == 0
+    (cfg,) = seen
+    assert (cfg.samples, cfg.kv_heads, cfg.q_heads) == (3, 4, 8)  # as given
+    assert (cfg.batch, cfg.context, cfg.reps, cfg.flash_seq) == (2, 64, 1, 128)  # --quick's sizes

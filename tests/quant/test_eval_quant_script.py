@@ -1,0 +1,58 @@
+"""`experiments/eval_quant.py`: bad flags are one `error:` line and exit status 2, before the model loads."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+import jmem
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "eval_quant.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("eval_quant_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _refuse_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--text", "/nonexist"], "--text '/nonexist': no such file"),
+    (["--windows", "0", "--calib-windows", "0"], "--windows 0; accepted: a positive integer"),
+    (["--windows", "-1"], "--windows -1; accepted: a positive integer"),
+    (["--batch", "0"], "--batch 0; accepted: a positive integer"),
+    (["--methods", "gptq4", "--calib-windows", "0"], "--calib-windows 0; accepted: a positive integer"),
+    (["--methods", "rtn4,q9"], "unknown methods ['q9']"),
+    (["--group-size", "0"], "--group-size 0; accepted: a positive integer"),
+])
+def test_bad_flags_before_the_model_loads(script, argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jmem, "load", _refuse_load)
+    rc = script.cli([*argv, "--out", str(tmp_path / "q.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert not (tmp_path / "q.json").exists()
+
+
+def test_empty_text_file(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jmem, "load", _refuse_load)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert script.cli(["--text", str(empty), "--out", str(tmp_path / "q.json")]) == 2
+    assert "the file is empty" in capsys.readouterr().err
+
+
+def test_float_only_needs_no_calibration_windows(script, tmp_path):
+    """`--calib-windows 0` is fine when no method calibrates: validation passes (no model is loaded here)."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n")
+    methods, got = script.validate(script.Config(text=str(text), methods="float,rtn4,q4_k", calib_windows=0,
+                                                 out=str(tmp_path / "q.json")))
+    assert methods == ["float", "rtn4", "q4_k"] and got == "hello world\n"
