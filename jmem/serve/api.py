@@ -371,7 +371,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     def resolve_max_tokens(value, param):
         if value is not None and value < 1:
-            raise APIError(400, f"{param}={value} is out of range; accepted: >= 1", param)
+            raise APIError(400, f"{param}={value} is out of range; accepted: >= 1 (0 only with echo)", param)
         return value
 
     @app.post("/v1/completions")
@@ -380,13 +380,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         body.check_supported()
         raw = body.prompts()
         prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]") for k, p in enumerate(raw)]
-        max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens") or 16
-        params = body.sampling_params(max_tokens, body.logprobs)
+        echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
+        if echo_only and body.stream:
+            raise APIError(400, "max_tokens=0 with echo is answered whole; accepted: stream false", "stream")
+        max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
+        params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
         # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests)
         scored = await prompt_logprobs(prompts, body.logprobs) if body.echo and body.logprobs is not None \
             else [[] for _ in prompts]
+        if echo_only:
+            choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
+                        "logprobs": completion_logprobs(scored[k], 0) if body.logprobs is not None else None}
+                       for k, ids in enumerate(prompts) for j in range(n)]
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": choices, "usage": usage(sum(len(ids) for ids in prompts), [])}
         streams = submit(prompts, params, n, rid)
         n_prompt = sum(len(ids) for ids in prompts)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}

@@ -157,6 +157,10 @@ def test_echo_with_logprobs_scores_the_prompt(server, client):
     chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
                                             echo=True, stream=True))
     assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
+    # max_tokens=0: the prompt alone, scored the same way.
+    only = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == n
 
 
 @pytest.mark.parametrize("body, status, param", [
