@@ -38,7 +38,8 @@ from jmem.quant.ggml_weight import quantize_gguf_blocks
 WINDOW = 512
 CALIBRATED = {"gptq4": ("gptq", 4), "gptq3": ("gptq", 3), "awq4": ("awq", 4), "awq3": ("awq", 3)}
 PLAIN = {"int8": ("int8", 8), "rtn4": ("rtn", 4), "rtn3": ("rtn", 3), "nf4": ("nf4", 4), "fp8": ("fp8", 8)}
-GGUF = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
+GGUF = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_1": "Q4_1", "q5_0": "Q5_0",
+        "iq4_nl": "IQ4_NL"}
 ALL = ("float", *PLAIN, *CALIBRATED, *GGUF)
 
 

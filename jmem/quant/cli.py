@@ -22,7 +22,7 @@ import sys
 
 import tyro
 
-GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0")
+GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0", "iq4_nl")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ fuses it) and also accepts numpy input. Its arithmetic follows the order of
 `quantize` is numpy, used offline (writing GGUF, packing weights). The legacy
 formats follow llama.cpp's reference rounding; the K-quants run a small
 vectorised scale search (candidate scales, least-squares refit) per sub-block,
-like llama.cpp's reference quantizer without importance weights.
+like llama.cpp's reference quantizer without importance weights; IQ4_NL
+(16 fixed non-uniform levels times one f16 scale per 32 weights) searches its
+scale the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ FORMATS: dict[T, BlockFormat] = {
         BlockFormat(T.Q5_0, 32, 2 + 4 + 16),
         BlockFormat(T.Q5_1, 32, 2 + 2 + 4 + 16),
         BlockFormat(T.Q8_0, 32, 2 + 32),
+        BlockFormat(T.IQ4_NL, 32, 2 + 16),
         BlockFormat(T.Q2_K, QK_K, 16 + 64 + 2 + 2),
         BlockFormat(T.Q3_K, QK_K, 32 + 64 + 12 + 2),
         BlockFormat(T.Q4_K, QK_K, 2 + 2 + 12 + 128),
@@ -95,9 +98,12 @@ def resolve_qtype(qtype) -> T:
     return qt
 
 
-# llama.cpp's substitutes for a k-quant whose 256-weight super-block does not divide a row
-# (Q2_K/Q3_K take the legacy types llama.cpp used before IQ4_NL, which this module lacks).
-K_FALLBACK: dict[T, T] = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_1, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+# llama.cpp's substitutes for a k-quant whose 256-weight super-block does not divide a row.
+K_FALLBACK: dict[T, T] = {T.Q2_K: T.IQ4_NL, T.Q3_K: T.IQ4_NL, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+# IQ4_NL's 16 levels (llama.cpp's `kvalues_iq4nl`): a non-uniform grid, denser near zero,
+# that a block's one f16 scale multiplies.
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
 
 def fitting_qtype(qtype, row_length: int) -> T:
@@ -200,6 +206,10 @@ def _dq_q5_1(b):
     return _f16(b, 0) * q.astype(jnp.float32) + _f16(b, 2)
 
 
+def _dq_iq4_nl(b):
+    return _f16(b, 0) * jnp.asarray(IQ4_NL_VALUES)[_nibbles(b[..., 2:18])]
+
+
 def _dq_q8_0(b):
     q = jax.lax.bitcast_convert_type(b[..., 2:34], jnp.int8)
     return q.astype(jnp.float32) * _f16(b, 0)
@@ -299,6 +309,7 @@ _DEQUANT = {
     T.Q5_0: _dq_q5_0,
     T.Q5_1: _dq_q5_1,
     T.Q8_0: _dq_q8_0,
+    T.IQ4_NL: _dq_iq4_nl,
     T.Q2_K: _dq_q2_k,
     T.Q3_K: _dq_q3_k,
     T.Q4_K: _dq_q4_k,
@@ -428,6 +439,31 @@ def _q_q8_0(x):
     d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
     q = np.clip(_round_away(x * _safe_inv(d)), -127, 127).astype(np.int8)
     return np.concatenate([_f16_bytes(d[:, 0]), q.view(np.uint8)], axis=-1)
+
+
+def _nearest_iq4_nl(v):
+    """Index of the nearest `IQ4_NL_VALUES` entry (ties to the larger, as llama.cpp's `best_index_int8`)."""
+    mids = (IQ4_NL_VALUES[1:] + IQ4_NL_VALUES[:-1]) / 2
+    return np.searchsorted(mids, v, side="right")
+
+
+def _q_iq4_nl(x):
+    """IQ4_NL: per block of 32, try the 15 inverse scales (k + values[0]) / max for k in -7..7
+    (max: the entry of largest magnitude, sign kept), keep the one whose weighted least-squares
+    scale d = <w q x> / <w q q> (w = x^2) fits best, then code every weight at 1/d: llama.cpp's
+    search without an importance matrix."""
+    mx = _signed_absmax(x)  # [N, 1]
+    w = x * x
+    ids = (np.arange(-7, 8, dtype=np.float32) + IQ4_NL_VALUES[0])[None, :, None] * _safe_inv(mx)[:, :, None]
+    q = IQ4_NL_VALUES[_nearest_iq4_nl(ids * x[:, None, :])]  # [N, 15, 32]
+    sumqx = (w[:, None, :] * q * x[:, None, :]).sum(-1)
+    sumq2 = (w[:, None, :] * q * q).sum(-1)
+    score = np.where(sumq2 > 0, sumqx * sumqx / np.where(sumq2 > 0, sumq2, 1), -1)
+    best = score.argmax(-1)[:, None]
+    d = np.take_along_axis(np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, 1), 0), best, -1)
+    d16 = d.astype("<f2").astype(np.float32)  # the scale as stored
+    codes = _nearest_iq4_nl(x * _safe_inv(d16))
+    return np.concatenate([_f16_bytes(d16[:, 0]), _pack_nibbles(codes)], axis=-1)
 
 
 def _fit_asym(x, nmax, w, rmin, rdelta, nstep):
@@ -626,6 +662,7 @@ _QUANT = {
     T.Q5_0: _q_q5_0,
     T.Q5_1: _q_q5_1,
     T.Q8_0: _q_q8_0,
+    T.IQ4_NL: _q_iq4_nl,
     T.Q2_K: _q_q2_k,
     T.Q3_K: _q_q3_k,
     T.Q4_K: _q_q4_k,

@@ -15,6 +15,7 @@ F16_OFFSETS = {
     T.Q5_0: (0,),
     T.Q5_1: (0, 2),
     T.Q8_0: (0,),
+    T.IQ4_NL: (0,),
     T.Q2_K: (80, 82),
     T.Q3_K: (108,),
     T.Q4_K: (0, 2),
@@ -24,7 +25,7 @@ F16_OFFSETS = {
 QUANTIZED = tuple(F16_OFFSETS)
 # Bits per code of each type (the scale overhead is not counted).
 CODE_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5,
-             T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8}
+             T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4}
 
 
 def random_raw(rng, qt, lead, n_blocks):
@@ -112,6 +113,9 @@ def test_k_quant_scale_search_beats_single_scale_formats():
 
     assert err(T.Q4_K) < err(T.Q4_1)
     assert err(T.Q5_K) < err(T.Q5_1)
+    # IQ4_NL: Q4_0's size (4.5 bits per weight), a non-uniform grid and a scale search: below Q4_0's error.
+    assert ggml.FORMATS[T.IQ4_NL].type_size == ggml.FORMATS[T.Q4_0].type_size
+    assert err(T.IQ4_NL) < 0.9 * err(T.Q4_0)
 
 
 @pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
@@ -129,8 +133,8 @@ def test_unsupported_type_error_names_type_and_lists_supported():
         with pytest.raises(ValueError, match="supported: F32, F16, BF16, Q4_0") as info:
             ggml.dequantize(np.zeros((1, 34), np.uint8), bad)
         assert str(bad if not isinstance(bad, T) else bad.name) in str(info.value)
-    with pytest.raises(ggml.UnsupportedGGMLTypeError, match="IQ4_NL"):
-        ggml.quantize(np.zeros((1, 32), np.float32), T.IQ4_NL)
+    with pytest.raises(ggml.UnsupportedGGMLTypeError, match="IQ4_XS"):
+        ggml.quantize(np.zeros((1, 256), np.float32), T.IQ4_XS)
 
 
 def test_bad_shapes_raise():

@@ -79,7 +79,7 @@ def test_calibration_ids_outside_the_vocabulary(model):
 
 def test_fitting_qtype_follows_llama_cpp():
     assert [fitting_qtype(t, 576).name for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")] == \
-        ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+        ["IQ4_NL", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0"]
     assert fitting_qtype("Q4_K", 1536).name == "Q4_K" and fitting_qtype("Q4_0", 576).name == "Q4_0"
     assert fitting_qtype("Q6_K", 48).name == "F16"  # neither the super-block nor Q8_0's 32 divides 48
 

@@ -77,6 +77,14 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     float_logits = np.asarray(jmem.load("tiny").logits(ids))
     logits = np.asarray(jmem.load(str(out)).logits(ids))
     assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
+    # Q2_K falls back to IQ4_NL (current llama.cpp), which also reads back.
+    out = tmp_path / "q2k.gguf"
+    quantize_main(["--model", "tiny", "--method", "q2_k", "--out", str(out)])
+    assert "stored as IQ4_NL (llama.cpp's fallback)" in capsys.readouterr().out
+    assert {t.qtype for name, t in read_gguf(str(out)).tensors.items() if name.startswith("blk.") and "norm" not in name} \
+        == {"IQ4_NL"}
+    logits = np.asarray(jmem.load(str(out)).logits(ids))
+    assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
 
 
 @pytest.mark.slow
