@@ -447,11 +447,14 @@ def _nearest_iq4_nl(v):
     return np.searchsorted(mids, v, side="right")
 
 
-def _q_iq4_nl(x):
+def _q_iq4_nl(x, chunk: int = 1 << 15):
     """IQ4_NL: per block of 32, try the 15 inverse scales (k + values[0]) / max for k in -7..7
     (max: the entry of largest magnitude, sign kept), keep the one whose weighted least-squares
     scale d = <w q x> / <w q q> (w = x^2) fits best, then code every weight at 1/d: llama.cpp's
-    search without an importance matrix."""
+    search without an importance matrix. `chunk` blocks at a time bound the [blocks, 15, 32]
+    temporaries (about 60 MiB each)."""
+    if len(x) > chunk:
+        return np.concatenate([_q_iq4_nl(x[i:i + chunk], chunk) for i in range(0, len(x), chunk)])
     mx = _signed_absmax(x)  # [N, 1]
     w = x * x
     ids = (np.arange(-7, 8, dtype=np.float32) + IQ4_NL_VALUES[0])[None, :, None] * _safe_inv(mx)[:, :, None]

@@ -118,6 +118,11 @@ def test_k_quant_scale_search_beats_single_scale_formats():
     assert err(T.IQ4_NL) < 0.9 * err(T.Q4_0)
 
 
+def test_iq4_nl_search_in_chunks_equals_one_pass():
+    x = np.random.default_rng(4).normal(size=(10, 32)).astype(np.float32)
+    np.testing.assert_array_equal(ggml._q_iq4_nl(x, chunk=3), ggml._q_iq4_nl(x))
+
+
 @pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
 def test_quantize_zero_and_constant_rows(qt):
     n = ggml.FORMATS[qt].block_size
