@@ -2,9 +2,13 @@
 
 Tokens pick their `top_k` experts by router probability. Each expert takes at
 most `capacity = ceil(capacity_factor * tokens * top_k / n_experts)` tokens;
-places are given first choices first, then in token order (GShard), and the
-assignments past capacity are dropped (their share of the output is zero, the
-residual stream carries the token on). Dispatch and combine are one-hot
+places are given in position order (every row's token at position 0, then
+position 1, ...; a token's choices in rank order), and the assignments past
+capacity are dropped (their share of the output is zero, the residual stream
+carries the token on). Position order keeps a causal LM causal: whether a
+token keeps its place depends only on tokens at its position or before.
+(GShard's order, all first choices before any second choice, lets a later
+token's first choice take the place of an earlier token's second choice.) Dispatch and combine are one-hot
 einsums, so the expert weights `[exp, ...]` can sit on the `expert` mesh axis
 and XLA moves tokens with all-to-alls.
 
@@ -71,7 +75,7 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
     """Top-k routing with capacity.
 
     Args:
-        logits_NX: f32[tokens, experts] router logits.
+        logits_NX: f32[tokens, experts] router logits, tokens in priority order.
         top_k: experts per token.
         cap: places per expert.
         normalize: rescale the k gates of a token to sum to 1 (top-k > 1).
@@ -85,17 +89,16 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
     gate_NK, idx_NK = jax.lax.top_k(probs_NX, top_k)
     if normalize and top_k > 1:
         gate_NK = gate_NK / jnp.sum(gate_NK, axis=-1, keepdims=True)
-    # Priority: all first choices (in token order), then all second choices, ...
-    mask_KNX = jax.nn.one_hot(idx_NK.T, X, dtype=jnp.float32)
-    flat_QX = mask_KNX.reshape(top_k * N, X)
+    # Priority: token order, each token's choices in rank order.
+    flat_QX = jax.nn.one_hot(idx_NK, X, dtype=jnp.float32).reshape(N * top_k, X)
     pos_QX = jnp.cumsum(flat_QX, axis=0) - 1.0
     pos_Q = jnp.sum(pos_QX * flat_QX, axis=-1).astype(jnp.int32)
     keep_Q = (pos_Q < cap).astype(jnp.float32)
     slot_QC = jax.nn.one_hot(pos_Q, cap, dtype=jnp.float32) * keep_Q[:, None]
     disp_QXC = flat_QX[:, :, None] * slot_QC[:, None, :]
-    disp_KNXC = disp_QXC.reshape(top_k, N, X, cap)
-    dispatch_NXC = jnp.sum(disp_KNXC, axis=0)
-    combine_NXC = jnp.sum(disp_KNXC * gate_NK.T[:, :, None, None], axis=0)
+    disp_NKXC = disp_QXC.reshape(N, top_k, X, cap)
+    dispatch_NXC = jnp.sum(disp_NKXC, axis=1)
+    combine_NXC = jnp.sum(disp_NKXC * gate_NK[:, :, None, None], axis=1)
     load_X = jnp.sum(flat_QX, axis=0) / (N * top_k)
     aux = X * jnp.sum(load_X * jnp.mean(probs_NX, axis=0))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
@@ -123,7 +126,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
     cap = capacity(B * T, X, top_k, capacity_factor)
-    x_NE = x_BTE.reshape(B * T, E)
+    x_NE = x_BTE.swapaxes(0, 1).reshape(T * B, E)  # position-major: the routing priority
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     dispatch_NXC, combine_NXC, stats = route(logits_NX, top_k, cap, normalize=normalize)
     fix = expert_constraint or (lambda v: v)
@@ -132,7 +135,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     u_XCF = jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(x_NE.dtype))
     out_XCE = fix(jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(x_NE.dtype)))
     y_NE = jnp.einsum("nxc,xce->ne", combine_NXC.astype(x_NE.dtype), out_XCE)
-    return y_NE.reshape(B, T, E), stats
+    return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
 
 
 def moe_loss(stats: MoEStats, aux_weight: float = 0.01, z_weight: float = 1e-3):

@@ -10,7 +10,8 @@ from jmem.models.moe import MOE_LOGICAL_AXES, MoEMLP, capacity, moe_mlp, route
 
 
 def reference(x_NE, router, gate, up, down, top_k, cap):
-    """Per-token loop: top-k experts, gates renormalised, places by (choice rank, token order)."""
+    """Per-token loop: top-k experts, gates renormalised, places in token order (`x_NE` in priority order),
+    each token's choices in rank order."""
     x_NE, router, gate, up, down = (np.asarray(a, np.float64) for a in (x_NE, router, gate, up, down))
     N, X = x_NE.shape[0], router.shape[1]
     logits = x_NE @ router
@@ -19,8 +20,8 @@ def reference(x_NE, router, gate, up, down, top_k, cap):
     order = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     used = [0] * X
     keep = np.zeros((N, top_k), bool)
-    for k in range(top_k):
-        for n in range(N):
+    for n in range(N):
+        for k in range(top_k):
             e = order[n, k]
             if used[e] < cap:
                 keep[n, k] = True
@@ -47,8 +48,9 @@ def test_moe_matches_per_token_reference(top_k, cf):
     y, stats = moe(x)
     w = moe.weights()
     cap = capacity(24, 4, top_k, cf)
-    y_ref, dropped, load, aux = reference(x.reshape(24, 16), w["router"], w["gate"], w["up"], w["down"], top_k, cap)
-    np.testing.assert_allclose(np.asarray(y).reshape(24, 16), y_ref, rtol=2e-5, atol=2e-5)
+    by_position = lambda a: np.asarray(a).swapaxes(0, 1).reshape(24, -1)  # noqa: E731 - the routing priority
+    y_ref, dropped, load, aux = reference(by_position(x), w["router"], w["gate"], w["up"], w["down"], top_k, cap)
+    np.testing.assert_allclose(by_position(y), y_ref, rtol=2e-5, atol=2e-5)
     assert int(stats.dropped) == dropped
     np.testing.assert_allclose(np.asarray(stats.load), load, rtol=1e-6)
     np.testing.assert_allclose(float(stats.aux_loss), aux, rtol=1e-5)
@@ -56,6 +58,17 @@ def test_moe_matches_per_token_reference(top_k, cf):
         assert dropped == 0
     if cf < 1.0:
         assert dropped > 0
+
+
+@pytest.mark.parametrize("top_k,cf", [(1, 0.5), (2, 0.75)])
+def test_tokens_keep_their_place_whatever_comes_after_them(top_k, cf):
+    """Causal: with places short, outputs at positions < 6 do not change when later tokens do."""
+    moe = MoEMLP(16, 24, n_experts=4, top_k=top_k, capacity_factor=cf, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(1), (2, 12, 16), jnp.float32)
+    x2 = x.at[:, 6:].set(jax.random.normal(jax.random.key(2), (2, 6, 16), jnp.float32))
+    (y, stats), (y2, _) = moe(x), moe(x2)
+    assert int(stats.dropped) > 0
+    np.testing.assert_array_equal(np.asarray(y[:, :6]), np.asarray(y2[:, :6]))
 
 
 def test_z_loss_and_bad_settings():
