@@ -38,14 +38,20 @@ class SamplingParams:
     def __post_init__(self):
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1 or None")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer))
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 or None")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_ints(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
 def _bucket(n: int, step: int) -> int:
@@ -103,11 +109,18 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             returning how many ids to keep when a stop condition was met.
         chunk: decode steps per device call.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    _check_ints("max_new_tokens", max_new_tokens, 0)
+    _check_ints("chunk", chunk, 1)  # 0 decode steps per call would never finish
     cfg = model.config
+    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a list of token-id lists, each with at least one token "
+                         "(e.g. [[1, 2, 3]], not [1, 2, 3])")
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        bad = arr if not np.issubdtype(arr.dtype, np.integer) else arr[(arr < 0) | (arr >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {i} holds {bad.ravel()[0].item()!r}; accepted: integer token ids in "
+                             f"0..{cfg.vocab_size - 1}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     total = int(lengths.max()) + max_new_tokens + chunk
     if int(lengths.max()) + max_new_tokens > cfg.max_seq_len:

@@ -67,3 +67,17 @@ def test_bad_arguments(lm):
         lm.generate("a")
     with pytest.raises(ValueError, match="token ids must be in"):
         lm.logits(np.array([[1, 100000]]))
+    # Straight to generate_ids: ids outside the vocabulary (NaN logits or wrapped rows before),
+    # a flat prompt, a float count, chunk=0 (never finished), a float top_k: one clear error each.
+    for prompts, message in [([[1, 259]], "prompt 0 holds 259; accepted: integer token ids in 0..258"),
+                             ([[1, 2], [-5]], "prompt 1 holds -5"), ([1, 2, 3], r"not \[1, 2, 3\]")]:
+        with pytest.raises(ValueError, match=message):
+            generate_ids(lm.model, prompts, 2)
+    with pytest.raises(ValueError, match="max_new_tokens=2.5; accepted: an integer >= 0"):
+        generate_ids(lm.model, [[1, 2]], 2.5)
+    with pytest.raises(ValueError, match="chunk=0; accepted: an integer >= 1"):
+        generate_ids(lm.model, [[1, 2]], 2, chunk=0)
+    with pytest.raises(ValueError, match="top_k=2.5 must be an integer"):
+        SamplingParams(top_k=2.5)
+    with pytest.raises(ValueError, match="attention_impl='flash'; accepted: auto, pallas, xla, reference"):
+        jmem.load("tiny", attention_impl="flash")

@@ -75,6 +75,10 @@ class LlamaConfig:
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         as_dtype(self.param_dtype)
         as_dtype(self.compute_dtype)
+        from jmem.kernels.dispatch import IMPLS
+
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"LlamaConfig.attention_impl={self.attention_impl!r}; accepted: {', '.join(IMPLS)}")
         if self.moe_experts < 0:
             raise ValueError(f"LlamaConfig.moe_experts={self.moe_experts} must be >= 0 (0: dense MLP)")
         if self.moe_experts:
