@@ -1,8 +1,9 @@
 """`attention`: one entry point for every attention implementation.
 
-`impl="xla"` is plain jnp (XLA fuses it; also the CPU path), `"reference"` is
-the same math written for clarity, `"pallas"` the Pallas flash kernel, and
-`"auto"` picks Pallas on GPU/TPU and XLA elsewhere.
+`impl="xla"` is plain jnp (XLA fuses it; also the CPU path), `"reference"` a
+name for that same plain path (the kernels' tests compare against it),
+`"pallas"` the Pallas flash kernel, and `"auto"` picks Pallas on GPU/TPU and
+XLA elsewhere.
 
 "Where" means the platform the traced code will be compiled for, which is not
 always the default backend: `jmem.memory.measure(..., target="tpu:v5e:2x2")`
@@ -82,6 +83,25 @@ def _check(q, k, v):
         raise ValueError(f"attention: k {k.shape} and v {v.shape} must match q {q.shape} in batch and head_dim")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
+    if k.shape[1] == 0:
+        raise ValueError(f"attention: kv_len is 0 (k {k.shape}); accepted: at least one key")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"attention: {name} has dtype {x.dtype}; accepted: a floating dtype")
+
+
+def _per_row(name: str, value, batch: int):
+    """`q_offset` / `kv_lengths` as i32[batch]: a scalar is broadcast; anything else must be [batch] ints."""
+    if value is None:
+        return None
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(f"attention: {name} has dtype {value.dtype}; accepted: integers, one per row")
+    if value.ndim == 0:
+        return jnp.broadcast_to(value.astype(jnp.int32), (batch,))
+    if value.shape != (batch,):
+        raise ValueError(f"attention: {name} has shape {value.shape}; accepted: a scalar or [batch]=({batch},)")
+    return value.astype(jnp.int32)
 
 
 def masked_softmax(scores, visible):
@@ -140,6 +160,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
     _check(q, k, v)
+    q_offset, kv_lengths = _per_row("q_offset", q_offset, q.shape[0]), _per_row("kv_lengths", kv_lengths, q.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":

@@ -76,6 +76,22 @@ def test_bad_inputs_raise():
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), block_q=48)
 
 
+def test_dispatcher_checks_offsets_lengths_and_dtypes():
+    q, k, v, _ = _inputs(3, 2, 4, 10, 4, 2, 16, jnp.float32)
+    # A scalar offset / length is every row's.
+    np.testing.assert_array_equal(attention(q, k, v, q_offset=6, kv_lengths=9, impl="xla"),
+                                  attention(q, k, v, q_offset=jnp.full((2,), 6), kv_lengths=jnp.full((2,), 9),
+                                            impl="xla"))
+    for kw, message in [(dict(q_offset=jnp.zeros((3,), jnp.int32)), r"q_offset has shape \(3,\); accepted: a scalar"),
+                        (dict(kv_lengths=jnp.ones((2,))), "kv_lengths has dtype float32; accepted: integers")]:
+        with pytest.raises(ValueError, match=message):
+            attention(q, k, v, impl="xla", **kw)
+    with pytest.raises(ValueError, match="q has dtype int32; accepted: a floating dtype"):
+        attention(q.astype(jnp.int32), k, v, impl="xla")
+    with pytest.raises(ValueError, match="kv_len is 0"):
+        attention(q, k[:, :0], v[:, :0], impl="xla")
+
+
 def tpu_topology_device():
     """The first device of an ahead-of-time TPU topology, or skip when libtpu is absent."""
     if importlib.util.find_spec("libtpu") is None:
