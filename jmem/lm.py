@@ -51,7 +51,13 @@ class LM:
 
     def logits(self, ids) -> jax.Array:
         """ids int32 `[batch, seq]` -> float32 logits `[batch, seq, vocab]`."""
-        ids = jnp.asarray(ids, jnp.int32)
+        try:
+            arr = np.asarray(ids)
+        except ValueError:  # ragged rows
+            raise ValueError("logits expects ids of shape [batch, seq]: rows of equal length") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"logits expects integer token ids; got dtype {arr.dtype}")
+        ids = jnp.asarray(arr, jnp.int32)
         if ids.ndim != 2:
             raise ValueError(f"logits expects ids of shape [batch, seq]; got {ids.shape}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):

@@ -53,6 +53,11 @@ class LoRA:
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
         *lead, n_in, n_out = base.shape
+        if rank > min(n_in, n_out):
+            raise ValueError(f"LoRA rank={rank} exceeds the {n_in} x {n_out} weight's smaller side; accepted: "
+                             f"1..{min(n_in, n_out)}")
+        if not (np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"LoRA alpha={alpha!r} must be a finite number > 0")
         a = jax.random.normal(key, (*lead, n_in, rank), jnp.float32) * n_in ** -0.5
         b = jnp.zeros((*lead, rank, n_out), dtype)
         return cls(base, a.astype(dtype), b, alpha, dropout, rslora)

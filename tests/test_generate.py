@@ -67,6 +67,10 @@ def test_bad_arguments(lm):
         lm.generate("a")
     with pytest.raises(ValueError, match="token ids must be in"):
         lm.logits(np.array([[1, 100000]]))
+    with pytest.raises(ValueError, match="integer token ids; got dtype float64"):
+        lm.logits([[1.7, 2.2]])
+    with pytest.raises(ValueError, match="rows of equal length"):
+        lm.logits([[1, 2], [3]])
     # Straight to generate_ids: ids outside the vocabulary (NaN logits or wrapped rows before),
     # a flat prompt, a float count, chunk=0 (never finished), a float top_k: one clear error each.
     for prompts, message in [([[1, 259]], "prompt 0 holds 259; accepted: integer token ids in 0..258"),

@@ -124,3 +124,10 @@ def test_dropout_and_bad_inputs():
         apply_lora(model, targets=("wz",))
     with pytest.raises(ValueError, match="rank=0"):
         apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=0)
+    base = Llama(CFG, rngs=nnx.Rngs(0))
+    side = min(base.layers.wv.kernel.get_value().shape[-2:])
+    with pytest.raises(ValueError, match=f"rank={side + 1} exceeds .* smaller side; accepted: 1..{side}"):
+        apply_lora(base, rank=side + 1, targets=("wv",))
+    for alpha in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="alpha=.* must be a finite number > 0"):
+            apply_lora(base, alpha=alpha)
