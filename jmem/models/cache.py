@@ -20,6 +20,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmem.kernels import attention
 
@@ -74,6 +75,15 @@ class ContiguousKVCache:
 
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
         k_BSKD, v_BSKD = layer_arrays
+        S, T = k_BSKD.shape[1], q_BTHD.shape[1]
+        try:  # concrete positions are checked; traced ones (under jit) only by their count
+            last = int(np.max(np.asarray(positions_BT)))
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            last = None
+        if T > S or (last is not None and last >= S):
+            shown = f"positions up to {last}" if last is not None else f"{T} new tokens"
+            raise ValueError(f"{shown} do not fit a KV cache of max_len={S} (writes past it would be lost); "
+                             f"accepted: positions 0..{S - 1}, a larger cache")
         rows = jnp.arange(q_BTHD.shape[0])[:, None]
         k_BSKD = k_BSKD.at[rows, positions_BT].set(k_BTKD.astype(k_BSKD.dtype), mode="drop")
         v_BSKD = v_BSKD.at[rows, positions_BT].set(v_BTKD.astype(v_BSKD.dtype), mode="drop")

@@ -25,6 +25,13 @@ def test_prefill_then_decode_equals_full_forward(tiny):
         step, cache = tiny(ids[:, t:t + 1], positions=jnp.full((2, 1), t, jnp.int32), cache=cache)
         outs.append(step)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5)
+    # Past the cache's end the writes used to be dropped silently (wrong logits): one clear error.
+    with pytest.raises(ValueError, match="positions up to 11 do not fit a KV cache of max_len=8"):
+        tiny(ids, cache=ContiguousKVCache.create(cfg, 2, 8))
+    with pytest.raises(ValueError, match="positions up to 16 do not fit a KV cache of max_len=16"):
+        tiny(ids[:, :1], positions=jnp.full((2, 1), 16, jnp.int32), cache=cache)
+    with pytest.raises(ValueError, match="12 new tokens do not fit a KV cache of max_len=8"):  # traced: the count
+        jax.jit(lambda i, c: tiny(i, cache=c))(ids, ContiguousKVCache.create(cfg, 2, 8))
 
 
 @pytest.mark.parametrize("per_layer_cache", [True, False])
