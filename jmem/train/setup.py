@@ -353,16 +353,12 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
     }
 
 
-def _clipping(clip) -> bool:
-    return bool(clip)
-
-
 def _loss_scaling(precision) -> bool:
     return Policy.parse(precision).needs_loss_scale
 
 
 STATE_SETTINGS = {
-    "clip": _clipping,  # clipping adds a link to the optimizer chain; its value does not
+    "clip": bool,  # clipping adds a link to the optimizer chain; its value does not
     "precision": _loss_scaling,  # fp16 compute adds the non-finite-skipping wrapper and a loss scale
     "lora_rank": lambda v: v,
     "lora_targets": lambda v: v,
