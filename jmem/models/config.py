@@ -60,7 +60,10 @@ class LlamaConfig:
     moe_top_k: int = 2
     """Experts each token is routed to (MoE only)."""
     moe_capacity_factor: float = 1.25
-    """Places per expert relative to an even split of the routed tokens; the rest are dropped (MoE only)."""
+    """Places per expert relative to an even split of the routed tokens; the rest are dropped (MoE only).
+    Forwards with a KV cache (generation, serving) always route without dropping."""
+    moe_dropless: bool = False
+    """Route every forward without capacity (grouped matmuls; training too), as Mixtral does (MoE only)."""
     moe_aux_weight: float = 0.01
     """Weight of the load-balancing loss added to the training loss (MoE only)."""
     moe_z_weight: float = 1e-3

@@ -9,7 +9,10 @@ LoRA-wrapped weight without any change here.
 With `config.moe_experts > 0` the SwiGLU MLP of every block is a mixture of
 experts (`jmem.models.moe`); each layer's router statistics leave the layer scan
 as scan outputs, and `hidden_and_router_stats` returns them averaged over layers
-so the training loss can add the load-balancing and z-losses.
+so the training loss can add the load-balancing and z-losses. Forwards with a KV
+cache route without capacity (`dropless`), so a token's output in generation does
+not depend on how many tokens a call holds; forwards without one use the
+capacity unless `config.moe_dropless`.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     if "moe" in w:
         m = w["moe"]
         y, stats = moe_mlp(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.moe_top_k,
-                           capacity_factor=cfg.moe_capacity_factor)
+                           capacity_factor=cfg.moe_capacity_factor, dropless=cfg.moe_dropless or cache is not None)
         return x_BTE + checkpoint_name(y, "mlp_out"), new_layer, stats
     if "w_gate_up" in w:
         gate, up = jnp.split(dot(h, w["w_gate_up"]), 2, axis=-1)

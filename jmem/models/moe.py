@@ -12,6 +12,14 @@ token's first choice take the place of an earlier token's second choice.) Dispat
 einsums, so the expert weights `[exp, ...]` can sit on the `expert` mesh axis
 and XLA moves tokens with all-to-alls.
 
+Dropless routing (`dropless=True`, and every forward with a KV cache in
+`jmem.models.llama`): no capacity; the assignments are sorted by expert and
+each expert's rows go through one grouped matmul (`jax.lax.ragged_dot`), so
+every token gets all of its `top_k` experts whatever the batch holds. That is
+what inference needs: a token's output must not depend on how many other
+tokens one call routes (a cached decode step routes one token per row, the
+prompt's forward all of them).
+
 Losses (returned in `MoEStats`, to be weighted by the caller):
     aux_loss  Switch/GShard load balancing: n_experts * sum_e f_e * P_e, with f_e
               the fraction of routed assignments that chose expert e and P_e the
@@ -85,10 +93,7 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
          MoEStats)
     """
     N, X = logits_NX.shape
-    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
-    gate_NK, idx_NK = jax.lax.top_k(probs_NX, top_k)
-    if normalize and top_k > 1:
-        gate_NK = gate_NK / jnp.sum(gate_NK, axis=-1, keepdims=True)
+    probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
     # Priority: token order, each token's choices in rank order.
     flat_QX = jax.nn.one_hot(idx_NK, X, dtype=jnp.float32).reshape(N * top_k, X)
     pos_QX = jnp.cumsum(flat_QX, axis=0) - 1.0
@@ -99,15 +104,27 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
     disp_NKXC = disp_QXC.reshape(N, top_k, X, cap)
     dispatch_NXC = jnp.sum(disp_NKXC, axis=1)
     combine_NXC = jnp.sum(disp_NKXC * gate_NK[:, :, None, None], axis=1)
-    load_X = jnp.sum(flat_QX, axis=0) / (N * top_k)
-    aux = X * jnp.sum(load_X * jnp.mean(probs_NX, axis=0))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
     dropped = (top_k * N - jnp.sum(keep_Q)).astype(jnp.int32)
-    return dispatch_NXC, combine_NXC, MoEStats(aux, z, dropped, load_X)
+    return dispatch_NXC, combine_NXC, _stats(logits_NX, probs_NX, flat_QX, dropped)
+
+
+def _stats(logits_NX, probs_NX, flat_QX, dropped) -> MoEStats:
+    load_X = jnp.mean(flat_QX, axis=0)
+    aux = logits_NX.shape[-1] * jnp.sum(load_X * jnp.mean(probs_NX, axis=0))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
+    return MoEStats(aux, z, dropped, load_X)
+
+
+def _top_k_gates(logits_NX, top_k: int, normalize: bool):
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    gate_NK, idx_NK = jax.lax.top_k(probs_NX, top_k)
+    if normalize and top_k > 1:
+        gate_NK = gate_NK / jnp.sum(gate_NK, axis=-1, keepdims=True)
+    return probs_NX, gate_NK, idx_NK
 
 
 def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, capacity_factor: float = 1.25,
-            normalize: bool = True, expert_constraint=None):
+            normalize: bool = True, expert_constraint=None, dropless: bool = False):
     """The MoE SwiGLU MLP as a pure function (usable inside a layer scan on one layer's weights).
 
     Args:
@@ -118,6 +135,8 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
         normalize: renormalise the top-k gates of each token to sum to 1.
         expert_constraint: optional `f(x[experts, cap, ...]) -> x` applied to the expert
             inputs/outputs (e.g. `jmem.parallel.constrain(x, ("exp", None, None), rules, mesh)`).
+        dropless: no capacity (`capacity_factor` and `expert_constraint` unused): grouped
+            matmuls over the assignments sorted by expert (`moe_mlp_dropless`).
 
     Returns:
         (y [batch, seq, embed] in x's dtype, MoEStats)
@@ -125,6 +144,8 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     B, T, E = x_BTE.shape
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
+    if dropless:
+        return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize)
     cap = capacity(B * T, X, top_k, capacity_factor)
     x_NE = x_BTE.swapaxes(0, 1).reshape(T * B, E)  # position-major: the routing priority
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
@@ -136,6 +157,36 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     out_XCE = fix(jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(x_NE.dtype)))
     y_NE = jnp.einsum("nxc,xce->ne", combine_NXC.astype(x_NE.dtype), out_XCE)
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
+
+
+def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, normalize: bool = True):
+    """`moe_mlp` without capacity: every token gets its `top_k` experts.
+
+    The `tokens * top_k` assignments are sorted by expert; `jax.lax.ragged_dot` runs each
+    expert's contiguous rows through its weights (one grouped matmul per projection, FLOPs
+    of exactly the routed rows), and the outputs go back to their tokens weighted by the
+    gates. `MoEStats.dropped` is 0.
+
+    Example:
+        >>> y, stats = moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=2)
+    """
+    B, T, E = x_BTE.shape
+    X = router_EX.shape[-1]
+    check_moe(X, top_k, 1.0)
+    x_NE = x_BTE.reshape(B * T, E)
+    logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
+    probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
+    expert_Q = idx_NK.reshape(-1)
+    order_Q = jnp.argsort(expert_Q, stable=True)  # assignment ids grouped by expert
+    sizes_X = jnp.bincount(expert_Q, length=X).astype(jnp.int32)
+    in_QE = jnp.take(x_NE, order_Q // top_k, axis=0)
+    g_QF = jax.lax.ragged_dot(in_QE, gate_XEF.astype(x_NE.dtype), sizes_X)
+    u_QF = jax.lax.ragged_dot(in_QE, up_XEF.astype(x_NE.dtype), sizes_X)
+    out_QE = jax.lax.ragged_dot(jax.nn.silu(g_QF) * u_QF, down_XFE.astype(x_NE.dtype), sizes_X)
+    out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
+    y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
+    flat_QX = jax.nn.one_hot(expert_Q, X, dtype=jnp.float32)
+    return y_NE.reshape(B, T, E), _stats(logits_NX, probs_NX, flat_QX, jnp.zeros((), jnp.int32))
 
 
 def moe_loss(stats: MoEStats, aux_weight: float = 0.01, z_weight: float = 1e-3):

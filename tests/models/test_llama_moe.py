@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmem.models import Llama, LlamaConfig, get_config
+from jmem.models import ContiguousKVCache, Llama, LlamaConfig, get_config
 from jmem.models.llama import block_and_stats, rms_norm
 from jmem.parallel.rules import default_logical_axes, lookup_axes, path_str
 from jmem.train.loss import lm_loss_sum, lm_loss_terms
@@ -85,6 +85,36 @@ def test_router_losses_are_added_to_the_training_loss(model):
     # The balancing loss reaches the router: its gradient changes with the weight.
     g0, g1 = router_grads(params)
     assert float(jnp.max(jnp.abs(g1 - g0))) > 1e-4
+
+
+def test_cached_generation_routes_without_dropping():
+    """With places short, the full forward drops tokens; generation with a KV cache must not
+    (a token's output would depend on how many tokens one call routes): prefill + one-token
+    steps equal the full forward of the same weights routed dropless."""
+    cfg = CFG.replace(moe_capacity_factor=0.5)
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(4)))
+    dropless_def, _ = nnx.split(Llama(cfg.replace(moe_dropless=True), rngs=nnx.Rngs(4)))
+
+    @jax.jit
+    def full(ids):
+        outs = []
+        for gd in (graphdef, dropless_def):
+            m = nnx.merge(gd, state)
+            outs.append((m(ids)[0], m.hidden_and_router_stats(ids)[1].dropped))
+        return outs
+
+    step = jax.jit(lambda ids, pos, cache: nnx.merge(graphdef, state)(ids, positions=pos, cache=cache))
+    ids = jax.random.randint(jax.random.key(5), (2, 10), 0, cfg.vocab_size)
+    (capped, dropped_capped), (dropless, dropped) = full(ids)
+    assert int(dropped_capped) > 0 and int(dropped) == 0
+    pos = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (2, 10))
+    first, cache = step(ids[:, :6], pos[:, :6], ContiguousKVCache.create(cfg, 2, 10))
+    outs = [first]
+    for t in range(6, 10):
+        logits, cache = step(ids[:, t:t + 1], pos[:, t:t + 1], cache)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), dropless, atol=3e-5)
+    assert float(jnp.max(jnp.abs(capped - dropless))) > 1e-3  # the capacity did drop something that matters
 
 
 def test_dense_model_reports_no_router_stats():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmem.models.moe import MOE_LOGICAL_AXES, MoEMLP, capacity, moe_mlp, route
+from jmem.models.moe import MOE_LOGICAL_AXES, MoEMLP, capacity, moe_mlp, moe_mlp_dropless, route
 
 
 def reference(x_NE, router, gate, up, down, top_k, cap):
@@ -69,6 +69,33 @@ def test_tokens_keep_their_place_whatever_comes_after_them(top_k, cf):
     (y, stats), (y2, _) = moe(x), moe(x2)
     assert int(stats.dropped) > 0
     np.testing.assert_array_equal(np.asarray(y[:, :6]), np.asarray(y2[:, :6]))
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_dropless_matches_reference_without_capacity_and_its_gradients(top_k):
+    """Grouped matmuls over expert-sorted assignments = every token's top-k experts (the
+    reference with room for all), and the same gradients as the one-hot path with cap = tokens."""
+    moe = MoEMLP(16, 24, n_experts=5, top_k=top_k, rngs=nnx.Rngs(10 + top_k))
+    w = moe.weights()
+    x = jax.random.normal(jax.random.key(20 + top_k), (3, 7, 16), jnp.float32)
+    y, stats = jax.jit(moe_mlp_dropless, static_argnames="top_k")(x, w["router"], w["gate"], w["up"], w["down"],
+                                                                  top_k=top_k)
+    by_position = lambda a: np.asarray(a).swapaxes(0, 1).reshape(21, -1)  # noqa: E731
+    y_ref, dropped, load, aux = reference(by_position(x), w["router"], w["gate"], w["up"], w["down"], top_k, 21)
+    assert dropped == 0 and int(stats.dropped) == 0
+    np.testing.assert_allclose(by_position(y), y_ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(stats.load), load, rtol=1e-6)
+    np.testing.assert_allclose(float(stats.aux_loss), aux, rtol=1e-5)
+
+    def loss(ws, x, dropless):
+        y, st = moe_mlp(x, *ws, top_k=top_k, capacity_factor=5 / top_k, dropless=dropless)
+        return jnp.sum(jnp.sin(y)) + st.aux_loss
+
+    ws = (w["router"], w["gate"], w["up"], w["down"])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    g_sparse, g_onehot = grads(ws, x, True), grads(ws, x, False)
+    for a, b in zip(jax.tree.leaves(g_sparse), jax.tree.leaves(g_onehot)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_z_loss_and_bad_settings():
