@@ -30,7 +30,8 @@ class ContiguousKVCache:
     """One contiguous slab per layer: k/v `[layers, batch, max_len, kv_heads, head_dim]`.
 
     Each row writes its tokens at their absolute positions; a query at position p sees
-    keys 0..p of its row. Padding written past a row's end is overwritten before any
+    keys 0..p of its row. A position past `max_len` is one clear error when positions
+    are concrete; under `jit` (traced positions) such a token's output is NaN. Padding written past a row's end is overwritten before any
     query can see it, because queries only look backwards.
 
     Example:
@@ -89,4 +90,6 @@ class ContiguousKVCache:
         v_BSKD = v_BSKD.at[rows, positions_BT].set(v_BTKD.astype(v_BSKD.dtype), mode="drop")
         o = attention(q_BTHD, k_BSKD.astype(q_BTHD.dtype), v_BSKD.astype(q_BTHD.dtype), causal=True,
                       q_offset=positions_BT[:, 0], impl=self.impl)
+        if last is None:  # traced positions cannot raise: a token whose write was lost gets NaN, not a wrong value
+            o = jnp.where((positions_BT < S)[:, :, None, None], o, jnp.nan)
         return o, (k_BSKD, v_BSKD)

@@ -32,6 +32,10 @@ def test_prefill_then_decode_equals_full_forward(tiny):
         tiny(ids[:, :1], positions=jnp.full((2, 1), 16, jnp.int32), cache=cache)
     with pytest.raises(ValueError, match="12 new tokens do not fit a KV cache of max_len=8"):  # traced: the count
         jax.jit(lambda i, c: tiny(i, cache=c))(ids, ContiguousKVCache.create(cfg, 2, 8))
+    # Traced positions cannot raise: the row whose write would be lost gets NaN, the other row is unchanged.
+    pos = jnp.array([[15], [16]], jnp.int32)
+    logits, _ = jax.jit(lambda i, p, c: tiny(i, positions=p, cache=c))(ids[:, 11:12], pos, cache)
+    assert bool(jnp.all(jnp.isnan(logits[1]))) and not bool(jnp.any(jnp.isnan(logits[0])))
 
 
 @pytest.mark.parametrize("per_layer_cache", [True, False])
