@@ -381,8 +381,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         raw = body.prompts()
         prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]") for k, p in enumerate(raw)]
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
-        if echo_only and body.stream:
-            raise APIError(400, "max_tokens=0 with echo is answered whole; accepted: stream false", "stream")
         max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -394,8 +392,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
                         "logprobs": completion_logprobs(scored[k], 0) if body.logprobs is not None else None}
                        for k, ids in enumerate(prompts) for j in range(n)]
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": choices, "usage": usage(sum(len(ids) for ids in prompts), [])}
+            base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+            prompt_usage = usage(sum(len(ids) for ids in prompts), [])
+            if not body.stream:
+                return {**base, "choices": choices, "usage": prompt_usage}
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = [sse({**base, "choices": [c]}) for c in choices]
+            events += [sse({**base, "choices": [], "usage": prompt_usage})] if include_usage else []
+            return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
         streams = submit(prompts, params, n, rid)
         n_prompt = sum(len(ids) for ids in prompts)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}

@@ -161,6 +161,11 @@ def test_echo_with_logprobs_scores_the_prompt(server, client):
     only = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == n
+    streamed = list(client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert [c.choices[0].text for c in streamed[:-1]] == [only.choices[0].text]
+    assert streamed[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert streamed[0].choices[0].finish_reason == "length" and streamed[-1].usage.prompt_tokens == n
 
 
 @pytest.mark.parametrize("body, status, param", [
