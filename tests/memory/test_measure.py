@@ -89,7 +89,7 @@ def test_tpu_target_compiles_ahead_of_time_and_shows_bf16_savings():
 
 
 def test_missing_libtpu_is_one_clear_error(monkeypatch):
-    import jmem.memory.measure as m
+    m = importlib.import_module("jmem.memory.measure")  # the module: `jmem.memory.measure` is the function
 
     real = importlib.util.find_spec
     monkeypatch.setattr(m.importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))

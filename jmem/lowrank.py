@@ -1,0 +1,229 @@
+"""Low-rank factorization of linear weights: `W[in, out] ~ U[in, r] @ V[r, out]`.
+
+A rank-r factor pair stores `r * (in + out)` numbers instead of `in * out` and
+costs as many FLOPs per token, so keeping a fraction `keep` of a matrix's
+parameters keeps that fraction of its bytes and matmul work.
+
+Two ways to choose the factors:
+
+- plain truncated SVD (Eckart-Young: the best rank-r approximation of W in
+  Frobenius norm), no data needed;
+- whitened by calibration inputs (SVD-LLM, Wang et al. 2024): the best rank-r
+  approximation of W *as the layer uses it*, minimising `||X W - X W_r||_F`
+  over the layer's own calibration inputs X. With `X^T X = L L^T`,
+  `||X D||_F = ||L^T D||_F`, so `W_r = L^-T trunc_r(L^T W)`: one Cholesky and
+  one SVD per matrix. Layers are factorized in order, each seeing the
+  already-factorized earlier layers' activations (as GPTQ does).
+
+The factors are one weight leaf (`LowRank`) behind `jmem.models.dot.dot`, so a
+factorized model runs, jits, shards and takes LoRA adapters like any other.
+
+Example:
+    >>> small = factorize(model, keep=0.5, calibration=ids_BT)
+    >>> logits, _ = small(ids_BT)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.dot import dot
+from jmem.quant.api import GPTQ_STAGES, LINEARS, _run_layer, calibration_tokens, check_calibration_ids
+
+
+class LowRank:
+    """A weight leaf `[..., in, out]` stored as `u[..., in, r] @ v[r, out]`.
+
+    Example:
+        >>> w = LowRank.from_svd(w_IO, rank=16)
+        >>> y = jmem.models.dot.dot(x, w)   # (x @ u) @ v
+    """
+
+    def __init__(self, u, v):
+        self.u, self.v = u, v
+
+    def tree_flatten_with_keys(self):
+        k = jax.tree_util.GetAttrKey
+        return ((k("u"), self.u), (k("v"), self.v)), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @classmethod
+    def from_svd(cls, w, rank: int, gram=None, damp: float = 0.01) -> "LowRank":
+        """The best rank-`rank` factors of `w[..., in, out]`: plain SVD, or whitened by `gram`.
+
+        Args:
+            w: float weight (leading axes, e.g. stacked layers, are batched).
+            rank: kept rank, 1..min(in, out).
+            gram: optional `X^T X` f64/f32 `[..., in, in]` of the layer's inputs: the factors
+                then minimise `||X (w - u v)||_F` instead of `||w - u v||_F`.
+            damp: added to the gram's diagonal, as a fraction of its mean diagonal (keeps
+                channels the calibration never used from being singular).
+        """
+        n_in, n_out = w.shape[-2:]
+        check_rank(rank, n_in, n_out)
+        w64 = np.asarray(w, np.float64)
+        if gram is None:
+            u, s, vt = np.linalg.svd(w64, full_matrices=False)
+            u_r = u[..., :rank] * s[..., None, :rank]
+        else:
+            g = np.asarray(gram, np.float64)
+            g = g + damp * np.mean(np.diagonal(g, axis1=-2, axis2=-1), axis=-1)[..., None, None] * np.eye(n_in)
+            chol = np.linalg.cholesky(g)  # g = L L^T
+            lt = np.swapaxes(chol, -1, -2)
+            u, s, vt = np.linalg.svd(lt @ w64, full_matrices=False)
+            u_r = np.linalg.solve(lt, u[..., :rank] * s[..., None, :rank])  # L^-T U_r S_r
+        dtype = w.dtype
+        return cls(jnp.asarray(u_r, dtype), jnp.asarray(vt[..., :rank, :], dtype))
+
+    @property
+    def rank(self) -> int:
+        return self.u.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.u.shape[:-1], self.v.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.u.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.u.nbytes + self.v.nbytes)
+
+    def __getitem__(self, index) -> "LowRank":
+        """Index the leading (stacked-layers) axes of both factors."""
+        return LowRank(self.u[index], self.v[index])
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The dense product `u @ v`."""
+        w = jnp.matmul(self.u.astype(jnp.float32), self.v.astype(jnp.float32))
+        return w.astype(self.dtype if dtype is None else dtype)
+
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        return dot(dot(x, self.u), self.v)
+
+
+jax.tree_util.register_pytree_with_keys_class(LowRank)
+
+
+def check_rank(rank, n_in: int, n_out: int) -> None:
+    """One clear error unless `rank` is an integer in 1..min(n_in, n_out)."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 1 <= rank <= min(n_in, n_out):
+        raise ValueError(f"rank={rank!r} for a [{n_in}, {n_out}] weight; accepted: an integer in "
+                         f"1..{min(n_in, n_out)}")
+
+
+def rank_for(keep: float, n_in: int, n_out: int) -> int:
+    """The rank whose factors hold at most `keep` of an `[n_in, n_out]` matrix's parameters (at least 1)."""
+    return max(1, math.floor(keep * n_in * n_out / (n_in + n_out)))
+
+
+def _plan(model, rank, keep, targets) -> dict[str, int]:
+    if (rank is None) == (keep is None):
+        raise ValueError(f"give exactly one of rank={rank!r} or keep={keep!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep < 1):
+        raise ValueError(f"keep={keep!r}; accepted: the fraction of each matrix's parameters to keep, in (0, 1)")
+    if isinstance(targets, str):
+        targets = (targets,)
+    weights = model.layers.weights()
+    plan = {}
+    for name in targets:
+        if name not in LINEARS:
+            raise ValueError(f"unknown target {name!r}; accepted: {', '.join(LINEARS)}")
+        w = weights.get(name)
+        if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"target {name!r} holds a {type(w).__name__}; accepted: float kernels "
+                             "(factorize before quantizing or adding adapters)")
+        n_in, n_out = w.shape[-2:]
+        r = rank if rank is not None else rank_for(keep, n_in, n_out)
+        check_rank(r, n_in, n_out)
+        if r * (n_in + n_out) >= n_in * n_out:
+            raise ValueError(f"rank={r} for {name} [{n_in}, {n_out}] stores {r * (n_in + n_out)} numbers, not fewer "
+                             f"than the {n_in * n_out} of the dense weight; accepted: rank < "
+                             f"{math.ceil(n_in * n_out / (n_in + n_out))}")
+        plan[name] = r
+    if not plan:
+        raise ValueError("targets is empty; accepted: names among " + ", ".join(LINEARS))
+    return plan
+
+
+def factorize(model, rank: int | None = None, *, keep: float | None = None, targets=LINEARS, calibration=None,
+              tokenizer=None, seq_len: int = 512, max_seqs: int = 32, damp: float = 0.01, inplace: bool = False,
+              log=None):
+    """Replace the target linear kernels of a jmem Llama model by low-rank factors.
+
+    Args:
+        model: a `jmem.models.Llama` with float kernels.
+        rank: one rank for every target; or
+        keep: the fraction (0, 1) of each target's parameters (and bytes, and matmul FLOPs)
+            to keep; each matrix gets `rank_for(keep, in, out)`.
+        targets: names among wq, wk, wv, wo, w_gate, w_up, w_down.
+        calibration: optional text(s) (with `tokenizer`) or token ids `[B, T]`: factors
+            whitened by each layer's own inputs (SVD-LLM), layer by layer; without it,
+            plain truncated SVD.
+        seq_len, max_seqs: calibration windows; damp: gram dampening (fraction of its mean diagonal).
+        inplace: modify `model` instead of a copy.
+        log: optional callable taking one progress line per calibrated layer.
+
+    Returns:
+        The model with `LowRank` leaves in the targets' `layers.<name>.kernel`.
+
+    Example:
+        >>> small = factorize(model, keep=0.5, calibration=ids_BT)
+    """
+    plan = _plan(model, rank, keep, targets)
+    ids = None
+    if calibration is not None:
+        ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
+        check_calibration_ids(ids, model.config.vocab_size)
+    if not inplace:
+        model = nnx.clone(model)
+    weights = model.layers.weights()
+    if ids is None:
+        new = {n: LowRank.from_svd(weights[n], r) for n, r in plan.items()}
+    else:
+        new = _whitened(model, weights, jnp.asarray(ids), plan, damp, log)
+    for name, leaf in new.items():
+        getattr(model.layers, name).kernel.set_value(leaf)
+    return model
+
+
+def _gram(x) -> np.ndarray:
+    x2 = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+    return np.asarray(jnp.matmul(x2.T, x2, precision=jax.lax.Precision.HIGHEST), np.float64) / x2.shape[0]
+
+
+def _whitened(model, weights: dict, ids_BT, plan: dict, damp: float, log) -> dict:
+    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    B, T = ids_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
+    per_layer = {n: [] for n in plan}
+    t0 = time.perf_counter()
+    for layer in range(cfg.n_layers):
+        w = {n: jnp.asarray(v[layer], jnp.float32) if isinstance(v, jax.Array) else v[layer]
+             for n, v in weights.items()}
+        for stage in GPTQ_STAGES:  # each stage sees the earlier stages factorized
+            names = [n for n in stage if n in plan]
+            if not names:
+                continue
+            _, inputs = _run_layer(cfg, w, x, positions)
+            gram = _gram(inputs[names[0]])  # the linears of a stage share their input
+            for n in names:
+                w[n] = LowRank.from_svd(w[n], plan[n], gram, damp)
+        x, _ = _run_layer(cfg, w, x, positions)
+        for n in plan:
+            per_layer[n].append(LowRank(w[n].u.astype(weights[n].dtype), w[n].v.astype(weights[n].dtype)))
+        if log is not None:
+            log(f"low-rank: layer {layer + 1}/{cfg.n_layers} done, {time.perf_counter() - t0:.1f}s")
+    return {n: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves) for n, leaves in per_layer.items()}

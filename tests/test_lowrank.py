@@ -1,0 +1,125 @@
+"""Low-rank factorization: the factors against numpy's SVD, the whitened factors against the
+calibration loss they minimise, a factorized model under jit, bytes, and errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.lowrank import LowRank, factorize, rank_for
+from jmem.memory import measure
+from jmem.models import Llama, LlamaConfig
+from jmem.models.dot import dot
+from jmem.quant import quantize
+from jmem.quant.api import weight_bytes
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def test_plain_factors_are_the_truncated_svd_and_batched_over_layers():
+    w = _rng(0).normal(size=(3, 24, 16)).astype(np.float32)
+    lr = LowRank.from_svd(jnp.asarray(w), rank=5)
+    assert lr.shape == (3, 24, 16) and lr.u.shape == (3, 24, 5) and lr.v.shape == (3, 5, 16)
+    for i in range(3):
+        u, s, vt = np.linalg.svd(w[i].astype(np.float64))
+        best = (u[:, :5] * s[:5]) @ vt[:5]
+        np.testing.assert_allclose(np.asarray(lr[i].dequantize()), best, rtol=1e-4, atol=1e-5)
+        # Eckart-Young: the error is the tail of the spectrum.
+        err = np.linalg.norm(w[i] - np.asarray(lr[i].dequantize()))
+        assert err == pytest.approx(np.sqrt(np.sum(s[5:] ** 2)), rel=1e-4)
+    full = LowRank.from_svd(jnp.asarray(w), rank=16)
+    np.testing.assert_allclose(np.asarray(full.dequantize()), w, atol=1e-5)
+
+
+def test_whitened_factors_minimise_the_error_on_the_calibration_inputs():
+    """With inputs whose channels differ in scale, the whitened rank-r factors give the smallest
+    possible `||X (W - W_r)||_F` (the tail of the spectrum of L^T W), below plain SVD's."""
+    rng = _rng(1)
+    x = rng.normal(size=(400, 32)) * np.exp(rng.normal(size=32) * 1.5)  # a few loud channels
+    w = rng.normal(size=(32, 20)).astype(np.float32)
+    gram = x.T @ x / len(x)
+    whitened = LowRank.from_svd(jnp.asarray(w), 6, gram=gram, damp=0.0)
+    plain = LowRank.from_svd(jnp.asarray(w), 6)
+    err = lambda lr: np.linalg.norm(x @ (w - np.asarray(lr.dequantize(), np.float64)))  # noqa: E731
+    chol = np.linalg.cholesky(gram)
+    s = np.linalg.svd(chol.T @ w.astype(np.float64), compute_uv=False)
+    optimum = np.sqrt(np.sum(s[6:] ** 2) * len(x))
+    assert err(whitened) == pytest.approx(optimum, rel=1e-3)
+    assert err(whitened) < 0.8 * err(plain)
+
+
+def test_dot_and_bytes():
+    w = jnp.asarray(_rng(2).normal(size=(64, 48)), jnp.float32)
+    lr = LowRank.from_svd(w, rank=rank_for(0.5, 64, 48))
+    assert lr.rank == 13 and lr.nbytes == 13 * (64 + 48) * 4 and lr.nbytes <= 0.5 * w.nbytes
+    x = jax.random.normal(jax.random.key(3), (5, 64), jnp.float32)
+    y = jax.jit(dot)(x, lr)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(lr.dequantize()), rtol=1e-4, atol=1e-4)
+    # bf16 compute: two bf16 matmuls (f32 accumulation), the rank-r intermediate rounded to bf16.
+    xb = x.astype(jnp.bfloat16)
+    yb = jax.jit(dot)(xb, lr)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    h = f32(f32(xb) @ f32(lr.u.astype(jnp.bfloat16))).astype(jnp.bfloat16)
+    ref = f32(h) @ f32(lr.v.astype(jnp.bfloat16))
+    assert yb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(f32(yb), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def test_factorized_model_runs_under_jit_and_halves_its_bytes(tiny):
+    ids = jax.random.randint(jax.random.key(4), (2, 16), 0, tiny.config.vocab_size)
+    small = factorize(tiny, keep=0.5, calibration=np.asarray(ids), seq_len=16)
+    assert not isinstance(tiny.layers.weights()["wq"], LowRank)  # the input model is untouched
+    assert weight_bytes(small) <= 0.5 * weight_bytes(tiny)
+    # Inside the layer scan the factor pairs are sliced per layer: the same logits as the dense
+    # model holding each pair's product.
+    dense = nnx.clone(small)
+    for name, leaf in small.layers.weights().items():
+        if isinstance(leaf, LowRank):
+            getattr(dense.layers, name).kernel.set_value(leaf.dequantize())
+    run = jax.jit(lambda g, s, i: nnx.merge(g, s)(i)[0])
+    got, want = run(*nnx.split(small), ids), run(*nnx.split(dense), ids)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    # Compiler-measured: the forward's matmul FLOPs drop by exactly the linears' difference,
+    # 2 * tokens * (in * out - r * (in + out)) per matrix per layer.
+    flops = lambda m: measure(lambda s, i: nnx.merge(nnx.graphdef(m), s)(i)[0], nnx.state(m), ids).matmul_flops  # noqa: E731
+    saved = sum(2 * ids.size * (w.shape[-2] * w.shape[-1] - w.rank * sum(w.shape[-2:])) * tiny.config.n_layers
+                for w in small.layers.weights().values() if isinstance(w, LowRank))
+    assert flops(tiny) - flops(small) == pytest.approx(saved, rel=1e-9)
+    # Whitened by the model's own activations, the calibration batch's logits move less than
+    # with plain SVD at the same rank.
+    plain = factorize(tiny, keep=0.5, targets=("w_gate", "w_up", "w_down"))
+    whitened = factorize(tiny, keep=0.5, targets=("w_gate", "w_up", "w_down"), calibration=np.asarray(ids))
+    base = run(*nnx.split(tiny), ids)
+    gap = lambda m: float(jnp.linalg.norm(run(*nnx.split(m), ids) - base))  # noqa: E731
+    assert gap(whitened) < gap(plain)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(), "give exactly one of rank=None or keep=None"),
+    (dict(rank=4, keep=0.5), "give exactly one"),
+    (dict(keep=1.0), "keep=1.0; accepted: the fraction"),
+    (dict(keep=0.0), "keep=0.0; accepted"),
+    (dict(rank=0), "rank=0 for a"),
+    (dict(rank=2.5), "rank=2.5 for a"),
+    (dict(rank=31), "stores"),
+    (dict(rank=4, targets=("wz",)), "unknown target 'wz'"),
+    (dict(rank=4, targets=()), "targets is empty"),
+])
+def test_bad_settings_are_one_clear_error(tiny, kwargs, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        factorize(tiny, **kwargs)
+
+
+def test_quantized_or_out_of_vocabulary_input_is_refused(tiny):
+    with pytest.raises(ValueError, match="target 'wq' holds a"):
+        factorize(quantize(tiny, "int8"), keep=0.5)
+    with pytest.raises(ValueError, match="out of range|vocab"):
+        factorize(tiny, keep=0.5, calibration=np.full((1, 8), tiny.config.vocab_size, np.int32))
