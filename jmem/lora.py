@@ -187,6 +187,22 @@ def merge(model, *, inplace: bool = False):
     return model
 
 
+def remove_adapters(model, *, inplace: bool = False):
+    """Take every adapter off: kernels go back to their base leaves (quantized ones stay packed).
+
+    With `merge(model)` (a copy by default) this is how to serve the base model and an
+    adapted one, or swap adapters: `load_adapters(remove_adapters(model), other_path)`.
+    """
+    loras = _lora_vars(model)
+    if not loras:
+        raise ValueError("the model has no LoRA adapters to remove")
+    if not inplace:
+        model = nnx.clone(model)
+    for var in _lora_vars(model).values():
+        var.set_value(var.get_value().base)
+    return model
+
+
 def set_dropout_key(model, key) -> None:
     """Give every adapter with dropout > 0 a fresh key (call once per training step); None turns dropout off."""
     for i, var in enumerate(_lora_vars(model).values()):

@@ -7,8 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jmem.lora import (LoRA, apply_lora, combine, load_adapters, merge, save_adapters, set_dropout_key,
-                       split_trainable)
+from jmem.lora import (LoRA, apply_lora, combine, load_adapters, merge, remove_adapters, save_adapters,
+                       set_dropout_key, split_trainable)
 from jmem.memory.measure import measure_and_compile, tree_bytes
 from jmem.models.dot import dot
 from jmem.models.llama import Llama, LlamaConfig
@@ -105,6 +105,14 @@ def test_merge_and_save_load(trained, tmp_path):
     np.testing.assert_array_equal(_forward(load_adapters(fresh, path), ids), out)
     with pytest.raises(ValueError, match="do not fit"):
         load_adapters(Llama(CFG.replace(dim=32, head_dim=8), rngs=nnx.Rngs(0)), path)
+    # Taking the adapters off gives the base model back (its NF4 leaves untouched), and the model
+    # keeps them unless inplace.
+    base = remove_adapters(model)
+    assert isinstance(base.layers.wq.kernel.get_value(), NF4Tensor)
+    assert isinstance(model.layers.wq.kernel.get_value(), LoRA)
+    np.testing.assert_array_equal(_forward(base, ids), _forward(fresh, ids))
+    with pytest.raises(ValueError, match="no LoRA adapters to remove"):
+        remove_adapters(base)
 
 
 def test_dropout_and_bad_inputs():
