@@ -1,0 +1,236 @@
+"""Speculative decoding: a small draft model proposes `k` tokens, the target verifies them in one pass.
+
+Each round (one jitted call) the draft decodes `k` tokens autoregressively from
+every row's last token, the target scores the last token and the `k` proposals
+in one forward of `k + 1` positions, and each row keeps the longest prefix of
+proposals the target accepts plus one token of the target's own, so every
+round emits 1 to `k + 1` tokens for one target pass. Acceptance follows
+Leviathan et al. 2023 / Chen et al. 2023: proposal `d` drawn from the draft's
+`q` is kept with probability `min(1, p(d) / q(d))`; the first rejected place
+draws from `normalize(max(0, p - q))`; when all `k` are kept a bonus token is
+drawn from the target's next distribution. The emitted tokens are distributed
+exactly as the target's own samples; greedy (temperature 0) emits exactly the
+target's greedy continuation.
+
+Both models keep a contiguous KV cache. Rows advance by different amounts:
+every write lands at the token's absolute position, so entries a row wrote for
+rejected proposals sit past its position and are overwritten before any query
+reads them. The draft's first call of a round feeds the row's previous token
+again beside its last one, so its cache also holds the last proposal when all
+of them were accepted.
+
+Example:
+    >>> out, stats = speculative_generate(target, draft, [[1, 2, 3]], max_new_tokens=64, k=4)
+    >>> stats.acceptance_rate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.models.cache import ContiguousKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+    """What the rounds did: proposals made and accepted, target passes, tokens emitted."""
+
+    rounds: int
+    proposed: int
+    accepted: int
+    emitted: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposals over proposals made."""
+        return self.accepted / max(self.proposed, 1)
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """Emitted tokens per target forward after the prompt (1.0 without speculation)."""
+        return self.emitted / max(self.rounds, 1)
+
+
+def _draw(logits_BV, key, temperature, greedy: bool):
+    if greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32)
+
+
+def accept(p_logits_BKV, q_BKV, proposals_BK, key, temperature, *, greedy: bool):
+    """The verification rule: how many proposals each row keeps and the token after them.
+
+    Args:
+        p_logits_BKV: target logits f32[batch, k + 1, vocab]; place i scores the token after
+            the row's last token and its first i proposals.
+        q_BKV: the draft's probabilities f32[batch, k, vocab] the proposals were drawn from
+            (unused when greedy).
+        proposals_BK: i32[batch, k].
+        key: PRNG key (unused when greedy); temperature: f32 > 0 (unused when greedy).
+        greedy: keep proposals equal to the target's argmax; the next token is its argmax.
+
+    Returns:
+        (n_B i32: proposals kept, 0..k; next_B i32: the target's token at place n)
+    """
+    B, K = proposals_BK.shape
+    if greedy:
+        best_BK1 = jnp.argmax(p_logits_BKV, axis=-1).astype(jnp.int32)
+        n_B = jnp.sum(jnp.cumprod(proposals_BK == best_BK1[:, :K], axis=1), axis=1)
+        return n_B, jnp.take_along_axis(best_BK1, n_B[:, None], axis=1)[:, 0]
+    k_accept, k_next = jax.random.split(key)
+    p_BKV = jax.nn.softmax(p_logits_BKV / temperature, axis=-1)
+    p_d = jnp.take_along_axis(p_BKV[:, :K], proposals_BK[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q_BKV, proposals_BK[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_accept, (B, K))
+    n_B = jnp.sum(jnp.cumprod(u * q_d < p_d, axis=1), axis=1)  # keep while u < p/q
+    q_pad = jnp.concatenate([q_BKV, jnp.zeros_like(q_BKV[:, :1])], axis=1)  # place k: the bonus, from p
+    p_n = jnp.take_along_axis(p_BKV, n_B[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(q_pad, n_B[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_n - q_n, 0.0)
+    resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_n)  # p == q: any draw from p
+    next_B = jax.random.categorical(k_next, jnp.log(resid), axis=-1).astype(jnp.int32)
+    return n_B, next_B
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill(graphdef, state, ids_BT, lengths_B, cache):
+    model = nnx.merge(graphdef, state)
+    h, cache = model.hidden(ids_BT, cache=cache)
+    h_last = jnp.take_along_axis(h, (lengths_B - 1)[:, None, None], axis=1)
+    return model.logits_from_hidden(h_last)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("t_def", "d_def", "k", "greedy"), donate_argnames=("t_cache", "d_cache"))
+def _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev_B, last_B, pos_B, key, temperature, *, k, greedy):
+    """One round: k draft steps, one target pass over k + 1 places, acceptance."""
+    target, draft = nnx.merge(t_def, t_state), nnx.merge(d_def, d_state)
+    keys = jax.random.split(key, k + 1)
+    two_BT = jnp.stack([prev_B, last_B], axis=1)
+    h, d_cache = draft.hidden(two_BT, positions=jnp.stack([pos_B - 1, pos_B], axis=1), cache=d_cache)
+    logits_BV = draft.logits_from_hidden(h[:, -1:])[:, 0]
+
+    def propose(carry, xs):
+        logits_BV, d_cache = carry
+        i, key = xs
+        tok_B = _draw(logits_BV, key, temperature, greedy)
+        q_BV = jax.nn.softmax(logits_BV / temperature, axis=-1)
+        h, d_cache = draft.hidden(tok_B[:, None], positions=(pos_B + 1 + i)[:, None], cache=d_cache)
+        return (draft.logits_from_hidden(h)[:, 0], d_cache), (tok_B, q_BV)
+
+    (logits_BV, d_cache), (toks_KB, q_KBV) = jax.lax.scan(
+        propose, (logits_BV, d_cache), (jnp.arange(k - 1), keys[:k - 1]))
+    last_tok_B = _draw(logits_BV, keys[k - 1], temperature, greedy)
+    proposals_BK = jnp.concatenate([toks_KB.T, last_tok_B[:, None]], axis=1)
+    q_BKV = jnp.concatenate([jnp.moveaxis(q_KBV, 0, 1), jax.nn.softmax(logits_BV / temperature)[:, None]], axis=1)
+
+    ids_BK1 = jnp.concatenate([last_B[:, None], proposals_BK], axis=1)
+    positions = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    h, t_cache = target.hidden(ids_BK1, positions=positions, cache=t_cache)
+    n_B, next_B = accept(target.logits_from_hidden(h), q_BKV, proposals_BK, keys[k], temperature, greedy=greedy)
+
+    place = jnp.arange(k + 1)[None, :]
+    out_BK1 = jnp.where(place < n_B[:, None], jnp.pad(proposals_BK, ((0, 0), (0, 1))), next_B[:, None])
+    new_prev_B = jnp.where(n_B > 0, jnp.take_along_axis(proposals_BK, jnp.maximum(n_B - 1, 0)[:, None], 1)[:, 0],
+                           last_B)
+    return out_BK1, n_B, new_prev_B, next_B, pos_B + n_B + 1, t_cache, d_cache
+
+
+def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray:
+    tc, dc = target.config, draft.config
+    if tc.vocab_size != dc.vocab_size:
+        raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
+                         "accepted: models sharing one tokenizer")
+    for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("k", k, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
+    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
+    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists (e.g. [[1, 2, 3]])")
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= tc.vocab_size:
+            raise ValueError(f"prompt {i} holds ids outside 0..{tc.vocab_size - 1}")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    context = min(tc.max_seq_len, dc.max_seq_len)
+    if int(lengths.max()) + max_new_tokens + k > context:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + k ({k}) "
+                         f"exceeds the models' context of {context} tokens")
+    return lengths
+
+
+def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens: int, *, k: int = 4,
+                         temperature: float = 0.0, seed: int = 0, eos_id: int | None = None):
+    """Generate with `target`, `draft` proposing `k` tokens per target pass.
+
+    Args:
+        target, draft: `jmem.models.Llama` models with the same vocabulary (any weight
+            leaves: a quantized or layer-dropped draft of the target is the usual choice).
+        prompts: one list of ids per row (any lengths, at least one token each).
+        max_new_tokens: tokens to emit per row (fewer when a row emits `eos_id`).
+        k: proposals per round.
+        temperature: 0 is greedy (exactly the target's greedy continuation); > 0 samples,
+            each emitted token distributed as the target's softmax(logits / temperature).
+        seed: PRNG seed of the draws.
+        eos_id: a row stops after this id (the id is not returned).
+
+    Returns:
+        (new ids per row, `SpeculativeStats`)
+
+    Example:
+        >>> out, stats = speculative_generate(target, draft, [[1, 2, 3]], 32, k=4)
+    """
+    lengths = _check(target, draft, prompts, max_new_tokens, k, temperature)
+    if max_new_tokens == 0:
+        return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0)
+    B, T = len(prompts), -(-int(lengths.max()) // 16) * 16
+    ids = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    max_len = -(-(T + max_new_tokens + k + 1) // 64) * 64
+    greedy = temperature == 0
+    temp = jnp.float32(temperature if not greedy else 1.0)
+    key = jax.random.key(seed)
+    t_def, t_state = nnx.split(target)
+    d_def, d_state = nnx.split(draft)
+    ids_j, len_j = jnp.asarray(ids), jnp.asarray(lengths)
+    logits_BV, t_cache = _prefill(t_def, t_state, ids_j, len_j, ContiguousKVCache.create(target.config, B, max_len))
+    _, d_cache = _prefill(d_def, d_state, ids_j, len_j, ContiguousKVCache.create(draft.config, B, max_len))
+    key, sub = jax.random.split(key)
+    last = _draw(logits_BV, sub, temp, greedy)
+    prev = jnp.asarray(ids[np.arange(B), lengths - 1])
+    pos = len_j
+    out = [[t] for t in np.asarray(last).tolist()]
+    done = [False] * B
+    rounds = proposed = accepted = emitted = 0
+
+    def settle(i):
+        row = out[i]
+        if eos_id is not None and eos_id in row:
+            out[i], done[i] = row[:row.index(eos_id)], True
+        if len(out[i]) >= max_new_tokens:
+            out[i], done[i] = out[i][:max_new_tokens], True
+
+    for i in range(B):
+        settle(i)
+    while not all(done):
+        key, sub = jax.random.split(key)
+        toks, n, prev, last, pos, t_cache, d_cache = _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev,
+                                                            last, pos, sub, temp, k=k, greedy=greedy)
+        toks, n = np.asarray(toks), np.asarray(n)
+        rounds += 1
+        for i in range(B):
+            if done[i]:
+                continue
+            proposed += k
+            accepted += int(n[i])
+            emitted += int(n[i]) + 1
+            out[i].extend(toks[i, :n[i] + 1].tolist())
+            settle(i)
+    return out, SpeculativeStats(rounds, proposed, accepted, emitted)

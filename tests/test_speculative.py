@@ -1,0 +1,88 @@
+"""Speculative decoding: greedy output equals the target's greedy generation, the acceptance rule
+preserves the target's distribution, and bad input is one clear error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.distill import student_from_teacher
+from jmem.generate import generate_ids
+from jmem.models import Llama, LlamaConfig
+from jmem.speculative import accept, speculative_generate
+
+PROMPTS = [[5, 17, 42], list(range(30, 49)), [7]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Llama(LlamaConfig.tiny(n_layers=4), rngs=nnx.Rngs(0))
+    return target, student_from_teacher(target, [0, 1, 2])  # a layer-dropped draft: some proposals accepted
+
+
+def test_greedy_equals_the_targets_greedy_generation(models):
+    target, draft = models
+    want = generate_ids(target, PROMPTS, 14)
+    got, stats = speculative_generate(target, draft, PROMPTS, 14, k=3)
+    assert got == want
+    assert 0 < stats.accepted < stats.proposed  # rows advance by different amounts
+    # The target drafting for itself: every proposal accepted, k + 1 tokens per target pass.
+    same, full = speculative_generate(target, target, PROMPTS, 14, k=3)
+    assert same == want
+    assert full.acceptance_rate == 1.0 and full.tokens_per_target_pass > 3.0
+
+
+def test_acceptance_rule_keeps_the_targets_distribution():
+    """Proposals drawn from q, kept with min(1, p/q), the first rejection redrawn from
+    max(0, p - q): the first emitted token is distributed as p (Leviathan et al. 2023, thm 1)."""
+    V, K, N = 5, 2, 40_000
+    p_logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1],
+                                  [0.2, 0.2, 0.2, 0.2, 0.2]]))[None]
+    q = jnp.array([[0.1, 0.4, 0.3, 0.1, 0.1], [0.3, 0.3, 0.1, 0.2, 0.1]])[None]
+
+    def one(key):
+        k_prop, k_acc = jax.random.split(key)
+        props = jax.random.categorical(k_prop, jnp.log(q), axis=-1).astype(jnp.int32)  # [1, K]
+        n, nxt = accept(p_logits, q, props, k_acc, 1.0, greedy=False)
+        first = jnp.where(n[0] > 0, props[0, 0], nxt[0])
+        second = jnp.where(n[0] > 1, props[0, 1], nxt[0])
+        return first, second, n[0]
+
+    first, second, n = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), N))
+    freq = np.bincount(np.asarray(first), minlength=V) / N
+    np.testing.assert_allclose(freq, np.exp(np.asarray(p_logits[0, 0])), atol=0.01)
+    # Given the first proposal was kept, the second place follows p's second row.
+    kept = np.asarray(n) >= 1
+    freq2 = np.bincount(np.asarray(second)[kept], minlength=V) / kept.sum()
+    np.testing.assert_allclose(freq2, np.exp(np.asarray(p_logits[0, 1])), atol=0.015)
+    # Greedy: keep proposals equal to the argmax, then the argmax.
+    n_g, next_g = accept(p_logits, q, jnp.array([[0, 1]], jnp.int32), None, 1.0, greedy=True)
+    assert int(n_g[0]) == 1 and int(next_g[0]) == 2
+
+
+def test_sampling_runs_stops_at_eos_and_is_seeded(models):
+    target, draft = models
+    a, _ = speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=3)
+    b, _ = speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=3)
+    assert a == b and all(len(r) == 10 for r in a)
+    eos = a[0][4]
+    c, _ = speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=3, eos_id=eos)
+    assert c[0] == a[0][:a[0].index(eos)]
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(k=0), "k=0; accepted: an integer >= 1"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(prompts=[[]]), "non-empty token-id lists"),
+    (dict(prompts=[[1, 10_000]]), "prompt 0 holds ids outside"),
+    (dict(max_new_tokens=10_000), "exceeds the models' context"),
+])
+def test_bad_input_is_one_clear_error(models, kwargs, expected):
+    target, draft = models
+    args = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        speculative_generate(target, draft, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+    other = Llama(LlamaConfig.tiny(vocab_size=300), rngs=nnx.Rngs(2))
+    with pytest.raises(ValueError, match="draft vocab_size=300 differs"):
+        speculative_generate(target, other, PROMPTS, 4)
