@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from jmem.models.dot import dot
-from jmem.quant.api import GPTQ_STAGES, LINEARS, _run_layer, calibration_tokens, check_calibration_ids
+from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
+from jmem.calibrate import stack_records
 
 
 class LowRank:
@@ -204,26 +204,15 @@ def _gram(x) -> np.ndarray:
 
 
 def _whitened(model, weights: dict, ids_BT, plan: dict, damp: float, log) -> dict:
-    cfg = model.config.replace(remat="none", compute_dtype="f32")
-    B, T = ids_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
-    per_layer = {n: [] for n in plan}
-    t0 = time.perf_counter()
-    for layer in range(cfg.n_layers):
-        w = {n: jnp.asarray(v[layer], jnp.float32) if isinstance(v, jax.Array) else v[layer]
-             for n, v in weights.items()}
-        for stage in GPTQ_STAGES:  # each stage sees the earlier stages factorized
+    def rewrite(cfg, w, x, positions):
+        for stage in STAGES:  # each stage sees the earlier stages factorized
             names = [n for n in stage if n in plan]
-            if not names:
-                continue
-            _, inputs = _run_layer(cfg, w, x, positions)
-            gram = _gram(inputs[names[0]])  # the linears of a stage share their input
-            for n in names:
-                w[n] = LowRank.from_svd(w[n], plan[n], gram, damp)
-        x, _ = _run_layer(cfg, w, x, positions)
-        for n in plan:
-            per_layer[n].append(LowRank(w[n].u.astype(weights[n].dtype), w[n].v.astype(weights[n].dtype)))
-        if log is not None:
-            log(f"low-rank: layer {layer + 1}/{cfg.n_layers} done, {time.perf_counter() - t0:.1f}s")
-    return {n: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves) for n, leaves in per_layer.items()}
+            if names:
+                _, inputs = run_layer(cfg, w, x, positions)
+                gram = _gram(inputs[names[0]])  # the linears of a stage share their input
+                for n in names:
+                    w[n] = LowRank.from_svd(w[n], plan[n], gram, damp)
+        dtype = {n: weights[n].dtype for n in plan}
+        return w, {n: LowRank(w[n].u.astype(dtype[n]), w[n].v.astype(dtype[n])) for n in plan}
+
+    return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label="low-rank"))

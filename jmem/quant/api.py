@@ -18,30 +18,27 @@ strict.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.models.dot import dot
-from jmem.models.llama import Blocks, block
+from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
+from jmem.calibrate import STAGES as GPTQ_STAGES
+from jmem.calibrate import stack_records
+from jmem.models.llama import Blocks
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
 from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
 from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_group_size, check_int_bits
 
-LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
 CALIBRATED = ("gptq", "awq")
 # Per-method bit widths when the caller leaves `bits` at its default.
 DEFAULT_BITS = {"int8": 8, "nf4": 4, "fp8": 8}
-# GPTQ's true-sequential order: each stage sees the earlier stages quantized.
-GPTQ_STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 # AWQ clip search skips q/k: their error is amplified through the attention scores.
 AWQ_NO_CLIP = ("wq", "wk")
 # Substituted group sizes are multiples of this (the Pallas kernel's unit).
@@ -148,14 +145,6 @@ def check_float_model(model) -> dict:
     return weights
 
 
-def check_calibration_ids(ids, vocab_size: int) -> None:
-    """Token ids must index the model's embedding table: 0 <= id < vocab_size."""
-    lo, hi = int(np.min(ids)), int(np.max(ids))
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"calibration token ids range over {lo}..{hi}; accepted: ids of the model's vocabulary, "
-                         f"0..{vocab_size - 1}")
-
-
 def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
     if method not in METHOD_BITS:
         raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
@@ -179,62 +168,6 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
     return QuantSpec(method, int(bits), group_size, bool(symmetric), bool(act_order), groups, lines)
 
 
-def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs: int = 32) -> np.ndarray:
-    """Token windows i32[n_seqs, seq_len] from texts (needs `tokenizer`) or token arrays.
-
-    Accepts a string, a list of strings, an int array [B, T] or a list of 1-D
-    int arrays. Texts are tokenized, concatenated and cut into non-overlapping
-    windows of `seq_len` (a shorter stream gives one shorter window).
-    """
-    for name, n in (("seq_len", seq_len), ("max_seqs", max_seqs)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name}={n!r}; accepted: a positive integer")
-    if calibration is None or (isinstance(calibration, (str, list, tuple)) and len(calibration) == 0):
-        raise ValueError("calibration is empty; accepted: non-empty text(s) or token arrays")
-    if isinstance(calibration, str):
-        calibration = [calibration]
-    if isinstance(calibration, (list, tuple)) and all(isinstance(t, str) for t in calibration):
-        if tokenizer is None:
-            raise ValueError("calibration texts need a tokenizer (pass tokenizer=...) or pass token ids")
-        stream = []
-        for text in calibration:
-            enc = tokenizer.encode(text)
-            stream.extend(enc.ids if hasattr(enc, "ids") else list(enc))
-        calibration = np.asarray(stream, np.int32)
-    if isinstance(calibration, (list, tuple)):
-        calibration = np.concatenate([np.asarray(c, np.int32).reshape(-1) for c in calibration])
-    ids = np.asarray(calibration, np.int32)
-    if ids.ndim == 2 and ids.size:
-        return ids[:max_seqs]
-    ids = ids.reshape(-1)
-    if ids.size == 0:
-        raise ValueError("calibration is empty after tokenization; accepted: non-empty text(s) or token arrays")
-    n = max(1, ids.size // seq_len)
-    if ids.size < seq_len:
-        return ids[None, :]
-    return ids[: n * seq_len].reshape(n, seq_len)[:max_seqs]
-
-
-class _Tap:
-    """A weight leaf that records its input (inside one trace) and then multiplies."""
-
-    def __init__(self, w, sink: dict, name: str):
-        self.w, self.sink, self.name = w, sink, name
-
-    def __jmem_dot__(self, x):
-        self.sink[self.name] = x
-        return dot(x, self.w)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _run_layer(cfg, w: dict, x, positions):
-    """One block; returns (output, inputs of every linear by name)."""
-    sink: dict = {}
-    tapped = {n: (_Tap(v, sink, n) if n in LINEARS else v) for n, v in w.items()}
-    y, _ = block(cfg, tapped, x, positions)
-    return y, sink
-
-
 def _quantize_plain(w, spec: QuantSpec, name: str):
     if spec.method == "nf4":
         return NF4Tensor.quantize(w)
@@ -246,7 +179,7 @@ def _quantize_plain(w, spec: QuantSpec, name: str):
 def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
     w = dict(w)
     for stage in GPTQ_STAGES:
-        _, inputs = _run_layer(cfg, w, x, positions)
+        _, inputs = run_layer(cfg, w, x, positions)
         h = hessian(inputs[stage[0]])  # the linears of a stage share their input
         for name in stage:
             w[name] = gptq_quantize(np.asarray(w[name]), h, spec.bits, spec.group(name), spec.symmetric,
@@ -280,7 +213,7 @@ def fold_awq_scales(cfg, w: dict, s_qkv, s_o, s_gate_up, s_down) -> dict:
 
 def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
     w = {n: jnp.asarray(v, jnp.float32) for n, v in w.items()}
-    _, inputs = _run_layer(cfg, w, x, positions)
+    _, inputs = run_layer(cfg, w, x, positions)
     xs = {n: inputs[n].reshape(-1, inputs[n].shape[-1]).astype(jnp.float32) for n in LINEARS}
     def args(name):  # the linears searched together share their input, so their group size
         return spec.bits, spec.group(name), spec.symmetric
@@ -305,10 +238,6 @@ def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
         w[n] = IntTensor.quantize(w[n], *args(n), clip=clip)
     return w
 
-
-
-def _stack(leaves: list):
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
 
 
 def quantize(model, method: str, bits: int | None = None, group_size: int | None = 128, calibration=None, *,
@@ -367,22 +296,14 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
 
 
 def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict:
-    cfg = model.config.replace(remat="none", compute_dtype="f32")
-    B, T = ids_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
-    per_layer = []
-    t0 = time.perf_counter()
-    for layer in range(cfg.n_layers):
-        w = {n: jnp.asarray(v[layer], jnp.float32) for n, v in weights.items()}
-        layer_fn = _gptq_layer if spec.method == "gptq" else _awq_layer
-        wq = layer_fn(cfg, w, x, positions, spec)
-        x, _ = _run_layer(cfg, wq, x, positions)
-        per_layer.append({n: (v if n in LINEARS else v.astype(weights[n].dtype)) for n, v in wq.items()})
-        if log is not None:
-            log(f"{spec.method}: layer {layer + 1}/{cfg.n_layers} done, {time.perf_counter() - t0:.1f}s")
+    layer_fn = _gptq_layer if spec.method == "gptq" else _awq_layer
     names = LINEARS + (("attn_norm", "mlp_norm") if spec.method == "awq" else ())
-    return {n: _stack([p[n] for p in per_layer]) for n in names}
+
+    def rewrite(cfg, w, x, positions):
+        wq = layer_fn(cfg, w, x, positions, spec)
+        return wq, {n: (wq[n] if n in LINEARS else wq[n].astype(weights[n].dtype)) for n in names}
+
+    return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label=spec.method))
 
 
 def weight_bytes(model, names=LINEARS) -> int:

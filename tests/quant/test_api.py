@@ -79,7 +79,8 @@ def test_awq_folds_scales_exactly(model, data):
 def test_awq_fold_preserves_the_layer(model):
     """Folding random scales leaves a float block's output unchanged, when o's scale is
     tied across the query heads of each kv head (and only then)."""
-    from jmem.quant.api import _run_layer, fold_awq_scales
+    from jmem.calibrate import run_layer
+    from jmem.quant.api import fold_awq_scales
 
     w = {n: jnp.asarray(v[0], jnp.float32) for n, v in model.layers.weights().items()}
     rng = np.random.default_rng(1)
@@ -90,12 +91,12 @@ def test_awq_fold_preserves_the_layer(model):
     x = jnp.asarray(rng.standard_normal((2, 16, CFG.dim)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
     cfg = CFG.replace(remat="none")
-    ref = np.asarray(_run_layer(cfg, w, x, pos)[0])
+    ref = np.asarray(run_layer(cfg, w, x, pos)[0])
     folded = fold_awq_scales(cfg, w, scale(CFG.dim), s_o, scale(CFG.dim), scale(CFG.ffn_dim))
-    np.testing.assert_allclose(_run_layer(cfg, folded, x, pos)[0], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run_layer(cfg, folded, x, pos)[0], ref, rtol=1e-4, atol=1e-4)
     untied = fold_awq_scales(cfg, w, scale(CFG.dim), scale(CFG.n_heads * CFG.head_dim), scale(CFG.dim),
                              scale(CFG.ffn_dim))
-    assert not np.allclose(_run_layer(cfg, untied, x, pos)[0], ref, rtol=1e-2, atol=1e-2)
+    assert not np.allclose(run_layer(cfg, untied, x, pos)[0], ref, rtol=1e-2, atol=1e-2)
 
 
 def test_gptq_runs_layer_by_layer(model, data):

@@ -1,0 +1,133 @@
+"""Block-by-block calibration on a model's own activations, shared by quantization, pruning and
+low-rank factorization.
+
+The calibration tokens are embedded once; then for each block in order a
+`rewrite` function sees the block's f32 weights and its input (the output of
+the already-rewritten earlier blocks: GPTQ's "sequential" calibration), returns
+the rewritten weights, and their output becomes the next block's input.
+`run_layer` gives a block's output and the input of every linear, captured by
+wrapping each kernel in a recording weight leaf for one trace.
+
+Example:
+    >>> def rewrite(cfg, w, x, positions):
+    ...     _, inputs = run_layer(cfg, w, x, positions)
+    ...     return w, {n: inputs[n].shape for n in LINEARS}
+    >>> records = calibrate_layers(model, calibration_tokens(ids), rewrite)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem.models.dot import dot
+from jmem.models.llama import block
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# GPTQ's true-sequential order within a block: each stage sees the earlier stages rewritten.
+STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
+def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs: int = 32) -> np.ndarray:
+    """Token windows i32[n_seqs, seq_len] from texts (needs `tokenizer`) or token arrays.
+
+    Accepts a string, a list of strings, an int array [B, T] or a list of 1-D
+    int arrays. Texts are tokenized, concatenated and cut into non-overlapping
+    windows of `seq_len` (a shorter stream gives one shorter window).
+    """
+    for name, n in (("seq_len", seq_len), ("max_seqs", max_seqs)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name}={n!r}; accepted: a positive integer")
+    if calibration is None or (isinstance(calibration, (str, list, tuple)) and len(calibration) == 0):
+        raise ValueError("calibration is empty; accepted: non-empty text(s) or token arrays")
+    if isinstance(calibration, str):
+        calibration = [calibration]
+    if isinstance(calibration, (list, tuple)) and all(isinstance(t, str) for t in calibration):
+        if tokenizer is None:
+            raise ValueError("calibration texts need a tokenizer (pass tokenizer=...) or pass token ids")
+        stream = []
+        for text in calibration:
+            enc = tokenizer.encode(text)
+            stream.extend(enc.ids if hasattr(enc, "ids") else list(enc))
+        calibration = np.asarray(stream, np.int32)
+    if isinstance(calibration, (list, tuple)):
+        calibration = np.concatenate([np.asarray(c, np.int32).reshape(-1) for c in calibration])
+    ids = np.asarray(calibration, np.int32)
+    if ids.ndim == 2 and ids.size:
+        return ids[:max_seqs]
+    ids = ids.reshape(-1)
+    if ids.size == 0:
+        raise ValueError("calibration is empty after tokenization; accepted: non-empty text(s) or token arrays")
+    n = max(1, ids.size // seq_len)
+    if ids.size < seq_len:
+        return ids[None, :]
+    return ids[: n * seq_len].reshape(n, seq_len)[:max_seqs]
+
+
+def check_calibration_ids(ids, vocab_size: int) -> None:
+    """Token ids must index the model's embedding table: 0 <= id < vocab_size."""
+    lo, hi = int(np.min(ids)), int(np.max(ids))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"calibration token ids range over {lo}..{hi}; accepted: ids of the model's vocabulary, "
+                         f"0..{vocab_size - 1}")
+
+
+class _Tap:
+    """A weight leaf that records its input (inside one trace) and then multiplies."""
+
+    def __init__(self, w, sink: dict, name: str):
+        self.w, self.sink, self.name = w, sink, name
+
+    def __jmem_dot__(self, x):
+        self.sink[self.name] = x
+        return dot(x, self.w)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_layer(cfg, w: dict, x, positions):
+    """One block on weights `w`; returns (output, the input of every linear by name)."""
+    sink: dict = {}
+    tapped = {n: (_Tap(v, sink, n) if n in LINEARS else v) for n, v in w.items()}
+    y, _ = block(cfg, tapped, x, positions)
+    return y, sink
+
+
+def calibrate_layers(model, ids_BT, rewrite, *, log=None, label: str = "calibration") -> list:
+    """Rewrite every block of `model` in order on its own activations.
+
+    Args:
+        model: a `jmem.models.Llama` (stacked blocks).
+        ids_BT: i32[batch, seq] calibration tokens (`calibration_tokens`).
+        rewrite: `rewrite(cfg, w, x, positions) -> (new_w, record)`: `w` is one block's
+            weights (float arrays as f32; other leaves as stored), `x` its f32 input;
+            `new_w` is what the next block's input is computed with.
+        log: optional callable taking one progress line per block; label: its prefix.
+
+    Returns:
+        The `record` of every block, in order.
+    """
+    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    B, T = ids_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
+    weights = model.layers.weights()
+    records = []
+    t0 = time.perf_counter()
+    for layer in range(cfg.n_layers):
+        w = {n: jnp.asarray(v[layer], jnp.float32) if isinstance(v, jax.Array) else v[layer]
+             for n, v in weights.items()}
+        w, record = rewrite(cfg, w, x, positions)
+        x, _ = run_layer(cfg, w, x, positions)
+        records.append(record)
+        if log is not None:
+            log(f"{label}: layer {layer + 1}/{cfg.n_layers} done, {time.perf_counter() - t0:.1f}s")
+    return records
+
+
+def stack_records(records: list[dict]) -> dict:
+    """Per-block dicts of leaves -> one dict of leaves stacked on a leading layers axis."""
+    return {n: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[r[n] for r in records]) for n in records[0]}
