@@ -30,10 +30,11 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     import jmem
 
     lm = jmem.load(model)
-    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    out = lm.generate([text], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed)[0]
-    print(out)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if chat:
+        print(lm.chat([{"role": "user", "content": prompt}], **kwargs))
+    else:
+        print(lm.generate([prompt], **kwargs)[0])
 
 
 def info(path: tyro.conf.Positional[str]) -> None:
@@ -61,7 +62,14 @@ def info(path: tyro.conf.Positional[str]) -> None:
     print(f"architecture:  {gf.architecture}  name: {gf.metadata.get('general.name', '?')}")
     print(f"layers:        {config.n_layers}  width: {config.dim}  heads: {config.n_heads}/{config.n_kv_heads} "
           f"(head dim {config.head_dim})  ffn: {config.ffn_dim}  vocab: {config.vocab_size}")
-    print(f"rope base:     {config.rope_base:g}  context: {config.max_seq_len}  tied embeddings: {config.tie_embeddings}")
+    rope = f"rope base:     {config.rope_base:g}"
+    if config.rope_scaling != "none":
+        rope += f"  scaling: {config.rope_scaling} x{config.rope_factor:g}"
+    if config.rope_freq_factors is not None:
+        rope += f"  per-frequency divisors: {min(config.rope_freq_factors):g}..{max(config.rope_freq_factors):g}"
+    if config.rope_dim:
+        rope += f"  rotated dims: {config.rope_dim}/{config.head_dim}"
+    print(f"{rope}  context: {config.max_seq_len}  tied embeddings: {config.tie_embeddings}")
     print(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in types.most_common())}")
     print(f"parameters:    {n_params:,} ({n_params / 1e6:.1f}M)")
     print(f"tensor bytes:  {n_bytes:,} ({8 * n_bytes / n_params:.2f} bits/parameter)")

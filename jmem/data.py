@@ -144,6 +144,8 @@ class PackedDataset:
     def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05) -> "PackedDataset":
         if seq < 1:
             raise ValueError(f"seq={seq} must be >= 1")
+        if not 0 <= valid_fraction < 1:
+            raise ValueError(f"valid_fraction={valid_fraction}; accepted: 0 <= valid_fraction < 1")
         n = (len(stream) - 1) // seq
         if n < 2:
             raise ValueError(f"the text has {len(stream)} tokens: too short for two windows of seq={seq}; use a smaller --seq")
@@ -177,6 +179,9 @@ class PackedDataset:
         Returns:
             {"inputs": i32[batch, seq], "targets": i32[batch, seq], "mask": f32[batch, seq]}
         """
+        for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
         n = len(self.train)
         start = step * batch_size
         rows = []
@@ -193,6 +198,8 @@ class PackedDataset:
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None):
         """Validation batches in order; the last partial batch is dropped (fixed shapes)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; accepted: an integer >= 1")
         n = len(self.valid) // batch_size
         if max_batches is not None:
             n = min(n, max_batches)

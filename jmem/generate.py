@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
+from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
 
@@ -103,7 +104,9 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
         model: a `jmem.models.Llama`.
         prompts: one list of ids per row (any lengths, at least one token each).
         max_new_tokens: upper bound on new tokens per row.
-        params: sampling parameters; rows draw from one key stream seeded by `params.seed`.
+        params: sampling parameters. Row i samples from its own stream seeded by
+            `(params.seed, i)`: the same rows give the same draws, so a prompt's sample
+            depends on its row index as well as the seed.
         eos_id: stop a row after it emits this id (the id is not returned).
         stop: optional `stop(row, ids) -> int | None`, called on the host after each chunk,
             returning how many ids to keep when a stop condition was met.
@@ -112,9 +115,11 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     _check_ints("max_new_tokens", max_new_tokens, 0)
     _check_ints("chunk", chunk, 1)  # 0 decode steps per call would never finish
     cfg = model.config
-    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a list of token-id lists, each with at least one token "
-                         "(e.g. [[1, 2, 3]], not [1, 2, 3])")
+    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of token-id lists (e.g. [[1, 2, 3]], not [1, 2, 3])")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} has no tokens; each prompt needs at least one")
     for i, p in enumerate(prompts):
         arr = np.asarray(p)
         bad = arr if not np.issubdtype(arr.dtype, np.integer) else arr[(arr < 0) | (arr >= cfg.vocab_size)]
@@ -134,6 +139,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
         ids[i, : len(p)] = p
     layers = per_layer_weights(model) if jax.default_backend() == "cpu" else None
     graphdef, state = nnx.split(model)
+    if has_dropout_keys(state):  # inference never applies LoRA dropout
+        state, layers = without_dropout(state), without_dropout(layers)
     cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64), per_layer=layers is not None)
     logits, cache = _prefill(graphdef, state, layers, jnp.asarray(ids), jnp.asarray(lengths), cache)
     pos = jnp.asarray(lengths)

@@ -58,11 +58,14 @@ class LM:
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"logits expects integer token ids; got dtype {arr.dtype}")
         ids = jnp.asarray(arr, jnp.int32)
-        if ids.ndim != 2:
-            raise ValueError(f"logits expects ids of shape [batch, seq]; got {ids.shape}")
+        if ids.ndim != 2 or 0 in ids.shape:
+            raise ValueError(f"logits expects ids of shape [batch, seq] with batch >= 1 and seq >= 1; got {ids.shape}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
-        return self._logits_fn(nnx.state(self.model), ids)
+        from jmem.lora import without_dropout
+
+        # inference never applies LoRA dropout, even on a model left with training keys
+        return self._logits_fn(without_dropout(nnx.state(self.model)), ids)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -70,9 +73,20 @@ class LM:
         """Completions (without the prompt) for each prompt; temperature 0 is greedy."""
         if isinstance(prompts, str):
             raise ValueError("generate expects a list of prompt strings, not a single string")
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("generate expects a list of prompt strings")
+        return self._complete([self.tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+
+    def _complete(self, encoded: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                  stop: list[str] | None = None) -> list[str]:
         params = SamplingParams(temperature, top_k, top_p, seed)
         tok = self.tokenizer
         stop = [s for s in (stop or []) if s]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")
 
         def stop_at(_row, ids):
             text = tok.decode(ids)
@@ -85,7 +99,6 @@ class LM:
                     return n
             return len(ids)
 
-        encoded = [tok.encode(p) for p in prompts]
         new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
                            stop=stop_at if stop else None)
         texts = [tok.decode(ids) for ids in new]
@@ -94,8 +107,16 @@ class LM:
         return texts
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> str:
-        """One assistant reply to a list of `{"role", "content"}` messages (the file's chat template)."""
-        return self.generate([self.tokenizer.apply_chat_template(messages)], **kwargs)[0]
+        """One assistant reply to a list of `{"role", "content"}` messages (the file's chat template).
+
+        The rendered text is encoded without a second BOS when the template writes one itself.
+        `kwargs` are `generate`'s (max_new_tokens, temperature, top_k, top_p, seed, stop).
+
+        Example:
+            >>> lm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=16)
+        """
+        tok = self.tokenizer
+        return self._complete([tok.encode_chat(tok.apply_chat_template(messages))], **kwargs)[0]
 
 
 def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",

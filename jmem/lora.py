@@ -9,6 +9,13 @@ adapter is a pytree leaf wrapping the base leaf, so the model is unchanged and
 Only A and B are trainable: `split_trainable(state)` cuts a model state into
 the adapter leaves and everything else, so gradients and optimizer state exist
 for the adapters alone.
+
+Dropout (`apply_lora(dropout=p)`) is a training-time transform: an adapter
+drops only while it carries a key, and the stored model never needs one. A
+train step calls `with_dropout(params, step_key)` on the state it differentiates
+(a fresh key per step, inside the jitted step); inference (`jmem.LM.logits`,
+`generate`, `merge`, `save_adapters`) never drops, since those ignore or clear
+the keys (`without_dropout`).
 """
 
 from __future__ import annotations
@@ -140,7 +147,8 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     Args:
       model: a `jmem.models.Llama` (its kernels may already be quantized).
       rank, alpha, dropout, rslora: adapter hyper-parameters (scale alpha/rank,
-        or alpha/sqrt(rank) with rslora).
+        or alpha/sqrt(rank) with rslora). Dropout acts only in train steps that call
+        `with_dropout(state, step_key)` (or `set_dropout_key` per step); inference never drops.
       targets: names among wq, wk, wv, wo, w_gate, w_up, w_down, head.
       seed: initialises A; dtype: adapter dtype (e.g. jnp.bfloat16 for QLoRA).
       inplace: modify `model` instead of a copy.
@@ -178,7 +186,8 @@ def _lora_vars(model) -> dict:
 def merge(model, *, inplace: bool = False):
     """Fold every adapter into its weight: kernels become float `W + scale * A @ B` arrays.
 
-    A quantized base is dequantized first (re-quantize the merged model if needed).
+    A quantized base is dequantized first (re-quantize the merged model if needed). Dropout
+    keys are dropped with the adapters: the merged model equals the unmerged one at inference.
     """
     if not inplace:
         model = nnx.clone(model)
@@ -203,18 +212,50 @@ def remove_adapters(model, *, inplace: bool = False):
     return model
 
 
+def _keyed(lora: LoRA, key, i: int) -> LoRA:
+    new_key = None
+    if key is not None and lora.dropout > 0.0:
+        lead = lora.lora_a.shape[:-2]
+        k = jax.random.fold_in(key, i)
+        new_key = jax.random.key_data(jax.random.split(k, int(np.prod(lead))).reshape(lead) if lead else k)
+    return LoRA(lora.base, lora.lora_a, lora.lora_b, lora.alpha, lora.dropout, lora.rslora, new_key)
+
+
+def with_dropout(tree, key):
+    """`tree` (a model state, params dict, or any pytree) with every adapter that has dropout > 0
+    given a key derived from `key`, so its forward drops; `key=None` is `without_dropout`.
+
+    Pure, and traceable: call it inside the jitted train step with a per-step key.
+
+    Example:
+        >>> def loss_fn(train, frozen, batch, step_key):
+        ...     state = with_dropout(combine(train, frozen), step_key)
+        ...     return loss(nnx.merge(graphdef, state), batch)
+    """
+    counter = iter(range(1 << 30))
+    return jax.tree_util.tree_map(lambda x: _keyed(x, key, next(counter)) if isinstance(x, LoRA) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, LoRA))
+
+
+def without_dropout(tree):
+    """`tree` with every adapter's dropout key removed (inference: no dropout)."""
+    return with_dropout(tree, None)
+
+
+def has_dropout_keys(tree) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LoRA))
+    return any(isinstance(x, LoRA) and x.dropout_key is not None for x in leaves)
+
+
 def set_dropout_key(model, key) -> None:
-    """Give every adapter with dropout > 0 a fresh key (call once per training step); None turns dropout off."""
+    """In place: give every adapter with dropout > 0 a fresh key; None turns dropout off.
+
+    For training loops that step an NNX model statefully (call it once per step). A model
+    left with keys still does not drop in `LM.logits` / `generate` / `merge` / `save_adapters`;
+    jitted functional steps should prefer `with_dropout`.
+    """
     for i, var in enumerate(_lora_vars(model).values()):
-        lora = var.get_value()
-        if lora.dropout == 0.0:
-            continue
-        new_key = None
-        if key is not None:
-            lead = lora.lora_a.shape[:-2]
-            k = jax.random.fold_in(key, i)
-            new_key = jax.random.key_data(jax.random.split(k, int(np.prod(lead))).reshape(lead) if lead else k)
-        var.set_value(LoRA(lora.base, lora.lora_a, lora.lora_b, lora.alpha, lora.dropout, lora.rslora, new_key))
+        var.set_value(_keyed(var.get_value(), key, i))
 
 
 def is_adapter_path(path) -> bool:

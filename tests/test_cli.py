@@ -40,3 +40,67 @@ def test_bad_input_is_one_line(tmp_path):
         r = _jmem(*args)
         assert r.returncode == 2
         assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def _in_process(main, argv, capsys):
+    """(exit status, stdout, stderr) of a CLI entry point run in this process."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _tiny_gguf(path, **fields):
+    import numpy as np
+
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models.config import LlamaConfig
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=1, **fields)
+    write_gguf(path, cfg, random_model(cfg, 0), tokenizer_metadata=byte_tokenizer_metadata())
+    return str(path)
+
+
+def test_info_missing_key_is_one_line(tmp_path, capsys):
+    import gguf
+    import numpy as np
+
+    from jmem.cli import main
+
+    path = tmp_path / "no_vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, _, err = _in_process(main, ["info", str(path)], capsys)
+    assert code == 2 and err == f"jmem: error: {path}: required key tokenizer.ggml.tokens is missing\n", err
+    code, out, _ = _in_process(main, ["info", _tiny_gguf(tmp_path / "s.gguf", rope_scaling="linear",
+                                                         rope_factor=8.0)], capsys)
+    assert code == 0 and "scaling: linear x8" in out
+
+
+def test_quantize_refuses_to_overwrite(tmp_path, capsys):
+    from jmem.quant.cli import quantize_main
+
+    src = _tiny_gguf(tmp_path / "src.gguf")
+    before = open(src, "rb").read()
+    code, _, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", src, "--force"], capsys)
+    assert code == 2 and "is the --model file itself" in err and open(src, "rb").read() == before
+    other = tmp_path / "out.gguf"
+    other.write_bytes(b"keep me")
+    code, _, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", str(other)], capsys)
+    assert code == 2 and "already exists; pass --force" in err and other.read_bytes() == b"keep me"
+    code, out, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", str(other), "--force"],
+                                 capsys)
+    assert code == 0, err
+    assert "Q8_0" in out and other.read_bytes()[:4] == b"GGUF"

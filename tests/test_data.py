@@ -84,3 +84,19 @@ def test_file_input_and_errors(tmp_path):
         load_documents(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="too short"):
         PackedDataset.from_text("tiny", ByteTokenizer(), seq=64)
+
+
+def test_batch_arguments_are_checked():
+    ds = PackedDataset.from_tokens(np.arange(200) % 7, 8)
+    for kw, message in [(dict(step=0, batch_size=0), "batch_size=0; accepted: an integer >= 1"),
+                        (dict(step=0, batch_size=-3), "batch_size=-3; accepted"),
+                        (dict(step=-1, batch_size=2), "step=-1; accepted: an integer >= 0"),
+                        (dict(step=1.5, batch_size=2), "step=1.5; accepted")]:
+        with pytest.raises(ValueError, match=message):
+            ds.batch(**kw)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        next(ds.eval_batches(0))
+    for fraction in (1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"valid_fraction={fraction}; accepted: 0 <= valid_fraction < 1"):
+            PackedDataset.from_tokens(np.arange(200) % 7, 8, valid_fraction=fraction)
+    assert ds.batch(3, 2)["inputs"].shape == (2, 8)

@@ -85,3 +85,39 @@ def test_bad_arguments(lm):
         SamplingParams(top_k=2.5)
     with pytest.raises(ValueError, match="attention_impl='flash'; accepted: auto, pallas, xla, reference"):
         jmem.load("tiny", attention_impl="flash")
+
+
+def test_chat_feeds_one_bos(tmp_path, monkeypatch):
+    """A GGUF with add_bos_token=true whose chat template writes {{ bos_token }} (Llama 3 / Mistral):
+    LM.chat and `jmem generate --chat` feed the model one BOS, not two."""
+    import jmem.cli
+    import jmem.lm
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models.config import LlamaConfig
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=1)
+    meta = {**byte_tokenizer_metadata(), "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template":
+            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"}
+    path = str(tmp_path / "bos.gguf")
+    write_gguf(path, cfg, random_model(cfg, 0), tokenizer_metadata=meta)
+    fed = []
+    monkeypatch.setattr(jmem.lm, "generate_ids", lambda model, prompts, *a, **k: (fed.extend(prompts), [[]])[1])
+    chat_lm = jmem.load(path)
+    chat_lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=2)
+    monkeypatch.setattr(jmem, "load", lambda *a, **k: chat_lm)
+    jmem.cli.generate(prompt="hi", model=path, chat=True, max_new_tokens=2)
+    chat_lm.generate(["hi"], max_new_tokens=2)  # plain prompts keep add_bos_token's BOS
+    bos = chat_lm.tokenizer.bos_id
+    assert [p[:2] for p in fed] == [[bos, ord("<")], [bos, ord("<")], [bos, ord("h")]]
+    assert [p.count(bos) for p in fed] == [1, 1, 1]
+
+
+def test_empty_inputs_name_the_problem(lm):
+    with pytest.raises(ValueError, match="prompt 1 encodes to no tokens"):
+        lm.generate(["hello", ""])
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):
+        generate_ids(lm.model, [[1], []], 2)
+    for shape in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match=r"batch >= 1 and seq >= 1; got \(%d, %d\)" % shape):
+            lm.logits(np.zeros(shape, np.int32))

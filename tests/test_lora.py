@@ -139,3 +139,40 @@ def test_dropout_and_bad_inputs():
     for alpha in (-1.0, 0.0, float("nan")):
         with pytest.raises(ValueError, match="alpha=.* must be a finite number > 0"):
             apply_lora(base, alpha=alpha)
+
+
+def test_dropout_only_in_train_steps_never_at_inference():
+    """`with_dropout(tree, key)` (pure, jit-able) drops with a per-step key; a model left with keys
+    by `set_dropout_key` still does not drop in LM.logits / generate, and merges as without keys
+    (test_merge_and_save_load checks merged == unmerged logits)."""
+    from jmem.generate import generate_ids
+    from jmem.io.tokenizer import ByteTokenizer
+    from jmem.lm import LM
+    from jmem.lora import with_dropout, without_dropout
+
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=1)
+    model = apply_lora(random_model(cfg, 0), rank=2, alpha=4, targets=("wq", "wv"), dropout=0.5, inplace=True)
+    for name in ("wq", "wv"):  # a trained adapter: B != 0
+        var = getattr(model.layers, name).kernel
+        lo = var.get_value()
+        var.set_value(LoRA(lo.base, lo.lora_a, jnp.ones_like(lo.lora_b), lo.alpha, lo.dropout, lo.rslora))
+    x = jax.random.normal(jax.random.key(1), (8, cfg.dim))
+    leaf = {"w": model.layers.wq.kernel.get_value()[0]}
+    eval_y = dot(x, leaf["w"])
+    drop = jax.jit(lambda t, k: dot(x, with_dropout(t, k)["w"]))
+    y1, y2 = drop(leaf, jax.random.key(1)), drop(leaf, jax.random.key(2))
+    assert not np.allclose(y1, eval_y) and not np.allclose(y1, y2)  # dropped, and a fresh mask per key
+    np.testing.assert_array_equal(dot(x, without_dropout(with_dropout(leaf, jax.random.key(1)))["w"]), eval_y)
+
+    lm = LM(model, ByteTokenizer())
+    ids = np.arange(1, 12, dtype=np.int32)[None]
+    want, want_ids = lm.logits(ids), generate_ids(model, [list(ids[0])], 6)
+    merged = merge(model)
+    set_dropout_key(model, jax.random.key(3))
+    lora_keyed = model.layers.wq.kernel.get_value()
+    assert lora_keyed.dropout_key is not None and not np.allclose(dot(x, lora_keyed[0]), eval_y)  # would drop
+    np.testing.assert_array_equal(lm.logits(ids), want)
+    assert generate_ids(model, [list(ids[0])], 6) == want_ids
+    np.testing.assert_array_equal(merge(model).layers.wq.kernel.get_value(), merged.layers.wq.kernel.get_value())

@@ -12,9 +12,12 @@ anything is written: a directory that holds another model's checkpoints is
 refused with one line naming the fields that differ, and nothing in it is
 touched.
 
+Numbered folders that are not jmem checkpoints (no ``meta`` item) are never
+read, overwritten or deleted: `check` and `save` refuse such a directory.
+
 Example:
     >>> ckpt = Checkpointer("/tmp/run1")
-    >>> ckpt.check(meta)                # raises CheckpointMismatchError
+    >>> start = ckpt.check(meta, resume=True)  # raises CheckpointMismatchError for another run's dir
     >>> ckpt.save(step, state, meta)
     >>> state = ckpt.restore(template_state)
 """
@@ -58,9 +61,14 @@ def structure_fingerprint(state: Any) -> str:
 class Checkpointer:
     """Numbered checkpoints in one directory (Orbax `CheckpointManager`).
 
+    Leaves are arrays or Python/numpy scalars (a scalar comes back as the template's type).
+    `restore` refuses a template whose paths, shapes or dtypes differ from the checkpoint's
+    (no silent casts): build the template with the dtypes that were saved.
+
     Args:
         directory: where step folders go (created on the first save).
-        max_to_keep: older steps are deleted beyond this many.
+        max_to_keep: older jmem steps are deleted beyond this many (folders jmem did not
+            write are never deleted: `save` refuses a directory that holds any).
     """
 
     def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
@@ -74,19 +82,43 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=("state", "meta"))
+            # Handlers named up front so the stored array metadata is readable before any restore.
+            handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
         return self._manager
 
-    def latest_step(self) -> int | None:
-        """The newest complete step in the directory, or None (also when absent)."""
+    def _steps(self) -> tuple[list[int], list[int]]:
+        """(jmem steps, numbered folders that are not jmem checkpoints), each ascending."""
         if not self.directory.is_dir():
-            return None
-        return self.manager.latest_step()
+            return [], []
+        ours, foreign = [], []
+        for step in sorted(self.manager.all_steps()):
+            (ours if (self.directory / str(step) / "meta").exists() else foreign).append(step)
+        return ours, foreign
+
+    def foreign_steps(self) -> list[int]:
+        """Numbered folders in the directory that jmem did not write (no `meta` item)."""
+        return self._steps()[1]
+
+    def _refuse_foreign(self) -> None:
+        foreign = self.foreign_steps()
+        if foreign:
+            names = ", ".join(map(str, foreign[:5])) + (", ..." if len(foreign) > 5 else "")
+            raise CheckpointMismatchError(
+                f"checkpoint dir {self.directory} holds numbered folders that are not jmem checkpoints ({names}); "
+                f"choose another --ckpt-dir (nothing was written)")
+
+    def latest_step(self) -> int | None:
+        """The newest complete jmem step in the directory, or None (also when absent)."""
+        ours, _ = self._steps()
+        return ours[-1] if ours else None
 
     def read_meta(self, step: int | None = None) -> dict | None:
         step = self.latest_step() if step is None else step
         if step is None:
             return None
+        if not (self.directory / str(step) / "meta").exists():
+            raise CheckpointMismatchError(f"{self.directory / str(step)} is not a jmem checkpoint (no meta item)")
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def check(self, meta: dict, *, resume: bool) -> int | None:
@@ -97,11 +129,10 @@ class Checkpointer:
                 model/optimizer/precision, or holds checkpoints while `resume`
                 is False (starting over would overwrite them).
         """
+        self._refuse_foreign()
         step = self.latest_step()
         if step is None:
-            if resume and self.directory.is_dir():
-                return None  # --resume on an empty directory starts from scratch
-            return None
+            return None  # nothing there (--resume on an empty directory starts from scratch)
         old = self.read_meta(step) or {}
         diff = [k for k in MUST_MATCH if old.get(k) != meta.get(k)]
         if diff:
@@ -118,7 +149,13 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write `state` and `meta` as step `step` (blocking until on disk)."""
+        """Write `state` and `meta` as step `step` (blocking until on disk).
+
+        Raises:
+            CheckpointMismatchError: the directory holds numbered folders jmem did not write
+                (pruning old steps would delete them); nothing is written.
+        """
+        self._refuse_foreign()
         meta = {**meta, "structure": meta.get("structure") or structure_fingerprint(state), "step": int(step)}
         flat = flatten_state(state)
         self.manager.save(
@@ -137,25 +174,58 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self._steps()[0]:
+            raise CheckpointMismatchError(f"{self.directory} holds no jmem checkpoint of step {step}")
         flat_t = flatten_state(template)
+        self._check_template(step, flat_t)
 
         def abstract(x):
             sharding = getattr(x, "sharding", None)
-            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+            return jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=sharding)
 
         restored = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore({k: abstract(v) for k, v in flat_t.items()}))
         )["state"]
-        missing = set(flat_t) - set(restored)
-        if missing:
-            raise CheckpointMismatchError(f"checkpoint step {step} lacks {sorted(missing)[:3]}...")
-        leaves = [restored[k] for k in flat_t]
+        leaves = [_like(flat_t[k], restored[k]) for k in flat_t]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
+
+    def _check_template(self, step: int, flat_t: dict[str, Any]) -> None:
+        """One CheckpointMismatchError naming the first leaves whose path, shape or dtype differ."""
+        stored = dict(self.manager.item_metadata(step)["state"].items())
+        problems = [f"{k} is in the template but not in the checkpoint" for k in flat_t if k not in stored]
+        problems += [f"{k} is in the checkpoint but not in the template" for k in stored if k not in flat_t]
+        for k, v in flat_t.items():
+            if k not in stored:
+                continue
+            meta = stored[k]
+            want_shape, want_dtype = tuple(np.shape(v)), np.dtype(_dtype_of(v))
+            got_shape = tuple(getattr(meta, "shape", ()) or ())
+            got_dtype = getattr(meta, "dtype", None)
+            if got_shape != want_shape or (got_dtype is not None and np.dtype(got_dtype) != want_dtype):
+                problems.append(f"{k}: checkpoint {np.dtype(got_dtype) if got_dtype is not None else '?'}"
+                                f"{list(got_shape)} vs template {want_dtype}{list(want_shape)}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CheckpointMismatchError(f"checkpoint {self.directory / str(step)} does not match the template: "
+                                          f"{'; '.join(problems[:3])}{more}")
 
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+def _dtype_of(x: Any):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # Python scalars have none
+
+
+def _like(template_leaf: Any, value: Any) -> Any:
+    """A restored leaf in the template's form: Python and numpy scalars come back as their type."""
+    if isinstance(template_leaf, (bool, int, float, complex)):
+        return type(template_leaf)(np.asarray(value).item())
+    if isinstance(template_leaf, np.generic):
+        return template_leaf.dtype.type(np.asarray(value))
+    return value
 
 
 def _describe(key: str, old: Any, new: Any) -> str:

@@ -9,12 +9,15 @@ half-split RoPE applies.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
 from jmem.models.config import LlamaConfig
+
+log = logging.getLogger("jmem.io")
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral")
 MAGIC = b"GGUF"
@@ -96,22 +99,87 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 
 
 def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
-    """LlamaConfig from the file's `<arch>.*` hyper-parameters."""
+    """LlamaConfig from the file's `<arch>.*` hyper-parameters, RoPE scaling included.
+
+    Reads `<arch>.rope.scaling.{type,factor,original_context_length,yarn_beta_fast,
+    yarn_beta_slow}`, `<arch>.rope.dimension_count` (partial rotary) and the
+    `rope_freqs.weight` tensor (per-frequency divisors; how llama.cpp stores Llama-3.1
+    scaling). RoPE fields jmem does not implement raise one `GGUFError` naming them.
+
+    Raises:
+        GGUFError: unsupported architecture, a required key missing, or unsupported RoPE metadata.
+    """
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported; accepted: {', '.join(SUPPORTED_ARCHITECTURES)}")
     m = gf.metadata
-    dim = int(m[f"{arch}.embedding_length"])
-    n_heads = int(m[f"{arch}.attention.head_count"])
+
+    def require(key):
+        if m.get(key) is None:
+            raise GGUFError(f"{gf.path}: required key {key} is missing")
+        return m[key]
+
+    dim = int(require(f"{arch}.embedding_length"))
+    n_heads = int(require(f"{arch}.attention.head_count"))
     head_dim = int(m.get(f"{arch}.attention.key_length", dim // n_heads))
-    vocab = m.get(f"{arch}.vocab_size") or len(m["tokenizer.ggml.tokens"])
+    vocab = m.get(f"{arch}.vocab_size") or len(require("tokenizer.ggml.tokens"))
     return LlamaConfig(
-        vocab_size=int(vocab), dim=dim, n_layers=int(m[f"{arch}.block_count"]), n_heads=n_heads,
+        vocab_size=int(vocab), dim=dim, n_layers=int(require(f"{arch}.block_count")), n_heads=n_heads,
         n_kv_heads=int(m.get(f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
-        ffn_dim=int(m[f"{arch}.feed_forward_length"]), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+        ffn_dim=int(require(f"{arch}.feed_forward_length")), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in gf.tensors,
-        max_seq_len=int(m.get(f"{arch}.context_length", 2048)), **overrides)
+        max_seq_len=int(m.get(f"{arch}.context_length", 2048)), **{**_rope_fields(gf, arch, head_dim), **overrides})
+
+
+# RoPE metadata keys (after `<arch>.rope.`) jmem reads; any other `rope.*` key is refused, except
+# these that do not change the computation.
+_ROPE_READ = ("freq_base", "dimension_count", "scaling.type", "scaling.factor", "scaling.original_context_length",
+              "scaling.yarn_beta_fast", "scaling.yarn_beta_slow")
+_ROPE_INERT = ("scaling.finetuned",)
+
+
+def _rope_fields(gf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
+    """`LlamaConfig` rope_* fields from the file, or one GGUFError naming what is not supported."""
+    m, prefix, out = gf.metadata, f"{arch}.rope.", {}
+    for key, value in m.items():
+        if key.startswith(prefix) and key[len(prefix):] not in _ROPE_READ + _ROPE_INERT:
+            # attn_factor 1.0 is the neutral value some converters write
+            if key[len(prefix):] == "scaling.attn_factor" and float(value) == 1.0:
+                continue
+            raise GGUFError(f"{gf.path}: {key}={value!r} is not supported; jmem reads "
+                            f"{prefix}{{{', '.join(_ROPE_READ)}}}")
+    rope_dim = int(m.get(prefix + "dimension_count", head_dim))
+    if rope_dim != head_dim:
+        if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
+            raise GGUFError(f"{gf.path}: {prefix}dimension_count={rope_dim} is not supported; accepted: an even "
+                            f"number <= head_dim={head_dim}")
+        out["rope_dim"] = rope_dim
+    kind = str(m.get(prefix + "scaling.type", "none")).lower()
+    factor = m.get(prefix + "scaling.factor")
+    if kind not in ("none", "linear", "yarn"):
+        raise GGUFError(f"{gf.path}: {prefix}scaling.type={kind!r} is not supported; accepted: none, linear, yarn")
+    if kind != "none" and factor is not None and float(factor) not in (0.0, 1.0):  # llama.cpp: factor 0 means none
+        if float(factor) < 1.0:
+            raise GGUFError(f"{gf.path}: {prefix}scaling.factor={factor} is not supported; accepted: >= 1")
+        out.update(rope_scaling=kind, rope_factor=float(factor))
+        if kind == "yarn":
+            ctx = m.get(prefix + "scaling.original_context_length") or m.get(f"{arch}.context_length")
+            if ctx is None:
+                raise GGUFError(f"{gf.path}: yarn scaling needs {prefix}scaling.original_context_length, missing")
+            out["rope_original_context"] = int(ctx)
+            for ours, theirs in (("rope_beta_fast", "yarn_beta_fast"), ("rope_beta_slow", "yarn_beta_slow")):
+                if m.get(prefix + "scaling." + theirs) is not None:
+                    out[ours] = float(m[prefix + "scaling." + theirs])
+    if "rope_freqs.weight" in gf.tensors:
+        t = gf.tensors["rope_freqs.weight"]
+        factors = dequantize_tensor(t).reshape(-1)
+        want = rope_dim // 2
+        if factors.size != want or not np.all(factors > 0):
+            raise GGUFError(f"{gf.path}: rope_freqs.weight has shape {list(t.shape)}; accepted: {want} positive "
+                            f"per-frequency divisors (rotated width {rope_dim} / 2)")
+        out["rope_freq_factors"] = tuple(float(f) for f in factors)
+    return out
 
 
 def unpermute_rotary(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
@@ -146,8 +214,12 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
 
     Matrices are dequantized to float32 `[in, out]`, or with `packed=True` block-quantized
     matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
-    step). The embedding is always dequantized (it is gathered, not multiplied).
+    step). The embedding is always dequantized (it is gathered, not multiplied). A matrix
+    whose block type differs across layers becomes one `MixedGGMLWeight` (still packed; each
+    layer decodes its own type); one that mixes float and block layers is held as float32
+    with one warning (logger `jmem.io`) naming the extra bytes.
     """
+    from jmem.io.ggml_mixed import MixedGGMLWeight
     from jmem.quant.ggml import FLOAT_TYPES, resolve_qtype
     from jmem.quant.ggml_weight import GGMLWeight
 
@@ -170,6 +242,20 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]  # rows are whole blocks
             weights[f"layers.{ours}.kernel"] = GGMLWeight(np.stack(raw), tensors[0].qtype)
             continue
+        if packed and len(qtypes) > 1 and all(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
+            # llama.cpp's *_K_M files mix block types across layers (Q6_K / Q4_K in attn_v, ffn_down)
+            raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]
+            weights[f"layers.{ours}.kernel"] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
+                                                                           in_features=tensors[0].shape[1])
+            continue
+        if packed and len(qtypes) > 1 and any(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
+            # Float layers (F16/F32) mixed with block layers: held as float32, said once per matrix.
+            packed_bytes = sum(int(t.data.nbytes) for t in tensors)
+            f32_bytes = 4 * sum(int(np.prod(t.shape)) for t in tensors)
+            per_layer = ",".join(t.qtype for t in tensors)
+            log.warning("packed=True: layers.%s.kernel (%s) mixes float and block types across layers (%s); held "
+                        "as float32: %s bytes instead of %s packed (+%s)", ours, theirs, per_layer, f"{f32_bytes:,}",
+                        f"{packed_bytes:,}", f"{f32_bytes - packed_bytes:,}")
         if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
             stacked = dequantize_tensor(GGUFTensor(theirs, tensors[0].qtype, (len(tensors), *tensors[0].shape),
                                                    np.stack([t.data for t in tensors])))

@@ -24,6 +24,7 @@ import numpy as np
 from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
+from jmem.io.ggml_mixed import MixedGGMLWeight
 from jmem.quant.ggml_weight import GGMLWeight
 
 # Per-type `general.file_type` (llama.cpp's LlamaFileType) when one type dominates the matrices.
@@ -143,7 +144,13 @@ class _Matrix:
     def __init__(self, leaf, layer, rotary_heads, *, kernel=True, cache=None):
         self.leaf, self.layer, self.rotary_heads, self.kernel = leaf, layer, rotary_heads, kernel
         self.packed = leaf if isinstance(leaf, GGMLWeight) else None
+        self._packed_layer = layer
+        if isinstance(leaf, MixedGGMLWeight) and layer is not None:  # this layer's own block type
+            self.packed, self._packed_layer = leaf.layer(layer), None
         self._cache = {} if cache is None else cache
+
+    def _packed_raw(self):
+        return self.packed.raw if self._packed_layer is None else self.packed.raw[self._packed_layer]
 
     def shape_OI(self) -> tuple[int, ...]:
         if self.packed is not None:
@@ -155,8 +162,7 @@ class _Matrix:
     def _float(self) -> np.ndarray:
         """The float weight in jmem's layout, this layer only."""
         if self.packed is not None:
-            raw = self.packed.raw if self.layer is None else self.packed.raw[self.layer]
-            w_OI = np.asarray(ggml.dequantize(raw, self.packed.qtype))
+            w_OI = np.asarray(ggml.dequantize(self._packed_raw(), self.packed.qtype))
             return w_OI.T if self.kernel else w_OI
         leaf = self.leaf
         if hasattr(leaf, "dequantize") and not isinstance(leaf, np.ndarray):
@@ -177,7 +183,7 @@ class _Matrix:
     def encode(self, target: str) -> tuple[np.ndarray, str]:
         """(array for GGUFWriter, GGML type name): raw u8[out, row_bytes] or typed F32/F16."""
         if self.packed is not None and target == self.packed.qtype.name:
-            raw = np.asarray(self.packed.raw if self.layer is None else self.packed.raw[self.layer])
+            raw = np.asarray(self._packed_raw())
             if self.rotary_heads is not None:  # blocks never straddle rows, so rows permute as bytes
                 raw = permute_rotary(raw, self.rotary_heads)
             return np.ascontiguousarray(raw), target
@@ -220,6 +226,29 @@ def _tensors(config: LlamaConfig, params) -> list[tuple[str, Any]]:
     return out
 
 
+def _write_rope_scaling(w, config: LlamaConfig) -> np.ndarray | None:
+    """Write `llama.rope.scaling.*` as llama.cpp reads them; returns the `rope_freqs.weight` values to
+    store, if any. llama3 scaling is stored the way llama.cpp's converter does: as per-frequency
+    divisors (no scaling type), which reproduce the same frequencies."""
+    import gguf
+
+    if config.rope_scaling in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling))
+        w.add_rope_scaling_factor(float(config.rope_factor))
+        if config.rope_scaling == "yarn":
+            w.add_rope_scaling_orig_ctx_len(int(config.rope_original_context))
+            w.add_rope_scaling_yarn_beta_fast(float(config.rope_beta_fast))
+            w.add_rope_scaling_yarn_beta_slow(float(config.rope_beta_slow))
+    n = (config.rope_dim or config.head_dim) // 2
+    if config.rope_scaling == "llama3":
+        plain, _ = config.replace(rope_scaling="none", rope_freq_factors=None).rope_frequencies()
+        scaled, _ = config.rope_frequencies()
+        return (plain[:n].astype(np.float64) / scaled[:n]).astype(np.float32)
+    if config.rope_freq_factors is not None:
+        return np.asarray(config.rope_freq_factors, np.float32)
+    return None
+
+
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenizer_metadata: Mapping[str, Any],
                qtype_by_tensor: QTypeSpec = None, name: str = "jmem-llama") -> dict[str, str]:
     """Write a llama-architecture GGUF file.
@@ -249,11 +278,18 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
 
     Example:
         >>> lm = jmem.load("smollm2-135m")
-        >>> write_gguf("out.gguf", lm.config, lm.model, qtype_by_tensor="Q4_K",
+        >>> write_gguf("out.gguf", lm.config, lm.model, qtype_by_tensor="Q8_0",
         ...            tokenizer_metadata=lm.source.tokenizer_metadata())
+
+        SmolLM2's rows (576 wide) are not whole 256-weight k-quant super-blocks; for a k-quant
+        pass a callable that falls back per tensor, e.g.
+        `lambda name, shape: ggml.fitting_qtype("Q4_K", shape[1])`.
     """
     import gguf
 
+    if config.moe_experts:
+        raise ValueError(f"write_gguf writes dense llama models; this config has moe_experts={config.moe_experts} "
+                         "(accepted: 0)")
     tok = {k: v for k, v in tokenizer_metadata.items() if k.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in tok:
         raise ValueError("tokenizer_metadata has no tokenizer.ggml.tokens; pass the source file's "
@@ -293,8 +329,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     w.add_head_count_kv(config.n_kv_heads)
     w.add_key_length(config.head_dim)
     w.add_value_length(config.head_dim)
-    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_dimension_count(config.rope_dim or config.head_dim)
     w.add_rope_freq_base(float(config.rope_base))
+    freq_factors = _write_rope_scaling(w, config)
     w.add_layer_norm_rms_eps(float(config.norm_eps))
     w.add_vocab_size(config.vocab_size)
     counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
@@ -305,6 +342,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         w.add_key_value(key, list(value) if vtype == gguf.GGUFValueType.ARRAY else value, vtype, sub_type=sub)
 
     written: dict[str, str] = {}
+    if freq_factors is not None:
+        w.add_tensor("rope_freqs.weight", freq_factors)
+        written["rope_freqs.weight"] = "F32"
     for tname, t, target in plan:
         array, qtype = t.encode(target) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
         raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]

@@ -1,7 +1,7 @@
 """Tokenizers: GGUF byte-level BPE rebuilt with HF `tokenizers`, and a byte tokenizer for small models.
 
-Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `eos_id`,
-`bos_id` and `apply_chat_template(messages)`.
+Both expose `encode(text) -> list[int]`, `encode_chat(rendered_chat) -> list[int]`,
+`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id` and `apply_chat_template(messages)`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 _LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama3", "llama-bpe")
+IGNORE_MERGES = ("llama3", "llama-bpe")
 _CONTROL = 3  # GGUF token type of control (special) tokens
 _USER_DEFINED = 4
 
@@ -23,12 +24,29 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be built from the given metadata."""
 
 
+def _raise_exception(message):
+    """The `raise_exception(msg)` helper chat templates call on conversations they refuse (as HF provides)."""
+    raise TokenizerError(f"chat template: {message}")
+
+
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"chat message {m!r} must be a dict with 'role' and 'content'")
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **extra)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _encode_chat(tok, text: str) -> list[int]:
+    # A template that writes `{{ bos_token }}` itself already starts the text with BOS; adding
+    # another would feed the model two (HF encodes rendered chats without special tokens).
+    bos = tok.bos_text()
+    return tok.encode(text, add_bos=False if bos and text.startswith(bos) else None)
 
 
 class GGUFTokenizer:
@@ -49,20 +67,28 @@ class GGUFTokenizer:
         pre = metadata.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; accepted: {', '.join(PRE_TOKENIZERS)}")
+        if not metadata.get("tokenizer.ggml.tokens"):
+            raise TokenizerError("required key tokenizer.ggml.tokens is missing (the file has no vocabulary)")
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         types: list[int] = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        # llama.cpp (and HF's Llama-3 tokenizer.json) look a whole pre-token up in the vocabulary
+        # before merging for the llama3 pre-tokenizers.
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in IGNORE_MERGES))
         split = _LLAMA3_SPLIT if pre.startswith("llama") else _GPT2_SPLIT
         steps = [pre_tokenizers.Digits(individual_digits=True)] if pre == "smollm" else []
         steps += [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
         tok.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)]
-        tok.add_special_tokens(special)
+        # Both types match as whole tokens; control tokens are hidden by decode(skip_special=True),
+        # user-defined ones (`<think>` ...) are text and always rendered, as llama.cpp does.
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
         self._tok = tok
         self.vocab_size = len(tokens)
         self.tokens = tokens
@@ -78,15 +104,22 @@ class GGUFTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_chat(self, text: str) -> list[int]:
+        """`encode` for text rendered by `apply_chat_template`: no BOS added when it already starts with one."""
+        return _encode_chat(self, text)
+
+    def bos_text(self) -> str:
+        return self.tokens[self.bos_id] if self.bos_id is not None else ""
+
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model file has no chat template (tokenizer.chat_template)")
-        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
-        return _render_chat(self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+        return _render_chat(self.chat_template, messages, add_generation_prompt, bos_token=self.bos_text(),
+                            eos_token=eos)
 
 
 class ByteTokenizer:
@@ -106,6 +139,13 @@ class ByteTokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """`encode` for text rendered by `apply_chat_template` (the byte template adds no BOS)."""
+        return _encode_chat(self, text)
+
+    def bos_text(self) -> str:
+        return ""  # BOS is id 256, which no text encodes to
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")

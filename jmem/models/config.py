@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16}
@@ -17,6 +19,9 @@ def as_dtype(name_or_dtype):
             raise ValueError(f"dtype {name_or_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         return DTYPES[name_or_dtype]
     return jnp.dtype(name_or_dtype).type
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,29 @@ class LlamaConfig:
     """Hidden width of the SwiGLU MLP."""
     rope_base: float = 100000.0
     """RoPE frequency base."""
+    rope_scaling: str = "none"
+    """RoPE context-extension scheme: none, linear (positions divided by `rope_factor`), llama3
+    (Llama-3.1's per-frequency blend of `rope_factor`), yarn (NTK-by-parts ramp plus attention
+    temperature). See `rope_frequencies`."""
+    rope_factor: float = 1.0
+    """Context-extension factor of `rope_scaling` (ignored for none)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_context / low_freq_factor are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_context / high_freq_factor are kept as they are."""
+    rope_original_context: int = 8192
+    """llama3 / yarn: the context length the model was pre-trained with."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations at which the ramp starts keeping the original frequency."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations at which the ramp fully interpolates."""
+    rope_freq_factors: tuple[float, ...] | None = None
+    """Explicit per-frequency divisors (`head_dim`/2 or `rope_dim`/2 values): frequency i becomes
+    inv_freq_i / factor_i, as llama.cpp applies a GGUF's `rope_freqs.weight` (how its converter stores
+    Llama-3.1 scaling). Applied before `rope_scaling`."""
+    rope_dim: int = 0
+    """Rotated width of each head (partial rotary); 0 rotates the whole head. Rotated pairs are
+    (i, i + head_dim/2) for i < rope_dim/2, the layout llama.cpp's first rope_dim dims map to."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = True
@@ -78,6 +106,7 @@ class LlamaConfig:
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         as_dtype(self.param_dtype)
         as_dtype(self.compute_dtype)
+        self._check_rope()
         from jmem.kernels.dispatch import IMPLS
 
         if self.attention_impl not in IMPLS:
@@ -91,6 +120,78 @@ class LlamaConfig:
             if self.moe_aux_weight < 0 or self.moe_z_weight < 0:
                 raise ValueError(f"LlamaConfig.moe_aux_weight={self.moe_aux_weight} and moe_z_weight="
                                  f"{self.moe_z_weight} must be >= 0")
+
+    def _check_rope(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r}; accepted: {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
+            raise ValueError(f"LlamaConfig.rope_factor={self.rope_factor} must be >= 1 with rope_scaling="
+                             f"{self.rope_scaling!r}")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"LlamaConfig.rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
+                             f"{self.rope_high_freq_factor} must satisfy 0 < low < high")
+        if self.rope_original_context <= 0:
+            raise ValueError(f"LlamaConfig.rope_original_context={self.rope_original_context} must be a positive "
+                             "integer")
+        if self.rope_dim < 0 or self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"LlamaConfig.rope_dim={self.rope_dim}; accepted: 0 (whole head) or an even number "
+                             f"<= head_dim={self.head_dim}")
+        if self.rope_freq_factors is not None:
+            factors = tuple(float(f) for f in self.rope_freq_factors)
+            object.__setattr__(self, "rope_freq_factors", factors)  # a list from JSON: keep the config hashable
+            want = (self.rope_dim or self.head_dim) // 2
+            if len(factors) != want or not all(f > 0 for f in factors):
+                raise ValueError(f"LlamaConfig.rope_freq_factors has {len(factors)} values; accepted: {want} "
+                                 f"positive divisors (one per rotated frequency)")
+
+    def rope_frequencies(self) -> tuple[np.ndarray, float]:
+        """The rotary frequencies and the attention scale they imply.
+
+        Frequency i of the rotated width d = rope_dim or head_dim is base^(-2i/d), divided by
+        `rope_freq_factors[i]` when given, then rescaled by `rope_scaling`:
+        linear divides every frequency by the factor; llama3 divides low frequencies
+        (wavelength > original/low_freq_factor) by the factor, keeps high ones (wavelength <
+        original/high_freq_factor) and blends in between; yarn blends interpolated
+        (freq/factor) and original frequencies with a linear ramp over the dims whose rotation
+        count in the original context lies between beta_slow and beta_fast, and scales cos/sin
+        by 1 + 0.1 ln(factor).
+
+        Returns:
+            (f32[head_dim // 2] angle per position of each pair (0 past rope_dim/2: not rotated),
+            the factor multiplying cos and sin)
+
+        Example:
+            >>> inv, scale = LlamaConfig.tiny(rope_scaling="linear", rope_factor=8.0).rope_frequencies()
+            >>> inv.shape, scale
+            ((8,), 1.0)
+        """
+        d = self.rope_dim or self.head_dim
+        inv = self.rope_base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        if self.rope_freq_factors is not None:
+            inv = inv / np.asarray(self.rope_freq_factors, np.float64)
+        scale, f = 1.0, self.rope_factor
+        if self.rope_scaling == "linear":
+            inv = inv / f
+        elif self.rope_scaling == "llama3":
+            wavelen = 2 * math.pi / inv
+            ctx = self.rope_original_context
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            smooth = (ctx / wavelen - low) / (high - low)
+            blended = (1 - smooth) * inv / f + smooth * inv
+            inv = np.where(wavelen < ctx / high, inv, np.where(wavelen > ctx / low, inv / f, blended))
+        elif self.rope_scaling == "yarn":
+            def dim_of(rotations):  # the pair index whose wavelength fits `rotations` times in the context
+                ctx = self.rope_original_context
+                return d * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(self.rope_base))
+
+            lo = max(math.floor(dim_of(self.rope_beta_fast)), 0)
+            hi = min(math.ceil(dim_of(self.rope_beta_slow)), d - 1)
+            ramp = np.clip((np.arange(d // 2) - lo) / max(hi - lo, 0.001), 0.0, 1.0)  # 0: keep, 1: interpolate
+            inv = inv * (1 - ramp) + inv / f * ramp
+            scale = 1.0 + 0.1 * math.log(f) if f > 1 else 1.0
+        out = np.zeros(self.head_dim // 2, np.float32)
+        out[: d // 2] = inv
+        return out, float(scale)
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)

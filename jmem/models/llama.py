@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -80,12 +81,24 @@ def _rms_norm_bwd(eps, res, g):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rope(x_BTHD, positions_BT, base):
-    """Rotary embedding, half-split layout (pairs dimension i with i + head_dim/2)."""
+def rope(x_BTHD, positions_BT, inv_freq_F, scale=1.0):
+    """Rotary embedding, half-split layout (pairs dimension i with i + head_dim/2).
+
+    Args:
+        x_BTHD: queries or keys `[batch, seq, heads, head_dim]`.
+        positions_BT: i32 positions `[batch, seq]`.
+        inv_freq_F: f32[head_dim // 2] angle per position of each pair (`LlamaConfig.rope_frequencies`;
+            0 leaves a pair unrotated), or a scalar frequency base for plain RoPE.
+        scale: multiplies cos and sin of the rotated pairs (YaRN's attention temperature; 1 otherwise).
+    """
     half = x_BTHD.shape[-1] // 2
-    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    if np.ndim(inv_freq_F) == 0:  # a plain base
+        inv_freq_F = 1.0 / (inv_freq_F ** (np.arange(half, dtype=np.float32) / half))
+    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
     cos, sin = jnp.cos(angles_BTF)[:, :, None, :], jnp.sin(angles_BTF)[:, :, None, :]
+    if scale != 1.0:  # only rotated pairs: partial rotary passes the rest through unchanged
+        scale_F = jnp.where(jnp.asarray(inv_freq_F) != 0, jnp.float32(scale), jnp.float32(1.0))
+        cos, sin = cos * scale_F, sin * scale_F
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHD.dtype)
@@ -164,8 +177,9 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
     k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     v = checkpoint_name(v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), "value")
-    q = checkpoint_name(rope(q, positions_BT, cfg.rope_base), "query")
-    k = checkpoint_name(rope(k, positions_BT, cfg.rope_base), "key")
+    inv_freq_F, rope_scale = cfg.rope_frequencies()
+    q = checkpoint_name(rope(q, positions_BT, inv_freq_F, rope_scale), "query")
+    k = checkpoint_name(rope(k, positions_BT, inv_freq_F, rope_scale), "key")
     if cache is None:
         o, new_layer = attention(q, k, v, causal=True, impl=cfg.attention_impl), None
     else:

@@ -49,6 +49,8 @@ class QuantizeArgs:
     """512-token calibration windows used by gptq/awq."""
     store_type: str = "F16"
     """GGUF type that stores the dequantized weights of non-GGUF methods (F32, F16, Q8_0, ...)."""
+    force: bool = False
+    """Overwrite an existing --out .gguf file (never the --model file itself)."""
 
 
 def out_kind(out: str) -> str:
@@ -58,6 +60,18 @@ def out_kind(out: str) -> str:
     if os.path.isdir(out) or out.endswith(("/", os.sep)) or not os.path.splitext(os.path.basename(out))[1]:
         return "dir"
     raise ValueError(f"--out {out!r}: accepted: a .gguf path or a directory (a path without a file extension)")
+
+
+def check_gguf_out(out: str, model: str, force: bool) -> None:
+    """Refuse a .gguf --out that is the source model's file, or an existing file without --force."""
+    if not os.path.isfile(os.path.expanduser(out)):
+        return
+    if os.path.isfile(os.path.expanduser(model)) and os.path.samefile(os.path.expanduser(out),
+                                                                      os.path.expanduser(model)):
+        raise ValueError(f"--out {out!r} is the --model file itself; accepted: another path (the source is read "
+                         "while the output is written)")
+    if not force:
+        raise ValueError(f"--out {out!r} already exists; pass --force to overwrite it or choose another path")
 
 
 def quantization_spec(args: QuantizeArgs, method: str) -> dict:
@@ -120,6 +134,7 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     docs = load_documents(args.calibration, "--calibration") if method in CALIBRATED else None
     if kind == "gguf":
         resolve_qtype(args.store_type)
+        check_gguf_out(args.out, args.model, args.force)
         prepare_output(args.out, "--out")
     else:
         check_new_dir(args.out)

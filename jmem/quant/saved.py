@@ -55,13 +55,14 @@ class QuantizedDirError(ValueError):
 
 def _leaf_types() -> dict[str, type]:
     """Weight leaf classes a manifest may name (an allow-list: a manifest never imports arbitrary code)."""
+    from jmem.io.ggml_mixed import MixedGGMLWeight
     from jmem.quant.awq import InputScaled
     from jmem.quant.fp8 import FP8Tensor
     from jmem.quant.ggml_weight import GGMLWeight
     from jmem.quant.nf4 import NF4Tensor
     from jmem.quant.qtensor import IntTensor
 
-    return {c.__name__: c for c in (IntTensor, NF4Tensor, FP8Tensor, GGMLWeight, InputScaled)}
+    return {c.__name__: c for c in (IntTensor, NF4Tensor, FP8Tensor, GGMLWeight, MixedGGMLWeight, InputScaled)}
 
 
 # --------------------------------------------------------------------------- static metadata <-> JSON

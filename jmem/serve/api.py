@@ -347,9 +347,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        text = body.prompt if body.prompt is not None else tok.apply_chat_template(
-            chat_dicts(body.messages), body.add_generation_prompt)
-        ids = tok.encode(text)
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt)
+        else:  # a rendered chat is encoded as the chat route encodes it
+            ids = tok.encode_chat(tok.apply_chat_template(chat_dicts(body.messages), body.add_generation_prompt))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
 
     @app.post("/detokenize")
@@ -441,7 +442,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             text = tok.apply_chat_template(chat_dicts(body.messages))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = tok.encode(text)
+        ids = tok.encode_chat(text)  # no second BOS when the template writes one
         raw = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(raw, param)

@@ -70,3 +70,78 @@ def test_rotary_permutation_round_trip():
     head = p[:8]
     np.testing.assert_array_equal(head[0::2], w[:4])
     np.testing.assert_array_equal(head[1::2], w[4:8])
+
+
+def test_missing_required_key_is_one_error(tmp_path):
+    from jmem.io.gguf import GGUFFile
+
+    gf = read_gguf(_write(tmp_path / "m.gguf"))  # no vocab_size and no tokenizer.ggml.tokens
+    with pytest.raises(GGUFError, match=r"m.gguf: required key tokenizer.ggml.tokens is missing"):
+        config_from_gguf(gf)
+    meta = {**gf.metadata, "tokenizer.ggml.tokens": ["a"] * 4}
+    del meta["llama.attention.head_count"]
+    with pytest.raises(GGUFError, match="required key llama.attention.head_count is missing"):
+        config_from_gguf(GGUFFile(gf.path, gf.version, meta, gf.tensors))
+
+
+def test_packed_load_keeps_layers_whose_block_type_varies_packed(tmp_path, caplog):
+    """packed=True on a file whose attn_v / ffn_down block types vary across layers (llama.cpp's *_K_M
+    pattern): those matrices stay packed (`MixedGGMLWeight`), give the float load's logits, write
+    back byte for byte and survive a quantized-directory round trip."""
+    import gguf
+
+    import jmem
+    from jmem.io.ggml_mixed import MixedGGMLWeight
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.quant.ggml_weight import GGMLWeight
+    from jmem.quant.saved import save_quantized
+    from jmem.models.config import LlamaConfig
+    from tests.helpers import logits_of, random_model
+
+    cfg = LlamaConfig.tiny(n_layers=3)
+    types = {"blk.0.ffn_down.weight": "Q8_0", "blk.1.attn_v.weight": "Q5_1", "blk.2.attn_v.weight": "Q8_0",
+             "*": "Q4_0"}
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, cfg, random_model(cfg, 0), tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor=types)
+    with caplog.at_level("WARNING", logger="jmem.io"):
+        lm = jmem.load(str(path), packed=True)
+    assert not [r for r in caplog.records if r.name == "jmem.io"]
+    wv, w_down = (getattr(lm.model.layers, n).kernel.get_value() for n in ("wv", "w_down"))
+    assert isinstance(wv, MixedGGMLWeight) and wv.layer_types() == ["Q4_0", "Q5_1", "Q8_0"]
+    assert isinstance(w_down, MixedGGMLWeight) and w_down.layer_types() == ["Q8_0", "Q4_0", "Q4_0"]
+    assert isinstance(lm.model.layers.wq.kernel.get_value(), GGMLWeight)
+    assert wv.nbytes < 4 * 3 * cfg.dim * cfg.n_kv_heads * cfg.head_dim / 3  # far below float32
+    ids = (np.arange(40, dtype=np.int32) % 259)[None]
+    want = logits_of(jmem.load(str(path)).model, ids)
+    np.testing.assert_allclose(logits_of(lm.model, ids), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(w_down.dequantize()),
+                               np.asarray(jmem.load(str(path)).model.layers.w_down.kernel.get_value()), atol=1e-6)
+    copy = tmp_path / "copy.gguf"
+    write_gguf(copy, lm.config, lm.model, tokenizer_metadata=lm.source.tokenizer_metadata())
+    src, dst = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(copy))
+    got = {t.name: (t.tensor_type, bytes(t.data)) for t in dst.tensors}
+    blocks = [t for t in src.tensors if t.name.startswith("blk.")]  # embedding and head load as float
+    assert len(blocks) == 27 and all(got[t.name] == (t.tensor_type, bytes(t.data)) for t in blocks)
+    save_quantized(tmp_path / "dir", lm.model, tokenizer=lm.tokenizer, tokenizer_metadata=lm.source.tokenizer_metadata(),
+                   quantization={"method": "gguf"})
+    again = jmem.load(str(tmp_path / "dir"))
+    assert isinstance(again.model.layers.wv.kernel.get_value(), MixedGGMLWeight)
+    np.testing.assert_array_equal(logits_of(again.model, ids), logits_of(lm.model, ids))
+
+
+def test_packed_load_warns_when_float_and_block_layers_mix(tmp_path, caplog):
+    import jmem
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models.config import LlamaConfig
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=2)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, cfg, random_model(cfg, 0), tokenizer_metadata=byte_tokenizer_metadata(),
+               qtype_by_tensor={"blk.0.attn_v.weight": "F16", "*": "Q4_0"})
+    with caplog.at_level("WARNING", logger="jmem.io"):
+        lm = jmem.load(str(path), packed=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jmem.io"]
+    assert lines == ["packed=True: layers.wv.kernel (attn_v) mixes float and block types across layers (F16,Q4_0); "
+                     "held as float32: 16,384 bytes instead of 5,248 packed (+11,136)"]
+    assert lm.model.layers.wv.kernel.get_value().dtype == np.float32

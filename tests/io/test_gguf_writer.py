@@ -226,3 +226,22 @@ def test_other_weight_leaves_are_decoded_then_encoded(tiny, tmp_path):
         w_OI = k_float[i].T[rotary_rows(k_float.shape[-1], cfg.n_kv_heads)]
         np.testing.assert_array_equal(np.asarray(tensors[name].data), ggml.quantize(w_OI, "Q8_0"))
     assert written["blk.0.attn_q.weight"] == "F32"
+
+
+def test_docstring_k_quant_fallback_example(tmp_path):
+    """The write_gguf docstring's advice for rows that are not whole k-quant super-blocks works as written:
+    a plain "Q4_K" is refused, the fitting_qtype callable falls back per tensor."""
+    cfg = LlamaConfig.tiny(n_layers=1)  # rows of 64 and 128: no 256-weight super-block fits
+    model = random_model(cfg, 0)
+    with pytest.raises(ValueError, match="not a multiple of the Q4_K block size 256"):
+        write_gguf(tmp_path / "a.gguf", cfg, model, qtype_by_tensor="Q4_K", tokenizer_metadata=byte_tokenizer_metadata())
+    types = write_gguf(tmp_path / "b.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                       qtype_by_tensor=lambda name, shape: ggml.fitting_qtype("Q4_K", shape[1]))
+    assert set(types.values()) >= {"Q5_0", "F32"} and "Q4_K" not in types.values()
+
+
+def test_moe_config_is_refused_before_writing(tmp_path):
+    cfg = LlamaConfig.tiny_moe(n_layers=1)
+    with pytest.raises(ValueError, match="write_gguf writes dense llama models; this config has moe_experts=4"):
+        write_gguf(tmp_path / "m.gguf", cfg, {}, tokenizer_metadata=byte_tokenizer_metadata())
+    assert not (tmp_path / "m.gguf").exists()

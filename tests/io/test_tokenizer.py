@@ -29,3 +29,87 @@ def test_chat_template():
     text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")
+
+
+# --- GGUF tokenizers built from small synthetic metadata (no model file) ---
+
+import pytest  # noqa: E402
+
+from jmem.io.gguf_writer import byte_tokenizer_metadata  # noqa: E402
+from jmem.io.tokenizer import GGUFTokenizer, TokenizerError  # noqa: E402
+
+
+def _with_tokens(extra: list[str], types: list[int], **fields):
+    """byte_tokenizer_metadata() with `extra` tokens after the 256 bytes (BOS/EOS/PAD move up)."""
+    meta = byte_tokenizer_metadata()
+    toks = meta["tokenizer.ggml.tokens"]
+    n = 256 + len(extra)
+    meta.update({"tokenizer.ggml.tokens": toks[:256] + extra + toks[256:],
+                 "tokenizer.ggml.token_type": [1] * 256 + types + [3, 3, 3],
+                 "tokenizer.ggml.bos_token_id": n, "tokenizer.ggml.eos_token_id": n + 1,
+                 "tokenizer.ggml.padding_token_id": n + 2, **fields})
+    return meta
+
+
+@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("llama3", True), ("gpt2", False), ("default", False)])
+def test_llama3_pre_tokenizers_look_whole_words_up_first(pre, whole):
+    """llama.cpp and HF's Llama-3 tokenizer.json ignore merges for a pre-token that is a vocabulary entry:
+    'hello' is one id although the merges only reach 'hel' + 'lo'."""
+    meta = _with_tokens(["he", "hel", "lo", "hello"], [1] * 4, **{"tokenizer.ggml.merges": ["h e", "he l", "l o"],
+                                                                  "tokenizer.ggml.pre": pre})
+    tok = GGUFTokenizer(meta)
+    ids = tok.encode("hello")
+    assert [tok.tokens[i] for i in ids] == (["hello"] if whole else ["hel", "lo"])
+    assert tok.decode(ids) == "hello"
+
+
+def test_user_defined_tokens_stay_in_decoded_text():
+    """GGUF token type 4 (user-defined, e.g. <think>) matches as a whole token and is rendered by decode;
+    control tokens (type 3) are hidden unless skip_special=False."""
+    tok = GGUFTokenizer(_with_tokens(["<think>", "</think>"], [4, 4]))
+    ids = tok.encode("<think>ok</think>")
+    assert ids[0] == 256 and ids[-1] == 257 and len(ids) == 4
+    assert tok.decode(ids) == "<think>ok</think>"
+    with_control = [tok.bos_id, *ids, tok.eos_id]
+    assert tok.decode(with_control) == "<think>ok</think>"
+    assert tok.decode(with_control, skip_special=False) == "<|bos|><think>ok</think><|eos|>"
+
+
+ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+             "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
+
+
+def test_chat_template_raise_exception_is_a_value_error():
+    tok = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.chat_template": ALTERNATE})
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|user|>hi"
+    with pytest.raises(TokenizerError, match="roles must alternate user/assistant"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    broken = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.chat_template": "{{ messages[0].content | nofilter }}"})
+    with pytest.raises(ValueError, match="chat template failed"):
+        broken.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_encode_chat_adds_no_second_bos():
+    meta = {**byte_tokenizer_metadata(), "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": BOS_TEMPLATE}
+    tok = GGUFTokenizer(meta)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = tok.encode_chat(text)
+    assert ids[0] == tok.bos_id and ids[1] != tok.bos_id and ids.count(tok.bos_id) == 1
+    assert tok.encode_chat("plain") == tok.encode("plain") == [tok.bos_id, *tok.encode("plain", add_bos=False)]
+    # a template without BOS keeps add_bos_token's BOS
+    no_bos = GGUFTokenizer({**meta, "tokenizer.chat_template": BOS_TEMPLATE.replace("{{ bos_token }}", "")})
+    assert no_bos.encode_chat(no_bos.apply_chat_template([{"role": "user", "content": "hi"}]))[:2] == \
+        [no_bos.bos_id, ord("<")]
+    assert ByteTokenizer().encode_chat("<|user|>") == ByteTokenizer().encode("<|user|>")
+
+
+def test_missing_vocabulary_is_one_error():
+    meta = byte_tokenizer_metadata()
+    del meta["tokenizer.ggml.tokens"]
+    with pytest.raises(TokenizerError, match="required key tokenizer.ggml.tokens is missing"):
+        GGUFTokenizer(meta)

@@ -1,0 +1,55 @@
+"""Checkpointer: folders jmem did not write are never touched, and restore names what differs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer, structure_fingerprint
+
+META = {"model": {"dim": 4}, "optimizer": "adamw", "precision": "f32"}
+
+
+def _foreign_dir(tmp_path):
+    d = tmp_path / "ck"
+    for n in (1, 2, 5):
+        (d / str(n)).mkdir(parents=True)
+        (d / str(n) / "f").write_text("user data")
+    return d
+
+
+def test_foreign_numbered_folders_are_refused_and_kept(tmp_path):
+    d = _foreign_dir(tmp_path)
+    ck = Checkpointer(d, max_to_keep=2)
+    assert ck.latest_step() is None and ck.foreign_steps() == [1, 2, 5]
+    msg = r"holds numbered folders that are not jmem checkpoints \(1, 2, 5\); choose another --ckpt-dir"
+    for resume in (False, True):
+        with pytest.raises(CheckpointMismatchError, match=msg):
+            ck.check(META, resume=resume)
+    with pytest.raises(CheckpointMismatchError, match=msg):
+        ck.save(10, {"w": jnp.ones(3)}, META)
+    with pytest.raises(CheckpointMismatchError, match="not a jmem checkpoint"):
+        ck.read_meta(5)
+    ck.close()
+    assert sorted(p.name for p in d.iterdir()) == ["1", "2", "5"]
+    assert all((d / n / "f").read_text() == "user data" for n in ("1", "2", "5"))
+
+
+def test_restore_names_the_leaf_and_round_trips_scalars(tmp_path):
+    state = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": jnp.ones(4), "step": 7, "lr": 0.5}
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, state, META)
+    assert ck.check({**META, "structure": structure_fingerprint(state)}, resume=True) == 1
+    back = ck.restore({"w": jnp.zeros((3, 4)), "b": jnp.zeros(4), "step": 0, "lr": 0.0})
+    assert back["step"] == 7 and type(back["step"]) is int and back["lr"] == 0.5 and type(back["lr"]) is float
+    np.testing.assert_array_equal(back["w"], state["w"])
+    for template, message in [
+        ({"w": jnp.zeros((3, 8)), "b": jnp.zeros(4), "step": 0, "lr": 0.0},
+         r"w: checkpoint float32\[3, 4\] vs template float32\[3, 8\]"),
+        ({"w": jnp.zeros((3, 4), jnp.bfloat16), "b": jnp.zeros(4), "step": 0, "lr": 0.0},
+         r"w: checkpoint float32\[3, 4\] vs template bfloat16\[3, 4\]"),
+        ({"w": jnp.zeros((3, 4)), "step": 0, "lr": 0.0}, "b is in the checkpoint but not in the template"),
+        ({**state, "c": jnp.zeros(2)}, "c is in the template but not in the checkpoint"),
+    ]:
+        with pytest.raises(CheckpointMismatchError, match=message):
+            ck.restore(template)
+    ck.close()
