@@ -24,12 +24,12 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-import tyro
 from flax import nnx
 
 import jmem
 from jmem.data import PackedDataset, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
+from jmem.experiment import run_experiment
 from jmem.train.loss import lm_loss_sum
 
 
@@ -172,13 +172,7 @@ def markdown(cfg: Config, student_blocks: int, r: dict) -> str:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 2 with one `error: ...` line for bad input."""
-    cfg = tyro.cli(Config, args=argv, description=__doc__.split("\n\n")[0])
-    try:
-        main(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_experiment(Config, main, argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 from flax import nnx
 
 import jmem
 from jmem.data import load_documents
+from jmem.experiment import run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.ggml_weight import quantize_gguf_blocks
@@ -169,13 +169,7 @@ def markdown(records: list[dict]) -> str:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 2 with one `error: ...` line for bad input."""
-    cfg = tyro.cli(Config, args=argv)
-    try:
-        main(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_experiment(Config, main, argv, description=__doc__)
 
 
 if __name__ == "__main__":
