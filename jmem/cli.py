@@ -14,7 +14,7 @@ import tyro
 
 def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             chat: bool = False) -> None:
+             chat: bool = False, draft: str | None = None, draft_k: int = 4) -> None:
     """Print a completion of PROMPT.
 
     Args:
@@ -26,11 +26,29 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         top_p: Keep the smallest set of tokens with this much probability (off when unset).
         seed: Sampling seed.
         chat: Wrap the prompt in the model's chat template as a user message.
+        draft: A smaller model with the same tokenizer: speculative decoding, DRAFT_K proposals per pass
+            of MODEL (same output distribution; acceptance printed on stderr). Temperature only.
+        draft_k: Draft proposals per target pass.
     """
     import jmem
 
+    if draft is not None and (top_k is not None or top_p is not None):
+        raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
     lm = jmem.load(model)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if draft is not None:
+        from jmem.speculative import speculative_generate
+
+        tok = lm.tokenizer
+        ids = tok.encode_chat(tok.apply_chat_template([{"role": "user", "content": prompt}])) if chat \
+            else tok.encode(prompt)
+        out, stats = speculative_generate(lm.model, jmem.load(draft).model, [ids], max_new_tokens, k=draft_k,
+                                          temperature=temperature, seed=seed, eos_id=tok.eos_id)
+        print(tok.decode(out[0]))
+        print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "
+              f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_pass:.2f} tokens per target pass",
+              file=sys.stderr)
+        return
     if chat:
         print(lm.chat([{"role": "user", "content": prompt}], **kwargs))
     else:

@@ -17,6 +17,19 @@ def test_generate_tiny():
     assert r.returncode == 0, r.stderr
 
 
+def test_generate_with_a_draft_model_matches_plain_greedy(tmp_path):
+    """`--draft`: speculative decoding gives the target's own greedy text."""
+    target = _tiny_gguf(tmp_path / "t.gguf")
+    draft = _tiny_gguf(tmp_path / "d.gguf", dim=32, head_dim=8, ffn_dim=64)
+    plain = _jmem("generate", "--model", target, "--prompt", "hello", "--max-new-tokens", "12")
+    spec = _jmem("generate", "--model", target, "--draft", draft, "--draft-k", "3", "--prompt", "hello",
+                 "--max-new-tokens", "12")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "proposals accepted" in spec.stderr
+    bad = _jmem("generate", "--model", target, "--draft", draft, "--top-k", "5")
+    assert bad.returncode == 2 and "no --top-k / --top-p with --draft" in bad.stderr
+
+
 def test_help_names_every_subcommand():
     r = _jmem("--help")
     assert r.returncode == 0, r.stderr
