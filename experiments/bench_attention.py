@@ -31,35 +31,52 @@ from jmem.io.paths import prepare_output
 from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
 
 
+# Shape and timing flags left unset (None) take these sizes: FULL normally, QUICK with --quick.
+# A flag given explicitly keeps its value either way, even when it equals one of these.
+FULL = dict(batch=64, context=4096, q_heads=32, kv_heads=8, head_dim=128, page_size=16, flash_batch=4, flash_seq=4096,
+            flash_heads=32, warmup=3, samples=10, reps=5)
+QUICK = dict(batch=2, context=64, q_heads=4, kv_heads=2, head_dim=32, page_size=8, flash_batch=1, flash_seq=128,
+             flash_heads=2, warmup=0, samples=1, reps=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     quick: bool = False
-    """Tiny shapes and interpreted kernels: a smoke run on CPU."""
+    """Tiny shapes and interpreted kernels: a smoke run on CPU (unset sizes take the quick ones)."""
     out: str | None = None
     """Write the rows as JSON here."""
-    batch: int = 64
-    """Decode batch."""
-    context: int = 4096
-    """Decode context length (every sequence full)."""
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    page_size: int = 16
-    flash_batch: int = 4
-    flash_seq: int = 4096
-    flash_heads: int = 32
-    warmup: int = 3
-    samples: int = 10
-    reps: int = 5
-    """Back-to-back calls per timed sample."""
+    batch: int | None = None
+    """Decode batch (64; --quick 2)."""
+    context: int | None = None
+    """Decode context length, every sequence full (4096; --quick 64)."""
+    q_heads: int | None = None
+    """Query heads (32; --quick 4)."""
+    kv_heads: int | None = None
+    """KV heads (8; --quick 2)."""
+    head_dim: int | None = None
+    """Head dimension (128; --quick 32)."""
+    page_size: int | None = None
+    """Tokens per KV page (16; --quick 8)."""
+    flash_batch: int | None = None
+    """Flash attention batch (4; --quick 1)."""
+    flash_seq: int | None = None
+    """Flash attention sequence length (4096; --quick 128)."""
+    flash_heads: int | None = None
+    """Flash attention heads (32; --quick 2)."""
+    warmup: int | None = None
+    """Untimed calls after compiling (3; --quick 0)."""
+    samples: int | None = None
+    """Timed samples, median reported (10; --quick 1)."""
+    reps: int | None = None
+    """Back-to-back calls per timed sample (5; --quick 1)."""
 
-    def shrunk(self) -> "Config":
-        """The --quick sizes for every shape / timing flag still at its default; flags given explicitly stay."""
-        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-        return dataclasses.replace(self, **{k: v for k, v in QUICK.items() if getattr(self, k) == defaults[k]})
+    def resolved(self) -> "Config":
+        """Every unset shape / timing flag at its full (or, with --quick, quick) size; flags given stay."""
+        sizes = QUICK if self.quick else FULL
+        return dataclasses.replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
 
     def validate(self) -> None:
-        """A ValueError naming the first flag no benchmark row could run with."""
+        """A ValueError naming the first flag no benchmark row could run with (call on a resolved config)."""
         for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "page_size", "flash_batch", "flash_seq",
                      "flash_heads", "samples", "reps"):
             v = getattr(self, name)
@@ -73,11 +90,6 @@ class Config:
         if self.context % self.page_size:
             raise ValueError(f"--context {self.context} is not a multiple of --page-size {self.page_size}; "
                              "accepted: a context of whole pages")
-
-
-# --quick: tiny shapes and one timed call, for the flags left at their defaults.
-QUICK = dict(batch=2, context=64, q_heads=4, kv_heads=2, head_dim=32, page_size=8, flash_batch=1, flash_seq=128,
-             flash_heads=2, warmup=0, samples=1, reps=1)
 
 
 def log(msg: str) -> None:
@@ -237,9 +249,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(cfg: Config) -> list[dict]:
-    """Run every row; a ValueError for bad flags before any benchmark (with --quick, after its sizes apply)."""
-    if cfg.quick:
-        cfg = cfg.shrunk()
+    """Run every row; a ValueError for bad flags before any benchmark (after unset sizes are filled in)."""
+    cfg = cfg.resolved()
     cfg.validate()
     if cfg.out:
         prepare_output(cfg.out, "--out")  # before the benchmarks, not after them
@@ -267,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
-                typ = int if f.type in ("int", int) else str
+                typ = int if "int" in str(f.type) else str
                 parser.add_argument(flag, type=typ, default=f.default)
         return Config(**vars(parser.parse_args(argv)))
     return tyro.cli(Config, args=argv)

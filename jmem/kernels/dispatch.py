@@ -5,6 +5,12 @@ name for that same plain path (the kernels' tests compare against it),
 `"pallas"` the Pallas flash kernel, and `"auto"` picks Pallas on GPU/TPU and
 XLA elsewhere.
 
+The flash kernel knows no per-row `q_offset` or `kv_lengths` (decode against a
+cache, padded batches). With either given, and not a concrete all-zero
+`q_offset` without `kv_lengths`, `"pallas"` and `"auto"` run the XLA path,
+whose memory is O(q_len x kv_len) per head (the score matrix). The model's
+cached decode relies on this (one query row against the cache).
+
 "Where" means the platform the traced code will be compiled for, which is not
 always the default backend: `jmem.memory.measure(..., target="tpu:v5e:2x2")`
 traces on a CPU host for a TPU. `compiling_for("tpu")` names that platform for
@@ -20,6 +26,7 @@ import contextvars
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -81,7 +88,7 @@ def _check(q, k, v):
         )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention: k {k.shape} and v {v.shape} must match q {q.shape} in batch and head_dim")
-    if q.shape[2] % k.shape[2]:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
     if k.shape[1] == 0:
         raise ValueError(f"attention: kv_len is 0 (k {k.shape}); accepted: at least one key")
@@ -150,25 +157,42 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
     return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
+def _zero(q_offset) -> bool:
+    """True when `q_offset` is None or concretely all zeros (the flash kernel's own alignment)."""
+    if q_offset is None:
+        return True
+    if isinstance(q_offset, jax.core.Tracer):
+        return False
+    return not np.any(np.asarray(q_offset))  # numpy: jnp ops would be staged into an enclosing trace
+
+
 def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None, impl="auto"):
     """Dispatch attention to an implementation; see `xla_attention` for the arguments.
 
     `impl="auto"` picks Pallas when the platform being compiled for
-    (`target_platform()`) is a GPU or TPU, else XLA.
+    (`target_platform()`) is a GPU or TPU, else XLA. `sm_scale` may be a
+    Python/NumPy/JAX scalar or a traced one for every impl.
+
+    The Pallas flash kernel runs only without `kv_lengths` and with `q_offset`
+    None or concretely 0. Otherwise `"pallas"` and `"auto"` run the XLA path,
+    which materialises the [q_len, kv_len] scores of each head: cached decode
+    (one query row) is cheap there, but a long padded batch with `kv_lengths`
+    costs O(T x S) memory.
 
     Example:
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
     _check(q, k, v)
+    kernel_ok = _zero(q_offset) and kv_lengths is None
     q_offset, kv_lengths = _per_row("q_offset", q_offset, q.shape[0]), _per_row("kv_lengths", kv_lengths, q.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
-    if impl == "pallas":
+        impl = "pallas" if target_platform() in ("gpu", "tpu") and kernel_ok else "xla"
+    if impl == "pallas" and kernel_ok:
         from jmem.kernels.flash_attention import flash_attention
 
-        if q_offset is None and kv_lengths is None:
-            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
-        impl = "xla"  # decode against a cache: offsets/lengths go through XLA
+        return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    # Offsets/lengths (decode against a cache, padded rows) go through XLA.
     return xla_attention(q, k, v, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sm_scale=sm_scale)
+

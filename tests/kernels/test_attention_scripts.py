@@ -56,7 +56,7 @@ def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, ca
     (["--head-dim", "0"], "--head-dim 0; accepted: a positive integer"),
     (["--context", "100", "--page-size", "16"], "--context 100 is not a multiple of --page-size 16"),
     (["--warmup", "-1"], "--warmup -1; accepted: a non-negative integer"),
-    # --quick shrinks only the flags left at their defaults, so an explicit bad value is still refused.
+    # --quick sizes only the flags left unset, so an explicit bad value is still refused.
     (["--quick", "--samples", "0", "--kv-heads", "3"], "--samples 0; accepted: a positive integer"),
     (["--quick", "--kv-heads", "3"], "--q-heads 4 is not a multiple of --kv-heads 3"),
 ])
@@ -68,10 +68,24 @@ def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, caps
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
 
 
-def test_quick_keeps_explicit_flags(bench, monkeypatch):
+@pytest.mark.parametrize("argv, given", [
+    (["--samples", "3", "--kv-heads", "4", "--q-heads", "8"], dict(samples=3, kv_heads=4, q_heads=8)),
+    # Given explicitly at the full-size default: still kept under --quick.
+    (["--context", "4096", "--head-dim", "128", "--q-heads", "32", "--kv-heads", "16"],
+     dict(context=4096, head_dim=128, q_heads=32, kv_heads=16)),
+])
+def test_quick_keeps_explicit_flags(bench, monkeypatch, argv, given):
     seen = []
     monkeypatch.setattr(bench, "run", lambda cfg: seen.append(cfg) or [])
-    assert bench.cli(["--quick", "--samples", "3", "--kv-heads", "4", "--q-heads", "8"]) == 0
+    assert bench.cli(["--quick", *argv]) == 0
     (cfg,) = seen
-    assert (cfg.samples, cfg.kv_heads, cfg.q_heads) == (3, 4, 8)  # as given
-    assert (cfg.batch, cfg.context, cfg.reps, cfg.flash_seq) == (2, 64, 1, 128)  # --quick's sizes
+    assert {k: getattr(cfg, k) for k in given} == given  # as given
+    assert {k: getattr(cfg, k) for k in bench.QUICK if k not in given} == {k: v for k, v in bench.QUICK.items() if k not in given}
+
+
+def test_full_sizes_without_quick(bench, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda cfg: seen.append(cfg) or [])
+    assert bench.cli(["--batch", "2"]) == 0
+    (cfg,) = seen
+    assert cfg.batch == 2 and {k: getattr(cfg, k) for k in bench.FULL if k != "batch"} == {k: v for k, v in bench.FULL.items() if k != "batch"}

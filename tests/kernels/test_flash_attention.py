@@ -31,26 +31,52 @@ def _check_fwd_bwd(fn, ref, q, k, v, do, tol):
         np.testing.assert_allclose(f32(got), want, atol=tol, rtol=tol, err_msg=name)
 
 
-# Lengths off the block grid, head ratios 1, 3 and 8, both dtypes, both causalities.
+def force_head_dim_padding(monkeypatch):
+    """Pad head_dim to a power of two in the interpreter too, as the GPU (Triton) path does."""
+    from jmem.kernels.flash_attention import kernel as fk
+
+    monkeypatch.setattr(fk, "POW2_HEAD_DIM_PLATFORMS", ("gpu", "interpret"))
+
+
+def force_streaming(monkeypatch):
+    """Run the TPU (streaming) body in the interpreter too."""
+    from jmem.kernels.flash_attention import kernel as fk
+
+    monkeypatch.setattr(fk, "STREAM_PLATFORMS", ("tpu", "interpret"))
+
+
+# Lengths off the block grid, head ratios 1, 3 and 8, both dtypes, both causalities, both bodies: the
+# whole-row (GPU) body, with head_dim 24 padded to 32 as on GPU (the padded shape shows in the jaxpr),
+# and the streaming (TPU) body. The slow sweep runs both bodies over more shapes.
 CASES = [
-    (1, 40, 40, 3, 1, 32, True, jnp.float32),
-    (1, 33, 70, 8, 1, 16, False, jnp.float32),
-    (1, 64, 48, 2, 2, 16, True, jnp.bfloat16),
+    (1, 40, 40, 3, 1, 24, True, jnp.float32, "pad"),
+    (1, 33, 70, 8, 1, 16, False, jnp.float32, "stream"),
+    (1, 64, 48, 2, 2, 16, True, jnp.bfloat16, "stream"),
 ]
 
 
-@pytest.mark.parametrize("B,T,S,H,K,D,causal,dtype", CASES)
-def test_flash_matches_reference(B, T, S, H, K, D, causal, dtype):
+@pytest.mark.parametrize("B,T,S,H,K,D,causal,dtype,body", CASES)
+def test_flash_matches_reference(B, T, S, H, K, D, causal, dtype, body, monkeypatch):
+    if body == "pad":
+        force_head_dim_padding(monkeypatch)
+    if body == "stream":
+        force_streaming(monkeypatch)
     q, k, v, do = _inputs(T * S + H, B, T, S, H, K, D, dtype)
     fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=16, block_k=32, interpret=True)  # noqa: E731
     ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(fn)(q, k, v))
+    assert ("f32[1,3,48,32]" in jaxpr) == (body == "pad")  # [B, H, T_pad, D_pad] inside the kernel call
+    assert ("flash_fwd_stream" in jaxpr) == (body == "stream")
     _check_fwd_bwd(fn, ref, q, k, v, do, TOL[dtype])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("T,S", [(1, 17), (129, 129), (100, 300), (257, 64)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_sweep(T, S, causal):
+@pytest.mark.parametrize("stream", [False, True])
+def test_flash_sweep(T, S, causal, stream, monkeypatch):
+    if stream:
+        force_streaming(monkeypatch)
     q, k, v, do = _inputs(T + S, 2, T, S, 6, 2, 64, jnp.float32)
     fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=0.3, interpret=True)  # noqa: E731
     ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, sm_scale=0.3)  # noqa: E731
@@ -128,6 +154,22 @@ def lower_grad_for_gpu(fn, q_shape, kv_shape, dtype):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def cuda_lowering_available():
+    """Skip unless this JAX can lower a trivial function for CUDA (the Triton lowering needs nothing more)."""
+    try:
+        jax.jit(lambda x: x + 1).trace(jax.ShapeDtypeStruct((2,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001 - any failure here means this host cannot lower for CUDA at all
+        pytest.skip(f"cannot lower for cuda here: {e}")
+
+
+@pytest.mark.parametrize("D", [80, 96])
+def test_flash_lowers_for_gpu_with_any_head_dim(D):
+    cuda_lowering_available()
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=False)  # noqa: E731
+    text = lower_grad_for_gpu(fn, (1, 64, 2, D), (1, 64, 1, D), jnp.bfloat16)
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_lowers_to_triton_for_gpu(causal):
     fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=False)  # noqa: E731
@@ -151,3 +193,27 @@ def test_flash_compiled_on_accelerator(T, H, K, causal):
     ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)  # noqa: E731
     with jax.default_matmul_precision("highest"):
         _check_fwd_bwd(fn, ref, q, k, v, do, TOL[jnp.bfloat16])
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_flash_and_auto_take_long_sequences_for_tpu():
+    """No VMEM bound for the flash kernel on TPU: at Llama's 32/8 heads and 4k it traces, and `auto` uses it."""
+    from jmem.kernels.dispatch import compiling_for
+
+    q, kv = _sds((1, 4096, 32, 128)), _sds((1, 4096, 8, 128))
+    with compiling_for("tpu"):
+        jax.eval_shape(lambda q, k, v: flash_attention(q, k, v), q, kv, kv)
+        assert "pallas_call" in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="auto"))(q, kv, kv))
+
+
+def test_flash_compiles_for_tpu_at_training_length():
+    """fwd + bwd at Llama's 32/8 heads and q_len 4096 compile for TPU v5e: the TPU body streams tiles through
+    the grid, so no program holds a whole sequence in VMEM (the whole-row body needed 24 MiB of 16 here)."""
+    device = tpu_topology_device()
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=False)  # noqa: E731
+    compiled = compile_grad_for_tpu(fn, device, (1, 4096, 32, 128), (1, 4096, 8, 128), jnp.bfloat16)
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") >= 3 and "flash_dkdv_stream" in text

@@ -291,3 +291,23 @@ def test_kernel_body_follows_the_compile_target():
     with compiling_for("gpu"):
         assert core.resolve(None, None) == ("triton", False)
     assert core.resolve(None, None) == ("mosaic", True)
+
+
+def test_slots_for_drops_positions_past_the_table():
+    """A position at or past pages_per_seq * page_size never maps into another sequence's page."""
+    P = 8
+    table = jnp.asarray([[3, 5], [1, 0]], jnp.int32)  # row 1's second page is page 0, row 0 owns page 3
+    pos = jnp.asarray([[0, 15, 16, -1], [7, 8, 15, 40]], jnp.int32)
+    want = np.asarray([[24, 47, -1, -1], [15, 0, 7, -1]])
+    # Traced positions (the serving path): out-of-range ones give -1, which write_pages drops.
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda t, p: slots_for(t, p, P))(table, pos)), want)
+    # Concrete positions: one clear error naming the position and the table's capacity.
+    with pytest.raises(ValueError, match=r"positions\[0, 2\]=16 is past the block table's 2 pages x page_size 8 = 16"):
+        slots_for(table, pos, P)
+    in_range = jnp.where(pos >= 16, -1, pos)
+    np.testing.assert_array_equal(np.asarray(slots_for(table, in_range, P)), np.where(want >= 0, want, -1))
+    # End to end: writing a token past row 0's table changes no page.
+    empty = jnp.zeros((1, 6, P, 4), jnp.float32)
+    slots = jax.jit(lambda t, p: slots_for(t, p, P))(table, jnp.asarray([[17], [-1]], jnp.int32)).reshape(-1)
+    kp, _ = write_pages(empty, empty, jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)), slots)
+    assert not np.asarray(kp).any()

@@ -112,3 +112,22 @@ def test_ragged_bad_inputs():
         ragged_paged_attention(q, kp, vp, kvl, table.at[2, 1].set(-1), cu, n)
     with pytest.raises(ValueError, match="q_heads=3 must be a multiple of kv_heads=2"):
         ragged_paged_attention(q[:, :3], kp, vp, kvl, table, cu, n)
+
+
+def test_cu_q_lens_entries_past_num_seqs_are_ignored():
+    """Zero-padded cu_q_lens (only the first num_seqs + 1 entries are valid) gives per-sequence dense attention."""
+    # The shapes and static arguments of test_ragged_matches_reference's first case: its compiled kernel is reused.
+    K, D, H, n = 2, 32, 6, 3
+    q, k, v, kp, vp, kvl, table, cu, _ = ragged_case(8, Q_LENS, KV_LENS, 6, 36, H, K, D, 8, jnp.float32)
+    cu_zero = cu.at[n + 1 :].set(0)
+    out = ragged_paged_attention(q, kp, vp, kvl, table, cu_zero, n, backend="mosaic", block_q=4, pages_per_compute_block=2,
+                                 interpret=True)
+    ref = ragged_paged_attention_reference(q, kp, vp, kvl, table, cu_zero, n)
+    for s, (ql, kl) in enumerate(zip(Q_LENS[:n], KV_LENS[:n])):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        qs = f32(q[rows]).reshape(ql, K, H // K, D)
+        dense = dense_causal(qs, f32(k[s, :kl]), f32(v[s, :kl]), kl - ql).reshape(ql, H, D)
+        np.testing.assert_allclose(f32(out)[rows], dense, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(f32(ref)[rows], dense, atol=2e-5, rtol=2e-5)
+    live = int(cu[n])
+    assert not f32(out)[live:].any() and not f32(ref)[live:].any()  # tokens of sequences past num_seqs: padding

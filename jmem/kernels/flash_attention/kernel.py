@@ -1,16 +1,25 @@
 """Flash attention (Dao et al., 2022) in Pallas: forward, dq and dk/dv kernels.
 
-One source for GPU (Triton lowering) and TPU (Mosaic): each program owns one
-block of rows and loops over the other side's blocks with `lax.fori_loop`, so
-no cross-program accumulation is needed (Triton cannot revisit outputs) and
-only BlockSpecs, 2-D iotas and plain dots are used. The kernels work in
-[batch, heads, len, head_dim] layout because TPU tiles the last two dims; the
-wrapper transposes and pads lengths up to block multiples, masking padded keys.
+Two bodies share the per-tile math below. The whole-row body (GPU, Triton
+lowering): each program owns one block of rows and loops over the other
+side's blocks with `lax.fori_loop`, so no cross-program accumulation is needed
+(Triton cannot revisit outputs). The streaming body (TPU, Mosaic;
+`streaming.py`) moves that loop into an "arbitrary" grid axis with the
+accumulators in VMEM scratch. Both work in [batch, heads, len, head_dim]
+layout because TPU tiles the last two dims; the wrapper transposes and pads
+lengths up to block multiples, masking padded keys. `per_platform` picks the
+body when lowering, so one traced function compiles for either backend.
 
 Memory: the forward saves only O and the row log-sum-exp (f32[len] per head),
-so activations stay O(length). Per program, the whole K/V of one head (forward,
-dq) or the whole Q/dO of one kv-head group (dk/dv) sits in on-chip memory;
-that bounds the sequence length on TPU (about 8k at head_dim 128 in bf16).
+so activations stay O(length). The whole-row body keeps the whole K/V of one
+head (forward, dq) or the whole Q/dO of one kv-head group (dk/dv) in on-chip
+memory, which on GPU lives in global memory behind the caches; the streaming
+body holds a few tiles per program, so on TPU no length bound comes from
+VMEM (AOT-compiled for v5e at q_len 4096 with 32/8 heads and at 32768).
+
+head_dim: the Triton lowering (GPU) builds only power-of-two arrays, so inside
+the kernel call for GPU a head_dim like 80 or 96 is zero-padded to the next
+power of two and the output sliced back (`pad_head_dim`).
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+
+from jmem.kernels.scale import split_scale
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -49,6 +60,14 @@ def check_qkv(name: str, q, k, v) -> None:
         raise ValueError(f"{name}: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]} (q {q.shape}, k {k.shape})")
     if q.shape[1] == 0 or k.shape[1] == 0:
         raise ValueError(f"{name}: q_len and kv_len must be >= 1; got q {q.shape}, k {k.shape}")
+    check_float(name, q=q, k=k, v=v)
+
+
+def check_float(name: str, **arrays) -> None:
+    """Raise ValueError naming the first array whose dtype is not floating (integer attention is meaningless)."""
+    for what, x in arrays.items():
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: {what} has dtype {x.dtype}; accepted: a floating dtype")
 
 
 def effective_block(block: int, length: int, what: str) -> int:
@@ -171,6 +190,8 @@ class _Cfg:
     q_len: int
     kv_len: int
     interpret: bool
+    pad_platforms: tuple[str, ...] = ()
+    stream_platforms: tuple[str, ...] = ()
 
 
 def _tile_mask(cfg: _Cfg, q_block, k_block):
@@ -278,18 +299,47 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+# Platforms that run the streaming bodies (`streaming.py`): K/V and Q/dO tiles pass
+# through an "arbitrary" grid axis, so TPU VMEM no longer bounds the length.
+STREAM_PLATFORMS = ("tpu",)
+# Platforms whose kernel needs a power-of-two head_dim: the Triton lowering builds
+# only power-of-two arrays. The wrappers zero-pad head_dim there (see `pad_head_dim`).
+POW2_HEAD_DIM_PLATFORMS = ("gpu",)
+
+
+def pad_head_dim(platform: str, pad_platforms, *arrays):
+    """`arrays` with the last (head_dim) axis zero-padded to a power of two when `platform` needs it.
+
+    Zero query/key columns add nothing to q.k, so scores are unchanged; zero
+    value (and dO) columns give output (and gradient) columns that the caller
+    slices off. The softmax scale stays the one of the real head_dim.
+    """
+    D = arrays[0].shape[-1]
+    Dp = pl.next_power_of_2(D)
+    if platform not in pad_platforms or Dp == D:
+        return arrays
+    return tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, Dp - D)]) for x in arrays)
+
+
 def row_spec(block, D):
     return pl.BlockSpec((None, None, block, D), lambda b, h, i: (b, h, i, 0))
 
 
 def _fwd_call(q, k, v, cfg: _Cfg):
-    B, H, T, D = q.shape
+    B, H, T, D0 = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
-    kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
 
     def call(platform, q, k, v):
-        return pl.pallas_call(
+        q, k, v = pad_head_dim(platform, cfg.pad_platforms, q, k, v)
+        if platform in cfg.stream_platforms:
+            from jmem.kernels.flash_attention import streaming
+
+            o, lse = streaming.fwd_call(platform, q, k, v, cfg)
+            return o[..., :D0], lse
+        D = q.shape[3]
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        o, lse = pl.pallas_call(
             functools.partial(_fwd_kernel, cfg=cfg),
             grid=(B, H, T // cfg.block_q),
             in_specs=[row_spec(cfg.block_q, D), kv_spec, kv_spec],
@@ -299,21 +349,30 @@ def _fwd_call(q, k, v, cfg: _Cfg):
             compiler_params=compiler_params(platform),
             name="flash_fwd",
         )(q, k, v)
+        return o[..., :D0], lse
 
     return per_platform(call, cfg.interpret, q, k, v)
 
 
 def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
-    B, H, T, D = q.shape
+    B, H, T, D0 = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     lse = jnp.where(lse == NEG_INF, jnp.inf, lse)
     bq, bk = cfg.block_q, cfg.block_k
-    kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
     group_spec = lambda last: pl.BlockSpec((None, G, T, last), lambda b, h, j: (b, h, 0, 0))  # noqa: E731
 
-    def call(platform, *arrays):
+    def call(platform, q, k, v, do, lse, delta):
+        q, k, v, do = pad_head_dim(platform, cfg.pad_platforms, q, k, v, do)
+        if platform in cfg.stream_platforms:
+            from jmem.kernels.flash_attention import streaming
+
+            dq, dk, dv = streaming.bwd_call(platform, q, k, v, do, lse, delta, cfg)
+            return dq[..., :D0], dk[..., :D0], dv[..., :D0]
+        D = q.shape[3]
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        arrays = (q, k, v, do, lse, delta)
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=cfg),
             grid=(B, H, T // bq),
@@ -334,7 +393,7 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
             compiler_params=compiler_params(platform),
             name="flash_dkdv",
         )(*arrays)
-        return dq, dk, dv
+        return dq[..., :D0], dk[..., :D0], dv[..., :D0]
 
     return per_platform(call, cfg.interpret, q, k, v, do, lse, delta)
 
@@ -369,7 +428,7 @@ def flash_attention(
     v,
     *,
     causal: bool = True,
-    sm_scale: float | None = None,
+    sm_scale=None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     interpret: bool | None = None,
@@ -377,10 +436,11 @@ def flash_attention(
     """Memory-efficient exact attention with grouped-query heads; differentiable.
 
     Args:
-        q: [batch, q_len, q_heads, head_dim].
+        q: [batch, q_len, q_heads, head_dim], a floating dtype.
         k, v: [batch, kv_len, kv_heads, head_dim]; q_heads must be a multiple of kv_heads.
         causal: query i sees key j only when j <= i (top-left aligned, like the dispatcher).
-        sm_scale: softmax scale; 1/sqrt(head_dim) when None.
+        sm_scale: softmax scale; 1/sqrt(head_dim) when None. A Python/NumPy/JAX
+            scalar, or a traced one (folded into q, see `jmem.kernels.scale`).
         block_q, block_k: tile sizes (powers of two >= 16), shrunk for short sequences.
             Lengths need not be multiples: the wrapper pads and masks.
         interpret: run the kernel in the Pallas interpreter; None picks it when
@@ -389,28 +449,33 @@ def flash_attention(
     Returns:
         [batch, q_len, q_heads, head_dim] in q's dtype.
 
+    Raises:
+        ValueError: bad shapes or dtypes; when compiling for TPU, a shape whose
+            resident blocks exceed the scoped VMEM (`jmem.kernels.tpu_vmem`).
+
+    Any head_dim works: lowered for GPU, a head_dim that is not a power of two
+    (80, 96) is zero-padded to the next one inside the kernel call.
+
     Example:
         >>> o = flash_attention(q, k, v, causal=True)
         >>> dq = jax.grad(lambda q: flash_attention(q, k, v).sum())(q)
     """
-    # Resolved here, not inside the jit: the jit cache is keyed on the static
-    # value, so `None` resolved at trace time would pin the first platform seen.
-    return _flash_jit(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
-                      interpret=resolve_interpret(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_k", "interpret"))
-def _flash_jit(q, k, v, *, causal, sm_scale, block_q, block_k, interpret: bool):
     check_qkv("flash_attention", q, k, v)
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
-    cfg = _Cfg(
-        causal=bool(causal),
-        sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
-        block_q=effective_block(block_q, T, "block_q"),
-        block_k=effective_block(block_k, S, "block_k"),
-        q_len=T,
-        kv_len=S,
-        interpret=interpret,
-    )
+    bq, bk = effective_block(block_q, T, "block_q"), effective_block(block_k, S, "block_k")
+    # Resolved here, not inside the jit: the jit cache is keyed on the static
+    # value, so `None` resolved at trace time would pin the first platform seen.
+    interpret = resolve_interpret(interpret)
+    q, scale = split_scale("flash_attention", q, sm_scale, D)
+    return _flash_jit(q, k, v, causal=bool(causal), sm_scale=scale, block_q=bq, block_k=bk, interpret=interpret,
+                      pad_platforms=POW2_HEAD_DIM_PLATFORMS, stream_platforms=STREAM_PLATFORMS)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_k", "interpret", "pad_platforms",
+                                             "stream_platforms"))
+def _flash_jit(q, k, v, *, causal, sm_scale, block_q, block_k, interpret: bool, pad_platforms, stream_platforms):
+    T, S = q.shape[1], k.shape[1]
+    cfg = _Cfg(causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k, q_len=T, kv_len=S,
+               interpret=interpret, pad_platforms=tuple(pad_platforms), stream_platforms=tuple(stream_platforms))
     o = _flash_bhtd(to_padded_bhtd(q, cfg.block_q), to_padded_bhtd(k, cfg.block_k), to_padded_bhtd(v, cfg.block_k), cfg)
     return o.transpose(0, 2, 1, 3)[:, :T]

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jmem.kernels.paged_attention import core
+from jmem.kernels.flash_attention.kernel import check_float
 from jmem.kernels.paged_attention.checks import check_pages, check_tables
+from jmem.kernels.scale import split_scale
 
 # Programs to keep a GPU busy (about 2 per SM on an H100/H200); decode splits
 # the context until batch x kv_heads x splits reaches it.
@@ -76,7 +78,7 @@ def paged_attention(
     """Decode attention of one new token per sequence against its paged K/V cache.
 
     Args:
-        q: [batch, q_heads, head_dim] (f32, bf16 or f16).
+        q: [batch, q_heads, head_dim], a floating dtype (f32, bf16 or f16).
         k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], float, or
             int8 / float8_e4m3fn with scales; q_heads a multiple of kv_heads.
         lengths: i32[batch] keys visible to each sequence (0 gives zeros).
@@ -85,7 +87,8 @@ def paged_attention(
             cdiv(length, page_size) are ignored.
         k_scale, v_scale: f32[kv_heads, num_pages] per-page-per-head scales
             (required for, and only for, int8/fp8 pages).
-        sm_scale: softmax scale, 1/sqrt(head_dim) when None.
+        sm_scale: softmax scale, 1/sqrt(head_dim) when None; a Python/NumPy/JAX
+            scalar, or a traced one (folded into q: `jmem.kernels.scale`).
         pages_per_compute_block: pages per kernel step (a power of two);
             about 128 keys when None.
         num_splits: context windows per sequence whose partial softmaxes are
@@ -107,6 +110,7 @@ def paged_attention(
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [batch, q_heads, head_dim]; got {q.shape}")
     B, H, D = q.shape
+    check_float("paged_attention", q=q)
     check_pages("paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
     check_tables("paged_attention", lengths, block_tables, N, page, rows=B)
@@ -120,7 +124,7 @@ def paged_attention(
     splits = num_splits or default_splits(B, K, nb_total, backend)
     if not 1 <= splits <= nb_total:
         raise ValueError(f"paged_attention: num_splits={splits} must be in [1, {nb_total}] ({npages} pages / {ppb} per block)")
-    scale = float(D**-0.5 if sm_scale is None else sm_scale)
+    q, scale = split_scale("paged_attention", q, sm_scale, D)
     return _paged_attention(
         q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale,
         sm_scale=scale, pages_per_block=ppb, num_splits=splits, backend=backend, interpret=interpret,

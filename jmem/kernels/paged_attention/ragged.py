@@ -17,9 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.kernels.flash_attention.kernel import check_float
 from jmem.kernels.paged_attention import core
 from jmem.kernels.paged_attention.checks import check_pages, check_tables, concrete
 from jmem.kernels.paged_attention.kernel import default_pages_per_block, sanitize_tables
+from jmem.kernels.paged_attention.reference import live_cu_q_lens
+from jmem.kernels.scale import split_scale
 
 BLOCK_Q = 16  # query tokens per work item
 
@@ -60,7 +63,8 @@ def _ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_s
     S_max, npages = block_tables.shape
     ppb = pages_per_block
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, npages * page)
-    seq_W, tok0_W, count_W, pos0_W, hi_W, slot_T = _work_items(cu_q_lens.astype(jnp.int32), kv_lens, num_seqs, T, bq, S_max)
+    cu_q_lens = live_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
+    seq_W, tok0_W, count_W, pos0_W, hi_W, slot_T = _work_items(cu_q_lens, kv_lens, num_seqs, T, bq, S_max)
     W = seq_W.shape[0]
     nbp = -(-npages // ppb) * ppb
     tables = jnp.pad(sanitize_tables(block_tables, kv_lens, page, N), ((0, 0), (0, nbp - npages)))[seq_W]
@@ -126,10 +130,11 @@ def ragged_paged_attention(
         k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] (float, or int8/fp8 with scales).
         kv_lens: i32[max_seqs] context length of each sequence, new tokens included.
         block_tables: i32[max_seqs, pages_per_seq].
-        cu_q_lens: i32[max_seqs + 1] prefix sums of query lengths, cu_q_lens[0] = 0.
+        cu_q_lens: i32[max_seqs + 1] prefix sums of query lengths, cu_q_lens[0] = 0;
+            only the first num_seqs + 1 entries are read (the rest may hold anything).
         num_seqs: int or i32 scalar: sequences in use.
         k_scale, v_scale: f32[kv_heads, num_pages] for int8/fp8 pages.
-        sm_scale: softmax scale, 1/sqrt(head_dim) when None.
+        sm_scale: softmax scale, 1/sqrt(head_dim) when None; a concrete or traced scalar.
         pages_per_compute_block: pages per kernel step (power of two); ~128 keys when None.
         block_q: query tokens per work item.
         backend, interpret: as in `paged_attention`.
@@ -145,6 +150,7 @@ def ragged_paged_attention(
     if q.ndim != 3:
         raise ValueError(f"ragged_paged_attention: q must be [total_tokens, q_heads, head_dim]; got {q.shape}")
     T, H, D = q.shape
+    check_float("ragged_paged_attention", q=q)
     check_pages("ragged_paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
     if block_tables.ndim != 2:
@@ -158,7 +164,7 @@ def ragged_paged_attention(
         raise ValueError(f"ragged_paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"ragged_paged_attention: block_q={block_q} must be a power of two >= 1")
-    scale = float(D**-0.5 if sm_scale is None else sm_scale)
+    q, scale = split_scale("ragged_paged_attention", q, sm_scale, D)
     return _ragged(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.asarray(num_seqs, jnp.int32), k_scale, v_scale,
         sm_scale=scale, pages_per_block=ppb, block_q=block_q, backend=backend, interpret=interpret,

@@ -95,13 +95,27 @@ def paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, *, k_s
     return o.reshape(B, H, D).astype(q.dtype)
 
 
+def live_cu_q_lens(cu_q_lens, num_seqs):
+    """`cu_q_lens` with every entry past `num_seqs` set to cu_q_lens[num_seqs].
+
+    Only the first num_seqs + 1 entries describe the step; callers may pad the
+    rest with anything (zeros, repeats). Repeating the last live entry makes
+    the array non-decreasing, so searches over it find the right sequence.
+    """
+    cu_q_lens = jnp.asarray(cu_q_lens)
+    n = jnp.clip(jnp.asarray(num_seqs, jnp.int32), 0, cu_q_lens.shape[0] - 1)
+    return jnp.where(jnp.arange(cu_q_lens.shape[0]) <= n, cu_q_lens, cu_q_lens[n])
+
+
 def token_positions(cu_q_lens, kv_lens, num_seqs, total_tokens):
     """Sequence id and absolute position of every concatenated query token.
 
     Token t of sequence s (cu_q_lens[s] <= t < cu_q_lens[s+1]) sits at
     position kv_lens[s] - q_len[s] + (t - cu_q_lens[s]). Tokens at or past
-    cu_q_lens[num_seqs] are padding: seq id -1.
+    cu_q_lens[num_seqs] are padding: seq id -1. Entries of cu_q_lens past
+    num_seqs are ignored.
     """
+    cu_q_lens = live_cu_q_lens(cu_q_lens, num_seqs)
     t = jnp.arange(total_tokens)
     seq_T = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
     valid_T = (t < cu_q_lens[num_seqs]) & (seq_T < num_seqs)
@@ -126,7 +140,8 @@ def ragged_paged_attention_reference(
             holding the new tokens' keys/values.
         kv_lens: i32[max_seqs] context length of each sequence (new tokens included).
         block_tables: i32[max_seqs, pages_per_seq].
-        cu_q_lens: i32[max_seqs + 1] prefix sums of the query lengths.
+        cu_q_lens: i32[max_seqs + 1] prefix sums of the query lengths; only the
+            first num_seqs + 1 entries are read.
         num_seqs: i32 scalar (or int): sequences in use; later rows are ignored.
 
     Returns:

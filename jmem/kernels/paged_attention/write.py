@@ -196,12 +196,57 @@ def append_pages(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
+def _slots_for(block_tables, positions, page_size: int):
+    capacity = block_tables.shape[1] * page_size
+    valid = (positions >= 0) & (positions < capacity)
+    # Clipped so no gather index leaves the table; positions outside it are dropped below, so a
+    # position past the table never lands in another sequence's page.
+    index = jnp.clip(positions, 0, capacity - 1) // page_size
+    page = jnp.take_along_axis(block_tables, index, axis=1)
+    return jnp.where(valid, page * page_size + positions % page_size, -1)
+
+
 def slots_for(block_tables, positions, page_size: int):
     """Slot of each (sequence, position): block_tables[b, pos // page_size] * page_size + pos % page_size.
 
     Args:
         block_tables: i32[batch, pages_per_seq].
-        positions: i32[batch, tokens]; negative positions give slot -1 (padding).
+        positions: i32[batch, tokens]; negative positions give slot -1 (padding),
+            which `write_pages` skips. A position at or past the table's end
+            (pages_per_seq * page_size) raises when `positions` is concrete and
+            gives -1 (dropped) when it is traced.
+        page_size: tokens per page.
+
+    Returns:
+        i32[batch, tokens] slots, -1 for padding.
+
+    Raises:
+        ValueError: bad shapes or dtypes; a concrete position past the table.
+
+    Example:
+        >>> slots = slots_for(block_tables, positions, page_size=16)
+        >>> k_pages, v_pages = write_pages(k_pages, v_pages, k_new, v_new, slots.reshape(-1))
     """
-    page = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // page_size, axis=1)
-    return jnp.where(positions >= 0, page * page_size + positions % page_size, -1)
+    block_tables = block_tables if hasattr(block_tables, "ndim") else np.asarray(block_tables)
+    positions = positions if hasattr(positions, "ndim") else np.asarray(positions)
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"slots_for: page_size={page_size!r}; accepted: a positive integer")
+    if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"slots_for: block_tables must be int32[batch, pages_per_seq]; got {block_tables.dtype}{list(block_tables.shape)}")
+    if positions.ndim != 2 or positions.shape[0] != block_tables.shape[0] or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(
+            f"slots_for: positions must be int32[batch={block_tables.shape[0]}, tokens]; "
+            f"got {positions.dtype}{list(positions.shape)}"
+        )
+    capacity = block_tables.shape[1] * int(page_size)
+    pos = concrete(positions)
+    if pos is not None and (pos >= capacity).any():
+        b, t = (int(i[0]) for i in np.nonzero(pos >= capacity))
+        raise ValueError(
+            f"slots_for: positions[{b}, {t}]={int(pos[b, t])} is past the block table's "
+            f"{block_tables.shape[1]} pages x page_size {page_size} = {capacity} positions; "
+            "accepted: positions below that (negative ones are padding)"
+        )
+    if capacity == 0:  # an empty table holds no position
+        return jnp.full(positions.shape, -1, jnp.int32)
+    return _slots_for(block_tables, positions, int(page_size))

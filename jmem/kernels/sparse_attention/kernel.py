@@ -12,6 +12,16 @@ The lists are read as scalars: from SMEM on TPU, from global memory under
 Triton. `flash_attention.kernel.per_platform` picks the memory space (and the
 backend's compiler parameters) at lowering time, so one traced function
 compiles for either backend.
+
+On-chip memory: though a program visits only its row's non-empty tiles, it
+stages the whole K/V of its head (forward, dq) or the whole Q/dO of its
+kv-head group (dk/dv), as the flash kernel does, so on TPU the sequence
+length is bounded the same way (`jmem.kernels.tpu_vmem`; a sliding window at
+16k does not fit in bf16 at head_dim 128). The wrapper raises a ValueError
+before lowering for a TPU target past the bound. Fetching only the visited
+tiles (scalar-prefetched block indices in the BlockSpec index maps, with the
+loop as an "arbitrary" grid axis as in `flash_attention.streaming`) would
+lift it. On GPU, head_dim is zero-padded to a power of two inside the call.
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jmem.kernels import tpu_vmem
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.kernels.masks import EMPTY, FULL, Mask
+from jmem.kernels.scale import split_scale
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -139,6 +151,7 @@ class _Cfg:
     q_len: int
     kv_len: int
     interpret: bool
+    pad_platforms: tuple[str, ...] = ()
 
 
 def _fwd_kernel(counts_ref, blocks_ref, tids_ref, q_ref, k_ref, v_ref, tiles_ref, o_ref, lse_ref, visits_ref, *, cfg, max_n):
@@ -226,16 +239,18 @@ def _scalar_specs(n_arrays, platform):
 
 
 def _fwd_call(q, k, v, cfg: _Cfg):
-    B, H, T, D = q.shape
+    B, H, T, D0 = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
     lists = _lists(cfg.mask, cfg.q_len, cfg.kv_len, cfg.block_q, cfg.block_k)
     tiles = jnp.asarray(lists.tiles)
-    kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
     tiles_spec = pl.BlockSpec(tiles.shape, lambda b, h, i: (0, 0, 0))
 
     def call(platform, counts, blocks, tids, q, k, v, tiles):
-        return pl.pallas_call(
+        q, k, v = fk.pad_head_dim(platform, cfg.pad_platforms, q, k, v)
+        D = q.shape[3]
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        o, lse, visits = pl.pallas_call(
             functools.partial(_fwd_kernel, cfg=cfg, max_n=lists.max_n),
             grid=(B, H, T // cfg.block_q),
             in_specs=[*_scalar_specs(3, platform), fk.row_spec(cfg.block_q, D), kv_spec, kv_spec, tiles_spec],
@@ -249,12 +264,13 @@ def _fwd_call(q, k, v, cfg: _Cfg):
             compiler_params=fk.compiler_params(platform, gpu_stages=_GPU_STAGES),
             name="sparse_fwd",
         )(counts, blocks, tids, q, k, v, _tiles_for(platform, tiles))
+        return o[..., :D0], lse, visits
 
     return fk.per_platform(call, cfg.interpret, jnp.asarray(lists.kv_counts), jnp.asarray(lists.kv_blocks), jnp.asarray(lists.kv_tiles), q, k, v, tiles)
 
 
 def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
-    B, H, T, D = q.shape
+    B, H, T, D0 = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
     bq, bk = cfg.block_q, cfg.block_k
@@ -262,12 +278,18 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
     tiles = jnp.asarray(lists.tiles)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     lse = jnp.where(lse == fk.NEG_INF, jnp.inf, lse)
-    kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
     tiles_spec = pl.BlockSpec(tiles.shape, lambda b, h, i: (0, 0, 0))
     group_spec = lambda last: pl.BlockSpec((None, G, T, last), lambda b, h, j: (b, h, 0, 0))  # noqa: E731
 
+    def padded(platform, q, k, v, do, *rest):
+        """The arrays with head_dim padded for `platform`, and that head_dim."""
+        q, k, v, do = fk.pad_head_dim(platform, cfg.pad_platforms, q, k, v, do)
+        return (q, k, v, do, *rest), q.shape[3]
+
     def dq_call(platform, counts, blocks, tids, *arrays):
-        return pl.pallas_call(
+        arrays, D = padded(platform, *arrays)
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=cfg, max_n=lists.max_n),
             grid=(B, H, T // bq),
             in_specs=[*_scalar_specs(3, platform), fk.row_spec(bq, D), kv_spec, kv_spec, fk.row_spec(bq, D), fk.row_spec(bq, 1), fk.row_spec(bq, 1), tiles_spec],
@@ -277,9 +299,11 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
             compiler_params=fk.compiler_params(platform, gpu_stages=_GPU_STAGES),
             name="sparse_dq",
         )(counts, blocks, tids, *arrays[:-1], _tiles_for(platform, arrays[-1]))
+        return dq[..., :D0]
 
     def dkdv_call(platform, counts, blocks, tids, *arrays):
-        return pl.pallas_call(
+        arrays, D = padded(platform, *arrays)
+        dk, dv = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, max_m=lists.max_m, group=G),
             grid=(B, K, S // bk),
             in_specs=[*_scalar_specs(3, platform), group_spec(D), fk.row_spec(bk, D), fk.row_spec(bk, D), group_spec(D), group_spec(1), group_spec(1), tiles_spec],
@@ -289,6 +313,7 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
             compiler_params=fk.compiler_params(platform, gpu_stages=_GPU_STAGES),
             name="sparse_dkdv",
         )(counts, blocks, tids, *arrays[:-1], _tiles_for(platform, arrays[-1]))
+        return dk[..., :D0], dv[..., :D0]
 
     arrays = (q, k, v, do, lse, delta, tiles)
     kv_lists = (jnp.asarray(lists.kv_counts), jnp.asarray(lists.kv_blocks), jnp.asarray(lists.kv_tiles))
@@ -315,14 +340,20 @@ def _sparse_bhtd_bwd(cfg, res, do):
 _sparse_bhtd.defvjp(_sparse_bhtd_fwd, _sparse_bhtd_bwd)
 
 
-def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret) -> _Cfg:
+def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret):
+    """(q, cfg): validated inputs, q with a traced sm_scale folded in (`jmem.kernels.scale`)."""
     fk.check_qkv(name, q, k, v)
     if not isinstance(mask, Mask):
         raise ValueError(f"{name}: mask must be a jmem.kernels.masks.Mask (e.g. Causal() & LocalWindow(256)); got {type(mask).__name__}")
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
     mask.check(T, S)
     bq, bk = _blocks(block_q, block_k, T, S)
-    return _Cfg(mask, float(D**-0.5 if sm_scale is None else sm_scale), bq, bk, T, S, fk.resolve_interpret(interpret))
+    interpret = fk.resolve_interpret(interpret)
+    if not interpret:
+        nbytes = tpu_vmem.sparse_bytes(q.shape, k.shape, q.dtype, bq, bk, _lists(mask, T, S, bq, bk).tiles.shape[0])
+        tpu_vmem.check(name, q.shape, k.shape, q.dtype, nbytes)
+    q, scale = split_scale(name, q, sm_scale, D)
+    return q, _Cfg(mask, scale, bq, bk, T, S, interpret, fk.POW2_HEAD_DIM_PLATFORMS)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -350,18 +381,27 @@ def sparse_attention(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAULT_BLOC
         k, v: [batch, kv_len, kv_heads, head_dim]; q_heads a multiple of kv_heads.
         mask: a `jmem.kernels.masks.Mask`; it alone decides visibility (use
             `Causal() & ...` for a causal model). Rows that see no key give zeros.
-        sm_scale: softmax scale; 1/sqrt(head_dim) when None.
+        sm_scale: softmax scale; 1/sqrt(head_dim) when None. A Python/NumPy/JAX
+            scalar, or a traced one (folded into q, see `jmem.kernels.scale`).
         block_q, block_k: tile sizes (powers of two >= 16), shrunk for short sequences.
         interpret: run in the Pallas interpreter; None picks it on CPU.
 
     Returns:
         [batch, q_len, q_heads, head_dim] in q's dtype.
 
+    Raises:
+        ValueError: bad shapes, dtypes or mask; when compiling for TPU, a shape
+            whose resident blocks exceed the scoped VMEM (`jmem.kernels.tpu_vmem`).
+
+    Any head_dim works: lowered for GPU, a head_dim that is not a power of two
+    is zero-padded to the next one inside the kernel call.
+
     Example:
         >>> from jmem.kernels.masks import Causal, LocalWindow
         >>> o = sparse_attention(q, k, v, Causal() & LocalWindow(256))
     """
-    return _sparse_jit(q, k, v, _config("sparse_attention", q, k, v, mask, sm_scale, block_q, block_k, interpret))
+    q, cfg = _config("sparse_attention", q, k, v, mask, sm_scale, block_q, block_k, interpret)
+    return _sparse_jit(q, k, v, cfg)
 
 
 def sparse_attention_visits(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, interpret=None):
@@ -371,4 +411,5 @@ def sparse_attention_visits(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAU
         i32[batch, q_heads, 2]: (tiles visited, of which masked) per batch row and head;
         equal to `sparse_attention_stats(...)`'s (visited, partial).
     """
-    return _visits_jit(q, k, v, _config("sparse_attention_visits", q, k, v, mask, sm_scale, block_q, block_k, interpret))
+    q, cfg = _config("sparse_attention_visits", q, k, v, mask, sm_scale, block_q, block_k, interpret)
+    return _visits_jit(q, k, v, cfg)

@@ -1,0 +1,112 @@
+"""Inputs every attention entry point accepts or refuses alike: the softmax scale (concrete or traced),
+dtypes, zero kv heads, and which `attention` calls run the Pallas kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem.kernels import attention
+from jmem.kernels.flash_attention import attention_reference, flash_attention
+from jmem.kernels.masks import Causal, LocalWindow
+from jmem.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from tests.kernels.test_flash_attention import _inputs
+from tests.kernels.test_paged_attention import decode_case
+from tests.kernels.test_ragged_attention import ragged_case
+
+TOL = 2e-5
+MASK = Causal() & LocalWindow(5)
+
+
+def _dense(B=1, T=16, H=4, K=2, D=16, seed=0):
+    return _inputs(seed, B, T, T, H, K, D, jnp.float32)[:3]
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas"])
+def test_attention_traced_scale_every_impl(impl):
+    q, k, v = _dense()
+    f = jax.jit(lambda q, k, v, s: attention(q, k, v, causal=True, sm_scale=s, impl=impl))
+    np.testing.assert_allclose(f(q, k, v, jnp.float32(0.3)), attention_reference(q, k, v, causal=True, sm_scale=0.3),
+                               atol=TOL, rtol=TOL)
+
+
+def test_flash_traced_scale_and_its_gradient():
+    q, k, v = _dense(seed=1)
+    flash = lambda q, s: flash_attention(q, k, v, sm_scale=s, interpret=True)  # noqa: E731
+    ref = lambda q, s: attention_reference(q, k, v, sm_scale=s)  # noqa: E731
+    s = jnp.float32(0.7)
+    (o, grads) = jax.jit(lambda q, s: (flash(q, s), jax.grad(lambda q, s: (flash(q, s) ** 2).sum(), argnums=(0, 1))(q, s)))(q, s)
+    o_ref, grads_ref = ref(q, s), jax.grad(lambda q, s: (ref(q, s) ** 2).sum(), argnums=(0, 1))(q, s)
+    np.testing.assert_allclose(o, o_ref, atol=TOL, rtol=TOL)
+    for got, want in zip(grads, grads_ref):  # d/dq and d/d(sm_scale)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_traced_scale():
+    q, k, v = _dense(seed=2)
+    got = jax.jit(lambda q, s: sparse_attention(q, k, v, MASK, sm_scale=s, interpret=True))(q, jnp.float32(0.4))
+    np.testing.assert_allclose(got, sparse_attention_reference(q, k, v, MASK, sm_scale=0.4), atol=TOL, rtol=TOL)
+
+
+def test_paged_and_ragged_traced_scale():
+    q, _, _, kp, vp, lengths, table = decode_case(3, 3, 32, 4, 2, 16, 8, jnp.float32)
+    f = jax.jit(lambda q, s: paged_attention(q, kp, vp, lengths, table, sm_scale=s, interpret=True))
+    np.testing.assert_allclose(f(q, jnp.float32(0.2)), paged_attention_reference(q, kp, vp, lengths, table, sm_scale=0.2),
+                               atol=TOL, rtol=TOL)
+    q, _, _, kp, vp, kvl, table, cu, n = ragged_case(4, [3, 1], [6, 9], 3, 5, 4, 2, 16, 8, jnp.float32)
+    g = jax.jit(lambda q, s: ragged_paged_attention(q, kp, vp, kvl, table, cu, n, sm_scale=s, interpret=True))
+    np.testing.assert_allclose(g(q, jnp.float32(0.2)),
+                               ragged_paged_attention_reference(q, kp, vp, kvl, table, cu, n, sm_scale=0.2),
+                               atol=TOL, rtol=TOL)
+
+
+def test_concrete_scalar_scales_are_floats():
+    """A NumPy or JAX scalar is the same scale as the Python float (no hashing error for the static argument)."""
+    q, k, v = _dense(seed=5)
+    want = attention_reference(q, k, v, sm_scale=0.25)
+    for s in (np.float32(0.25), jnp.asarray(0.25), 1 / jnp.sqrt(16.0)):
+        np.testing.assert_allclose(flash_attention(q, k, v, sm_scale=s, interpret=True), want, atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(attention(q, k, v, sm_scale=s, impl="pallas"), want, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match=r"flash_attention: sm_scale=.*accepted: None or one real scalar"):
+        flash_attention(q, k, v, sm_scale=np.ones(2), interpret=True)
+    with pytest.raises(ValueError, match=r"sparse_attention: sm_scale='big'"):
+        sparse_attention(q, k, v, MASK, sm_scale="big", interpret=True)
+
+
+def test_integer_inputs_and_zero_kv_heads_are_refused():
+    q, k, v = _dense(seed=6)
+    as_int = lambda x: x.astype(jnp.int32)  # noqa: E731
+    for name, call in [("flash_attention", lambda q, k, v: flash_attention(q, k, v, interpret=True)),
+                       ("sparse_attention", lambda q, k, v: sparse_attention(q, k, v, MASK, interpret=True))]:
+        with pytest.raises(ValueError, match=f"{name}: q has dtype int32; accepted: a floating dtype"):
+            call(as_int(q), k, v)
+        with pytest.raises(ValueError, match=f"{name}: v has dtype int32; accepted: a floating dtype"):
+            call(q, k, as_int(v))
+    qd, _, _, kp, vp, lengths, table = decode_case(7, 2, 16, 4, 2, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match="paged_attention: q has dtype int32; accepted: a floating dtype"):
+        paged_attention(as_int(qd), kp, vp, lengths, table, interpret=True)
+    qr, _, _, kp, vp, kvl, table, cu, n = ragged_case(8, [2], [4], 2, 2, 4, 2, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match="ragged_paged_attention: q has dtype int32; accepted: a floating dtype"):
+        ragged_paged_attention(as_int(qr), kp, vp, kvl, table, cu, n, interpret=True)
+    none = jnp.zeros((1, 16, 0, 16))
+    for impl in ("xla", "pallas"):
+        with pytest.raises(ValueError, match="q_heads=4 must be a multiple of kv_heads=0"):
+            attention(q, none, none, impl=impl)
+
+
+def _runs_kernel(**kw):
+    q, k, v = _dense(B=2, seed=9)
+    return "pallas_call" in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="pallas", **kw))(q, k, v))
+
+
+def test_which_calls_run_the_kernel():
+    """A concrete zero q_offset is the kernel's own alignment; per-row offsets or lengths go through XLA."""
+    assert _runs_kernel() and _runs_kernel(q_offset=0) and _runs_kernel(q_offset=np.zeros(2, np.int32))
+    assert not _runs_kernel(q_offset=3)
+    assert not _runs_kernel(kv_lengths=jnp.asarray([16, 9]))
