@@ -123,14 +123,23 @@ def _top_k_gates(logits_NX, top_k: int, normalize: bool):
     return probs_NX, gate_NK, idx_NK
 
 
+def _array(w):
+    """An expert weight as an array. A weight leaf that is not one (ZeRO-3's
+    `jmem.parallel.GatheredWeight`) gives it through `__jmem_array__`, so it is gathered
+    here, inside the layer scan, one layer at a time."""
+    get = getattr(w, "__jmem_array__", None)
+    return w if get is None else get()
+
+
 def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, capacity_factor: float = 1.25,
             normalize: bool = True, expert_constraint=None, dropless: bool = False):
     """The MoE SwiGLU MLP as a pure function (usable inside a layer scan on one layer's weights).
 
     Args:
         x_BTE: [batch, seq, embed] activations.
-        router_EX: [embed, experts] router kernel.
-        gate_XEF, up_XEF: [experts, embed, ffn]; down_XFE: [experts, ffn, embed].
+        router_EX: [embed, experts] router kernel (any `dot` weight leaf).
+        gate_XEF, up_XEF: [experts, embed, ffn]; down_XFE: [experts, ffn, embed]: arrays, or
+            leaves with `__jmem_array__()` (e.g. `jmem.parallel.GatheredWeight`).
         top_k: experts per token; capacity_factor: see `capacity`.
         normalize: renormalise the top-k gates of each token to sum to 1.
         expert_constraint: optional `f(x[experts, cap, ...]) -> x` applied to the expert
@@ -144,6 +153,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     B, T, E = x_BTE.shape
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
+    gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
     if dropless:
         return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize)
     cap = capacity(B * T, X, top_k, capacity_factor)
@@ -173,6 +183,7 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     B, T, E = x_BTE.shape
     X = router_EX.shape[-1]
     check_moe(X, top_k, 1.0)
+    gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
     x_NE = x_BTE.reshape(B * T, E)
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)

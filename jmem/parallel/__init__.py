@@ -16,11 +16,12 @@ from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
 from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
 from jmem.parallel.pipeline import PipelineError, pipeline, pipeline_hidden, pipeline_lm_loss_fn, split_stages
-from jmem.parallel.pipeline_1f1b import (SCHEDULES, busiest_stage_matmul_flops, pipeline_1f1b,
-                                         pipeline_1f1b_lm_loss_fn, pipeline_1f1b_lm_value_and_grad,
+from jmem.parallel.pipeline_1f1b import (SCHEDULES, busiest_stage_matmul_flops, check_tick_collectives,
+                                         pipeline_1f1b, pipeline_1f1b_lm_loss_fn, pipeline_1f1b_lm_value_and_grad,
                                          schedule_lm_loss_fn)
 from jmem.parallel.rules import (ACTIVATION_AXES, DEFAULT_RULES, Rules, ShardingError, activation_sharding,
-                                 active_activation_sharding, batch_sharding, constrain, logical_tree, shard, shardings)
+                                 active_activation_sharding, batch_sharding, check_heads, constrain, logical_tree,
+                                 shard, shardings)
 from jmem.parallel.step import (ParallelState, ShardedTrainStep, dp_accumulate_value_and_grad, jit_train_step,
                                 make_sharded_train_step, model_loss_fn)
 from jmem.parallel.zero import (ZERO_STAGES, ZeroShardings, ZeroStageError, bytes_per_device, check_stage,
@@ -38,3 +39,4 @@ __all__ = [
 ]
 __all__ += ["SCHEDULES", "busiest_stage_matmul_flops", "pipeline_1f1b", "pipeline_1f1b_lm_loss_fn",
             "pipeline_1f1b_lm_value_and_grad", "schedule_lm_loss_fn"]
+__all__ += ["check_heads", "check_tick_collectives"]

@@ -7,7 +7,9 @@ before its matmul and drop it after. `GatheredWeight` is a weight leaf (see
 `jmem.models.dot`) that pins that choice: its `__jmem_dot__` constrains the
 weight to its model-parallel layout (data axes removed) and multiplies. Inside
 the model's layer scan the leaf holds one layer's slice, so the all-gather runs
-per layer, inside the loop.
+per layer, inside the loop. The MoE expert weights, which `moe_mlp` multiplies
+with einsums rather than `dot`, are read through `__jmem_array__` (the same
+constraint) at the same place.
 
 Example:
     >>> wrapped = gather_on_use(params, mesh, rules)   # kernels -> GatheredWeight
@@ -52,20 +54,37 @@ class GatheredWeight:
     def dtype(self):
         return self.w.dtype
 
-    def __jmem_dot__(self, x):
+    def __jmem_array__(self):
+        """The weight gathered to its model-parallel layout (for code that does not call `dot`,
+        such as the MoE experts' einsums)."""
         n = self.w.ndim
         spec = P(*((None,) * max(0, n - len(self.entries)) + self.entries[-n:]))
-        return dot(x, jax.lax.with_sharding_constraint(self.w, NamedSharding(self.mesh, spec)))
+        return jax.lax.with_sharding_constraint(self.w, NamedSharding(self.mesh, spec))
+
+    def __jmem_dot__(self, x):
+        return dot(x, self.__jmem_array__())
+
+
+EXPERT_WEIGHTS: tuple[str, ...] = ("expert_gate", "expert_up", "expert_down")
+"""Stacked MoE expert weights `[layers, exp, ...]`: `jmem.models.moe.moe_mlp` takes them as
+leaves and reads a leaf's `__jmem_array__` inside the layer scan."""
 
 
 def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *,
-                  suffix: str = "kernel", data_axes=DATA_AXES):
+                  suffix: str = "kernel", data_axes=DATA_AXES, expert_weights: tuple[str, ...] = EXPERT_WEIGHTS):
     """ZeRO-3 params ready for the forward pass.
 
-    Every `*.kernel` leaf (used through `dot`) becomes a `GatheredWeight`, gathered per
-    use (per layer inside the scan). Other leaves (embedding, norm scales) are
-    gathered once, here, to their model-parallel layout, so activations keep
-    their batch sharding instead of following a data-axis split of a weight.
+    Every `*.kernel` leaf (used through `dot`) and every MoE expert weight (names ending
+    in `expert_weights`, used by `moe_mlp` through `__jmem_array__`) becomes a
+    `GatheredWeight`, gathered per use (per layer inside the scan). Other leaves
+    (embedding, norm scales) are gathered once, here, to their model-parallel layout,
+    so activations keep their batch sharding instead of following a data-axis split of
+    a weight.
+
+    Example:
+        >>> wrapped = gather_on_use(params, make_mesh("fsdp=8"))
+        >>> type(wrapped["layers"]["moe"]["expert_up"]).__name__
+        'GatheredWeight'
     """
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
@@ -84,6 +103,8 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
             entries.append(None if not e else (e[0] if len(e) == 1 else e))
         if name.endswith(suffix) and x.ndim >= 2:
             return GatheredWeight(x, mesh, tuple(entries[-2:]))
+        if name.split(".")[-1] in expert_weights and x.ndim >= 3:  # [(layers,) exp, in, out]
+            return GatheredWeight(x, mesh, tuple(entries[-3:]))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*entries)))
 
     return jax.tree_util.tree_map_with_path(one, params)

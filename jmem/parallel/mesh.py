@@ -41,7 +41,7 @@ def parse_mesh(spec: "str | Mapping[str, int] | None") -> dict[str, int]:
     """`"data=2,fsdp=-1"` or `{"data": 2, "fsdp": -1}` -> `{"data": 2, "fsdp": -1}` (validated names).
 
     Raises:
-        MeshError: unknown axis, repeated axis, non-integer or size < 1 (other than one -1).
+        MeshError: unknown axis, repeated axis, non-integer (a bool too) or size < 1 (other than one -1).
     """
     if spec is None or spec == "":
         return {}
@@ -68,7 +68,7 @@ def parse_mesh(spec: "str | Mapping[str, int] | None") -> dict[str, int]:
             raise MeshError(f"unknown mesh axis {name!r}; accepted: {', '.join(AXES)}")
         if name in out:
             raise MeshError(f"mesh axis {name!r} is given twice")
-        if not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
             raise MeshError(f"mesh axis {name}={size!r}: accepted sizes are positive integers or -1 (fill)")
         out[name] = int(size)
     if sum(1 for s in out.values() if s == -1) > 1:

@@ -161,4 +161,6 @@ def pipeline_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh: Mesh
         h = pipeline_hidden(m, batch["inputs"], n_stages=n_stages, n_microbatches=n_microbatches, mesh=mesh)
         return chunked_cross_entropy(h, batch["targets"], batch["mask"], m.logits_from_hidden, chunk)
 
-    return loss_fn, params
+    from jmem.parallel.step import mark_model_loss
+
+    return mark_model_loss(loss_fn, model), params

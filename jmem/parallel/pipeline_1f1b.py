@@ -39,6 +39,17 @@ gradients, its backward rule scales them by the incoming cotangent. So
 loss scaling and 1/token-count do) runs the 1F1B schedule, and the train step
 needs no change. Evaluating the loss without a gradient runs the GPipe forward.
 
+Collectives inside a tick: the stages take different branches of the tick's
+`lax.switch` at the same tick, so a collective inside a branch completes only
+when its whole device group lies within one stage (tensor or data parallelism
+inside a stage: all-reduces, all-gathers, reduce-scatters, all-to-alls), and
+never for a collective-permute (the CPU runtime joins all devices in one). An
+attention head split over the tensor axis makes XLA reshard inside the tick with
+collective-permutes, which would hang the program: the LM
+value-and-grad refuses head counts that do not divide their mesh axes
+(`check_heads`), and `check_tick_collectives` refuses any compiled program whose
+tick branches hold such a collective (train.py runs it after compiling).
+
 Bubble: every stage is busy 2M of the 2(M + S - 1) ticks, the same
 (S - 1)/(M + S - 1) fraction as GPipe, but an idle tick computes nothing (GPipe's
 bubble ticks compute on zeros). Any M >= 1 works; M >= S is where the memory
@@ -63,8 +74,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_microbatches, split_stages
 from jmem.parallel.residuals import split_residuals
+from jmem.parallel.rules import active_activation_sharding, check_heads
 
 SCHEDULES = ("gpipe", "1f1b")
+TICK_SCOPE = "jmem_1f1b_tick"
+"""`jax.named_scope` of the tick's `lax.switch`: its branches are found by this name in compiled HLO."""
 
 
 def check_schedule(schedule: str) -> str:
@@ -200,8 +214,9 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
                 dw, dsh, dx, l, n = jax.lax.switch(role, roles, micro, kept, get(y_S, m), m, recv_b)
                 return zeros_x, dx, c[0], _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
 
-            send_f, send_b, *rest = jax.lax.switch(action, [idle, forward, backward_tick],
-                                                   (ring, g_w, g_sh, loss, count))
+            with jax.named_scope(TICK_SCOPE):  # marks the tick's branches for `check_tick_collectives`
+                send_f, send_b, *rest = jax.lax.switch(action, [idle, forward, backward_tick],
+                                                       (ring, g_w, g_sh, loss, count))
             recv_f = jax.lax.ppermute(send_f, stage_axis, fwd_perm)
             recv_b = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
             return (recv_f, recv_b, *rest), None
@@ -226,6 +241,53 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
                    out_specs=((P(), P()), (spec_S, rep(shared_params))), axis_names=frozenset({stage_axis}),
                    check_vma=False)
     return fn(stage_params, shared_params, inputs_M, targets_M)
+
+
+def check_tick_collectives(hlo_text: str, mesh: Mesh, *, stage_axis: str = "stage") -> None:
+    """Refuse a compiled program whose 1F1B tick branches hold a collective other stages cannot join.
+
+    At one tick, different stages take different branches of the tick's `lax.switch`
+    (forward, backward, idle). A collective inside a branch completes only if every
+    device of its group takes that branch: an all-reduce, all-gather, reduce-scatter or
+    all-to-all within one stage's devices (tensor or data parallelism inside the stage,
+    ZeRO-3's resharding) does; one whose group spans stages would wait forever, and so
+    would a collective-permute (the CPU runtime joins every device of the program in
+    one, whatever its pairs; XLA emits them when it reshards something it cannot compute
+    on in place, such as an attention head cut in half by the tensor axis). Call this on
+    the compiled program before running it (`experiments/train.py` does).
+
+    Args:
+        hlo_text: `compiled.as_text()` of a program that runs `pipeline_1f1b`.
+        mesh: the mesh it was compiled for (logical device ids follow `mesh.devices`).
+        stage_axis: the mesh axis of the stages.
+
+    Raises:
+        PipelineError: names the collectives found and what is accepted.
+
+    Example:
+        >>> compiled = jax.jit(step).lower(state, batch).compile()
+        >>> check_tick_collectives(compiled.as_text(), mesh)
+    """
+    from jmem.parallel.hlo import branch_collectives, device_groups
+
+    names = list(mesh.axis_names)
+    if stage_axis not in names or mesh.shape[stage_axis] == 1:
+        return
+    stage_of = np.indices(mesh.devices.shape)[names.index(stage_axis)].reshape(-1)
+    bad: dict[str, int] = {}
+    for kind, line in branch_collectives(hlo_text, TICK_SCOPE):
+        groups = device_groups(line, mesh.size)
+        crosses = any(len({int(stage_of[i]) for i in g if i < mesh.size}) > 1 for g in groups)
+        if kind == "collective-permute" or crosses:
+            bad[kind] = bad.get(kind, 0) + 1
+    if bad:
+        found = ", ".join(f"{n} {k}" for k, n in sorted(bad.items()))
+        raise PipelineError(
+            f"the 1f1b pipeline schedule cannot run this sharding on mesh "
+            f"{','.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1)}: the compiled tick holds {found} "
+            f"inside its run-time branches, which the stages take at different ticks (the program would hang); "
+            f"usually a tensor axis that splits attention heads or a rule that reshards inside a stage; "
+            f"accepted: shardings that keep whole heads per device, or --pipeline-schedule gpipe")
 
 
 def busiest_stage_matmul_flops(hlo_text: str, n_microbatches: int) -> float:
@@ -265,6 +327,10 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     `params` is the model's `nnx.Param` state as a pure dict (as from `pipeline_lm_loss_fn`);
     `batch` is `{"inputs", "targets", "mask"}` of `[batch, seq]`. The result equals
     `jax.value_and_grad` of the unpipelined summed cross-entropy.
+
+    Raises (at trace time):
+        ShardingError: the mesh would split an attention head (`jmem.parallel.rules.check_heads`,
+            under the rules of the enclosing `activation_sharding`, else the defaults).
     """
     from flax import nnx
 
@@ -310,6 +376,10 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     layers_abstract = jax.eval_shape(lambda: nnx.to_pure_dict(param_state)["layers"])
 
     def value_and_grad(p, batch):
+        # A head cut over devices would put resharding collectives inside the tick's branches (a hang):
+        # checked against the rules the step is traced under (`activation_sharding`), else the defaults.
+        active = active_activation_sharding()
+        check_heads(cfg.n_heads, cfg.n_kv_heads, active[0] if active else None, mesh)
         micro = lambda x: split_microbatches(x, n_microbatches)  # noqa: E731
         shared = {k: v for k, v in p.items() if k != "layers"}
         w_S = split_stages(p["layers"], n_stages)
@@ -363,7 +433,9 @@ def pipeline_1f1b_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh:
         return jax.tree.map(lambda g: (g * ct_sum).astype(g.dtype), grads), jax.tree.map(_zero_cotangent, batch)
 
     loss_fn.defvjp(fwd, bwd)
-    return loss_fn, params
+    from jmem.parallel.step import mark_model_loss
+
+    return mark_model_loss(loss_fn, model), params
 
 
 def schedule_lm_loss_fn(schedule: str, model, **kw) -> tuple[Callable, Any]:

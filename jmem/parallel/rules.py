@@ -10,7 +10,9 @@ tensor parallelism (heads, kv_heads and mlp on `tensor`: column-parallel
 wq/wk/wv/w_gate/w_up, row-parallel wo/w_down, and the embedding and head split
 over the vocabulary where it divides), experts on `expert` and the batch on the
 data axes; ZeRO (`jmem.parallel.zero`) adds the data axes to
-whatever it shards.
+whatever it shards. The table names the flattened `heads x head_dim` columns
+of the attention weights, so `check_heads` checks the head counts themselves
+(tensor parallelism needs whole heads per device).
 
 Example:
     >>> rules = Rules.parse("embed=fsdp,length=tensor")    # defaults + overrides
@@ -160,6 +162,71 @@ class Rules:
         return ",".join(f"{k}={'+'.join(v) or 'none'}" for k, v in self.table)
 
 
+class _Sizes:
+    """A stand-in for a `Mesh` in `Rules.spec` when only the axis sizes are known."""
+
+    def __init__(self, shape: Mapping[str, int]):
+        self.shape = dict(shape)
+
+
+HEAD_WEIGHTS: tuple[tuple[str, str], ...] = (("layers.wq.kernel", "heads"), ("layers.wo.kernel", "heads"),
+                                              ("layers.wk.kernel", "kv_heads"), ("layers.wv.kernel", "kv_heads"))
+"""The attention weights whose `heads` / `kv_heads` dim is the flattened `heads x head_dim` columns."""
+
+
+def check_heads(n_heads: int, n_kv_heads: int, rules: "Rules | str | Mapping | None",
+                mesh: "Mesh | Mapping[str, int]", *, logical_axes: Mapping | None = None, what: str = "") -> None:
+    """Refuse a sharding that would cut an attention head across devices.
+
+    The parameter table names the `heads x head_dim` columns of `wq`/`wo` `heads` and
+    those of `wk`/`wv` `kv_heads`, so `Rules.spec` sees only the flattened width
+    (`4 x 16 = 64` divides by 8). Tensor parallelism needs whole heads on every device:
+    each head COUNT must divide by the size of the mesh axes that its dim gets (those
+    `Rules.spec` gives it, after the axes earlier dims take). Otherwise XLA reshards
+    inside attention with collective-permutes and all-to-alls, which also cannot run
+    inside a 1F1B tick.
+
+    Args:
+        n_heads, n_kv_heads: the model's query and key/value head counts.
+        rules: the sharding rules (a `Rules`, a rules string or dict, or None: defaults).
+        mesh: a `Mesh`, or a dict of axis sizes (an axis of size -1 is not checked).
+        logical_axes: the parameter table (default: jmem's Llama + MoE table).
+        what: prefix of the message (e.g. the flags that chose the mesh).
+
+    Raises:
+        ShardingError: names the head count, the mesh axes and their size, and what is accepted.
+
+    Example:
+        >>> check_heads(4, 2, None, {"tensor": 4})
+        Traceback (most recent call last):
+        ShardingError: n_kv_heads=2 is not divisible by mesh axes tensor of size 4 ...
+    """
+    rules = Rules.parse(rules)
+    table = default_logical_axes() if logical_axes is None else logical_axes
+    sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+    unknown = {a for a, v in sizes.items() if v == -1}  # a -1 axis: checked once the mesh is made
+    shape = {a: v for a, v in sizes.items() if v != -1}
+    counts = {"heads": ("n_heads", n_heads), "kv_heads": ("n_kv_heads", n_kv_heads)}
+    for path, logical in HEAD_WEIGHTS:
+        axes_of = table.get(path)
+        if axes_of is None or logical not in axes_of:
+            continue
+        i = list(axes_of).index(logical)
+        spec = rules.spec(axes_of, None, _Sizes(shape))
+        entry = spec[i] if i < len(spec) else None
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        if unknown & set(rules.mesh_axes(logical)):
+            continue
+        size = math.prod(shape[a] for a in axes)
+        field, n = counts[logical]
+        if size > 1 and n % size:
+            joined = "+".join(axes)
+            raise ShardingError(
+                f"{what}{field}={n} is not divisible by mesh axes {joined} of size {size} (rule "
+                f"{logical}={joined}): each device would hold part of an attention head; accepted: {joined} "
+                f"sizes dividing {n}, or the rule '{logical}=none' (replicated {logical.replace('_', ' ')})")
+
+
 def _mesh_axes(name: str, axes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -169,6 +236,10 @@ def _mesh_axes(name: str, axes) -> tuple[str, ...]:
     for a in axes:
         if a not in AXES:
             raise ShardingError(f"rule {name}={'+'.join(axes)}: unknown mesh axis {a!r}; accepted: {', '.join(AXES)}")
+    for a in axes:
+        if axes.count(a) > 1:  # a sharding may map a mesh axis to one position only
+            raise ShardingError(f"rule {name}={'+'.join(axes)} names mesh axis {a!r} twice; "
+                                f"accepted: each mesh axis at most once per rule")
     return axes
 
 

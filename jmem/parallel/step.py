@@ -12,14 +12,17 @@ Two ways in:
 Gradient accumulation under plain `jit` reduces the gradient inside the
 microbatch loop, once per microbatch. With `accum > 1`,
 `dp_accumulate_value_and_grad` instead gives every data-parallel group its own
-gradient accumulator (a leading axis of size D, sharded over the data axes,
+gradient accumulator (a leading axis of size D, sharded over the mesh axes the
+batch is split over, `expert` included when no parameter is split over it;
 computed by `vmap` over the groups), so no collective runs inside the loop and
 the one reduction (an explicit all-reduce, or reduce-scatter at ZeRO 2-3)
 happens after it; the price is one full local f32 gradient per device. With
 `accum == 1` the step is a plain `value_and_grad` and XLA reduces each layer's
 gradient inside the backward layer scan as it is produced (a reduce-scatter on
 GPU/TPU at ZeRO 2-3; the CPU compiler emits all-reduce + slice), which needs
-less temporary memory than a whole local gradient.
+less temporary memory than a whole local gradient. A loss that is not additive
+over the batch (an MoE model's routing) keeps the global microbatches of one
+device instead (see `dp_accumulate_value_and_grad`).
 
 Example:
     >>> mesh = make_mesh("data=2,fsdp=2,tensor=2")
@@ -48,7 +51,8 @@ except ImportError:  # older JAX
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
 from jmem.parallel.mesh import DATA_AXES
-from jmem.parallel.rules import Rules, ShardingError, activation_sharding, active_activation_sharding, without_axes
+from jmem.parallel.rules import (Rules, ShardingError, activation_sharding, active_activation_sharding, check_heads,
+                                 without_axes)
 from jmem.parallel.zero import (ZeroShardings, bytes_per_device, check_stage, constrain_gradients, state_shardings,
                                 tree_shardings, zero_shardings)
 
@@ -81,9 +85,21 @@ def check_batch(batch, mesh: Mesh, rules=None, accum: int = 1) -> None:
                 f"(mesh axes {'+'.join(batch_axes(mesh, rules)) or 'none'})")
 
 
-def group_axes(mesh: Mesh, rules=None) -> tuple[str, ...]:
-    """Mesh axes whose groups keep separate gradient accumulators: the batch axes among `data`, `fsdp`."""
-    return tuple(a for a in batch_axes(mesh, rules) if a in DATA_AXES)
+def group_axes(mesh: Mesh, rules=None, params=None, logical_axes: Mapping | None = None) -> tuple[str, ...]:
+    """Mesh axes whose groups keep separate gradient accumulators.
+
+    Every axis the batch is split over (`data`, `fsdp`, and `expert` under the default
+    rules), except a non-data axis that the model-parallel rules also split a
+    parameter of `params` over (`expert` in an MoE model: those weights' gradients are
+    not summed over it). A gradient is then reduced over all of them once, after the
+    microbatch loop. Without `params` every batch axis counts.
+    """
+    axes = batch_axes(mesh, rules)
+    if params is None:
+        return axes
+    used = {a for sh in jax.tree.leaves(tree_shardings(params, mesh, rules, logical_axes, zero=False))
+            for e in sh.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return tuple(a for a in axes if a in DATA_AXES or a not in used)
 
 
 def reduce_groups(grads_G, target_shardings, mesh: Mesh, axes: tuple[str, ...]):
@@ -92,7 +108,7 @@ def reduce_groups(grads_G, target_shardings, mesh: Mesh, axes: tuple[str, ...]):
     An explicit collective per leaf: `psum_scatter` (reduce-scatter) when the target
     shards a dim over `axes` (ZeRO 2-3), else `psum` (all-reduce).
     """
-    ax = axes if len(axes) > 1 else axes[0]
+    ax = _axis(axes)
 
     def one(g, target):
         out_spec = target.spec
@@ -101,13 +117,18 @@ def reduce_groups(grads_G, target_shardings, mesh: Mesh, axes: tuple[str, ...]):
         local = [tuple(a for a in e if a not in axes) or None for e in entries]
         local = [e[0] if e is not None and len(e) == 1 else e for e in local]
         dims = [i for i, e in enumerate(entries) if any(a in axes for a in e)]
-        # Fast path: the group axes, in order, are the minor part of exactly one dim's split.
-        scatter = len(dims) == 1 and entries[dims[0]][-len(axes):] == tuple(axes)
+        on_dim = tuple(a for a in entries[dims[0]] if a in axes) if len(dims) == 1 else ()
+        # Fast path: the group axes that split one dim (the ZeRO data axes), in order, are the minor part of
+        # its split: reduce-scatter over them, after an all-reduce over the other group axes (e.g. `expert`).
+        scatter = len(dims) == 1 and entries[dims[0]][-len(on_dim):] == on_dim
+        others = tuple(a for a in axes if a not in on_dim)
 
         def body(x):
             x = x[0]
             if scatter:
-                return jax.lax.psum_scatter(x, ax, scatter_dimension=dims[0], tiled=True)
+                if others:
+                    x = jax.lax.psum(x, _axis(others))
+                return jax.lax.psum_scatter(x, _axis(on_dim), scatter_dimension=dims[0], tiled=True)
             return jax.lax.psum(x, ax)
 
         if scatter or not dims:
@@ -119,6 +140,11 @@ def reduce_groups(grads_G, target_shardings, mesh: Mesh, axes: tuple[str, ...]):
     return jax.tree.map(one, grads_G, target_shardings)
 
 
+def _axis(axes: tuple[str, ...]):
+    """One mesh axis name, or a tuple of several, as the collectives take them."""
+    return axes if len(axes) > 1 else axes[0]
+
+
 def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: int, *, mesh: Mesh, zero: int = 0,
                                  rules=None, logical_axes: Mapping | None = None, has_aux: bool = False,
                                  accum_dtype=jnp.float32, group_accumulators: bool | None = None):
@@ -126,7 +152,8 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
 
     Same arguments and result (`(value, grads)`, or `((value, aux), grads)` with
     `has_aux`), plus the mesh and ZeRO stage; `fn` must be additive over the
-    batch. Each data-parallel group (`data` x `fsdp`) accumulates its own
+    batch. Each data-parallel group (the batch axes of `group_axes`: `data`,
+    `fsdp`, and `expert` when no parameter is split over it) accumulates its own
     gradient over the `num_microbatches` microbatches of its batch shard
     (`vmap` over the groups: no collective inside the microbatch loop); the
     groups are then summed once: an all-reduce at ZeRO 0-1, a reduce-scatter
@@ -136,11 +163,16 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
 
     `group_accumulators=False` (the default when `num_microbatches == 1`) falls back to
     `accumulate_value_and_grad` under the step's shardings: XLA then places the
-    reduction itself (per layer in the backward scan, and per microbatch).
+    reduction itself (per layer in the backward scan, and per microbatch), and every
+    microbatch is a contiguous slice of the global batch, as on one device. A loss that
+    is not additive over the batch needs that: an MoE model's routing (expert capacity,
+    load-balancing statistics) depends on which rows one call sees, so per-group
+    accumulators would route each group's rows apart, not the single-device microbatch
+    (`jmem.train.make_train_fns` and `make_sharded_train_step` pass False for MoE models).
     """
     from jmem.memory.accumulate import accumulate_value_and_grad
 
-    axes = group_axes(mesh, rules)
+    axes = group_axes(mesh, rules, params, logical_axes)
     d = math.prod(mesh.shape[a] for a in axes)
     if group_accumulators is None:
         group_accumulators = num_microbatches > 1
@@ -153,7 +185,7 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
     size = jax.tree.leaves(batch)[0].shape[0]
     if size % (d * k):
         raise ShardingError(f"batch size {size} is not divisible by data-parallel groups {d} x microbatches {k}")
-    ax = axes if len(axes) > 1 else axes[0]
+    ax = _axis(axes)
     active = active_activation_sharding()
     if active is not None:  # the vmap over groups owns the group axes: activations split the rest
         inner_rules = without_axes(active[0], axes)
@@ -284,7 +316,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         logical_axes: path -> logical axes (default: the Llama and MoE tables).
         accum: microbatches per step, reduced once per step (`dp_accumulate_value_and_grad`).
         donate: donate the input state's buffers to the output.
-        group_accumulators: see `dp_accumulate_value_and_grad` (default: on when `accum` > 1).
+        group_accumulators: see `dp_accumulate_value_and_grad` (default: on when `accum` > 1,
+            unless `loss_fn.jmem_batch_additive` is False, as `model_loss_fn` sets for MoE models).
         constrain_activations: trace the loss inside `activation_sharding(rules, mesh)`, so a
             model that calls `jmem.parallel.constrain` (jmem's Llama between blocks) puts its
             activations' batch on the data axes and, with a rule such as `length=tensor`,
@@ -294,7 +327,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         A `ShardedTrainStep`; its `step` returns metrics `{"loss", "grad_norm"}`.
 
     Raises:
-        ZeroStageError, ShardingError, MeshError: bad stage, indivisible dims or batch.
+        ZeroStageError, ShardingError, MeshError: bad stage, indivisible dims or batch, or a
+            mesh that splits attention heads (`loss_fn.jmem_heads`, set by `model_loss_fn`).
 
     Example:
         >>> trainer = make_sharded_train_step(loss_fn, optax.adam(1e-3), params, make_mesh("fsdp=8"), zero=3)
@@ -304,6 +338,11 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     if not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum={accum!r}: the number of microbatches must be an integer >= 1")
     rules = Rules.parse(rules)
+    heads = getattr(loss_fn, "jmem_heads", None)
+    if heads is not None:
+        check_heads(*heads, rules, mesh, logical_axes=logical_axes)
+    if group_accumulators is None and not getattr(loss_fn, "jmem_batch_additive", True):
+        group_accumulators = False  # e.g. MoE routing: accumulate the single-device microbatches
     tx = constrain_gradients(optimizer, mesh, stage=stage, rules=rules, logical_axes=logical_axes)
     abs_params = _abstract(params)
     abs_state = ParallelState(jax.ShapeDtypeStruct((), jnp.int32), abs_params, jax.eval_shape(tx.init, abs_params))
@@ -388,7 +427,11 @@ def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int =
 def model_loss_fn(model, *, chunk: int | None = None):
     """`(loss_fn, params)` for an NNX language model (`jmem.models.Llama` or any model with
     `hidden`/`logits_from_hidden`): `loss_fn(params, batch) -> (loss_sum, token_count)` on
-    `{"inputs", "targets", "mask"}` batches, `params` the model's `nnx.Param` state as a pure dict."""
+    `{"inputs", "targets", "mask"}` batches, `params` the model's `nnx.Param` state as a pure dict.
+
+    `loss_fn` carries what `make_sharded_train_step` checks: `jmem_heads` (the head counts,
+    refused when the mesh would split a head) and `jmem_batch_additive` (False for an MoE
+    model, whose gradient is then accumulated over the single-device microbatches)."""
     from flax import nnx
 
     from jmem.train.loss import lm_loss_sum
@@ -403,4 +446,14 @@ def model_loss_fn(model, *, chunk: int | None = None):
         return lm_loss_sum(m, batch, chunk=chunk)
 
     loss_fn.jmem_weight_leaves = True  # params may carry weight leaves (GatheredWeight) for `dot`
+    mark_model_loss(loss_fn, model)
     return loss_fn, params
+
+
+def mark_model_loss(loss_fn: Callable, model) -> Callable:
+    """Set `loss_fn.jmem_heads` and `loss_fn.jmem_batch_additive` from a jmem model's config."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "n_heads"):
+        loss_fn.jmem_heads = (cfg.n_heads, cfg.n_kv_heads)
+    loss_fn.jmem_batch_additive = not getattr(cfg, "moe_experts", 0)
+    return loss_fn

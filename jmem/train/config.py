@@ -72,7 +72,7 @@ class TrainConfig:
     pipeline_stages: int = 1
     """Pipeline stages over the mesh's 'stage' axis (schedule: --pipeline-schedule); must divide the layer count."""
     microbatches: int = 1
-    """Pipeline microbatches per step (with --pipeline-stages > 1; must divide the batch per --accum microbatch)."""
+    """Pipeline microbatches per step (with --pipeline-stages > 1): --batch must be a multiple of the data-parallel size x --accum x --microbatches."""
     pipeline_schedule: str = "gpipe"
     """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (PipeDream-flush: each stage holds at most --pipeline-stages microbatch inputs instead of --microbatches)."""
     coordinator: str | None = None

@@ -187,6 +187,10 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     state = place(state=state)
     batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
     report, compiled = measure_and_compile(step_fn, state, batch0)  # compiles; the loop reuses it
+    if run.mesh is not None and cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
+        from jmem import parallel as par
+
+        par.check_tick_collectives(compiled.as_text(), run.mesh)  # a collective stages cannot join: refuse, not hang
     matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))

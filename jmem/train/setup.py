@@ -231,6 +231,48 @@ def _validate_parallel(cfg: TrainConfig) -> None:
                                  f"accepted: dense models")
 
 
+def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = None) -> None:
+    """The model's attention heads must stay whole on the mesh's tensor axis (`sizes`: a `Mesh`,
+    or axis sizes). A preset is checked from its name; a model read from a file once loaded
+    (its `model_config`)."""
+    if model_config is None and cfg.model not in PRESETS:
+        return
+    from jmem import parallel as par
+
+    mc = model_config if model_config is not None else PRESETS[cfg.model]()
+    shown = cfg.mesh if cfg.mesh else par.mesh.format_mesh(dict(getattr(sizes, "shape", sizes)))
+    par.check_heads(mc.n_heads, mc.n_kv_heads, rules_for(cfg), sizes,
+                    what=f"--mesh {shown} with --model {cfg.model}: ")
+
+
+def check_batch_split(cfg: TrainConfig, sizes) -> None:
+    """--batch must split into the data-parallel groups x --accum microbatches, and under a
+    pipeline each of those into --microbatches pipeline microbatches whose rows still split
+    over the data-parallel devices: --batch a multiple of D x --accum x --microbatches.
+    (With --accum 1 the pipeline splits the global batch, sharded over the D devices; with
+    more, each group's accumulation microbatch; the condition is the same.)
+
+    `sizes`: a `Mesh`, or axis sizes (nothing is checked while a batch axis is -1).
+    """
+    from jmem import parallel as par
+
+    shape = dict(getattr(sizes, "shape", sizes))
+    axes = [a for a in par.Rules.parse(rules_for(cfg)).mesh_axes("batch") if shape.get(a, 1) != 1]
+    if any(shape[a] == -1 for a in axes):
+        return
+    d = math.prod(shape[a] for a in axes)
+    m = cfg.microbatches if cfg.pipeline_stages > 1 else 1
+    if cfg.batch % (d * cfg.accum * m) == 0:
+        return
+    if cfg.batch % (d * cfg.accum) or m == 1:
+        raise ValueError(f"--batch={cfg.batch} must be divisible by the data-parallel size {d} x --accum "
+                         f"{cfg.accum} on mesh {par.mesh.format_mesh(shape)}")
+    raise ValueError(f"--microbatches={cfg.microbatches}: --batch={cfg.batch} split over the data-parallel size "
+                     f"{d} ({'+'.join(axes)}) and --accum {cfg.accum} leaves {cfg.batch // (d * cfg.accum)} row(s) "
+                     f"per group and accumulation microbatch, which do not split into {m} pipeline microbatches; "
+                     f"accepted: --batch a multiple of {d} x {cfg.accum} x {m} = {d * cfg.accum * m}")
+
+
 def rules_for(cfg: TrainConfig) -> str:
     """The sharding rules of a run: `layers=stage` under a pipeline, then --rules."""
     parts = (["layers=stage"] if cfg.pipeline_stages > 1 else []) + ([cfg.rules] if cfg.rules else [])
@@ -242,6 +284,8 @@ def mesh_for(cfg: TrainConfig):
 
     Raises:
         MeshError: sizes that do not multiply to the device count (one line).
+        ValueError: a --batch that does not split over the data-parallel devices, --accum
+            and --microbatches, or a tensor axis that splits the attention heads.
     """
     if not cfg.distributed:
         return None
@@ -254,14 +298,8 @@ def mesh_for(cfg: TrainConfig):
     if cfg.pipeline_stages > 1 and mesh.shape["stage"] != cfg.pipeline_stages:
         raise ValueError(f"mesh {par.mesh_summary(mesh)} has stage={mesh.shape['stage']}, "
                          f"not --pipeline-stages={cfg.pipeline_stages}")
-    from jmem.parallel.step import batch_axes
-
-    d = 1
-    for a in batch_axes(mesh, rules_for(cfg)):
-        d *= mesh.shape[a]
-    if cfg.batch % (d * cfg.accum):
-        raise ValueError(f"--batch={cfg.batch} must be divisible by the data-parallel size {d} x --accum "
-                         f"{cfg.accum} on mesh {par.mesh_summary(mesh)}")
+    check_batch_split(cfg, mesh)
+    check_heads_fit(cfg, mesh)
     return mesh
 
 
@@ -395,6 +433,8 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
     """
     policy = Policy.parse(cfg_key.precision)
     mc, model, tok = _model_and_tokenizer(cfg_key, policy)
+    if mesh is not None:  # a model read from a file: its head counts are known now
+        check_heads_fit(cfg_key, mesh, mc)
     model = _with_adapters(cfg_key, model)
     tx = make_tx(cfg_key, policy, mesh)
     loss_fn = None

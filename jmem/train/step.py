@@ -99,6 +99,10 @@ def make_train_fns(
         mesh: a `jmem.parallel.make_mesh` mesh: the gradient is then accumulated per
             data-parallel group and reduced once per step
             (`jmem.parallel.dp_accumulate_value_and_grad`); None: plain accumulation.
+            An MoE model accumulates over the single-device microbatches instead (its
+            routing depends on the rows one call sees), so its losses equal one device's
+            at the same `accum`. A mesh whose tensor axis would split an attention head
+            is refused (`jmem.parallel.rules.check_heads`).
         zero: ZeRO stage (with `mesh`); at 3 each layer's kernels are all-gathered
             where they are used (`jmem.parallel.gather_on_use`).
         rules: sharding rules (`jmem.parallel.Rules`, a string or None for the defaults).
@@ -116,14 +120,17 @@ def make_train_fns(
     """
     graphdef, _, rest, treedef = split_params(model)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+    config = getattr(model, "config", None)
     if mesh is not None:
         from jmem import parallel as par
 
+        if hasattr(config, "n_heads"):  # before any trace: a mesh that cuts a head is refused here
+            par.check_heads(config.n_heads, config.n_kv_heads, rules, mesh)
         is_leaf = par.gather.is_weight_leaf
     else:
         is_leaf = None
     gather = mesh is not None and zero >= 3 and loss_fn is None
-    moe = bool(getattr(getattr(model, "config", None), "moe_experts", 0)) and loss_fn is None
+    moe = bool(getattr(config, "moe_experts", 0)) and loss_fn is None
 
     def merge(params):
         # Weight leaves (`GatheredWeight`) stay whole: `dot` gathers them where they are used.
@@ -187,8 +194,11 @@ def make_train_fns(
             (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch, accum,
                                                                       has_aux=True)
         else:
+            # MoE routing is not additive over the batch (capacity, balancing statistics): its
+            # microbatches stay the single-device ones, not each data-parallel group's rows.
             (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
-                objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True)
+                objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True,
+                group_accumulators=False if moe else None)
         grads = ls.unscale(grads)
         finite = all_finite(grads)
         updates, opt_state = tx.update(grads, state.opt_state, train)

@@ -127,6 +127,8 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
         step, _, _ = par.jit_train_step(fns.step, state, dmesh, zero=zero, rules=rules or None)
         state_mesh = dmesh
     r, compiled = measure_and_compile(step, state, batch_abs, target=target)
+    if pipeline_stages > 1 and schedule == "1f1b":  # a program that would hang is no record
+        par.check_tick_collectives(compiled.as_text(), dmesh)
     matmul = r.matmul_flops
     if pipeline_stages > 1 and schedule == "1f1b" and accum == 1 and not r.target.startswith("tpu"):
         # Ticks choose their work at run time; the schedule knows how often each kind runs.

@@ -120,6 +120,8 @@ def test_two_stages_eight_microbatches_match_unpipelined_and_gpipe(model, compil
     assert float(c) == float(c_ref)
     _assert_grads_close(g, g_ref)
     _assert_grads_close(g, g_gp)
+    # Data parallelism inside each stage keeps the tick's collectives within the stage.
+    par.check_tick_collectives(compiled_s2["1f1b", 8][1].as_text(), par.make_mesh("stage=2,data=4"))
 
 
 def test_1f1b_temp_memory_does_not_grow_with_microbatches(compiled_s2, model):

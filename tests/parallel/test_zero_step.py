@@ -55,6 +55,19 @@ def test_zero3_data_fsdp_tensor_accum_matches_single_device(tiny):
     assert trainer.bytes_per_device()["params"] < full / 4  # data x fsdp = 4, plus tensor on heads/mlp
 
 
+def test_expert_axis_carrying_the_batch_gets_its_own_accumulators(tiny):
+    """The default rules split the batch over `expert` too: with accumulation, a dense model's gradient
+    is still reduced once per step (never inside the microbatch or layer loops); at ZeRO 2 an all-reduce
+    over `expert` and a reduce-scatter over `data` per leaf, after the loop."""
+    _, loss_fn, params, batches, ref = tiny
+    losses, text, _, _ = _train(loss_fn, params, par.make_mesh("data=4,expert=2"), batches, zero=2, accum=2)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    looped = par.collectives(text, in_loops=True)
+    assert looped.get("all-reduce", 0) == looped.get("reduce-scatter", 0) == 0, looped
+    outside = par.collectives(text, in_loops=False)
+    assert outside.get("reduce-scatter", 0) == len(jax.tree.leaves(params)), outside
+
+
 def test_pipeline_two_stages_matches_single_device(tiny):
     model, _, params, batches, ref = tiny
     mesh = par.make_mesh("stage=2,data=4")
@@ -77,8 +90,8 @@ def test_bad_batch_and_stage(tiny):
     _, loss_fn, params, batches, _ = tiny
     with pytest.raises(par.ZeroStageError, match="zero=4"):
         par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("data=8"), zero=4)
-    with pytest.raises(par.ShardingError, match="not divisible by mesh axes tensor"):
-        par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("tensor=8"),
+    with pytest.raises(par.ShardingError, match=r"\(vocab\) has size 259, not divisible by mesh axes tensor"):
+        par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("data=4,tensor=2"),
                                     rules="vocab=tensor")
     trainer = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("data=8"))
     small = jax.tree.map(lambda x: x[:4], batches[0])
@@ -89,7 +102,7 @@ def test_bad_batch_and_stage(tiny):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,zero,accum,rules", [
     ("data=8", 0, 1, None), ("data=8", 1, 1, None), ("data=4,fsdp=2", 2, 2, None), ("fsdp=8", 3, 1, None),
-    ("fsdp=8", 3, 2, None), ("tensor=8", 0, 1, None), ("fsdp=4,tensor=2", 1, 2, None),
+    ("fsdp=8", 3, 2, None), ("data=4,tensor=2", 0, 1, None), ("fsdp=4,tensor=2", 1, 2, None),
     ("data=4,fsdp=2", 2, 2, "embed=fsdp")])
 def test_stages_and_tensor_parallel_match_single_device(tiny, spec, zero, accum, rules):
     _, loss_fn, params, batches, ref = tiny
@@ -134,12 +147,15 @@ def test_vocabulary_parallel_head_by_default_where_the_vocabulary_divides():
     loss_fn, params = par.model_loss_fn(Llama(cfg, rngs=nnx.Rngs(0)))
     batches = _batches(cfg)
     ref, _, _, _ = _train(loss_fn, params, par.make_mesh(devices=jax.devices()[:1]), batches)
-    losses, text, trainer, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches)
+    # 2 KV heads: tensor=4 keeps whole heads only with the KV projection replicated.
+    losses, text, trainer, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches,
+                                      rules="kv_heads=none")
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     assert trainer.zero.params["head"]["kernel"].spec == P(None, "tensor")
     assert trainer.zero.params["embed"]["embedding"].spec == P("tensor", None)
     # Per device, the head's forward and two backward matmuls shrink to a quarter.
-    _, text_whole, _, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches[:1], rules="vocab=none")
+    _, text_whole, _, _ = _train(loss_fn, params, par.make_mesh("data=2,tensor=4"), batches[:1],
+                                 rules="vocab=none,kv_heads=none")
     head = 3 * 2 * (B // 2 * T) * cfg.dim * cfg.vocab_size  # per data-parallel group
     assert matmul_flops(text_whole) - matmul_flops(text) >= 0.75 * head
 

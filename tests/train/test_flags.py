@@ -85,9 +85,39 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--mesh", "stage=2,data=4"], "has a stage axis but --pipeline-stages is 1"),
     (["--process-id", "1"], "process_id=1 needs coordinator and num_processes as well"),
     (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
+    (["--rules", "embed=fsdp+fsdp"], "rule embed=fsdp+fsdp names mesh axis 'fsdp' twice"),
+    # tiny has 4 query and 2 key/value heads: a tensor axis must keep whole heads on every device.
+    (["--mesh", "stage=2,tensor=4", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
+      "--batch", "8"], "--mesh stage=2,tensor=4 with --model tiny: n_kv_heads=2 is not divisible by mesh axes "
+                       "tensor of size 4"),
+    (["--mesh", "tensor=8"], "--mesh tensor=8 with --model tiny: n_heads=4 is not divisible by mesh axes tensor of "
+                             "size 8"),
+    # Pipeline microbatches split each data-parallel group's accumulation microbatch (--accum > 1) or the
+    # global batch, whose rows are sharded over the data-parallel devices (--accum 1).
+    (["--batch", "8", "--accum", "2", "--mesh", "stage=2,fsdp=4", "--zero", "3", "--pipeline-stages", "2",
+      "--microbatches", "2"], "--microbatches=2: --batch=8 split over the data-parallel size 4 (fsdp) and --accum 2 "
+                              "leaves 1 row(s) per group and accumulation microbatch, which do not split into 2 "
+                              "pipeline microbatches; accepted: --batch a multiple of 4 x 2 x 2 = 16"),
+    (["--batch", "8", "--mesh", "stage=2,fsdp=4", "--pipeline-stages", "2", "--microbatches", "4"],
+     "accepted: --batch a multiple of 4 x 1 x 4 = 16"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
+
+
+def test_mesh_flags_are_checked_before_the_model_is_built(monkeypatch, capsys):
+    """Head and pipeline-microbatch checks cost one line, not a model build."""
+    from jmem.train import setup
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(setup, "_cached_fns", no_build)
+    line = _one_line_exit_2(["--model", "tiny", "--mesh", "data=2,tensor=4"], capsys)
+    assert "n_kv_heads=2 is not divisible by mesh axes tensor of size 4" in line
+    line = _one_line_exit_2(["--model", "tiny", "--batch", "8", "--mesh", "stage=2,fsdp=4", "--pipeline-stages", "2",
+                             "--microbatches", "4"], capsys)
+    assert "--microbatches=4" in line
 
 
 def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, capsys):
