@@ -11,11 +11,12 @@ the adapter leaves and everything else, so gradients and optimizer state exist
 for the adapters alone.
 
 Dropout (`apply_lora(dropout=p)`) is a training-time transform: an adapter
-drops only while it carries a key, and the stored model never needs one. A
-train step calls `with_dropout(params, step_key)` on the state it differentiates
-(a fresh key per step, inside the jitted step); inference (`jmem.LM.logits`,
-`generate`, `merge`, `save_adapters`) never drops, since those ignore or clear
-the keys (`without_dropout`).
+drops only while it carries a key, and the stored model never needs one.
+jmem's train step (`train.py --lora-dropout p`) keys the adapters of the model
+it differentiates per step and microbatch; a custom jitted step calls
+`with_dropout(state, step_key)`; inference (`jmem.LM.logits`, `generate`,
+`merge`, `save_adapters`) never drops, since those ignore or clear the keys
+(`without_dropout`).
 """
 
 from __future__ import annotations

@@ -88,6 +88,8 @@ class TrainConfig:
     """LoRA scale numerator (alpha / rank)."""
     lora_targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"
     """Comma-separated linears that get adapters."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input in training steps, 0 <= p < 1 (never in evaluation or inference)."""
     quantize_base: str | None = None
     """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
 

@@ -170,6 +170,10 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise ValueError(f"--quantize-base {cfg.quantize_base!r}; accepted: {', '.join(BASE_QUANTIZATIONS)}")
         if cfg.lora_rank == 0:
             raise ValueError("--quantize-base needs --lora-rank > 0 (a quantized base is frozen)")
+    if not (0.0 <= cfg.lora_dropout < 1.0):
+        raise ValueError(f"--lora-dropout {cfg.lora_dropout}; accepted: 0 <= p < 1")
+    if cfg.lora_dropout and not cfg.lora_rank:
+        raise ValueError("--lora-dropout needs --lora-rank > 0 (it drops adapter inputs)")
     if cfg.lora_rank:
         bad = [t for t in cfg.lora_targets.split(",") if t not in LORA_TARGETS]
         if bad:
@@ -188,7 +192,7 @@ def _with_adapters(cfg: TrainConfig, model):
     if cfg.lora_rank:
         from jmem.lora import apply_lora
 
-        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                            targets=tuple(cfg.lora_targets.split(",")), seed=cfg.seed)
     return model
 
@@ -445,7 +449,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
                                          n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
     fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
                          mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
-                         adapters_only=cfg_key.lora_rank > 0,
+                         adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed,
                          loss_fn=loss_fn)
     return mc, model, tok, tx, fns
 

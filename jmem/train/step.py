@@ -53,6 +53,13 @@ class TrainFns:
     merge: Callable[[Any], nnx.Module]
 
 
+def _has_lora_dropout(model) -> bool:
+    from jmem.lora import LoRA
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoRA))
+    return any(isinstance(x, LoRA) and x.dropout > 0 for x in leaves)
+
+
 def split_params(model: nnx.Module):
     """`(graphdef, params pure dict, rest state, params treedef)` of an NNX model."""
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
@@ -85,6 +92,7 @@ def make_train_fns(
     rules: Any = None,
     loss_fn: Callable | None = None,
     adapters_only: bool = False,
+    dropout_seed: int = 0,
 ) -> TrainFns:
     """Build the pure train/eval functions for `model` and optimizer `tx`.
 
@@ -110,6 +118,8 @@ def make_train_fns(
             (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics then.
         adapters_only: differentiate and update only LoRA adapter arrays (`jmem.lora`);
             the base (possibly quantized) gets neither gradients nor optimizer state.
+        dropout_seed: adapters with dropout > 0 (`apply_lora(dropout=p)`) drop in `step`
+            with a key of (dropout_seed, step, microbatch); `eval_loss` never drops.
 
     Metrics of `step`: `loss` (mean cross-entropy; for an MoE model without the router
     losses, which are reported as `moe_aux_loss`, `moe_z_loss` and `moe_dropped` and
@@ -131,12 +141,13 @@ def make_train_fns(
         is_leaf = None
     gather = mesh is not None and zero >= 3 and loss_fn is None
     moe = bool(getattr(config, "moe_experts", 0)) and loss_fn is None
+    lora_dropout = loss_fn is None and _has_lora_dropout(model)
 
     def merge(params):
         # Weight leaves (`GatheredWeight`) stay whole: `dot` gathers them where they are used.
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params, is_leaf=is_leaf)), rest)
 
-    def loss_terms(params, mb):
+    def loss_terms(params, mb, dropout_key=None):
         """(objective sum, cross-entropy sum, router stats x count or {})."""
         if loss_fn is not None:
             s, _ = loss_fn(params, mb)
@@ -144,6 +155,10 @@ def make_train_fns(
         if gather:  # ZeRO-3: all-gather each layer's kernels right before their matmul
             params = par.gather_on_use(params, mesh, rules)
         m = merge(params)
+        if dropout_key is not None:  # LoRA dropout: a key per step and microbatch (its first row)
+            from jmem.lora import set_dropout_key
+
+            set_dropout_key(m, jax.random.fold_in(dropout_key, mb["lora_row"][0]))
         s, c, stats = lm_loss_terms(m, mb, chunk=loss_chunk)
         if stats is None:
             return s, s, {}
@@ -178,9 +193,13 @@ def make_train_fns(
     def step(state: TrainState, batch: dict):
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         ls = state.loss_scale
+        dropout_key = None
+        if lora_dropout:  # a pure function of (seed, step, row): a resumed run draws the same masks
+            dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+            batch = {**batch, "lora_row": jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)}
 
         def objective(params, mb):
-            total, ce, extra = loss_terms(params, mb)
+            total, ce, extra = loss_terms(params, mb, dropout_key)
             # Divide by the *global* token count so microbatch sums add up to
             # the full-batch mean loss (and its gradient).
             return ls.scale(total / n_tokens), (ce, extra)

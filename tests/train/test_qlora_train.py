@@ -49,3 +49,26 @@ def test_qlora_loss_goes_down():
 def test_bad_lora_flags(change, expected):
     with pytest.raises(ValueError, match=expected):
         train(dataclasses.replace(QLORA, **change), out=io.StringIO())
+
+
+def test_lora_dropout_acts_in_train_steps_only():
+    """--lora-dropout: the step's loss is computed with dropped adapter inputs (a key of seed, step
+    and microbatch: the same state and step give the same loss), evaluation never drops."""
+    cfg = dataclasses.replace(QLORA, lora_dropout=0.5, accum=2)
+    run = build(cfg)
+    step = jax.jit(run.fns.step)
+    batch = run.data.batch(0, cfg.batch, cfg.seed)
+    state, _ = step(jax.tree.map(np.array, run.fns.init_state(run.model)), batch)  # B leaves zero
+    batch = run.data.batch(1, cfg.batch, cfg.seed)
+    copy = lambda s: jax.tree.map(np.array, s)  # noqa: E731 - the step donates nothing here, but be safe
+    _, m1 = step(copy(state), batch)
+    _, m2 = step(copy(state), batch)
+    _, m3 = step(copy(state._replace(step=state.step + 7)), batch)
+    s, c = jax.jit(run.fns.eval_loss)(state.params, batch)
+    assert float(m1["loss"]) == float(m2["loss"])  # deterministic for (seed, step)
+    assert float(m1["loss"]) != float(m3["loss"])  # another step draws other masks
+    assert abs(float(m1["loss"]) - float(s / c)) > 1e-4  # training dropped, evaluation did not
+    with pytest.raises(ValueError, match="--lora-dropout 1.0; accepted: 0 <= p < 1"):
+        build(dataclasses.replace(QLORA, lora_dropout=1.0))
+    with pytest.raises(ValueError, match="--lora-dropout needs --lora-rank"):
+        build(dataclasses.replace(QLORA, lora_dropout=0.1, lora_rank=0, quantize_base=None))
