@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import jmem
 from jmem.data import load_documents
@@ -31,7 +27,7 @@ from jmem.experiment import run_experiment
 from jmem.io.paths import prepare_output
 from jmem.prune import METHODS, check_spec, prune, sparsity_report
 from jmem.quant import weight_bytes
-from jmem.train.loss import lm_loss_sum
+from jmem.train.loss import window_perplexity
 
 WINDOW = 512
 DEFAULT_METHODS = ("float", "magnitude", "wanda", "magnitude-2:4", "wanda-2:4")
@@ -57,24 +53,6 @@ class Config:
     """Model name or GGUF path for `jmem.load`."""
     batch: int = 4
     """Windows per forward pass."""
-
-
-def perplexity(model, windows: np.ndarray, batch: int) -> float:
-    """exp(mean next-token cross-entropy) over the windows (each window's first token is context only)."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def nll_sum(state, ids):
-        m = nnx.merge(graphdef, state)
-        ids = ids.astype(jnp.int32)
-        s, _ = lm_loss_sum(m, {"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                               "mask": jnp.ones(ids[:, 1:].shape, jnp.float32)})
-        return s
-
-    total = 0.0
-    for i in range(0, len(windows), batch):
-        total += float(nll_sum(state, jnp.asarray(windows[i:i + batch])))
-    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
 def parse_method(name: str, sparsity: float) -> tuple[str, float | None, str | None]:
@@ -152,7 +130,7 @@ def main(cfg: Config) -> list[dict]:
             model = prune(base, method, sparsity, pattern, calibration=calib if method == "wanda" else None,
                           max_seqs=max(n_calib, 1), seq_len=WINDOW, log=_every_tenth_layer)
         t_prune = time.time() - t0
-        ppl = perplexity(model, windows, cfg.batch)
+        ppl = window_perplexity(model, windows, cfg.batch)
         total = sparsity_report(model)["total"]
         rec = dict(method=name, ppl=ppl, zeros=total["zeros"], weight_bytes=weight_bytes(model),
                    float_weight_bytes=float_bytes, bytes_ratio=weight_bytes(model) / float_bytes,

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import jmem
 from jmem.data import load_documents
@@ -34,6 +30,7 @@ from jmem.experiment import run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.ggml_weight import quantize_gguf_blocks
+from jmem.train.loss import window_perplexity
 
 WINDOW = 512
 CALIBRATED = {"gptq4": ("gptq", 4), "gptq3": ("gptq", 3), "awq4": ("awq", 4), "awq3": ("awq", 3)}
@@ -68,21 +65,6 @@ class Config:
     """GPTQ column order by decreasing Hessian diagonal."""
     batch: int = 4
     """Windows per forward pass."""
-
-
-def perplexity(model, windows: np.ndarray, batch: int) -> float:
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def nll_sum(state, ids):
-        logits, _ = nnx.merge(graphdef, state)(ids[:, :-1])
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
-
-    total = 0.0
-    for i in range(0, len(windows), batch):
-        total += float(nll_sum(state, jnp.asarray(windows[i:i + batch])))
-    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
 def validate(cfg: Config) -> tuple[list[str], str]:
@@ -143,7 +125,7 @@ def main(cfg: Config) -> list[dict]:
             model, used = quantize_gguf_blocks(base, GGUF[m], log=print)
             extra["gguf_types"] = used
         t_quant = time.time() - t0
-        ppl = perplexity(model, windows, cfg.batch)
+        ppl = window_perplexity(model, windows, cfg.batch)
         rec = dict(method=m, ppl=ppl, weight_bytes=weight_bytes(model), float_weight_bytes=float_bytes,
                    bytes_ratio=weight_bytes(model) / float_bytes, quantize_s=round(t_quant, 1),
                    eval_s=round(time.time() - t0 - t_quant, 1), windows=cfg.windows,

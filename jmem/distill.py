@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
 from jmem.train.loss import router_loss
 
@@ -327,36 +328,21 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
     def merge(params):
         return nnx.merge(graphdef, params, rest)
 
-    def trainable(params):
-        """(what is differentiated and updated, what is held fixed or None)."""
-        if not adapters_only:
-            return params, None
-        from jmem.lora import split_trainable
-
-        return split_trainable(params)
-
-    def rejoin(train, frozen):
-        if frozen is None:
-            return train
-        from jmem.lora import combine
-
-        return combine(train, frozen)
-
-    if adapters_only and not jax.tree.leaves(trainable(nnx.state(student, nnx.Param))[0]):
+    if adapters_only and not jax.tree.leaves(trainable_split(nnx.state(student, nnx.Param), True)[0]):
         raise ValueError("adapters_only=True but the student has no LoRA adapters; apply jmem.lora.apply_lora first")
 
     def init(model):
         params = nnx.state(model, nnx.Param)
         params = jax.tree.map(lambda a: jnp.array(a, copy=True), params)  # the step may donate them
-        return params, tx.init(trainable(params)[0])
+        return params, tx.init(trainable_split(params, adapters_only)[0])
 
     def step(params, opt_state, teacher_state, batch):
         t = nnx.merge(teacher_graphdef, teacher_state)
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
-        train, frozen = trainable(params)
+        train, frozen = trainable_split(params, adapters_only)
 
         def objective(tr):
-            s = merge(rejoin(tr, frozen))
+            s = merge(combine(tr, frozen))
             kl, ce, count, stats = distill_loss_terms(s, t, batch, temperature=temperature, alpha=alpha,
                                                       kind=kind, chunk=chunk)
             total = alpha * kl + (1.0 - alpha) * ce
@@ -366,7 +352,7 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
 
         (loss, (kl, ce)), grads = jax.value_and_grad(objective, has_aux=True)(train)
         updates, opt_state = tx.update(grads, opt_state, train)
-        params = rejoin(optax.apply_updates(train, updates), frozen)
+        params = combine(optax.apply_updates(train, updates), frozen)
         return params, opt_state, {"loss": loss, "kl": kl, "ce": ce, "grad_norm": optax.tree.norm(grads)}
 
     def eval_ce(params, batch):

@@ -278,8 +278,16 @@ def split_trainable(tree):
 
 
 def combine(train, frozen):
-    """Inverse of `split_trainable`."""
+    """Inverse of `split_trainable` (and of `trainable_split`: `frozen=None` gives `train` back)."""
+    if frozen is None:
+        return train
     return jax.tree_util.tree_map(lambda t, f: f if t is None else t, train, frozen, is_leaf=lambda x: x is None)
+
+
+def trainable_split(tree, adapters_only: bool):
+    """`(trainable, frozen)` for a train step: `split_trainable(tree)` when only adapters train,
+    else `(tree, None)`; `combine` rejoins either."""
+    return split_trainable(tree) if adapters_only else (tree, None)
 
 
 def adapter_arrays(model) -> dict[str, np.ndarray]:

@@ -147,3 +147,31 @@ def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
     if stats is not None:
         s = s + router_loss(model, stats) * c
     return s, c
+
+
+def window_perplexity(model, windows_NT, batch: int) -> float:
+    """exp(mean next-token cross-entropy) over token windows `[n, T]`, `batch` windows per forward.
+
+    Each window's first token is context only; the cross-entropy is `lm_loss_terms`'s (chunked
+    over the sequence: no full f32 logits; no MoE router losses).
+
+    Example:
+        >>> window_perplexity(model, np.asarray(ids_NT), batch=4)
+    """
+    import math
+
+    import numpy as np
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll_sum(state, ids):
+        ids = ids.astype(jnp.int32)
+        s, _, _ = lm_loss_terms(nnx.merge(graphdef, state), {
+            "inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": jnp.ones(ids[:, 1:].shape, jnp.float32)})
+        return s
+
+    windows_NT = np.asarray(windows_NT)
+    total = sum(float(nll_sum(state, jnp.asarray(windows_NT[i:i + batch]))) for i in range(0, len(windows_NT), batch))
+    return math.exp(total / (windows_NT.shape[0] * (windows_NT.shape[1] - 1)))

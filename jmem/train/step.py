@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jmem.lora import combine, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite
 from jmem.train.loss import lm_loss_terms, router_loss
@@ -168,24 +169,10 @@ def make_train_fns(
                  "moe_dropped": stats.dropped.astype(jnp.float32)}
         return s + router_loss(m, stats) * c, s, extra
 
-    def trainable(params):
-        """(what is differentiated and updated, what is held fixed or None)."""
-        if not adapters_only:
-            return params, None
-        from jmem.lora import split_trainable
-
-        return split_trainable(params)
-
-    def rejoin(train, frozen):
-        if frozen is None:
-            return train
-        from jmem.lora import combine
-
-        return combine(train, frozen)
-
     def init_state(m: nnx.Module) -> TrainState:
         params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
-        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(trainable(params)[0]), loss_scale)
+        train = trainable_split(params, adapters_only)[0]
+        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(train), loss_scale)
         # Fresh buffers: the step donates its input state, and optimizer inits
         # may share one zeros array between leaves or alias the model's params.
         return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
@@ -204,10 +191,10 @@ def make_train_fns(
             # the full-batch mean loss (and its gradient).
             return ls.scale(total / n_tokens), (ce, extra)
 
-        train, frozen = trainable(state.params)
+        train, frozen = trainable_split(state.params, adapters_only)
 
         def objective_of_trainable(t, mb):
-            return objective(rejoin(t, frozen), mb)
+            return objective(combine(t, frozen), mb)
 
         if mesh is None:
             (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch, accum,
@@ -221,7 +208,7 @@ def make_train_fns(
         grads = ls.unscale(grads)
         finite = all_finite(grads)
         updates, opt_state = tx.update(grads, state.opt_state, train)
-        params = rejoin(optax.apply_updates(train, updates), frozen)
+        params = combine(optax.apply_updates(train, updates), frozen)
         metrics = {
             "loss": loss_sum / n_tokens,
             "grad_norm": optax.tree.norm(grads),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem.train.loss import chunked_cross_entropy, cross_entropy_sum
+from jmem.train.loss import chunked_cross_entropy, cross_entropy_sum, window_perplexity
 
 
 @pytest.mark.parametrize("chunk", [4, 5, 32])  # divides T, leaves a tail, larger than T
@@ -56,3 +56,18 @@ def test_chunking_bounds_logits_memory():
     assert temp[T] >= logits_bytes
     # A few chunk-sized buffers (logits, softmax, cotangent) at most.
     assert temp[64] <= 3 * B * 64 * V * 4 < logits_bytes, temp
+
+
+def test_window_perplexity_is_the_full_logits_perplexity():
+    import math
+
+    from flax import nnx
+
+    from jmem.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(loss_chunk=8), rngs=nnx.Rngs(0))
+    windows = np.random.default_rng(0).integers(0, model.config.vocab_size, (5, 17)).astype(np.int32)
+    logits = np.asarray(model(jnp.asarray(windows[:, :-1]))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, windows[:, 1:, None], axis=-1).mean()
+    assert window_perplexity(model, windows, batch=2) == pytest.approx(math.exp(nll), rel=1e-5)
