@@ -50,9 +50,25 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _check_ints(name: str, value, least: int) -> None:
+def check_ints(name: str, value, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
+
+
+def check_prompt_ids(prompts, vocab_size: int) -> np.ndarray:
+    """Check a batch of token-id prompts (non-empty, integer ids in the vocabulary); returns their lengths."""
+    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of token-id lists (e.g. [[1, 2, 3]], not [1, 2, 3])")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} has no tokens; each prompt needs at least one")
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        bad = arr if not np.issubdtype(arr.dtype, np.integer) else arr[(arr < 0) | (arr >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {i} holds {bad.ravel()[0].item()!r}; accepted: integer token ids in "
+                             f"0..{vocab_size - 1}")
+    return np.array([len(p) for p in prompts], np.int32)
 
 
 def _bucket(n: int, step: int) -> int:
@@ -112,21 +128,10 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             returning how many ids to keep when a stop condition was met.
         chunk: decode steps per device call.
     """
-    _check_ints("max_new_tokens", max_new_tokens, 0)
-    _check_ints("chunk", chunk, 1)  # 0 decode steps per call would never finish
+    check_ints("max_new_tokens", max_new_tokens, 0)
+    check_ints("chunk", chunk, 1)  # 0 decode steps per call would never finish
     cfg = model.config
-    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
-        raise ValueError("prompts must be a non-empty list of token-id lists (e.g. [[1, 2, 3]], not [1, 2, 3])")
-    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-    if empty:
-        raise ValueError(f"prompt {empty[0]} has no tokens; each prompt needs at least one")
-    for i, p in enumerate(prompts):
-        arr = np.asarray(p)
-        bad = arr if not np.issubdtype(arr.dtype, np.integer) else arr[(arr < 0) | (arr >= cfg.vocab_size)]
-        if bad.size:
-            raise ValueError(f"prompt {i} holds {bad.ravel()[0].item()!r}; accepted: integer token ids in "
-                             f"0..{cfg.vocab_size - 1}")
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = check_prompt_ids(prompts, cfg.vocab_size)
     total = int(lengths.max()) + max_new_tokens + chunk
     if int(lengths.max()) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.generate import check_ints, check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
 
 
@@ -146,18 +147,11 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
                          "accepted: models sharing one tokenizer")
-    for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("k", k, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
+    check_ints("max_new_tokens", max_new_tokens, 0)
+    check_ints("k", k, 1)
     if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
-    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists (e.g. [[1, 2, 3]])")
-    for i, p in enumerate(prompts):
-        arr = np.asarray(p)
-        if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= tc.vocab_size:
-            raise ValueError(f"prompt {i} holds ids outside 0..{tc.vocab_size - 1}")
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = check_prompt_ids(prompts, tc.vocab_size)
     context = min(tc.max_seq_len, dc.max_seq_len)
     if int(lengths.max()) + max_new_tokens + k > context:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + k ({k}) "

@@ -74,8 +74,8 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(k=0), "k=0; accepted: an integer >= 1"),
     (dict(temperature=-1.0), "temperature=-1.0"),
-    (dict(prompts=[[]]), "non-empty token-id lists"),
-    (dict(prompts=[[1, 10_000]]), "prompt 0 holds ids outside"),
+    (dict(prompts=[[]]), "prompt 0 has no tokens"),
+    (dict(prompts=[[1, 10_000]]), "prompt 0 holds 10000; accepted: integer token ids"),
     (dict(max_new_tokens=10_000), "exceeds the models' context"),
 ])
 def test_bad_input_is_one_clear_error(models, kwargs, expected):
