@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.quant import ggml
-from jmem.quant.ggml_weight import GGMLWeight
+from jmem.quant.ggml_weight import GGMLWeight, PackedRows
 
 
 def _row_bytes(qtype, in_features: int) -> int:
@@ -27,7 +27,7 @@ def _row_bytes(qtype, in_features: int) -> int:
 
 
 @jax.tree_util.register_pytree_node_class
-class MixedGGMLWeight:
+class MixedGGMLWeight(PackedRows):
     """Linear kernels K[L, in, out] of GGML blocks whose type varies with the layer.
 
     Attributes:
@@ -72,23 +72,6 @@ class MixedGGMLWeight:
             raw[i, :, : r.shape[1]] = r
         kind = np.array([types.index(ggml.resolve_qtype(q)) for q in qtypes], np.int32)
         return cls(raw, kind, types, in_features)
-
-    @property
-    def out_features(self) -> int:
-        return self.raw.shape[-2]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the equivalent float kernel: (..., in, out)."""
-        return (*self.raw.shape[:-2], self.in_features, self.out_features)
-
-    @property
-    def ndim(self) -> int:
-        return self.raw.ndim
-
-    @property
-    def dtype(self):
-        return jnp.dtype(jnp.float32)
 
     @property
     def nbytes(self) -> int:

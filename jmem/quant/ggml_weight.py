@@ -21,8 +21,33 @@ import numpy as np
 from jmem.quant import ggml
 
 
+class PackedRows:
+    """Shape properties shared by kernels stored as packed rows `raw: u8[..., out, bytes]` of W = K^T.
+
+    Subclasses define `in_features`; the float kernel they stand for is K[..., in, out] in f32.
+    """
+
+    @property
+    def out_features(self) -> int:
+        return self.raw.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the equivalent float kernel: (..., in, out)."""
+        return (*self.raw.shape[:-2], self.in_features, self.out_features)
+
+    @property
+    def ndim(self) -> int:
+        return self.raw.ndim
+
+    @property
+    def dtype(self):
+        """The dtype the weights decode to."""
+        return jnp.dtype(jnp.float32)
+
+
 @jax.tree_util.register_pytree_node_class
-class GGMLWeight:
+class GGMLWeight(PackedRows):
     """A linear kernel K[..., in, out] stored as GGML blocks of W = K^T.
 
     Attributes:
@@ -74,24 +99,6 @@ class GGMLWeight:
     def in_features(self) -> int:
         fmt = ggml.FORMATS[self.qtype]
         return self.raw.shape[-1] // fmt.type_size * fmt.block_size
-
-    @property
-    def out_features(self) -> int:
-        return self.raw.shape[-2]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the equivalent float kernel: (..., in, out)."""
-        return (*self.raw.shape[:-2], self.in_features, self.out_features)
-
-    @property
-    def ndim(self) -> int:
-        return self.raw.ndim
-
-    @property
-    def dtype(self):
-        """The dtype the weights decode to."""
-        return jnp.dtype(jnp.float32)
 
     @property
     def nbytes(self) -> int:
