@@ -20,6 +20,7 @@ who knows how often each runs. Elementwise work and custom kernels
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -106,6 +107,7 @@ def _instruction_flops(comp: _Computation, type_text: str, op: str, rest: str) -
     return 0.0
 
 
+@functools.lru_cache(maxsize=2)  # callers total one module in several ways (matmul_flops, branch_flops)
 def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
     comps: dict[str, _Computation] = {}
     entry = None
