@@ -6,6 +6,7 @@ Layers, bottom up (import the module you need; the first three import no JAX):
     scheduler.Scheduler         token budget, decode first, chunked prefill, preemption by recompute
     sampling.sample             batched per-request sampling (jitted)
     paged_cache.PagedKVCache    the model's KV-cache protocol over paged K/V
+    lora.MultiLoRA              several LoRA adapters stacked in one weight leaf, one slot per token
     runner.ModelRunner          device arrays and the jitted mixed prefill/decode step
     engine.Engine               scheduler + runner + detokenizer, background loop, streams
     api.create_app              FastAPI app; cli.serve_main is `jmem serve`

@@ -166,6 +166,9 @@ class TokenBytes:
 def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
+    The engine's LoRA adapters (`Engine(..., lora_modules=)`) are models of their own, listed by
+    `/v1/models` with `parent` = `model_name`; a request's `model` picks the adapter (vLLM's semantics).
+
     Example:
         >>> app = create_app(engine, "smollm2-135m")
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -186,12 +189,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         e = validation_error(exc)
         return JSONResponse(e.body(), status_code=e.status)
 
-    def check_model(name):
-        if name != model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           code="model_not_found")
+    adapters = getattr(engine, "adapters", {})  # name -> AdapterInfo
+    lora = lambda adapter: {} if adapter is None else {"adapter": adapter}  # noqa: E731 - engines without LoRA
 
-    def submit(prompts: list[list[int]], params, n, rid):
+    def check_model(name) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown one."""
+        if name == model_name:
+            return None
+        if name in adapters:
+            return name
+        served = ", ".join(repr(m) for m in [model_name, *adapters])
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}", "model",
+                       code="model_not_found")
+
+    def submit(prompts: list[list[int]], params, n, rid, adapter=None):
         """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j."""
         loop = asyncio.get_running_loop()
         streams = []
@@ -201,7 +212,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 if n > 1 and params.seed is not None:  # distinct but reproducible choices
                     p = type(params)(**{**params.__dict__, "seed": choice_seed(params.seed, j)})
                 try:
-                    streams.append(engine.add_request(ids, p, f"{rid}-{pi * n + j}", loop=loop))
+                    streams.append(engine.add_request(ids, p, f"{rid}-{pi * n + j}", loop=loop, **lora(adapter)))
                 except ValueError as e:
                     for s in streams:
                         engine.abort(s.request_id)
@@ -271,12 +282,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             tops.append(None if top is None else {token_bytes.text(i): l for i, l in top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def prompt_logprobs(prompts, k):
+    async def prompt_logprobs(prompts, k, adapter=None):
         """Per prompt, its tokens paired with their log-probabilities (echo with logprobs)."""
         out = []
         for ids in prompts:
             try:
-                out.append(list(zip(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, k))))
+                out.append(list(zip(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, k, **lora(adapter)))))
             except ValueError as e:
                 raise APIError(400, str(e), "prompt") from None
         return out
@@ -324,8 +335,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "jmem", "max_model_len": engine.max_request_tokens}]}
+        card = {"object": "model", "created": created, "owned_by": "jmem", "max_model_len": engine.max_request_tokens}
+        data = [{"id": model_name, **card, "root": model_name, "parent": None}]
+        data += [{"id": name, **card, "root": a.path, "parent": model_name} for name, a in adapters.items()]
+        return {"object": "list", "data": data}
 
     @app.get("/metrics")
     async def metrics():
@@ -377,7 +390,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         body.check_supported()
         raw = body.prompts()
         prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]") for k, p in enumerate(raw)]
@@ -387,13 +400,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
         # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests)
-        scored = await prompt_logprobs(prompts, body.logprobs) if body.echo and body.logprobs is not None \
+        scored = await prompt_logprobs(prompts, body.logprobs, adapter) if body.echo and body.logprobs is not None \
             else [[] for _ in prompts]
         if echo_only:
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
                         "logprobs": completion_logprobs(scored[k], 0) if body.logprobs is not None else None}
                        for k, ids in enumerate(prompts) for j in range(n)]
-            base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+            base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
             prompt_usage = usage(sum(len(ids) for ids in prompts), [])
             if not body.stream:
                 return {**base, "choices": choices, "usage": prompt_usage}
@@ -401,9 +414,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             events = [sse({**base, "choices": [c]}) for c in choices]
             events += [sse({**base, "choices": [], "usage": prompt_usage})] if include_usage else []
             return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
-        streams = submit(prompts, params, n, rid)
+        streams = submit(prompts, params, n, rid, adapter)
         n_prompt = sum(len(ids) for ids in prompts)
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
         echoes = [tok.decode(ids, skip_special=False) if body.echo else "" for ids in prompts]
         echo_of = [echoes[k // n] for k in range(len(streams))]
 
@@ -436,7 +449,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         body.check_supported()
         try:
             text = tok.apply_chat_template(chat_dicts(body.messages))
@@ -451,8 +464,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = submit([ids], params, body.n, rid)
-        base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
+        streams = submit([ids], params, body.n, rid, adapter)
+        base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -3,6 +3,7 @@
 Example:
     $ jmem serve --model smollm2-135m --port 8000 --kv-cache-dtype fp8_e4m3
     $ python -m jmem.serve --model tiny --port 8001
+    $ jmem serve --model smollm2-135m --lora-modules sql=sql.npz chat=chat.npz --max-lora-rank 16
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ class ServeArgs:
     """Compile the largest step shapes before listening; smaller ones then compile in the background."""
     log_level: str = "info"
     """uvicorn / jmem log level: critical, error, warning, info, debug, trace."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served beside the base model, as NAME=PATH (files written by jmem.lora.save_adapters);
+    a request's `model` field picks one by NAME."""
+    max_loras: int | None = None
+    """Adapter slots stacked on the device (one per --lora-modules entry when unset)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted; slots are zero-padded to the largest rank loaded."""
+    lora_impl: str = "onehot"
+    """Batched adapter matmul: onehot (two dense matmuls) or ragged (jax.lax.ragged_dot on slot-sorted tokens)."""
 
 
 LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}  # uvicorn's
@@ -77,6 +87,33 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    lora_modules(args)
+
+
+def lora_modules(args: ServeArgs) -> dict[str, str]:
+    """`--lora-modules` as {name: path}, each file read and its rank checked (the model is not loaded)."""
+    from jmem.serve.lora import IMPLS, check_adapter_files
+
+    if args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank={args.max_lora_rank}; accepted: >= 1")
+    if args.lora_impl not in IMPLS:
+        raise ValueError(f"--lora-impl={args.lora_impl!r}; accepted: {', '.join(IMPLS)}")
+    modules: dict[str, str] = {}
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entry {item!r}; accepted: NAME=PATH")
+        if name == args.model:
+            raise ValueError(f"--lora-modules name {name!r} is the base model's name; accepted: another name")
+        if name in modules:
+            raise ValueError(f"--lora-modules name {name!r} is given twice; accepted: distinct names")
+        modules[name] = path
+    if args.max_loras is not None and args.max_loras < max(1, len(modules)):
+        raise ValueError(f"--max-loras={args.max_loras}; accepted: >= {max(1, len(modules))} "
+                         f"(the number of --lora-modules)")
+    check_adapter_files(modules, args.max_lora_rank)
+    return modules
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -121,8 +158,9 @@ def build_engine(args: ServeArgs):
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                        memory_utilization=args.memory_utilization, num_blocks=args.num_blocks,
-                       enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl)
-    return Engine(lm.model, lm.tokenizer, cfg), args.model
+                       enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
+                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl)
+    return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args)), args.model
 
 
 def _fail(message: str) -> NoReturn:
@@ -155,6 +193,11 @@ def serve_main(argv: list[str] | None = None) -> None:
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)
+    if engine.adapters:
+        slot = max(a.rank for a in engine.adapters.values())
+        log.info("LoRA adapters: %s stacked in %d slots of rank %d, %.1f KiB on the device",
+                 ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()),
+                 args.max_loras or len(engine.adapters), slot, engine.adapter_bytes / 1024)
     if args.warmup:
         engine.precompile()
     engine.start()

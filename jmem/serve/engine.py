@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from jmem.serve.kv_cache import KVCacheManager
+from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.request import Request, SamplingParams, Status
 from jmem.serve.runner import ModelRunner, kv_cache_budget
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
@@ -43,6 +44,9 @@ class EngineConfig:
         enable_prefix_caching: share cached prompt blocks between requests.
         static_batching: admit a new batch only when the previous one has finished (benchmark baseline).
         attention_impl: paged attention: auto | tiled | kernel (see `PagedKVCache.create`).
+        max_loras: LoRA adapter slots (None: one per adapter given to the engine).
+        max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded).
+        lora_impl: batched adapter matmul: onehot | ragged (see `jmem.serve.lora`).
     """
 
     block_size: int = 16
@@ -56,6 +60,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     static_batching: bool = False
     attention_impl: str = "auto"
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_impl: str = "onehot"
 
 
 @dataclass
@@ -144,14 +151,17 @@ class Engine:
         model: a `jmem.models.Llama`.
         tokenizer: with `encode`, `decode`, `eos_id` (as `jmem.load(...).tokenizer`).
         config: limits and KV sizing.
+        lora_modules: LoRA adapter name -> file written by `jmem.lora.save_adapters`, all
+            served at once (`add_request(..., adapter=name)`); stacked on the device at startup.
 
     Example:
         >>> lm = jmem.load("tiny")
-        >>> engine = Engine(lm.model, lm.tokenizer, EngineConfig(num_blocks=64))
-        >>> engine.generate([lm.tokenizer.encode("hello")], SamplingParams(max_tokens=4, temperature=0))
+        >>> engine = Engine(lm.model, lm.tokenizer, EngineConfig(num_blocks=64), lora_modules={"sql": "sql.npz"})
+        >>> engine.generate([lm.tokenizer.encode("hello")], SamplingParams(max_tokens=4, temperature=0),
+        ...                 adapters=["sql"])
     """
 
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None):
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config
@@ -159,6 +169,11 @@ class Engine:
         if not 1 <= max_len <= mcfg.max_seq_len:
             raise ValueError(f"max_model_len={max_len} is out of range; accepted: 1..{mcfg.max_seq_len} "
                              f"(the model's context length)")
+        self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
+        if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
+            model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,
+                                                  max_lora_rank=config.max_lora_rank, impl=config.lora_impl)
+        self.adapter_bytes = adapter_bytes(model)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -170,7 +185,8 @@ class Engine:
                                     static_batching=config.static_batching)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
-                                  config.kv_cache_dtype, config.attention_impl)
+                                  config.kv_cache_dtype, config.attention_impl,
+                                  {name: a.slot for name, a in self.adapters.items()})
         self.eos_ids = tuple(i for i in [getattr(tokenizer, "eos_id", None)] if i is not None)
         self.num_kv_tokens = num_blocks * config.block_size
         self._streams: dict[str, RequestStream] = {}
@@ -198,9 +214,11 @@ class Engine:
         return self.scheduler.max_request_tokens
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
-        """Queue a request (thread-safe); ValueError for bad parameters or a prompt that cannot fit."""
+                    loop: asyncio.AbstractEventLoop | None = None, adapter: str | None = None) -> RequestStream:
+        """Queue a request (thread-safe); ValueError for bad parameters, an unknown adapter or a prompt
+        that cannot fit. `adapter`: a LoRA adapter name given to the engine, None for the base model."""
         params.validate()
+        self.runner.slot_of(adapter)
         rid = request_id or f"req-{next(self._ids)}"
         if not prompt_ids:
             raise ValueError("prompt is empty; need at least one token")
@@ -209,12 +227,13 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the maximum context of {self.max_request_tokens} tokens")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, seed=seed % (1 << 32))
+        req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
+                      seed=seed % (1 << 32))
         stream = RequestStream(rid, loop)
         self._commands.put(("add", req, stream))
         return stream
 
-    def prompt_logprobs(self, prompt_ids: list[int], k: int = 0) -> list:
+    def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
         """Each prompt token's log-probability given the tokens before it, with the top `k`
         (0..20): `[None, (lp, [(id, lp), ...]), ...]` (see `ModelRunner.prompt_logprobs`).
         Safe to call from any thread; it does not touch the paged cache or the schedule."""
@@ -224,7 +243,7 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}")
         if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
             raise ValueError(f"logprobs={k} is out of range; accepted: 0..{SamplingParams.MAX_LOGPROBS}")
-        return self.runner.prompt_logprobs(list(prompt_ids), k)
+        return self.runner.prompt_logprobs(list(prompt_ids), k, adapter)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (thread-safe; unknown ids are ignored)."""
@@ -324,10 +343,15 @@ class Engine:
         while self.has_unfinished():
             self.step()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Blocking batch helper: all prompts at once, one merged output per prompt (text, all token ids)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapters: list[str | None] | None = None) -> list[RequestOutput]:
+        """Blocking batch helper: all prompts at once, one merged output per prompt (text, all token ids);
+        `adapters`: one LoRA adapter name (or None) per prompt."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        streams = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        adapters = [None] * len(prompts) if adapters is None else adapters
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts; accepted: one per prompt")
+        streams = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, params_list, adapters)]
         if self._thread is None:
             self.run_until_idle()
         results = []

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
+from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_decode import chunk_pages
 from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
@@ -126,6 +127,8 @@ class ModelRunner:
         max_model_len: longest sequence, bounds the pages per sequence.
         kv_dtype: auto | bf16 | fp8_e4m3 | int8.
         attention_impl: auto | tiled | kernel (see `PagedKVCache.create`).
+        adapter_slots: LoRA adapter name -> slot of the model's `MultiLoRA` leaves
+            (`jmem.serve.lora.stack_adapters`); a request's `adapter_id` picks one, None the base model.
 
     Example:
         >>> runner = ModelRunner(model, num_blocks=64, block_size=16, max_num_seqs=8, max_model_len=512)
@@ -133,8 +136,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                 kv_dtype: str = "auto", attention_impl: str = "auto"):
+                 kv_dtype: str = "auto", attention_impl: str = "auto", adapter_slots: dict[str, int] | None = None):
         self.config = model.config
+        self.adapter_slots = dict(adapter_slots or {})
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = -(-max_model_len // block_size)
@@ -266,10 +270,20 @@ class ModelRunner:
         sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
         _step_fn.lower(self.graphdef, self._abstract_state, self._abstract_cache.replace(layout=_abstract(layout)),
-                       tokens, tokens, jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32),
+                       tokens, tokens, tokens, jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32),
                        _abstract(sarr)).compile()
 
-    def prompt_logprobs(self, ids: list[int], k: int) -> list:
+    def slot_of(self, adapter_id: str | None) -> int:
+        """The stacked-adapter slot serving `adapter_id` (BASE_SLOT for None); ValueError if unknown."""
+        if adapter_id is None:
+            return BASE_SLOT
+        slot = self.adapter_slots.get(adapter_id)
+        if slot is None:
+            known = ", ".join(self.adapter_slots) or "none loaded"
+            raise ValueError(f"unknown LoRA adapter {adapter_id!r}; accepted: {known}")
+        return slot
+
+    def prompt_logprobs(self, ids: list[int], k: int, adapter_id: str | None = None) -> list:
         """Log-probability of each prompt token given the ones before it, with the `k` most likely
         tokens at each position: `[None, (lp, [(id, lp), ...]), ...]`, one entry per token (the first
         has no context). One forward pass over the prompt, outside the paged cache (what `echo`
@@ -279,7 +293,9 @@ class ModelRunner:
         T = len(ids)
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids
-        lp, top_lp, top_ids = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1))
+        slots = np.full(padded.shape, self.slot_of(adapter_id), np.int32)
+        lp, top_lp, top_ids = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1),
+                                                  jnp.asarray(slots))
         lp, top_lp, top_ids = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
         return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])])
                          for t in range(T - 1)]
@@ -303,12 +319,14 @@ class ModelRunner:
         T = shape.tokens
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
+        slots = np.full(T, BASE_SLOT, np.int32)  # padding rows take the base path
         last = np.zeros(shape.sample_rows, np.int32)
         t = 0
         for i, s in enumerate(seqs):
             toks = s.request.all_token_ids[s.start : s.start + s.num_tokens]
             ids[t : t + s.num_tokens] = toks
             pos[t : t + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
+            slots[t : t + s.num_tokens] = self.slot_of(s.request.adapter_id)
             last[i] = t + s.num_tokens - 1
             t += s.num_tokens
         layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
@@ -318,7 +336,7 @@ class ModelRunner:
                            batch=shape.sample_rows, hist_len=shape.hist_len)
         cache = self.cache.replace(layout=layout)
         toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
-                                                      jnp.asarray(last), sarr)
+                                                      jnp.asarray(slots), jnp.asarray(last), sarr)
         self.cache = cache.replace(layout=None)
         toks, lp = np.asarray(toks), np.asarray(lp)
         want_top = any(p.logprobs for p in params)
@@ -366,10 +384,10 @@ def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
 
 # One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _prompt_logprobs_fn(graphdef, state, ids_T, k: int):
-    """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32.
-    The head runs over chunks of positions: the whole [T, vocab] logits never exist at once."""
-    model = nnx.merge(graphdef, state)
+def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T):
+    """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32, with LoRA slot
+    `slots_T[t]`. The head runs over chunks of positions: the whole [T, vocab] logits never exist at once."""
+    model = nnx.merge(graphdef, with_slots(state, slots_T))
     h_TE = model.hidden(ids_T[None])[0][0]
     C = 8  # T is a multiple of 8 (`_fine_bucket(T, 16)`)
     targets_T = jnp.concatenate([ids_T[1:], ids_T[:1]])  # the last position's target is padding
@@ -386,8 +404,10 @@ def _prompt_logprobs_fn(graphdef, state, ids_T, k: int):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step_fn(graphdef, state, cache, ids_T, pos_T, last_S, sarr):
-    model = nnx.merge(graphdef, state)
+def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr):
+    # Each token's LoRA slot reaches every MultiLoRA leaf as an argument: one program serves any
+    # mix of adapters (a model without them ignores `slots_T`).
+    model = nnx.merge(graphdef, with_slots(state, slots_T))
     h_1TE, cache = model.hidden(ids_T[None], positions=pos_T[None], cache=cache)
     h_1SE = h_1TE[:, last_S]
     logits_SV = model.logits_from_hidden(h_1SE)[0]

