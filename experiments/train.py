@@ -11,6 +11,13 @@ one step first, then a progress bar with loss, tokens/s and step time.
     python experiments/train.py --model smollm2-135m --seq 256 --batch 4 --lr 1e-4 --optimizer adamw
     python experiments/train.py --model smollm2-135m --lora-rank 16 --quantize-base nf4 --seq 256 --batch 4 --lr 2e-4 --optimizer adamw
 
+ZeRO-Offload / ZeRO-Infinity: optimizer state (+ f32 master weights) in host memory with the update
+on the host, or in files under --offload-dir updated one layer slice at a time; the layer parameters
+in host memory, fetched to the device one layer at a time inside the layer scan:
+
+    python experiments/train.py --offload-optimizer host --offload-params host
+    python experiments/train.py --offload-optimizer disk --offload-dir /scratch/opt-state --ckpt-dir /tmp/run
+
 On several devices (8 simulated CPU devices here; the same flags on GPUs/TPUs):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/train.py \
@@ -24,7 +31,8 @@ Bad flags (unknown policy or optimizer, --accum not dividing --batch, a
 precision string that does not parse, a non-finite or negative --lr, --clip or
 --weight-decay, --seq beyond a model file's context, a checkpoint dir of
 another model or setup, --resume with no checkpoint or no steps left,
-`--zero 4`, a mesh that does not match the device count) end
+`--zero 4`, a mesh that does not match the device count, an unknown --offload-optimizer or
+--offload-params, disk offload without --offload-dir, offload with --zero 3) end
 with one line on stderr and exit status 2; nothing is written.
 Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint).
 """

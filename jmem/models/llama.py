@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem.kernels import attention
+from jmem.memory.offload import fetch_layer
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
@@ -261,6 +262,7 @@ class Llama(nnx.Module):
 
         def body(x, xs):
             w, layer = xs
+            w = fetch_layer(w)  # parameter offload: this layer's slice from host to device memory
             x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer)
             return constrain(x, ACTIVATION_AXES), (new_layer, stats)
 

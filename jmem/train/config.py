@@ -82,6 +82,13 @@ class TrainConfig:
     process_id: int | None = None
     """Multi-host: this process's index (0..num_processes-1)."""
 
+    offload_optimizer: str = "none"
+    """Optimizer state and f32 master weights: none (on device), host (host memory; the update runs on the host, ZeRO-Offload) or disk (files under --offload-dir, updated one layer slice at a time, ZeRO-Infinity)."""
+    offload_params: str = "none"
+    """Layer parameters: none (on device) or host (host memory, moved to the device one layer at a time inside the layer scan); needs --offload-optimizer host or disk."""
+    offload_dir: str | None = None
+    """Directory of the optimizer-state files of --offload-optimizer disk (required with it)."""
+
     lora_rank: int = 0
     """LoRA rank; > 0 trains only adapters on --lora-targets (gradients and optimizer state for them alone)."""
     lora_alpha: float = 16.0

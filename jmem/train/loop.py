@@ -104,17 +104,27 @@ def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple
 
 
 def memory_table(report: MemoryReport, estimate: dict[str, int],
-                 matmul: tuple[str, float] | None = None) -> str:
+                 matmul: tuple[str, float] | None = None, *, offload=None) -> str:
     """Measured (compiler) and estimated (analytic) memory of one step, MiB; `matmul` is
-    `step_matmul_flops`'s (label, FLOPs), the report's own count when None."""
+    `step_matmul_flops`'s (label, FLOPs), the report's own count when None. `offload`: the
+    `jmem.memory.offload.OffloadReport` of an offloaded step (`report` is its device program)."""
     matmul = ("every loop iteration", report.matmul_flops) if matmul is None else matmul
-    rows = [("measured", "arguments (params, opt state, batch)", report.argument_bytes),
+    if offload is None:
+        args = ("arguments (params, opt state, batch)", report.argument_bytes)
+        total = report.total_bytes
+    else:
+        args = ("arguments (params, batch)", offload.device_argument_bytes)
+        total = offload.device_total_bytes
+    rows = [("measured", *args),
             ("measured", "temp (activations, grads, logits)", report.temp_bytes),
-            ("measured", "outputs", report.output_bytes),
+            ("measured", "outputs", report.output_bytes if offload is None else offload.device_output_bytes),
             ("measured", "  of which aliased to arguments", report.alias_bytes),
-            ("measured", "total live", report.total_bytes)]
+            ("measured", "total live", total)]
     if report.host_total_bytes:
         rows.append(("measured", "host memory (offloaded)", report.host_total_bytes))
+    if offload is not None:
+        rows += [("measured", f"{where} {what.strip()}", b) for where, what, b in offload.rows()
+                 if where != "device" and (b or "optimizer" in what)]
     rows += [("estimated", k, v) for k, v in estimate.items() if v or k == "total"]
     lines = [f"memory of one train step [{report.target}]" + " " * 19 + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
@@ -183,10 +193,17 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
 
-    step_fn, place = _jitted(run, state)
-    state = place(state=state)
-    batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
-    report, compiled = measure_and_compile(step_fn, state, batch0)  # compiles; the loop reuses it
+    offload = None
+    if cfg.offload_optimizer != "none":  # ZeRO-Offload / -Infinity: two programs (jmem.memory.offload)
+        step_fn, place, state, offload = _offloaded(run, state, ckpt, start)
+        batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
+        offload_report = step_fn.measure(state, batch0)  # compiles; the loop reuses the device program
+        report, compiled = offload_report.device, None
+    else:
+        step_fn, place = _jitted(run, state)
+        state = place(state=state)
+        batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
+        report, compiled = measure_and_compile(step_fn, state, batch0)  # compiles; the loop reuses it
     if run.mesh is not None and cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
         from jmem import parallel as par
 
@@ -206,11 +223,12 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
               "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
                                                                    rules=_rules(run)).items()), file=out)
-    print(memory_table(report, estimate, matmul), file=out)
+    print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None), file=out)
 
     log = _Logger(cfg.log, append=start > 0)
     log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
-               "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0]})
+               "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
+               **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})})
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
@@ -245,7 +263,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                         log.write({"step": done, "eval_loss": ev})
                         bar.note(f"step {done}: eval loss {ev:.4f}")
                 if ckpt is not None and (done % cfg.ckpt_every == 0 or stop[0]):
-                    ckpt.save(done, state, run.meta)
+                    _save(ckpt, done, state, run.meta, offload)
                 if stop[0]:
                     interrupted = True
                     break
@@ -253,7 +271,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         bar.close()
     final = int(state.step)
     if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
-        ckpt.save(final, state, run.meta)
+        _save(ckpt, final, state, run.meta, offload)
     if interrupted:
         print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
     if not interrupted and final == cfg.steps:
@@ -342,7 +360,57 @@ def _jitted(run: Run, state):
 
 
 def _jitted_eval(fns):
+    if fns not in _JIT_CACHE:  # an offloaded run jits its own step, and only the eval here
+        _JIT_CACHE[fns] = (None, jax.jit(fns.eval_loss), None, None)
     return _JIT_CACHE[fns][1]
+
+
+# --- optimizer / parameter offload (jmem.memory.offload) ------------------------------------------
+
+# Disk offload: the state files of the latest checkpoint step, copied to <ckpt-dir>/offload_optimizer/<step>
+# (beside Orbax's numbered step folders, which it ignores).
+_OFFLOAD_SNAPSHOT = "offload_optimizer"
+
+
+def _offloaded(run: Run, state, ckpt, start: int):
+    """`(step, place, placed state, step again)` of a run with --offload-optimizer host|disk: the step is a
+    `jmem.memory.offload.OffloadedTrainStep`; with disk, the state files are written fresh, or
+    copied from the checkpoint being resumed."""
+    from jmem.memory.offload import OffloadedTrainStep
+
+    cfg, fns = run.cfg, run.fns
+    abstract_state = jax.eval_shape(lambda: state)
+    disk = None
+    if cfg.offload_optimizer == "disk":
+        from jmem.memory.disk_offload import DiskOptimizer
+
+        disk = DiskOptimizer(run.tx, fns.trainable(abstract_state.params)[0], cfg.offload_dir, clip=cfg.clip)
+    trainer = OffloadedTrainStep(fns, abstract_state, mesh=run.mesh, zero=cfg.zero,
+                                 rules=_rules(run) if run.mesh is not None else None,
+                                 params=cfg.offload_params, disk=disk)
+    state = trainer.place(state)
+    if disk is not None and start > 0:
+        disk.restore(str(ckpt.directory / _OFFLOAD_SNAPSHOT / str(start)))
+
+    def place(state=None, batch=None):
+        return trainer.place(state) if batch is None else trainer.place_batch(batch)
+
+    return trainer, place, state, trainer
+
+
+def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
+    """A checkpoint; with disk offload, a copy of the optimizer-state files beside it (the previous
+    copy is removed: a resume continues from the latest step)."""
+    ckpt.save(step, state, meta)
+    disk = getattr(offload, "disk", None)
+    if disk is not None:
+        import shutil
+
+        root = ckpt.directory / _OFFLOAD_SNAPSHOT
+        disk.snapshot(str(root / str(step)))
+        for old in root.iterdir():
+            if old.name != str(step):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:

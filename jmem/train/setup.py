@@ -69,6 +69,7 @@ def validate(cfg: TrainConfig) -> Policy:
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
     _validate_lora(cfg)
+    _validate_offload(cfg, policy)
     _make_output_dirs(cfg)
     return policy
 
@@ -153,9 +154,35 @@ def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:
 def _make_output_dirs(cfg: TrainConfig) -> None:
     """Create the directories the run writes into, so that a path it cannot write fails now,
     not at the first checkpoint or after the last step."""
-    for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot)):
+    for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot),
+                        ("--offload-dir", cfg.offload_dir)):
         if value:
-            prepare_output(value, flag, directory=flag == "--ckpt-dir")
+            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir"))
+
+
+def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:
+    """--offload-optimizer / --offload-params / --offload-dir and what they combine with."""
+    from jmem.memory.offload import check_offload
+
+    check_offload(cfg.offload_optimizer, cfg.offload_params, cfg.offload_dir)
+    if cfg.offload_optimizer == "none":
+        return
+    flag = f"--offload-optimizer {cfg.offload_optimizer}"
+    if cfg.zero >= 3:
+        raise ValueError(f"{flag} with --zero {cfg.zero} is not supported (ZeRO-3 gathers sharded parameters per "
+                         f"layer on device); accepted: --zero 0, 1 or 2, with --offload-params host for the layers")
+    if cfg.pipeline_stages > 1:
+        raise ValueError(f"{flag} with --pipeline-stages {cfg.pipeline_stages} is not supported; accepted: "
+                         f"--pipeline-stages 1")
+    if cfg.num_processes not in (None, 1):
+        raise ValueError(f"{flag} runs in one process; got --num-processes {cfg.num_processes}")
+    if cfg.offload_optimizer == "disk" and policy.needs_loss_scale:
+        raise ValueError(f"{flag} with --precision {cfg.precision}: skipping non-finite fp16 steps needs the "
+                         f"whole update at once; accepted: a bf16 or f32 precision, or --offload-optimizer host")
+    if cfg.offload_dir:
+        d = pathlib.Path(cfg.offload_dir).expanduser()
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"--offload-dir {cfg.offload_dir} exists and is not a directory")
 
 
 BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
@@ -355,10 +382,12 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     return mc, lm.model, lm.tokenizer
 
 
-def make_tx(cfg: TrainConfig, policy: Policy, mesh=None) -> optax.GradientTransformation:
+def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -> optax.GradientTransformation:
     """Clipping + the named optimizer on a warmup-cosine schedule, wrapped for
     non-f32 params (f32 master copy) and fp16 (skip non-finite steps); on a
-    `mesh`, the incoming gradients get their ZeRO-stage sharding."""
+    `mesh`, the incoming gradients get their ZeRO-stage sharding (not for an
+    offloaded optimizer, which runs on the host). `clip=False` leaves clipping
+    out (disk offload clips the whole gradient before its chunks)."""
     from jmem.optim.factory import make_optimizer
 
     warmup = cfg.warmup_steps
@@ -368,13 +397,13 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None) -> optax.GradientTransf
     # Always passed: the constructors' own defaults (1e-4) would decay a run that asked for none.
     kw = {"weight_decay": cfg.weight_decay} if cfg.optimizer in DECAYING else {}
     tx = make_optimizer(cfg.optimizer, schedule, **kw)
-    if cfg.clip:
+    if cfg.clip and clip:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
     if policy.param != jax.numpy.dtype(jax.numpy.float32):
         tx = with_master_weights(tx)
     if policy.needs_loss_scale:
         tx = skip_nonfinite(tx)
-    if mesh is not None:
+    if mesh is not None and cfg.offload_optimizer == "none":
         from jmem import parallel as par
 
         tx = par.constrain_gradients(tx, mesh, stage=cfg.zero, rules=rules_for(cfg))
@@ -405,6 +434,7 @@ STATE_SETTINGS = {
     "lora_rank": lambda v: v,
     "lora_targets": lambda v: v,
     "quantize_base": lambda v: v,
+    "offload_optimizer": lambda v: v == "disk",  # disk: the state holds a handle, the files a snapshot
 }
 """Flags that shape the train state (beyond the model, optimizer and param dtype, which
 `MUST_MATCH` compares), each with the part of its value that does."""
@@ -440,14 +470,21 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
     if mesh is not None:  # a model read from a file: its head counts are known now
         check_heads_fit(cfg_key, mesh, mc)
     model = _with_adapters(cfg_key, model)
-    tx = make_tx(cfg_key, policy, mesh)
+    tx = make_tx(cfg_key, policy, mesh, clip=cfg_key.offload_optimizer != "disk")
+    # Disk offload: the train state carries only a handle; `tx` runs on the files (jmem.train.loop).
+    step_tx = tx
+    if cfg_key.offload_optimizer == "disk":
+        from jmem.memory.disk_offload import placeholder_transform
+
+        step_tx = placeholder_transform()
     loss_fn = None
     if cfg_key.pipeline_stages > 1:
         from jmem.parallel.pipeline_1f1b import schedule_lm_loss_fn
 
         loss_fn, _ = schedule_lm_loss_fn(cfg_key.pipeline_schedule, model, n_stages=cfg_key.pipeline_stages,
                                          n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
-    fns = make_train_fns(model, tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
+    fns = make_train_fns(model, step_tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk,
+                         loss_scale=loss_scale_for(policy),
                          mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
                          adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed,
                          loss_fn=loss_fn)
@@ -458,7 +495,7 @@ def _program_key(cfg: TrainConfig) -> TrainConfig:
     """The config with the fields that do not change the compiled program reset."""
     return dataclasses.replace(cfg, warmup=cfg.warmup_steps, data="default", ckpt_dir=None, ckpt_every=1, resume=False, stop_after=None,
                                eval_every=0, eval_batches=1, log=None, plot=None, progress=True,
-                               coordinator=None, process_id=None)
+                               coordinator=None, process_id=None, offload_dir=None)
 
 
 def build(cfg: TrainConfig) -> Run:

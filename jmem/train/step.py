@@ -52,6 +52,16 @@ class TrainFns:
     step: Callable[[TrainState, dict], tuple[TrainState, dict]]
     eval_loss: Callable[[Any, dict], tuple[jax.Array, jax.Array]]
     merge: Callable[[Any], nnx.Module]
+    # `step` in parts, for a step whose optimizer runs elsewhere (`jmem.memory.offload`):
+    # `grads(state, batch) -> (loss-scaled grads of the trainable params, metrics)`,
+    # `prepare(grads, loss_scale) -> (grads, metrics, next loss scale)` (unscale, finiteness, norm),
+    # `update(grads, opt_state, trainable params) -> (trainable params, opt_state)`;
+    # `trainable(params) -> (trainable, frozen)` and `combine(trainable, frozen) -> params`.
+    grads: Callable | None = None
+    prepare: Callable | None = None
+    update: Callable | None = None
+    trainable: Callable | None = None
+    combine: Callable | None = None
 
 
 def _has_lora_dropout(model) -> bool:
@@ -177,7 +187,7 @@ def make_train_fns(
         # may share one zeros array between leaves or alias the model's params.
         return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
-    def step(state: TrainState, batch: dict):
+    def grads_fn(state: TrainState, batch: dict):
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         ls = state.loss_scale
         dropout_key = None
@@ -205,24 +215,40 @@ def make_train_fns(
             (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
                 objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True,
                 group_accumulators=False if moe else None)
-        grads = ls.unscale(grads)
-        finite = all_finite(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, train)
-        params = combine(optax.apply_updates(train, updates), frozen)
-        metrics = {
-            "loss": loss_sum / n_tokens,
-            "grad_norm": optax.tree.norm(grads),
-            "finite": finite,
-            "loss_scale": ls.scale_value,
-        }
+        metrics = {"loss": loss_sum / n_tokens}
         if moe:
             metrics.update({k: v / n_tokens for k, v in extra.items() if k != "moe_dropped"},
                            moe_dropped=extra["moe_dropped"])
-        return TrainState(state.step + 1, params, opt_state, ls.adjust(finite)), metrics
+        return grads, metrics
+
+    def prepare_fn(grads, ls):
+        grads = ls.unscale(grads)
+        finite = all_finite(grads)
+        metrics = {"grad_norm": optax.tree.norm(grads), "finite": finite, "loss_scale": ls.scale_value}
+        return grads, metrics, ls.adjust(finite)
+
+    def update_fn(grads, opt_state, train):
+        updates, opt_state = tx.update(grads, opt_state, train)
+        return optax.apply_updates(train, updates), opt_state
+
+    def step(state: TrainState, batch: dict):
+        grads, metrics = grads_fn(state, batch)
+        grads, more, loss_scale_next = prepare_fn(grads, state.loss_scale)
+        train, frozen = trainable_split(state.params, adapters_only)
+        train, opt_state = update_fn(grads, state.opt_state, train)
+        new_state = TrainState(state.step + 1, combine(train, frozen), opt_state, loss_scale_next)
+        return new_state, join_metrics(metrics, more)
 
     def eval_loss(params, batch: dict):
         # Held-out cross-entropy only (no router losses), comparable to a dense model's.
         s, c, _ = lm_loss_terms(merge(params), batch, chunk=loss_chunk)
         return s, c
 
-    return TrainFns(init_state=init_state, step=step, eval_loss=eval_loss, merge=merge)
+    return TrainFns(init_state=init_state, step=step, eval_loss=eval_loss, merge=merge, grads=grads_fn,
+                    prepare=prepare_fn, update=update_fn, trainable=lambda p: trainable_split(p, adapters_only),
+                    combine=combine)
+
+
+def join_metrics(loss_metrics: dict, grad_metrics: dict) -> dict:
+    """The step's metrics in their order: loss, grad_norm, finite, loss_scale, then the router's."""
+    return {"loss": loss_metrics["loss"], **grad_metrics, **{k: v for k, v in loss_metrics.items() if k != "loss"}}

@@ -1,0 +1,224 @@
+"""ZeRO-Infinity style optimizer state on disk, updated one chunk at a time on the host.
+
+The optimizer state of every trainable leaf lives in `.npy` files (numpy memmaps) under a
+directory the user names. A chunk is one trainable leaf, or one layer slice `[i:i+1]` of a
+stacked leaf under `layers`; the update reads a chunk's state, runs the optimizer on the
+chunk alone (a jitted program on the CPU backend), writes the new state back and moves on,
+so host memory holds the state of one chunk at a time (plus the gradients and parameters,
+which the step brings to the host anyway).
+
+Chunking is exact for optimizers whose update of a leaf depends only on that leaf: adamw,
+sgd, `jmem.optim.adafactor` (its statistics, update clipping and parameter scale are per
+layer for stacked leaves; a `[1, ...]` slice keeps the `layers` axis, so the same rule
+applies) and the f32 master weights of `with_master_weights`. Global-norm clipping is the
+one cross-leaf step; it runs over the whole gradient (in f32) before the chunks
+(`clip=`), so build the optimizer without it. Non-finite step skipping (fp16 loss
+scaling) is cross-leaf too and is refused (`jmem.train` checks it).
+
+Files, not tensorstore or Orbax: a chunk is a contiguous slice of one array, which a
+memmap reads and writes in place with no extra dependency, and the page cache it goes
+through is memory the kernel can reclaim.
+
+Example:
+    >>> disk = DiskOptimizer(optax.adamw(1e-3), train_params, "/scratch/opt", clip=1.0)
+    >>> handle = disk.place(train_params)      # writes tx.init of every chunk
+    >>> new_params, handle = disk.update(grads, handle, train_params)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmem.memory.offload import LAYERS_KEY, OffloadError
+from jmem.memory.precision import cast_floating
+
+_META = "chunks.json"
+
+
+class DiskState(NamedTuple):
+    """What a train state holds of an optimizer kept on disk: its update count."""
+
+    updates: jax.Array  # i32[]
+
+
+def placeholder_transform() -> optax.GradientTransformation:
+    """The transformation a train state built for disk offload carries: `init` gives a
+    `DiskState` (no arrays of parameter size), `update` is done by `DiskOptimizer`."""
+
+    def init(params):
+        del params
+        return DiskState(jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        raise OffloadError("this optimizer state is on disk: run the step through jmem.memory.offload")
+
+    return optax.GradientTransformation(init, update)
+
+
+def _key(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+class DiskOptimizer:
+    """An optax transformation whose state lives in files, updated chunk by chunk.
+
+    Args:
+        tx: the optimizer (a per-leaf one; see the module docstring), without global-norm clipping.
+        train: the trainable parameter tree (arrays or ShapeDtypeStructs; `None` leaves are frozen).
+        directory: where the state files go (created; files of an earlier run are replaced by `place`).
+        clip: global gradient-norm clipping applied before the chunks (0: none).
+        layer_chunks: split stacked `layers` leaves into one chunk per layer (else one per leaf).
+
+    Raises:
+        OffloadError: `directory` exists and is not a directory.
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, train, directory: str, *, clip: float = 0.0,
+                 layer_chunks: bool = True):
+        self.tx, self.clip = tx, float(clip)
+        self.directory = str(pathlib.Path(directory).expanduser())
+        path = pathlib.Path(self.directory)
+        if path.exists() and not path.is_dir():
+            raise OffloadError(f"offload directory {self.directory} exists and is not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        self._treedef = jax.tree.structure(train, is_leaf=lambda x: x is None)
+        leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
+        paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(train, is_leaf=lambda x: x is None)]
+        self._shapes = [None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        self.chunks: list[tuple[int, int | None]] = []  # (leaf index, layer or None)
+        for i, (p, x) in enumerate(zip(paths, leaves)):
+            if x is None:
+                continue
+            stacked = layer_chunks and x.ndim >= 1 and any(_key(k) == LAYERS_KEY for k in p)
+            self.chunks += [(i, l) for l in range(x.shape[0])] if stacked else [(i, None)]
+        self._state_treedefs: list = []
+        self._state_shapes = [self._chunk_state_shapes(c) for c in self.chunks]
+        self.total_bytes = sum(sum(int(np.prod(s)) * d.itemsize for s, d in shapes) for shapes in self._state_shapes)
+        self.chunk_bytes = max((sum(int(np.prod(s)) * d.itemsize for s, d in shapes)
+                                for shapes in self._state_shapes), default=0)
+        self._cpu = jax.devices("cpu")[0]
+        self._update_jit = jax.jit(self._chunk_update, donate_argnums=(1,))
+
+    # --- chunks -------------------------------------------------------------------------------
+
+    def _chunk_tree(self, chunk, value):
+        """The full tree structure with `value` at the chunk's leaf and None elsewhere."""
+        i, _ = chunk
+        leaves = [None] * self._treedef.num_leaves
+        leaves[i] = value
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def _chunk_shape(self, chunk):
+        i, layer = chunk
+        shape, dtype = self._shapes[i]
+        return ((1,) + shape[1:] if layer is not None else shape), dtype
+
+    def _chunk_state_shapes(self, chunk):
+        shape, dtype = self._chunk_shape(chunk)
+        st = jax.eval_shape(self.tx.init, self._chunk_tree(chunk, jax.ShapeDtypeStruct(shape, dtype)))
+        self._state_treedefs.append(jax.tree.structure(st))
+        return [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(st)]
+
+    def _files(self, c: int) -> list[pathlib.Path]:
+        return [pathlib.Path(self.directory) / f"chunk{c:05d}_{j}.npy" for j in range(len(self._state_shapes[c]))]
+
+    def _chunk_update(self, grads, state, params):
+        updates, state = self.tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    # --- the state ----------------------------------------------------------------------------
+
+    def place(self, train, count: int = 0) -> DiskState:
+        """Write a fresh state (`tx.init` of every chunk of the trainable params `train`) to the
+        files; returns the handle with update count `count`."""
+        leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
+        for c, chunk in enumerate(self.chunks):
+            i, layer = chunk
+            x = np.asarray(leaves[i])
+            x = x if layer is None else x[layer:layer + 1]
+            # Eagerly on the committed host array: one compile per chunk would cost more than the zeros.
+            init = self.tx.init(self._chunk_tree(chunk, jax.device_put(x, self._cpu)))
+            self._write(c, jax.tree.leaves(init))
+        self._write_meta()
+        return DiskState(jnp.asarray(count, jnp.int32))
+
+    def _write_meta(self):
+        meta = {"chunks": [list(map(lambda v: -1 if v is None else v, c)) for c in self.chunks],
+                "state": [[list(s), str(d)] for shapes in self._state_shapes for s, d in shapes]}
+        (pathlib.Path(self.directory) / _META).write_text(json.dumps(meta))
+
+    def _write(self, c: int, leaves):
+        for f, x in zip(self._files(c), leaves):
+            mm = np.lib.format.open_memmap(f, mode="w+", dtype=x.dtype, shape=x.shape)
+            mm[...] = np.asarray(x)
+            mm.flush()
+            del mm
+
+    def _read(self, c: int):
+        # A copy in RAM of this chunk only; the memmap is closed before the next chunk.
+        return [np.array(np.load(f, mmap_mode="r")) for f in self._files(c)]
+
+    def read_state(self) -> list[list[np.ndarray]]:
+        """Every chunk's state leaves (tests and inspection; loads the whole state)."""
+        return [self._read(c) for c in range(len(self.chunks))]
+
+    def update(self, grads, state: DiskState, train):
+        """One optimizer step from the files: `(new trainable params, new handle)`.
+
+        `grads`, `train`: trees like the `train` given at construction (host arrays).
+        """
+        if self.clip:
+            # In f32, as `with_master_weights(chain(clip, ...))` clips the gradients it has cast.
+            grads = jax.device_put(cast_floating(grads, jnp.float32), self._cpu)
+            grads = optax.clip_by_global_norm(self.clip).update(grads, optax.EmptyState())[0]
+        g_leaves = jax.tree.leaves(grads, is_leaf=lambda x: x is None)
+        p_leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
+        out: list[Any] = [None if p is None else np.array(p) for p in p_leaves]
+        g_np = {i: np.asarray(g) for i, g in enumerate(g_leaves) if g is not None}
+        for c, chunk in enumerate(self.chunks):
+            i, layer = chunk
+            sl = slice(None) if layer is None else slice(layer, layer + 1)
+            g = self._chunk_tree(chunk, jax.device_put(g_np[i][sl], self._cpu))
+            p = self._chunk_tree(chunk, jax.device_put(out[i][sl], self._cpu))
+            st = jax.tree.unflatten(self._state_treedefs[c], [jax.device_put(x, self._cpu) for x in self._read(c)])
+            new_p, new_st = self._update_jit(g, st, p)
+            out[i][sl] = np.asarray(jax.tree.leaves(new_p)[0])
+            self._write(c, jax.tree.leaves(new_st))
+        new_train = jax.tree.unflatten(self._treedef, out)
+        return new_train, DiskState(jnp.asarray(int(np.asarray(state.updates)) + 1, jnp.int32))
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def snapshot(self, target: str) -> None:
+        """Copy the state files to `target` (beside a train checkpoint of the same step)."""
+        dst = pathlib.Path(target)
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(self.directory, dst)
+
+    def restore(self, source: str) -> None:
+        """Replace the state files with a snapshot's.
+
+        Raises:
+            OffloadError: the snapshot is missing or was written for other chunks or shapes.
+        """
+        src = pathlib.Path(source)
+        meta = src / _META
+        if not meta.is_file():
+            raise OffloadError(f"no optimizer-state snapshot in {src} (disk offload needs the files saved "
+                               f"with the checkpoint)")
+        mine = pathlib.Path(self.directory) / _META
+        self._write_meta()
+        if json.loads(meta.read_text()) != json.loads(mine.read_text()):
+            raise OffloadError(f"the optimizer-state snapshot in {src} was written for another model or optimizer")
+        for c in range(len(self.chunks)):
+            for f in self._files(c):
+                shutil.copyfile(src / f.name, f)

@@ -1,0 +1,75 @@
+"""`experiments/train.py --offload-optimizer host|disk --offload-params host`: flags checked before
+any work, the memory table shows device, host and disk bytes, and a disk-offloaded run resumed
+from its checkpoint repeats the uninterrupted run's losses."""
+
+import io
+import json
+import shutil
+
+import numpy as np
+
+import pytest
+
+from jmem.train import TrainConfig, train
+from tests.helpers import run_train_script
+
+TINY = ["--model", "tiny", "--steps", "3", "--batch", "4", "--seq", "16", "--no-progress", "--eval-batches", "1"]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--offload-optimizer", "nvme"], "accepted: none, host, disk"),
+    (["--offload-params", "disk"], "accepted: none, host"),
+    (["--offload-optimizer", "disk"], "--offload-dir"),
+    (["--offload-params", "host"], "needs offload optimizer 'host' or 'disk'"),
+    (["--offload-optimizer", "host", "--zero", "3"], "--zero 3 is not supported"),
+    (["--offload-optimizer", "disk", "--offload-dir", "D", "--precision", "f16"], "--precision f16"),
+])
+def test_bad_offload_flags_fail_before_any_work(flags, words, capsys, tmp_path):
+    flags = [str(tmp_path / "off") if f == "D" else f for f in flags]
+    rc, err = run_train_script(TINY + flags, capsys)
+    assert rc == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
+    assert not (tmp_path / "off").exists()  # nothing written
+
+
+def test_offloaded_run_prints_device_host_and_disk_bytes(tmp_path):
+    out = io.StringIO()
+    log = tmp_path / "log.jsonl"
+    result = train(TrainConfig(model="tiny", steps=1, batch=4, seq=16, progress=False, eval_batches=1,
+                               offload_optimizer="disk", offload_dir=str(tmp_path / "state"),
+                               offload_params="host", log=str(log)), out=out)
+    text = out.getvalue()
+    for row in ("arguments (params, batch)", "host offloaded layer params", "disk optimizer state files",
+                "host largest chunk in memory"):
+        assert row in text
+    assert result.final_step == 1
+    memory = json.loads(log.read_text().splitlines()[0])["offload"]
+    # The disk row is the bytes stored in the state files; none of the state is in host memory.
+    stored = sum(np.load(f, mmap_mode="r").nbytes for f in (tmp_path / "state").glob("*.npy"))
+    assert memory["disk: optimizer state files"] == stored > 0
+    assert memory["host: optimizer state + master weights"] == 0
+    assert 0 < memory["host: largest chunk in memory"] < stored / 4
+    assert memory["host: offloaded layer params"] > memory["device: arguments (params on device, batch)"] / 2
+
+
+@pytest.mark.slow
+def test_host_offloaded_run_repeats_the_on_device_losses():
+    base = TrainConfig(model="tiny", steps=2, batch=4, seq=16, progress=False, eval_batches=1)
+    off = train(TrainConfig(**{**base.__dict__, "offload_optimizer": "host", "offload_params": "host"}),
+                out=io.StringIO())
+    assert off.losses == train(base, out=io.StringIO()).losses
+
+
+@pytest.mark.slow
+def test_disk_offload_resumes_from_its_checkpoint(tmp_path):
+    kw = dict(model="tiny", steps=4, batch=4, seq=16, progress=False, eval_batches=1,
+              offload_optimizer="disk", offload_dir=str(tmp_path / "state"))
+    whole = train(TrainConfig(**kw), out=io.StringIO())
+    ck = str(tmp_path / "ckpt")
+    kw["offload_dir"] = str(tmp_path / "state2")
+    first = train(TrainConfig(**kw, ckpt_dir=ck, stop_after=2), out=io.StringIO())
+    assert (tmp_path / "ckpt" / "offload_optimizer" / "2" / "chunks.json").is_file()
+    shutil.rmtree(tmp_path / "state2")  # the resumed run must take the state files from the checkpoint
+    out = io.StringIO()
+    second = train(TrainConfig(**kw, ckpt_dir=ck, resume=True), out=out)
+    assert "disk optimizer state files" in out.getvalue()
+    assert {**first.losses, **second.losses} == whole.losses
