@@ -121,8 +121,11 @@ class Checkpointer:
             raise CheckpointMismatchError(f"{self.directory / str(step)} is not a jmem checkpoint (no meta item)")
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def check(self, meta: dict, *, resume: bool) -> int | None:
+    def check(self, meta: dict, *, resume: bool, upgrade=None) -> int | None:
         """Validate the directory for this run; returns the step to resume from.
+
+        `upgrade(old_meta) -> meta` reads the metadata of an older version (e.g. fills the
+        fields it did not record yet with the values that reproduce its behaviour).
 
         Raises:
             CheckpointMismatchError: the directory holds checkpoints of another
@@ -134,6 +137,7 @@ class Checkpointer:
         if step is None:
             return None  # nothing there (--resume on an empty directory starts from scratch)
         old = self.read_meta(step) or {}
+        old = upgrade(old) if upgrade is not None else old
         diff = [k for k in MUST_MATCH if old.get(k) != meta.get(k)]
         if diff:
             detail = "; ".join(_describe(k, old.get(k), meta.get(k)) for k in diff)

@@ -89,6 +89,13 @@ class TrainConfig:
     offload_dir: str | None = None
     """Directory of the optimizer-state files of --offload-optimizer disk (required with it)."""
 
+    layerwise: int = 0
+    """Layer-wise (LISA) training: train this many layers at a time, plus embeddings, final norm and head; gradients and optimizer state exist for those alone (0: every layer every step)."""
+    layerwise_period: int = 20
+    """Steps between layer draws of --layerwise; the layers' optimizer state is reset at each."""
+    layerwise_schedule: str = "random"
+    """Which layers --layerwise trains: random (LISA), bottom-up or top-down (cycling blocks)."""
+
     lora_rank: int = 0
     """LoRA rank; > 0 trains only adapters on --lora-targets (gradients and optimizer state for them alone)."""
     lora_alpha: float = 16.0

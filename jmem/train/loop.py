@@ -34,7 +34,7 @@ import numpy as np
 from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.memory.measure import MemoryReport, measure_and_compile
 from jmem.train.config import TrainConfig
-from jmem.train.setup import Run, build, check_steps_left, state_settings_diff
+from jmem.train.setup import Run, build, check_steps_left, state_settings_diff, upgrade_meta
 
 
 @dataclasses.dataclass
@@ -183,7 +183,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     start = 0
     if ckpt is not None:
         _check_state_settings(ckpt, run)
-        resume_step = ckpt.check(run.meta, resume=cfg.resume)
+        resume_step = ckpt.check(run.meta, resume=cfg.resume, upgrade=upgrade_meta)
         if cfg.resume and resume_step is None:
             raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
                              f"drop --resume to start a new run")
@@ -418,7 +418,7 @@ def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:
     `Checkpointer.check`, whose last resort is the structure hash)."""
     if ckpt.latest_step() is None:
         return
-    old = ckpt.read_meta() or {}
+    old = upgrade_meta(ckpt.read_meta() or {})
     if old.get("structure") == run.meta["structure"]:
         return
     if any(old.get(k) != run.meta.get(k) for k in ("model", "optimizer", "precision")):

@@ -70,6 +70,7 @@ def validate(cfg: TrainConfig) -> Policy:
     _validate_parallel(cfg)
     _validate_lora(cfg)
     _validate_offload(cfg, policy)
+    _validate_layerwise(cfg)
     _make_output_dirs(cfg)
     return policy
 
@@ -183,6 +184,35 @@ def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:
         d = pathlib.Path(cfg.offload_dir).expanduser()
         if d.exists() and not d.is_dir():
             raise ValueError(f"--offload-dir {cfg.offload_dir} exists and is not a directory")
+
+
+def _validate_layerwise(cfg: TrainConfig) -> None:
+    """--layerwise / --layerwise-period / --layerwise-schedule and what they combine with."""
+    from jmem.train.layerwise import SCHEDULES
+
+    if cfg.layerwise < 0:
+        raise ValueError(f"--layerwise={cfg.layerwise} must be >= 0 (0: every layer every step)")
+    if cfg.layerwise_period < 1:
+        raise ValueError(f"--layerwise-period={cfg.layerwise_period} must be >= 1")
+    if cfg.layerwise_schedule not in SCHEDULES:
+        raise ValueError(f"--layerwise-schedule {cfg.layerwise_schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    if not cfg.layerwise:
+        return
+    if cfg.distributed:
+        raise ValueError(f"--layerwise {cfg.layerwise} runs on one device; accepted: without --mesh, --zero, "
+                         f"--pipeline-stages and --num-processes")
+    if cfg.offload_optimizer != "none":
+        raise ValueError(f"--layerwise {cfg.layerwise} with --offload-optimizer {cfg.offload_optimizer} is not "
+                         f"supported (layer-wise training already keeps optimizer state for the active layers "
+                         f"alone); accepted: --offload-optimizer none")
+    if cfg.model in PRESETS:
+        check_layerwise_fits(cfg, PRESETS[cfg.model]())
+
+
+def check_layerwise_fits(cfg: TrainConfig, mc: LlamaConfig) -> None:
+    if cfg.layerwise > mc.n_layers:
+        raise ValueError(f"--layerwise {cfg.layerwise} exceeds the model's {mc.n_layers} layers; "
+                         f"accepted: 1..{mc.n_layers}")
 
 
 BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
@@ -424,6 +454,18 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
     }
 
 
+def upgrade_meta(old: dict) -> dict:
+    """Checkpoint metadata of an older version as this version writes it: model config
+    fields it did not record yet (added since) take their defaults, which reproduce the
+    older version's model, so such a checkpoint is not refused as another model."""
+    model = old.get("model")
+    if not isinstance(model, dict):
+        return old
+    defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
+                if f.default is not dataclasses.MISSING and f.name not in _NOT_STATE}
+    return {**old, "model": {**{k: v for k, v in defaults.items() if k not in model}, **model}}
+
+
 def _loss_scaling(precision) -> bool:
     return Policy.parse(precision).needs_loss_scale
 
@@ -434,6 +476,9 @@ STATE_SETTINGS = {
     "lora_rank": lambda v: v,
     "lora_targets": lambda v: v,
     "quantize_base": lambda v: v,
+    "layerwise": lambda v: v,
+    "layerwise_period": lambda v: v,
+    "layerwise_schedule": lambda v: v,
     "offload_optimizer": lambda v: v == "disk",  # disk: the state holds a handle, the files a snapshot
 }
 """Flags that shape the train state (beyond the model, optimizer and param dtype, which
@@ -483,11 +528,20 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
 
         loss_fn, _ = schedule_lm_loss_fn(cfg_key.pipeline_schedule, model, n_stages=cfg_key.pipeline_stages,
                                          n_microbatches=cfg_key.microbatches, mesh=mesh, chunk=mc.loss_chunk)
-    fns = make_train_fns(model, step_tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk,
-                         loss_scale=loss_scale_for(policy),
-                         mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
-                         adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed,
-                         loss_fn=loss_fn)
+    if cfg_key.layerwise:
+        from jmem.train.layerwise import make_layerwise_fns
+
+        check_layerwise_fits(cfg_key, mc)  # a model file's layer count is known now
+        fns = make_layerwise_fns(model, step_tx, cfg_key.layerwise, period=cfg_key.layerwise_period,
+                                 schedule=cfg_key.layerwise_schedule, seed=cfg_key.seed, accum=cfg_key.accum,
+                                 loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
+                                 adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed)
+    else:
+        fns = make_train_fns(model, step_tx, accum=cfg_key.accum, loss_chunk=mc.loss_chunk,
+                             loss_scale=loss_scale_for(policy),
+                             mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
+                             adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed,
+                             loss_fn=loss_fn)
     return mc, model, tok, tx, fns
 
 

@@ -100,6 +100,13 @@ def _one_line_exit_2(argv, capsys) -> str:
                               "pipeline microbatches; accepted: --batch a multiple of 4 x 2 x 2 = 16"),
     (["--batch", "8", "--mesh", "stage=2,fsdp=4", "--pipeline-stages", "2", "--microbatches", "4"],
      "accepted: --batch a multiple of 4 x 1 x 4 = 16"),
+    (["--layerwise", "-1"], "--layerwise=-1 must be >= 0"),
+    (["--layerwise", "1", "--layerwise-period", "0"], "--layerwise-period=0 must be >= 1"),
+    (["--layerwise", "1", "--layerwise-schedule", "sideways"],
+     "--layerwise-schedule 'sideways'; accepted: random, bottom-up, top-down"),
+    (["--layerwise", "3"], "--layerwise 3 exceeds the model's 2 layers; accepted: 1..2"),
+    (["--layerwise", "1", "--zero", "1"], "--layerwise 1 runs on one device"),
+    (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)

@@ -158,3 +158,42 @@ def test_1f1b_run_prints_the_busiest_stage_matmul_flops():
     # forward and backward (3x), on 16 x 32 tokens over data=4.
     per_token = 2 * 64 * (64 + 32 + 32 + 64 + 3 * 128) + 2 * 2 * 32 * 64 + 2 * 64 * 259
     assert abs(gflops * 1e9 - 3 * per_token * 16 * 32 / 4) <= 0.1 * 3 * per_token * 16 * 32 / 4, line
+
+
+def test_checkpoint_of_a_version_without_a_newer_model_field_resumes(tmp_path):
+    """A checkpoint written before a model config field existed matches a run that keeps
+    the field's default (which reproduces the older model), and only such a run."""
+    from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
+    from jmem.models.config import LlamaConfig
+    from jmem.train.setup import meta_for, upgrade_meta, validate
+
+    cfg = dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"))
+    policy = validate(cfg)
+    state = {"w": np.zeros((2, 3), np.float32)}
+    meta = meta_for(cfg, LlamaConfig.tiny(), policy, state)
+    assert meta["model"]["moe_dropless"] is False
+    older = {**meta, "model": {k: v for k, v in meta["model"].items() if k != "moe_dropless"}}
+    ckpt = Checkpointer(cfg.ckpt_dir)
+    ckpt.save(3, state, older)
+    with pytest.raises(CheckpointMismatchError, match="model.moe_dropless: checkpoint null vs run false"):
+        ckpt.check(meta, resume=True)  # compared as written
+    assert ckpt.check(meta, resume=True, upgrade=upgrade_meta) == 3
+    other = meta_for(cfg, LlamaConfig.tiny(moe_dropless=True), policy, state)
+    with pytest.raises(CheckpointMismatchError, match="model.moe_dropless: checkpoint false vs run true"):
+        ckpt.check(other, resume=True, upgrade=upgrade_meta)
+
+
+def test_layerwise_run_resumes_with_the_same_layer_draws(tmp_path):
+    """`--layerwise`: the loop runs `make_layerwise_fns`' step; a resumed run draws the same
+    layers and resets the same optimizer state, so its losses equal an uninterrupted run's;
+    a resume with another --layerwise is refused by name."""
+    lw = dataclasses.replace(BASE, steps=6, layerwise=1, layerwise_period=2)
+    straight = train(lw, out=io.StringIO())
+    ck = dataclasses.replace(lw, ckpt_dir=str(tmp_path / "ck"))
+    a = train(dataclasses.replace(ck, stop_after=3), out=io.StringIO())
+    b = train(dataclasses.replace(ck, resume=True), out=io.StringIO())
+    resumed = {**a.losses, **b.losses}
+    np.testing.assert_allclose([resumed[k] for k in range(6)], [straight.losses[k] for k in range(6)],
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"--layerwise: checkpoint 1 vs run 2"):
+        train(dataclasses.replace(ck, resume=True, steps=8, layerwise=2), out=io.StringIO())
