@@ -4,6 +4,7 @@ Example:
     $ jmem serve --model smollm2-135m --port 8000 --kv-cache-dtype fp8_e4m3
     $ python -m jmem.serve --model tiny --port 8001
     $ jmem serve --model smollm2-135m --lora-modules sql=sql.npz chat=chat.npz --max-lora-rank 16
+    $ jmem serve --model smollm2-135m --tensor-parallel-size 3      # 9 q heads, 3 kv heads: 3 devices
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class ServeArgs:
     """Largest adapter rank accepted; slots are zero-padded to the largest rank loaded."""
     lora_impl: str = "onehot"
     """Batched adapter matmul: onehot (two dense matmuls) or ragged (jax.lax.ragged_dot on slot-sorted tokens)."""
+    tensor_parallel_size: int = 1
+    """Local devices to split the model over (Megatron tensor parallelism; the KV cache splits on its kv heads,
+    so --kv-cache-memory is per device and the cache holds this many times the tokens)."""
 
 
 LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}  # uvicorn's
@@ -87,7 +91,33 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
-    lora_modules(args)
+    modules = lora_modules(args)
+    check_tensor_parallel_args(args, bool(modules))
+
+
+def check_tensor_parallel_args(args: ServeArgs, has_adapters: bool) -> None:
+    """`--tensor-parallel-size` against the local devices, a preset's head counts and the adapters
+    (a model file's heads are checked once it loads)."""
+    from jmem.models.config import PRESETS, get_config
+    from jmem.serve.tensor_parallel import check_tensor_parallel
+
+    tp = args.tensor_parallel_size
+    try:
+        if tp < 1:
+            raise ValueError("accepted: an integer >= 1")
+        import jax
+
+        n = jax.local_device_count()
+        if tp > n:
+            raise ValueError(f"exceeds the {n} local {jax.default_backend()} devices; accepted: 1..{n}")
+        if args.model in PRESETS:
+            check_tensor_parallel(get_config(args.model), tp)
+    except ValueError as e:
+        msg = str(e).removeprefix(f"tensor_parallel_size={tp}: ")
+        raise ValueError(f"--tensor-parallel-size={tp}: {msg}") from None
+    if tp > 1 and has_adapters:
+        raise ValueError(f"--tensor-parallel-size={tp} with --lora-modules: adapters are served on one device only; "
+                         f"accepted: --tensor-parallel-size=1 with adapters, or no --lora-modules")
 
 
 def lora_modules(args: ServeArgs) -> dict[str, str]:
@@ -159,7 +189,8 @@ def build_engine(args: ServeArgs):
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                        memory_utilization=args.memory_utilization, num_blocks=args.num_blocks,
                        enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
-                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl)
+                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
+                       tensor_parallel_size=args.tensor_parallel_size)
     return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args)), args.model
 
 
@@ -193,6 +224,11 @@ def serve_main(argv: list[str] | None = None) -> None:
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)
+    if args.tensor_parallel_size > 1:
+        log.info("tensor parallel: %d devices, weights split Megatron-style, each device holding 1/%d of the "
+                 "KV heads: %d KV tokens, about %dx the tokens of one device's budget",
+                 args.tensor_parallel_size, args.tensor_parallel_size, engine.num_kv_tokens,
+                 args.tensor_parallel_size)
     if engine.adapters:
         slot = max(a.rank for a in engine.adapters.values())
         log.info("LoRA adapters: %s stacked in %d slots of rank %d, %.1f KiB on the device",

@@ -13,11 +13,15 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import queue
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+
+import jax
+from flax import nnx
 
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
@@ -47,6 +51,9 @@ class EngineConfig:
         max_loras: LoRA adapter slots (None: one per adapter given to the engine).
         max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded).
         lora_impl: batched adapter matmul: onehot | ragged (see `jmem.serve.lora`).
+        tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
+            `jmem.serve.tensor_parallel`); the KV budgets are per device, so the pool holds this
+            many times the tokens.
     """
 
     block_size: int = 16
@@ -63,6 +70,7 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     lora_impl: str = "onehot"
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -169,6 +177,17 @@ class Engine:
         if not 1 <= max_len <= mcfg.max_seq_len:
             raise ValueError(f"max_model_len={max_len} is out of range; accepted: 1..{mcfg.max_seq_len} "
                              f"(the model's context length)")
+        tp = config.tensor_parallel_size
+        mesh = None
+        if tp != 1:  # every refusal before the weights move or the adapters load
+            from jmem.serve.tensor_parallel import check_tensor_parallel, refuse_unsplittable, tensor_mesh
+
+            check_tensor_parallel(mcfg, tp)
+            if lora_modules:
+                raise ValueError(f"tensor_parallel_size={tp}: LoRA adapters (lora_modules) are served on one "
+                                 f"device only; accepted: tensor_parallel_size=1 with adapters, or no adapters")
+            refuse_unsplittable(nnx.state(model), tp)
+            mesh = tensor_mesh(tp)
         self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
         if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
             model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,
@@ -178,17 +197,27 @@ class Engine:
             num_blocks = config.num_blocks
         else:
             weights = sum(getattr(x, "nbytes", 0) for x in _leaves(model))
+            if mesh is not None:  # what one device holds once the weights are split
+                from jmem.parallel.rules import shardings
+
+                weights = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in
+                              zip(_leaves(model), jax.tree.leaves(shardings(nnx.state(model), None, mesh))))
             budget = kv_cache_budget(weights, config.kv_cache_memory, config.memory_utilization)
-            num_blocks = ModelRunner.num_blocks_for_budget(mcfg, budget, config.block_size, config.kv_cache_dtype)
+            num_blocks = ModelRunner.num_blocks_for_budget(mcfg, budget, config.block_size, config.kv_cache_dtype,
+                                                           tp)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                     static_batching=config.static_batching)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
                                   config.kv_cache_dtype, config.attention_impl,
-                                  {name: a.slot for name, a in self.adapters.items()})
+                                  {name: a.slot for name, a in self.adapters.items()}, mesh=mesh)
         self.eos_ids = tuple(i for i in [getattr(tokenizer, "eos_id", None)] if i is not None)
         self.num_kv_tokens = num_blocks * config.block_size
+        if tp > 1:
+            log.info("tensor parallel over %d devices: each holds %d of %d kv heads of every block, so the KV "
+                     "cache holds %d tokens (about %d times what the same per-device memory holds on one device)",
+                     tp, mcfg.n_kv_heads // tp, mcfg.n_kv_heads, self.num_kv_tokens, tp)
         self._streams: dict[str, RequestStream] = {}
         self._detok: dict[str, _Detok] = {}
         self._commands: queue.Queue = queue.Queue()
@@ -428,7 +457,4 @@ class Engine:
 
 
 def _leaves(model):
-    import jax
-    from flax import nnx
-
     return jax.tree_util.tree_leaves(nnx.state(model))

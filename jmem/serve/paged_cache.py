@@ -430,23 +430,34 @@ class PagedKVCache:
     v_scale: jax.Array | None = None
     layout: StepLayout | None = None
     impl: str = flax.struct.field(pytree_node=False, default="tiled")
+    # Tensor parallelism: the pool's kv-head axis lies on this mesh's `tensor` axis (None: one device).
+    mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, kv_dtype: str = "auto",
-               impl: str = "auto") -> "PagedKVCache":
+               impl: str = "auto", mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
         """Zeroed pages (and zero scales for int8/fp8). `impl`: "tiled" (plain jnp, any backend),
         "kernel" (the Pallas ragged paged-attention kernel) or "auto" (kernel on GPU/TPU, tiled
-        otherwise)."""
+        otherwise). `mesh`: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`);
+        each device then holds the pages of its own kv heads, created in place (the whole pool
+        never exists on one device)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
         if impl not in ("auto", "tiled", "kernel"):
             raise ValueError(f"paged attention impl={impl!r}; accepted: auto, tiled, kernel")
         if impl == "auto":
             impl = "kernel" if jax.default_backend() in ("gpu", "tpu") else "tiled"
         shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
+        if mesh is None:
+            zeros = jnp.zeros
+        else:
+            from jmem.serve.tensor_parallel import kv_pool_sharding
+
+            def zeros(shp, dt):
+                return jax.jit(lambda: jnp.zeros(shp, dt), out_shardings=kv_pool_sharding(mesh, len(shp)))()
         scales = (None, None)
         if is_quantized(dtype):
-            scales = (jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape[:3], jnp.float32))
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales, impl=impl)
+            scales = (zeros(shape[:3], jnp.float32), zeros(shape[:3], jnp.float32))
+        return cls(zeros(shape, dtype), zeros(shape, dtype), *scales, impl=impl, mesh=mesh)
 
     @property
     def num_pages(self) -> int:
@@ -473,9 +484,18 @@ class PagedKVCache:
         lay = self.layout
         index = (slice(None), slice(None)) + (
             (lay.upd_pages,) if is_quantized(self.k_pages.dtype) else (lay.write_page, lay.write_offset))
-        put = lambda pool, x: None if pool is None else from_bits(as_bits(pool).at[index].set(x), pool.dtype)
+        put = lambda pool, x: None if pool is None else self._keep_sharding(
+            from_bits(as_bits(pool).at[index].set(x), pool.dtype))
         return self.replace(k_pages=put(self.k_pages, k_new), v_pages=put(self.v_pages, v_new),
                             k_scale=put(self.k_scale, ks_new), v_scale=put(self.v_scale, vs_new))
+
+    def _keep_sharding(self, pool):
+        """Pin a written pool to its kv-head sharding, so the donated input and the output agree."""
+        if self.mesh is None:
+            return pool
+        from jmem.serve.tensor_parallel import kv_pool_sharding
+
+        return jax.lax.with_sharding_constraint(pool, kv_pool_sharding(self.mesh, pool.ndim))
 
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
         """Attention of this step's tokens for one layer, and what the step writes (pages as bits)."""
@@ -526,6 +546,20 @@ class PagedKVCache:
         else:
             k_pages = k_pages.at[:, lay.write_page, lay.write_offset].set(k_new)
             v_pages = v_pages.at[:, lay.write_page, lay.write_offset].set(v_new)
-        o_THD = ragged_paged_attention(q_BTHD[0], k_pages, v_pages, lay.seq_kv_lens, lay.seq_pages, lay.cu_q_lens,
-                                       lay.num_seqs, **scales)
-        return o_THD[None]
+
+        def run(q_THD, k_KPSD, v_KPSD, kv_lens, pages, cu_q_lens, num_seqs, *ks):
+            return ragged_paged_attention(q_THD, k_KPSD, v_KPSD, kv_lens, pages, cu_q_lens, num_seqs,
+                                          **dict(zip(("k_scale", "v_scale"), ks)))
+
+        args = (q_BTHD[0], k_pages, v_pages, lay.seq_kv_lens, lay.seq_pages, lay.cu_q_lens, lay.num_seqs,
+                *scales.values())
+        if self.mesh is not None and self.mesh.shape.get("tensor", 1) > 1:
+            # GSPMD cannot split a Pallas call: run it per device on that device's heads (whole
+            # GQA groups, since q heads and kv heads split alike), the layout replicated.
+            from jax.sharding import PartitionSpec as P
+
+            heads = (P(None, "tensor", None), P("tensor", None, None, None), P("tensor", None, None, None))
+            specs = heads + (P(),) * 4 + (P("tensor", None),) * len(scales)
+            run = jax.shard_map(run, mesh=self.mesh, in_specs=specs, out_specs=P(None, "tensor", None),
+                                check_vma=False)
+        return run(*args)[None]

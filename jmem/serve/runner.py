@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
 from jmem.serve.lora import BASE_SLOT, with_slots
@@ -129,6 +130,9 @@ class ModelRunner:
         attention_impl: auto | tiled | kernel (see `PagedKVCache.create`).
         adapter_slots: LoRA adapter name -> slot of the model's `MultiLoRA` leaves
             (`jmem.serve.lora.stack_adapters`); a request's `adapter_id` picks one, None the base model.
+        mesh: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`): the weights are split
+            Megatron-style and the pool on its kv heads; `num_blocks` then counts blocks of all heads,
+            each device holding its heads' share of every block. None: one device.
 
     Example:
         >>> runner = ModelRunner(model, num_blocks=64, block_size=16, max_num_seqs=8, max_model_len=512)
@@ -136,7 +140,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                 kv_dtype: str = "auto", attention_impl: str = "auto", adapter_slots: dict[str, int] | None = None):
+                 kv_dtype: str = "auto", attention_impl: str = "auto", adapter_slots: dict[str, int] | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
         self.config = model.config
         self.adapter_slots = dict(adapter_slots or {})
         self.block_size = block_size
@@ -144,8 +149,16 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // block_size)
         self.kv_dtype = kv_dtype
         self.spare_page = num_blocks
-        self.cache = PagedKVCache.create(self.config, num_blocks + 1, block_size, kv_dtype, attention_impl)
+        self.mesh = mesh
+        self.tensor_parallel_size = 1 if mesh is None else mesh.shape.get("tensor", 1)
         self.graphdef, self.state = nnx.split(model)
+        if mesh is not None:
+            from jmem.serve.tensor_parallel import check_tensor_parallel, refuse_unsplittable, shard_state
+
+            check_tensor_parallel(self.config, self.tensor_parallel_size, mesh.devices.size)
+            refuse_unsplittable(self.state, self.tensor_parallel_size)
+            self.state = shard_state(self.state, mesh)
+        self.cache = PagedKVCache.create(self.config, num_blocks + 1, block_size, kv_dtype, attention_impl, mesh)
         self._abstract_state, self._abstract_cache = _abstract(self.state), _abstract(self.cache)
         self.compiled_shapes: set[StepShape] = set()  # shapes this runner has compiled or run
         # Shapes compiled by any runner of the same model and cache (one jitted step serves them all).
@@ -182,7 +195,7 @@ class ModelRunner:
                   StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, S, 0)]
         for shape in shapes:
             if shape not in self._known_shapes:
-                self._compile(shape)
+                self.compiled_step(shape)
                 self._known_shapes.add(shape)
             self.compiled_shapes.add(shape)
         self._compile_ahead = True
@@ -229,7 +242,7 @@ class ModelRunner:
             fits = [s for s in known if s.holds(need)]
             if fits:
                 if need not in self._compiling and need not in self._compile_failed:
-                    self._compiling[need] = _background_compiler().submit(self._compile, need)
+                    self._compiling[need] = _background_compiler().submit(self.compiled_step, need)
                 shape = min(fits, key=StepShape.cost)
                 self.compiled_shapes.add(shape)
                 return shape
@@ -262,16 +275,18 @@ class ModelRunner:
                             max_seqs=self.max_num_seqs, pages_per_seq=shape.pages_per_seq,
                             decode_rows=shape.decode_rows, decode_chunks=shape.decode_chunks, tiled=not self._kernel)
 
-    def _compile(self, shape: StepShape) -> None:
+    def compiled_step(self, shape: StepShape):
         """Compile the step for `shape` from abstract arguments; the jitted step's cache keeps the program,
         so the first real call of that shape runs it without compiling (safe on another thread: nothing
-        here reads the live cache arrays)."""
+        here reads the live cache arrays). Returns the `jax.stages.Compiled` (a shape already compiled
+        comes from the cache): `.as_text()` is the partitioned HLO whose collectives
+        `jmem.serve.tensor_parallel.step_collectives` counts, `.memory_analysis()` one device's bytes."""
         layout = self._layout([], shape)
         sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
-        _step_fn.lower(self.graphdef, self._abstract_state, self._abstract_cache.replace(layout=_abstract(layout)),
-                       tokens, tokens, tokens, jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32),
-                       _abstract(sarr)).compile()
+        return _step_fn.lower(self.graphdef, self._abstract_state,
+                              self._abstract_cache.replace(layout=_abstract(layout)), tokens, tokens, tokens,
+                              jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32), _abstract(sarr)).compile()
 
     def slot_of(self, adapter_id: str | None) -> int:
         """The stacked-adapter slot serving `adapter_id` (BASE_SLOT for None); ValueError if unknown."""
@@ -301,12 +316,16 @@ class ModelRunner:
                          for t in range(T - 1)]
 
     @staticmethod
-    def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str) -> int:
+    def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str,
+                              tensor_parallel_size: int = 1) -> int:
+        """Blocks a per-device budget holds; with tensor parallelism each device stores only its
+        `n_kv_heads / tensor_parallel_size` heads of a block, so the same budget holds N times the blocks."""
         per_block = kv_bytes_per_token(config, kv_dtype, block_size) * block_size  # int8/fp8: scales included
+        per_block //= tensor_parallel_size  # the heads (values and per-head scales) split evenly
         n = budget_bytes // per_block - 1  # one spare page
         if n < 1:
             raise ValueError(f"a KV-cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "
-                             f"({per_block} bytes each)")
+                             f"({per_block} bytes each per device)")
         return int(n)
 
     def step(self, out: SchedulerOutput) -> StepResult:
@@ -411,5 +430,9 @@ def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr):
     h_1TE, cache = model.hidden(ids_T[None], positions=pos_T[None], cache=cache)
     h_1SE = h_1TE[:, last_S]
     logits_SV = model.logits_from_hidden(h_1SE)[0]
+    if cache.mesh is not None:
+        # A vocabulary-parallel head: gather the few sampled rows' logits once, then sample on every
+        # device alike, rather than run each sampling reduction (softmax, top-k, top-p) as collectives.
+        logits_SV = jax.lax.with_sharding_constraint(logits_SV, jax.sharding.NamedSharding(cache.mesh, P()))
     toks, lp, top_lp, top_ids = sample(logits_SV, sarr)
     return toks, lp, top_lp, top_ids, cache

