@@ -224,11 +224,6 @@ def serve_main(argv: list[str] | None = None) -> None:
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)
-    if args.tensor_parallel_size > 1:
-        log.info("tensor parallel: %d devices, weights split Megatron-style, each device holding 1/%d of the "
-                 "KV heads: %d KV tokens, about %dx the tokens of one device's budget",
-                 args.tensor_parallel_size, args.tensor_parallel_size, engine.num_kv_tokens,
-                 args.tensor_parallel_size)
     if engine.adapters:
         slot = max(a.rank for a in engine.adapters.values())
         log.info("LoRA adapters: %s stacked in %d slots of rank %d, %.1f KiB on the device",
