@@ -95,3 +95,24 @@ def random_model(cfg, seed):
                for path, v in nnx.to_flat_state(nnx.state(model))}
     set_weights(model, weights)
     return model
+
+
+def train_optimizer(tx, params, loss, steps: int):
+    """`steps` jitted updates of `tx` on `loss(params)`: (params, optimizer state, losses)."""
+    import jax
+    import numpy as np
+    import optax
+
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+        value, g = jax.value_and_grad(loss)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    losses = []
+    for _ in range(steps):
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    return params, state, np.array(losses)

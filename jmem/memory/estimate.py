@@ -183,7 +183,7 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
 
 
 def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dtype=None, compute_dtype=None,
-             optimizer: str = "adamw", accum: int = 1, attention: str | None = None, loss_chunk: int | None = None,
+             optimizer: str = "adamw", optimizer_kw: dict | None = None, accum: int = 1, attention: str | None = None, loss_chunk: int | None = None,
              master_weights: bool = False, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
              quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> dict:
     """Analytic per-device bytes of one training step (no sharding).
@@ -193,7 +193,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         batch, seq: global batch size and sequence length.
         remat: policy name or spec (`jmem.memory.remat`); default `config.remat`.
         param_dtype, compute_dtype: "f32"/"bf16"/"f16" or dtypes; default the config's.
-        optimizer: a `jmem.optim.make_optimizer` name (adamw, adafactor, adam8bit, sgd).
+        optimizer: a `jmem.optim.make_optimizer` name (adamw, adafactor, adam8bit, galore, sgd).
+        optimizer_kw: its keywords that shape the state (e.g. `{"rank": 64}` for galore).
         accum: microbatches per step (activations for batch/accum rows, plus
             an f32 gradient accumulator).
         attention: "xla"/"reference" (T^2 scores kept) or "pallas" (flash);
@@ -241,7 +242,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
         if not lora_rank:
             raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
-    tx = make_optimizer(optimizer, 1e-3)
+    tx = make_optimizer(optimizer, 1e-3, **(optimizer_kw or {}))
     c = _bytes_of(compute_dtype or config.compute_dtype)
 
     shapes = param_shapes(config, param_dtype)

@@ -8,11 +8,13 @@ import optax
 
 from jmem.optim.adafactor import adafactor
 from jmem.optim.adam8bit import adam8bit
+from jmem.optim.galore import galore
 
 OPTIMIZERS = {
     "adamw": optax.adamw,
     "adafactor": adafactor,
     "adam8bit": adam8bit,
+    "galore": galore,
     "sgd": optax.sgd,
 }
 
@@ -25,10 +27,10 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
     """Builds an optimizer by name.
 
     Args:
-        name: one of "adamw", "adafactor", "adam8bit", "sgd" (case-insensitive).
+        name: one of "adamw", "adafactor", "adam8bit", "galore", "sgd" (case-insensitive).
         lr: learning rate, float or optax schedule.
         **kw: passed to the constructor (`optax.adamw`, `jmem.optim.adafactor`,
-            `jmem.optim.adam8bit`, `optax.sgd`); unknown keywords are an error.
+            `jmem.optim.adam8bit`, `jmem.optim.galore`, `optax.sgd`); unknown keywords are an error.
 
     Raises:
         UnknownOptimizerError: unknown name (the message lists valid names).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
 """Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
 
@@ -36,9 +36,15 @@ class TrainConfig:
     accum: int = 1
     """Gradient-accumulation microbatches per step (must divide --batch)."""
     optimizer: str = "adafactor"
-    """Optimizer: adamw, adafactor, adam8bit, sgd."""
+    """Optimizer: adamw, adafactor, adam8bit, galore, sgd."""
     weight_decay: float = 0.0
-    """Decoupled weight decay, >= 0 (adamw, adam8bit; 0: none)."""
+    """Decoupled weight decay, >= 0 (adamw, adam8bit, galore; 0: none)."""
+    galore_rank: int = 128
+    """GaLore projection rank, >= 1 (--optimizer galore): weight matrices with both sides > rank keep rank-sized Adam moments; other leaves, the embeddings and the head use Adam."""
+    galore_gap: int = 200
+    """GaLore: steps between SVD refreshes of each projection, >= 1."""
+    galore_scale: float = 0.25
+    """GaLore: scale of the projected updates, > 0 (0.25 pairs with about 4x AdamW's --lr)."""
     clip: float = 1.0
     """Global gradient-norm clipping, >= 0 (0 disables)."""
     seed: int = 0

@@ -145,7 +145,7 @@ def _per_layer_state_flags(tx, trainable) -> Any:
         if tree_bytes(jax.eval_shape(tx.init, more)) != tree_bytes(s0):
             raise LayerwiseError("the optimizer keeps per-layer state outside a 'layers' subtree, so it cannot be "
                                  "reset when the active layers change; accepted: optax-style states that mirror "
-                                 "the params tree (adamw, adafactor, adam8bit, sgd)")
+                                 "the params tree (adamw, adafactor, adam8bit, galore, sgd)")
     return flags
 
 

@@ -83,7 +83,8 @@ def estimate_bytes(run: Run) -> dict[str, int]:
         # Adapters are f32 and `--quantize-base rtn` is 4-bit per channel (jmem.train.setup).
         lora = dict(lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
                     quantize_base=cfg.quantize_base, base_group_size=None, lora_dtype="f32")
-    return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, accum=cfg.accum,
+    kw = {"rank": cfg.galore_rank} if cfg.optimizer == "galore" else None
+    return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
                     loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32), **lora)
 
 

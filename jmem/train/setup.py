@@ -53,6 +53,7 @@ def validate(cfg: TrainConfig) -> Policy:
     if cfg.weight_decay and cfg.optimizer not in DECAYING:
         raise ValueError(f"--weight-decay={cfg.weight_decay} is not applied by --optimizer {cfg.optimizer}; "
                          f"accepted with: {', '.join(DECAYING)}")
+    _validate_galore(cfg)
     validate_remat(cfg.remat)
     policy = Policy.parse(cfg.precision)
     check_divisible(cfg.batch, cfg.accum)
@@ -75,8 +76,28 @@ def validate(cfg: TrainConfig) -> Policy:
     return policy
 
 
-DECAYING = ("adamw", "adam8bit")
+DECAYING = ("adamw", "adam8bit", "galore")
 """Optimizers that apply --weight-decay."""
+
+
+def _validate_galore(cfg: TrainConfig) -> None:
+    defaults = TrainConfig()
+    given = [f"--{n.replace('_', '-')}" for n in ("galore_rank", "galore_gap", "galore_scale")
+             if getattr(cfg, n) != getattr(defaults, n)]
+    if cfg.optimizer != "galore":
+        if given:
+            raise ValueError(f"{given[0]} applies to --optimizer galore only; got --optimizer {cfg.optimizer}")
+        return
+    for name, least in (("galore_rank", 1), ("galore_gap", 1)):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= {least}")
+    if not (math.isfinite(cfg.galore_scale) and cfg.galore_scale > 0):
+        raise ValueError(f"--galore-scale={cfg.galore_scale} must be a finite number > 0")
+    if cfg.distributed:
+        # The SVD refresh inside a multi-device XLA:CPU program hung at its first run: refused
+        # until a mesh run is verified.
+        raise ValueError("--optimizer galore runs on one device; accepted: without --mesh, --zero, "
+                         "--pipeline-stages and --num-processes")
 
 
 def _validate_floats(cfg: TrainConfig) -> None:
@@ -426,6 +447,8 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -
     )
     # Always passed: the constructors' own defaults (1e-4) would decay a run that asked for none.
     kw = {"weight_decay": cfg.weight_decay} if cfg.optimizer in DECAYING else {}
+    if cfg.optimizer == "galore":
+        kw.update(rank=cfg.galore_rank, update_proj_gap=cfg.galore_gap, scale=cfg.galore_scale)
     tx = make_optimizer(cfg.optimizer, schedule, **kw)
     if cfg.clip and clip:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
@@ -476,6 +499,7 @@ STATE_SETTINGS = {
     "lora_rank": lambda v: v,
     "lora_targets": lambda v: v,
     "quantize_base": lambda v: v,
+    "galore_rank": lambda v: v,  # the moments' shapes
     "layerwise": lambda v: v,
     "layerwise_period": lambda v: v,
     "layerwise_schedule": lambda v: v,

@@ -9,6 +9,7 @@ import pytest
 from jmem.memory.measure import tree_bytes
 from jmem.optim import adam8bit, dequantize, dynamic_code, make_optimizer, quantize
 from jmem.optim.factory import UnknownOptimizerError
+from tests.helpers import train_optimizer
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -45,29 +46,13 @@ def _regression(seed=0):
     return params, loss
 
 
-def _train(tx, params, loss, steps):
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s):
-        l, g = jax.value_and_grad(loss)(p)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, l
-
-    losses = []
-    for _ in range(steps):
-        params, state, l = step(params, state)
-        losses.append(float(l))
-    return params, state, np.array(losses)
-
-
 # Tolerances: ~1.5x the measured gap (dynamic: 3.8% loss, 2.1% params; linear:
 # 8.6%, 3.1%). AdamW with b2=0.99 instead of 0.999 is 9.9% / 1.3% away.
 @pytest.mark.parametrize("code,loss_rtol,param_rtol", [("dynamic", 0.06, 0.035), ("linear", 0.13, 0.05)])
 def test_tracks_adamw(code, loss_rtol, param_rtol):
     params, loss = _regression()
-    p_ref, _, l_ref = _train(optax.adamw(0.05, weight_decay=1e-4), params, loss, 60)
-    p_8, s_8, l_8 = _train(adam8bit(0.05, weight_decay=1e-4, code=code), params, loss, 60)
+    p_ref, _, l_ref = train_optimizer(optax.adamw(0.05, weight_decay=1e-4), params, loss, 60)
+    p_8, s_8, l_8 = train_optimizer(adam8bit(0.05, weight_decay=1e-4, code=code), params, loss, 60)
     assert l_ref[-1] < 0.05 * l_ref[0]  # the problem is actually being solved
     np.testing.assert_allclose(l_8, l_ref, rtol=loss_rtol)
     moved = float(jnp.linalg.norm(p_ref["w"]))
@@ -94,7 +79,7 @@ def test_make_optimizer_names_and_errors():
         u, _ = tx.update(params, tx.init(params), params)
         assert float(jnp.sum(u["w"])) < 0  # descends along +grad
     make_optimizer("adafactor", 1e-2, momentum=0.9)
-    with pytest.raises(UnknownOptimizerError, match="adamw, adafactor, adam8bit, sgd"):
+    with pytest.raises(UnknownOptimizerError, match="adamw, adafactor, adam8bit, galore, sgd"):
         make_optimizer("adam9bit", 1e-3)
     with pytest.raises(ValueError, match="does not accept momentumm"):
         make_optimizer("adafactor", 1e-3, momentumm=0.9)

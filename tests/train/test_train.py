@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -75,7 +76,7 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--remat", "everything"], "unknown remat policy 'everything'; valid: none, full"),
-    (["--optimizer", "lion"], "unknown optimizer 'lion'; accepted: adamw, adafactor, adam8bit, sgd"),
+    (["--optimizer", "lion"], "unknown optimizer 'lion'; accepted: adamw, adafactor, adam8bit, galore, sgd"),
     (["--accum", "3", "--batch", "4"], "accum=3 does not divide batch=4"),
     (["--precision", "p=f33"], "precision 'p=f33'"),
     (["--model", "no-such-model"], "not a preset"),
@@ -197,3 +198,22 @@ def test_layerwise_run_resumes_with_the_same_layer_draws(tmp_path):
                                rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"--layerwise: checkpoint 1 vs run 2"):
         train(dataclasses.replace(ck, resume=True, steps=8, layerwise=2), out=io.StringIO())
+
+
+def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
+    """`--optimizer galore --galore-rank 4`: the loss goes down, and the memory table's analytic
+    optimizer row is the rank-4 state the step holds (the compiler's argument bytes hold it)."""
+    from jmem.optim.galore import galore
+    from jmem.train.setup import build
+
+    cfg = dataclasses.replace(BASE, steps=12, optimizer="galore", galore_rank=4, galore_gap=5)
+    out = io.StringIO()
+    result = train(cfg, out=out)
+    losses = [result.losses[k] for k in range(12)]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    run = build(cfg)
+    params = run.fns.init_state(run.model).params
+    state_bytes = sum(np.prod(x.shape) * x.dtype.itemsize
+                      for x in jax.tree.leaves(jax.eval_shape(galore(1e-3, rank=4).init, params)))
+    row = next(line for line in out.getvalue().splitlines() if "estimated optimizer" in line)
+    assert abs(float(row.split()[-1]) - state_bytes / 2**20) < 0.006

@@ -1,0 +1,340 @@
+"""GaLore: Adam on a low-rank projection of each weight matrix's gradient.
+
+GaLore (Zhao et al., 2024, "GaLore: Memory-Efficient LLM Training by
+Gradient Low-Rank Projection") keeps Adam's moments for an `m x n` weight in
+a rank-`r` subspace of its gradient. Every `update_proj_gap` steps (T), the
+basis is recomputed from the current gradient's top-`r` singular vectors on
+the matrix's smaller side; in between, each step
+
+    left  (m <= n):  R = P^T G  (r x n),  update = scale * P   @ adam(R)
+    right (m >  n):  R = G Q    (m x r),  update = scale * adam(R) @ Q^T
+
+with `P` (m x r) or `Q` (n x r) held fixed. The state of a projected matrix is
+two `r x n` (or `m x r`) moments plus the basis instead of two `m x n`
+moments: about `r / min(m, n) + r / (2 max(m, n))` of Adam's. The moments are
+carried across a basis refresh, as in the paper's reference implementation.
+
+Which leaves are projected (the plan): a leaf is a matrix on its last two
+axes; leading axes (the stacked `[L, in, out]` layer axis of a scanned model,
+an expert axis) are batch axes, so every layer gets its own basis from one
+batched SVD. A leaf is projected when the rule accepts it (by default: at
+least 2-D and no path key in `exclude`, the embeddings and the LM head) and
+`rank < min(m, n)`: at full rank a basis saves nothing, so those leaves, norm
+scales, biases and excluded leaves run plain Adam (unscaled). Note that a
+projection at full rank would not reproduce Adam either: Adam's normalisation
+is per coordinate, so it changes under the rotation `P`.
+
+The refresh is a `lax.cond` on the step count inside the update: one
+compiled program, the SVD runs only on refresh steps (and on the first step
+after a matrix's state was reset to zeros, e.g. by a layer-wise schedule). Singular vectors are
+sign-canonicalised (largest-magnitude entry positive) so the carried moments
+meet the same basis orientation on every backend's SVD.
+
+`moments="8bit"` stores the (projected or plain) moments of leaves with at
+least `min_8bit_size` elements with `jmem.optim.adam8bit`'s block-wise dynamic
+8-bit code, which composes with the projection: about 2 bytes instead of 8 per
+moment pair entry.
+
+Example:
+    >>> tx = galore(1e-2, rank=128, update_proj_gap=200, scale=0.25)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmem.optim.adam8bit import QuantizedMoment, dequantize, quantize
+
+MOMENTS = ("f32", "8bit")
+DEFAULT_EXCLUDE = ("embed", "head")
+
+ProjectRule = Callable[[tuple, tuple], bool]
+"""`(path names, shape) -> bool`: whether a leaf may be projected (the rank check comes after)."""
+
+
+class Plan(NamedTuple):
+    """How one leaf is treated.
+
+    Attributes:
+        side: "left" (basis `P[..., m, r]`, moments `[..., r, n]`), "right"
+            (basis `Q[..., n, r]`, moments `[..., m, r]`) or None (plain Adam).
+        rank: the projection rank (0 for plain leaves).
+    """
+
+    side: Optional[str]
+    rank: int
+
+
+def default_rule(exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> ProjectRule:
+    """Project leaves of at least 2 axes with no path key in `exclude`."""
+    exclude = tuple(exclude)
+    return lambda path, shape: len(shape) >= 2 and not any(k in exclude for k in path)
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_plan(path: tuple, shape: tuple, rank: int, rule: ProjectRule) -> Plan:
+    """The `Plan` of one leaf: projected on its smaller side when the rule accepts it and
+    `rank < min(m, n)` of its last two axes, else plain Adam."""
+    if len(shape) < 2 or not rule(path, tuple(shape)):
+        return Plan(None, 0)
+    m, n = shape[-2:]
+    if rank >= min(m, n):
+        return Plan(None, 0)
+    return Plan("left" if m <= n else "right", rank)
+
+
+def galore_plan(tree, rank: int, *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None):
+    """`(plans, treedef)`: the `Plan` of every array leaf of `tree` (a params or grads pytree).
+
+    Example:
+        >>> plans, _ = galore_plan(params, rank=4)
+        >>> sum(p.side is not None for p in plans)   # projected matrices
+    """
+    rule = default_rule(exclude) if rule is None else rule
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [leaf_plan(tuple(_key_name(k) for k in path), tuple(x.shape), rank, rule) for path, x in with_path], treedef
+
+
+def _basis(g_BMN, side: str, rank: int, svd_batch_size: int | None):
+    """Top-`rank` singular vectors on the smaller side, sign-canonicalised: f32[..., m or n, r]."""
+    g = g_BMN.astype(jnp.float32)
+    lead = g.shape[:-2]
+
+    def one_batch(g_KMN):
+        u_KMK, _, vh_KKN = jnp.linalg.svd(g_KMN, full_matrices=False)
+        return u_KMK[..., :rank] if side == "left" else jnp.swapaxes(vh_KKN[..., :rank, :], -1, -2)
+
+    if svd_batch_size is None or not lead:
+        b = one_batch(g)
+    else:  # bound the SVD's workspace: `svd_batch_size` matrices per call
+        flat = g.reshape((-1,) + g.shape[-2:])
+        b = jax.lax.map(one_batch, flat, batch_size=svd_batch_size)
+        b = b.reshape(lead + b.shape[-2:])
+    idx = jnp.argmax(jnp.abs(b), axis=-2, keepdims=True)
+    sign = jnp.sign(jnp.take_along_axis(b, idx, axis=-2))
+    return b * jnp.where(sign == 0, 1.0, sign)
+
+
+# Projections are cheap (one side is r) and their error feeds Adam's per-coordinate
+# division, so they run at full f32 precision even where the default matmul is TF32/bf16.
+_HI = jax.lax.Precision.HIGHEST
+
+
+def project(g, basis, side: str):
+    """`P^T G` (left, `[..., r, n]`) or `G Q` (right, `[..., m, r]`) in f32."""
+    g = g.astype(jnp.float32)
+    b = basis.astype(jnp.float32)
+    if side == "left":
+        return jnp.einsum("...mr,...mn->...rn", b, g, precision=_HI)
+    return jnp.einsum("...mn,...nr->...mr", g, b, precision=_HI)
+
+
+def project_back(r, basis, side: str):
+    """`P R` (left) or `R Q^T` (right): f32[..., m, n]."""
+    b = basis.astype(jnp.float32)
+    if side == "left":
+        return jnp.einsum("...mr,...rn->...mn", b, r, precision=_HI)
+    return jnp.einsum("...mr,...nr->...mn", r, b, precision=_HI)
+
+
+class ScaleByGaloreState(NamedTuple):
+    """GaLore-Adam state. Unused slots hold a `[1]` zero placeholder.
+
+    Attributes:
+        count: i32[] steps taken (the basis refreshes when `count % gap == 0`,
+            and for any matrix whose basis is all zero).
+        basis: per projected leaf, `P[..., m, r]` or `Q[..., n, r]`.
+        mu, nu: per leaf, Adam's moments in the projected shape (`[..., r, n]`
+            or `[..., m, r]`) or the leaf's shape; a `QuantizedMoment` with
+            `moments="8bit"` for large ones.
+    """
+
+    count: jax.Array
+    basis: optax.Updates
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def _moment_shape(shape, plan: Plan) -> tuple:
+    if plan.side == "left":
+        return tuple(shape[:-2]) + (plan.rank, shape[-1])
+    if plan.side == "right":
+        return tuple(shape[:-1]) + (plan.rank,)
+    return tuple(shape)
+
+
+def _basis_shape(shape, plan: Plan) -> tuple:
+    side_dim = shape[-2] if plan.side == "left" else shape[-1]
+    return tuple(shape[:-2]) + (side_dim, plan.rank)
+
+
+def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25, b1: float = 0.9,
+                    b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
+                    exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None,
+                    basis_dtype=jnp.float32, moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
+                    svd_batch_size: int | None = None) -> optax.GradientTransformation:
+    """Adam's scaling with GaLore projection of matrix leaves (no learning rate, no sign flip).
+
+    Args: see `galore`.
+
+    Returns:
+        An `optax.GradientTransformation` whose state is a `ScaleByGaloreState`.
+    """
+    _check(rank, update_proj_gap, scale, b1, b2, eps, eps_root, moments, block_size, min_8bit_size, svd_batch_size)
+    rule = default_rule(exclude) if rule is None else rule
+
+    def eight(shape) -> bool:
+        return moments == "8bit" and math.prod(shape) >= min_8bit_size
+
+    def zeros_moment(shape, signed):
+        if eight(shape):
+            return quantize(jnp.zeros(shape, jnp.float32), signed=signed, block_size=block_size)
+        return jnp.zeros(shape, jnp.float32)
+
+    def load(mom, shape, signed):
+        return dequantize(mom, shape, signed=signed) if isinstance(mom, QuantizedMoment) else mom
+
+    def store(x, signed):
+        return quantize(x, signed=signed, block_size=block_size) if eight(x.shape) else x
+
+    def init(params):
+        plans, treedef = galore_plan(params, rank, rule=rule)
+        bases, mus, nus = [], [], []
+        for p, plan in zip(treedef.flatten_up_to(params), plans):
+            shape = _moment_shape(p.shape, plan)
+            mus.append(zeros_moment(shape, True)), nus.append(zeros_moment(shape, False))
+            bases.append(jnp.zeros((1,), basis_dtype) if plan.side is None
+                         else jnp.zeros(_basis_shape(p.shape, plan), basis_dtype))
+        un = treedef.unflatten
+        return ScaleByGaloreState(jnp.zeros([], jnp.int32), un(bases), un(mus), un(nus))
+
+    def update(updates, state, params=None):
+        del params
+        plans, treedef = galore_plan(updates, rank, rule=rule)
+        grads = treedef.flatten_up_to(updates)
+        old_bases = treedef.flatten_up_to(state.basis)
+        proj = [i for i, plan in enumerate(plans) if plan.side is not None]
+
+        bases = list(old_bases)
+        if proj:
+            periodic = state.count % update_proj_gap == 0
+            # A matrix whose basis is all zero has never had one (or had its state reset, as a
+            # layer-wise schedule does for newly trained layers): it gets one on this step.
+            unset = [jnp.all(old_bases[i] == 0, axis=(-2, -1), keepdims=True) for i in proj]
+
+            def fresh(gs, olds, unset):
+                return [jnp.where(periodic | u, _basis(g, plans[i].side, rank, svd_batch_size).astype(basis_dtype), o)
+                        for g, o, u, i in zip(gs, olds, unset, proj)]
+
+            def keep(_, olds, unset):
+                return olds
+
+            refresh = periodic | jnp.any(jnp.stack([jnp.any(u) for u in unset]))
+            new = jax.lax.cond(refresh, fresh, keep, [grads[i] for i in proj], [old_bases[i] for i in proj], unset)
+            for i, b in zip(proj, new):
+                bases[i] = b
+
+        count = optax.safe_increment(state.count)
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** count.astype(jnp.float32)
+        outs, mus, nus = [], [], []
+        for g, plan, basis, mu, nu in zip(grads, plans, bases, treedef.flatten_up_to(state.mu),
+                                          treedef.flatten_up_to(state.nu)):
+            r = g.astype(jnp.float32) if plan.side is None else project(g, basis, plan.side)
+            m = b1 * load(mu, r.shape, True) + (1 - b1) * r
+            v = b2 * load(nu, r.shape, False) + (1 - b2) * r * r
+            n = (m / c1) / (jnp.sqrt(v / c2 + eps_root) + eps)
+            if plan.side is not None:
+                n = scale * project_back(n, basis, plan.side)
+            outs.append(n.astype(g.dtype))
+            mus.append(store(m, True)), nus.append(store(v, False))
+        un = treedef.unflatten
+        return un(outs), ScaleByGaloreState(count, un(bases), un(mus), un(nus))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _check(rank, gap, scale, b1, b2, eps, eps_root, moments, block_size, min_8bit_size, svd_batch_size) -> None:
+    def positive_int(v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+    if not positive_int(rank):
+        raise ValueError(f"galore rank={rank!r}; accepted: an integer >= 1")
+    if not positive_int(gap):
+        raise ValueError(f"galore update_proj_gap={gap!r}; accepted: an integer >= 1 (steps between SVD refreshes)")
+    if not (isinstance(scale, (int, float, np.number)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"galore scale={scale!r}; accepted: a finite number > 0")
+    for name, b in (("b1", b1), ("b2", b2)):
+        if not 0 <= b < 1:
+            raise ValueError(f"galore {name}={b!r}; accepted: a value in [0, 1)")
+    if eps < 0 or eps_root < 0:
+        raise ValueError(f"galore eps={eps!r}, eps_root={eps_root!r}; accepted: values >= 0")
+    if moments not in MOMENTS:
+        raise ValueError(f"galore moments={moments!r}; accepted: {', '.join(MOMENTS)}")
+    if not positive_int(block_size) or not isinstance(min_8bit_size, (int, np.integer)) or min_8bit_size < 0:
+        raise ValueError(f"galore block_size={block_size!r} (accepted: an integer >= 1), "
+                         f"min_8bit_size={min_8bit_size!r} (accepted: an integer >= 0)")
+    if svd_batch_size is not None and not positive_int(svd_batch_size):
+        raise ValueError(f"galore svd_batch_size={svd_batch_size!r}; accepted: None or an integer >= 1")
+
+
+def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
+           b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4, *, mask=None,
+           eps_root: float = 0.0, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None,
+           basis_dtype=jnp.float32, moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
+           svd_batch_size: int | None = None) -> optax.GradientTransformation:
+    """GaLore-AdamW: AdamW whose matrix leaves keep rank-`rank` projected moments.
+
+    Args:
+        learning_rate: float or schedule (the paper pairs `scale=0.25` with a
+            learning rate about 4x AdamW's, e.g. 1e-2).
+        rank: projection rank r >= 1; a matrix is projected when
+            `r < min(m, n)` of its last two axes (else plain Adam).
+        update_proj_gap: T >= 1, steps between SVD refreshes of the basis.
+        scale: alpha > 0, multiplies the projected leaves' updates.
+        b1, b2, eps, eps_root: Adam's decays and epsilons (as `optax.adam`).
+        weight_decay, mask: decoupled weight decay on the full parameters (as
+            `optax.adamw`).
+        exclude: path keys whose leaves run plain Adam (default: "embed" and
+            "head", the paper's choice: only attention and MLP matrices).
+        rule: a callable `(path names, shape) -> bool` replacing `exclude`.
+        basis_dtype: dtype of the stored bases (bf16 halves their bytes).
+        moments: "f32" or "8bit" (`jmem.optim.adam8bit`'s block-wise dynamic
+            code for moments with at least `min_8bit_size` elements).
+        block_size, min_8bit_size: the 8-bit blocks and size threshold.
+        svd_batch_size: None: one batched SVD per stacked leaf; k: `lax.map`
+            over its matrices k at a time, which bounds the SVD workspace.
+
+    Returns:
+        `chain(scale_by_galore, add_decayed_weights, scale_by_learning_rate)`.
+
+    Raises:
+        ValueError: a bad setting (rank < 1, gap < 1, scale <= 0, ...), before anything is built.
+
+    Example:
+        >>> tx = galore(1e-2, rank=4, update_proj_gap=50)     # tiny model, width 64
+        >>> fns = jmem.train.step.make_train_fns(model, tx)
+    """
+    if not weight_decay >= 0:
+        raise ValueError(f"galore weight_decay={weight_decay!r}; accepted: a value >= 0")
+    return optax.chain(
+        scale_by_galore(rank, update_proj_gap, scale, b1, b2, eps, eps_root, exclude=exclude, rule=rule,
+                        basis_dtype=basis_dtype, moments=moments, block_size=block_size,
+                        min_8bit_size=min_8bit_size, svd_batch_size=svd_batch_size),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
