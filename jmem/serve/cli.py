@@ -72,6 +72,11 @@ class ServeArgs:
     tensor_parallel_size: int = 1
     """Local devices to split the model over (Megatron tensor parallelism; the KV cache splits on its kv heads,
     so --kv-cache-memory is per device and the cache holds this many times the tokens)."""
+    num_speculative_tokens: int = 0
+    """N-gram (prompt-lookup) speculative decoding: tokens proposed per decode from the sequence's own earlier
+    tokens, verified in the same step (0: off); outputs keep the distribution of decoding without it."""
+    prompt_lookup_max: int = 3
+    """Longest suffix of a sequence looked up for a proposal (shorter ones down to 1 are tried next)."""
 
 
 LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}  # uvicorn's
@@ -91,6 +96,12 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    from jmem.serve.ngram import check_speculative_args
+
+    try:
+        check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--")
+    except ValueError as e:
+        raise ValueError(str(e).replace("_", "-")) from None
     modules = lora_modules(args)
     check_tensor_parallel_args(args, bool(modules))
 
@@ -190,7 +201,8 @@ def build_engine(args: ServeArgs):
                        memory_utilization=args.memory_utilization, num_blocks=args.num_blocks,
                        enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
-                       tensor_parallel_size=args.tensor_parallel_size)
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max)
     return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args)), args.model
 
 

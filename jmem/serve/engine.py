@@ -25,6 +25,7 @@ from flax import nnx
 
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
+from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, SamplingParams, Status
 from jmem.serve.runner import ModelRunner, kv_cache_budget
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
@@ -54,6 +55,10 @@ class EngineConfig:
         tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
             `jmem.serve.tensor_parallel`); the KV budgets are per device, so the pool holds this
             many times the tokens.
+        num_speculative_tokens: n-gram (prompt-lookup) speculation: tokens proposed per decode from the
+            sequence's own earlier tokens and verified in the same step (0: off). Outputs keep the
+            distribution (greedy: the exact tokens) of decoding without it.
+        prompt_lookup_max: longest suffix of a sequence looked up for a proposal (down to 1).
     """
 
     block_size: int = 16
@@ -71,6 +76,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_impl: str = "onehot"
     tensor_parallel_size: int = 1
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
 
 
 @dataclass
@@ -131,6 +138,7 @@ class _Detok:
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0
+        self.num_ids = 0  # output tokens already emitted
 
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the output."""
@@ -170,6 +178,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None):
+        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max)
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config
@@ -207,7 +216,9 @@ class Engine:
                                                            tp)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                    static_batching=config.static_batching)
+                                    static_batching=config.static_batching,
+                                    num_speculative_tokens=config.num_speculative_tokens,
+                                    prompt_lookup_max=config.prompt_lookup_max)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
                                   config.kv_cache_dtype, config.attention_impl,
@@ -233,7 +244,7 @@ class Engine:
         """Compile the largest step shapes now, so that no step waits for XLA while serving
         (`ModelRunner.precompile`: smaller shapes then compile on a background thread)."""
         start = time.monotonic()
-        shapes = self.runner.precompile(self.config.max_num_batched_tokens)
+        shapes = self.runner.precompile(self.config.max_num_batched_tokens, self.config.num_speculative_tokens)
         log.info("compiled %d step shapes in %.1f s; others compile in the background", len(shapes),
                  time.monotonic() - start)
 
@@ -320,13 +331,16 @@ class Engine:
                 self._fail(seq.request.request_id, f"internal error: {e}")
             return
         now = time.monotonic()
-        touched = self.scheduler.update_from_output(out, res.tokens, res.logprobs)
+        touched = self.scheduler.update_from_output(out, res.tokens, res.logprobs, res.accepted)
+        generated = len(res.tokens) + sum(len(toks) for toks, _ in res.accepted.values())
         with self._lock:
             self.stats["steps"] += 1
             self.stats["tokens_computed"] += out.num_tokens
-            self.stats["tokens_generated"] += len(res.tokens)
+            self.stats["tokens_generated"] += generated
+            self.stats["spec_draft_tokens"] += res.num_draft_tokens
+            self.stats["spec_accepted_tokens"] += res.num_accepted_tokens
             self.stats["preemptions"] = self.scheduler.num_preemptions
-            self._token_times.append((now, len(res.tokens)))
+            self._token_times.append((now, generated))
             while self._token_times and now - self._token_times[0][0] > 10.0:
                 self._token_times.popleft()
         for req in touched:
@@ -339,19 +353,29 @@ class Engine:
             return
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        finished = req.status.finished
+        done = req.status.finished
         ids = req.output_token_ids
-        # A stop token id (or EOS, unless ignored) ends the output without appearing in the text.
-        stopped_by_token = finished and req.status is Status.FINISHED_STOPPED and ids and (
-            ids[-1] in req.params.stop_token_ids or (ids[-1] in req.eos_token_ids and not req.params.ignore_eos))
-        text_ids = ids[:-1] if stopped_by_token else ids
-        delta, hit_stop = detok.update(text_ids, finished)
-        if hit_stop and not finished:
-            self.scheduler.finish(rid, Status.FINISHED_STOPPED)
-            finished = True
-        lp = req.output_logprobs[-1:] if req.params.logprobs is not None and req.output_logprobs else []
+        # A step may add several tokens (accepted proposals): the text grows one token at a time, as
+        # without speculation, so a stop string cuts the output at the token that completes it.
+        first, deltas, hit_stop, finished = detok.num_ids, [], False, done
+        for m in range(first + 1, len(ids) + 1):
+            finished = done and m == len(ids)
+            # A stop token id (or EOS, unless ignored) ends the output without appearing in the text.
+            stopped_by_token = finished and req.status is Status.FINISHED_STOPPED and (
+                ids[-1] in req.params.stop_token_ids or (ids[-1] in req.eos_token_ids and not req.params.ignore_eos))
+            delta, hit_stop = detok.update(ids[: m - 1] if stopped_by_token else ids[:m], finished)
+            deltas.append(delta)
+            if hit_stop:
+                if m < len(ids):  # the tokens after the stop were never part of the output
+                    del ids[m:], req.output_logprobs[m:]
+                if not done:
+                    self.scheduler.finish(rid, Status.FINISHED_STOPPED)
+                finished = True
+                break
+        detok.num_ids = len(ids)
+        lp = req.output_logprobs[first:] if req.params.logprobs is not None else []
         reason = ("stop" if hit_stop else req.status.value) if finished else None
-        out = RequestOutput(rid, delta, ids[-1:], lp, finished, reason,
+        out = RequestOutput(rid, "".join(deltas), ids[first:], lp, finished, reason,
                             req.num_prompt_tokens, len(ids), req.num_cached_tokens)
         if finished:
             self._streams.pop(rid, None)
@@ -451,6 +475,8 @@ class Engine:
                 "requests_finished_total": self.stats["requests_finished"],
                 "requests_aborted_total": self.stats["requests_aborted"],
                 "engine_steps_total": self.stats["steps"],
+                "spec_decode_num_draft_tokens_total": self.stats["spec_draft_tokens"],
+                "spec_decode_num_accepted_tokens_total": self.stats["spec_accepted_tokens"],
                 "step_compilations": self.runner.num_compilations,
                 "step_compilations_blocking_total": self.runner.num_blocking_compilations,
             }

@@ -11,8 +11,13 @@ a compilation: a shape not compiled yet runs padded to a compiled one that
 holds it while its own compiles on a background thread.
 
 The step is general in "tokens per sequence", so a speculative-decoding verify
-step (several proposed tokens per sequence, logits at each) fits the same
-layout by asking for logits at more positions.
+step fits the same layout by asking for logits at more positions: a decode
+with proposals (`ScheduledSeq.draft_token_ids`) feeds its last token and the
+proposals, gets one sampled row per position, and `jmem.serve.spec_decode`
+decides on device which proposals are kept; the host keeps the accepted run and
+the token after it. The proposals only change the sizes the shape buckets
+already pad (tokens, tiles, sampled rows), so no acceptance pattern compiles a
+program of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import concurrent.futures
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -36,6 +41,7 @@ from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_decode import chunk_pages
 from jmem.sampling import make_arrays, sample
 from jmem.serve.scheduler import SchedulerOutput
+from jmem.serve.spec_decode import NO_DRAFT, row_keys, verify_rows
 
 log = logging.getLogger("jmem.serve")
 
@@ -111,10 +117,17 @@ class StepShape(NamedTuple):
 
 @dataclass
 class StepResult:
-    """Per scheduled sequence that samples: token, its logprob, top logprobs and ids (host numpy)."""
+    """Per scheduled sequence that samples: token, its logprob, top logprobs and ids (host numpy).
+
+    With speculation, `accepted[rid]` holds the proposals kept (and their logprob records), which
+    come before `tokens[rid]` (the correction or bonus token) in the output.
+    """
 
     tokens: dict[str, int]
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    accepted: dict[str, tuple[list[int], list]] = field(default_factory=dict)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class ModelRunner:
@@ -174,14 +187,16 @@ class ModelRunner:
         """Distinct padded shapes the step has been compiled for (in the foreground or the background)."""
         return len(self.compiled_shapes)
 
-    def precompile(self, max_num_batched_tokens: int) -> list[StepShape]:
+    def precompile(self, max_num_batched_tokens: int, num_speculative_tokens: int = 0) -> list[StepShape]:
         """Compile the largest decode-only step and the largest step that prefills, then serve every step
         without waiting for XLA.
 
         After this, a step whose exact padded shape is not compiled yet runs padded to the smallest
         compiled shape that holds it, while its own shape compiles on a background thread for the
         steps after it; a serving loop never stalls on a compilation (steps with penalties, whose
-        history length is its own dimension, compile on first use). Returns the shapes compiled.
+        history length is its own dimension, compile on first use). With `num_speculative_tokens`,
+        the prefilling step samples a row per verified position too, so it holds every verify step.
+        Returns the shapes compiled.
         """
         S, B = self.max_num_seqs, max_num_batched_tokens
         max_chunks = S * -(-self.max_pages_per_seq // chunk_pages(self.block_size))
@@ -191,8 +206,10 @@ class ModelRunner:
         if self._kernel:
             rows = chunks = tiles = pages = 1
         width = self._table_width(self.max_pages_per_seq)
+        # Verify steps sample a row per position (a token each, so B rows at most).
+        sampled = max(S, _bucket(min(S * (1 + num_speculative_tokens), B), 1)) if num_speculative_tokens else S
         shapes = [StepShape(_fine_bucket(min(S, B), 16), 1, 1, width, rows, chunks, S, 0),
-                  StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, S, 0)]
+                  StepShape(_fine_bucket(B, 16), tiles, pages, width, rows, chunks, sampled, 0)]
         for shape in shapes:
             if shape not in self._known_shapes:
                 self.compiled_step(shape)
@@ -224,14 +241,16 @@ class ModelRunner:
         Rd, Nc = _bucket(rows, 8), _fine_bucket(chunks, 8)
         H = 0
         if any(p.uses_penalties for p in params):
-            H = _bucket(max(s.request.num_tokens for s in seqs), 64)
+            H = _bucket(max(s.request.num_tokens + len(s.draft_token_ids) for s in seqs), 64)
         if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
             N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
         # The head runs on the step's sequences (power-of-two rows), not on every slot: for SmolLM2-135M,
         # 31 padded rows of its 576 x 49152 head are 6.5x all of one token's matmuls.
+        rows = sum(1 + len(s.draft_token_ids) for s in seqs)  # a verified position per proposal
+        sample_rows = min(_bucket(rows, 1), self.max_num_seqs) if rows <= self.max_num_seqs else _bucket(rows, 1)
         return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
-                         Rd, Nc, min(_bucket(len(seqs), 1), self.max_num_seqs), H)
+                         Rd, Nc, sample_rows, H)
 
     def _shape_to_run(self, need: StepShape) -> StepShape:
         """`need` when compiled (or when compiling it now is the only way); else, after `precompile`,
@@ -284,9 +303,10 @@ class ModelRunner:
         layout = self._layout([], shape)
         sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
+        rows = jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32)
         return _step_fn.lower(self.graphdef, self._abstract_state,
                               self._abstract_cache.replace(layout=_abstract(layout)), tokens, tokens, tokens,
-                              jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32), _abstract(sarr)).compile()
+                              rows, _abstract(sarr), rows).compile()
 
     def slot_of(self, adapter_id: str | None) -> int:
         """The stacked-adapter slot serving `adapter_id` (BASE_SLOT for None); ValueError if unknown."""
@@ -340,36 +360,66 @@ class ModelRunner:
         pos = np.zeros(T, np.int32)
         slots = np.full(T, BASE_SLOT, np.int32)  # padding rows take the base path
         last = np.zeros(shape.sample_rows, np.int32)
-        t = 0
-        for i, s in enumerate(seqs):
-            toks = s.request.all_token_ids[s.start : s.start + s.num_tokens]
-            ids[t : t + s.num_tokens] = toks
+        draft = np.full(shape.sample_rows, NO_DRAFT, np.int32)
+        # One sampled row per verified position: a sequence's last real token, then each proposal. Row j
+        # of a sequence sees the proposals before it as outputs (penalties) and draws at step out + j.
+        row_params, seeds, steps, hists = [], [], [], []
+        t = r = 0
+        for s in seqs:
+            d = s.draft_token_ids
+            real = s.num_tokens - len(d)
+            ids[t : t + s.num_tokens] = s.request.all_token_ids[s.start : s.start + real] + d
             pos[t : t + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
             slots[t : t + s.num_tokens] = self.slot_of(s.request.adapter_id)
-            last[i] = t + s.num_tokens - 1
+            out_ids = s.request.output_token_ids
+            for j in range(len(d) + 1):
+                last[r + j] = t + real - 1 + j
+                draft[r + j] = d[j] if j < len(d) else NO_DRAFT
+                row_params.append(s.request.params), seeds.append(s.request.seed)
+                steps.append(len(out_ids) + j), hists.append((s.request.prompt_token_ids, out_ids + d[:j]))
             t += s.num_tokens
+            r += len(d) + 1
         layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
-        reqs = [s.request for s in seqs]
-        sarr = make_arrays(params, seeds=[r.seed for r in reqs], steps=[len(r.output_token_ids) for r in reqs],
-                           histories=[(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        sarr = make_arrays(row_params, seeds=seeds, steps=steps, histories=hists,
                            batch=shape.sample_rows, hist_len=shape.hist_len)
         cache = self.cache.replace(layout=layout)
-        toks, lp, top_lp, top_ids, cache = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos),
-                                                      jnp.asarray(slots), jnp.asarray(last), sarr)
+        outs = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(slots),
+                        jnp.asarray(last), sarr, jnp.asarray(draft))
+        toks, lp, top_lp, top_ids, accept, resid, resid_lp, draft_lp, cache = outs
         self.cache = cache.replace(layout=None)
         toks, lp = np.asarray(toks), np.asarray(lp)
+        speculating = any(s.draft_token_ids for s in seqs)
+        if speculating:
+            accept, resid, resid_lp, draft_lp = map(np.asarray, (accept, resid, resid_lp, draft_lp))
         want_top = any(p.logprobs for p in params)
         top_lp, top_ids = (np.asarray(top_lp), np.asarray(top_ids)) if want_top else (None, None)
-        tokens, logprobs = {}, {}
-        for i, s in enumerate(seqs):
+        result = StepResult({}, {})
+
+        def record(req, row, value):
+            k = req.params.logprobs
+            return (float(value), [(int(top_ids[row, j]), float(top_lp[row, j])) for j in range(k)] if k else [])
+
+        r = 0
+        for s in seqs:
+            req, d = s.request, s.draft_token_ids
+            row, r = r, r + len(d) + 1
             if not s.samples:
                 continue
-            rid = s.request.request_id
-            tokens[rid] = int(toks[i])
-            k = s.request.params.logprobs
-            tops = [(int(top_ids[i, j]), float(top_lp[i, j])) for j in range(k)] if k else []
-            logprobs[rid] = (float(lp[i]), tops)
-        return StepResult(tokens, logprobs)
+            rid = req.request_id
+            kept, kept_lps, final = [], [], None
+            for j, x in enumerate(d):  # left to right: stop at the first rejection, which takes the residual
+                if not accept[row + j]:
+                    final = (int(resid[row + j]), record(req, row + j, resid_lp[row + j]))
+                    break
+                kept.append(x), kept_lps.append(record(req, row + j, draft_lp[row + j]))
+            if final is None:  # all kept (or none proposed): the bonus token at the row after them
+                final = (int(toks[row + len(d)]), record(req, row + len(d), lp[row + len(d)]))
+            result.tokens[rid], result.logprobs[rid] = final
+            if d:
+                result.accepted[rid] = (kept, kept_lps)
+                result.num_draft_tokens += len(d)
+                result.num_accepted_tokens += len(kept)
+        return result
 
 
 def _abstract(tree):
@@ -423,7 +473,7 @@ def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr):
+def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr, draft_S):
     # Each token's LoRA slot reaches every MultiLoRA leaf as an argument: one program serves any
     # mix of adapters (a model without them ignores `slots_T`).
     model = nnx.merge(graphdef, with_slots(state, slots_T))
@@ -435,4 +485,9 @@ def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr):
         # device alike, rather than run each sampling reduction (softmax, top-k, top-p) as collectives.
         logits_SV = jax.lax.with_sharding_constraint(logits_SV, jax.sharding.NamedSharding(cache.mesh, P()))
     toks, lp, top_lp, top_ids = sample(logits_SV, sarr)
-    return toks, lp, top_lp, top_ids, cache
+    # Rows with a proposal at the next position: keep it or draw the correction (all NO_DRAFT: unused).
+    # A step without proposals (every step when speculation is off) skips the verification's work.
+    accept, resid, resid_lp, draft_lp = jax.lax.cond(
+        jnp.any(draft_S >= 0), lambda: verify_rows(logits_SV, sarr, toks, draft_S, row_keys(sarr)),
+        lambda: (jnp.zeros(toks.shape, bool), toks, lp, lp))
+    return toks, lp, top_lp, top_ids, accept, resid, resid_lp, draft_lp, cache

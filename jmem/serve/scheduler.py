@@ -20,21 +20,27 @@ from dataclasses import dataclass, field
 
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.request import Request, Status
+from jmem.serve.ngram import check_speculative_args, propose_ngram
 
 
 @dataclass
 class ScheduledSeq:
-    """One request's slice of a step: compute tokens [start, start + num_tokens)."""
+    """One request's slice of a step: compute tokens [start, start + num_tokens).
+
+    With speculation, a decode's last `len(draft_token_ids)` positions hold proposed tokens (past the
+    request's own tokens), verified by the logits at each position.
+    """
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this slice reaches the request's last token, so its logits give a new token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -65,6 +71,10 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     static_batching: bool = False
     """Admit new requests only when none is running (a batch waits for its longest request); for comparison."""
+    num_speculative_tokens: int = 0
+    """Tokens proposed per decode by n-gram lookup in the sequence's own tokens (0: no speculation)."""
+    prompt_lookup_max: int = 3
+    """Longest suffix looked up for a proposal (shorter ones down to 1 are tried next)."""
 
 
 class Scheduler:
@@ -86,6 +96,7 @@ class Scheduler:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name}={getattr(config, name)}; need >= 1")
+        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max)
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -133,10 +144,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget) if n == req.num_tokens - req.num_computed_tokens == 1 else []
             while True:
-                blocks = self.kv.allocate_slots(req, n)
+                blocks = self.kv.allocate_slots(req, n + len(drafts))
                 if blocks is not None:
                     break
+                if drafts:  # no room for the proposals: a plain decode before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()  # latest arrival among running
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -144,9 +159,9 @@ class Scheduler:
                     break
             if blocks is None:
                 break
-            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, blocks))
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n + len(drafts), blocks, drafts))
             scheduled.append(req)
-            budget -= n
+            budget -= n + len(drafts)
             i += 1
 
         # Admit waiting requests only when nothing was preempted this step: otherwise
@@ -186,13 +201,24 @@ class Scheduler:
             budget -= n
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None) -> list[Request]:
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """N-gram proposals for a decode of `req`: at most k, the budget left after its own token, and the
+        outputs it may still produce after the token the step samples anyway."""
+        k = min(self.config.num_speculative_tokens, budget - 1,
+                req.params.max_tokens - len(req.output_token_ids) - 1)
+        return propose_ngram(req.all_token_ids, k, self.config.prompt_lookup_max) if k > 0 else []
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None,
+                           accepted: dict[str, tuple[list[int], list]] | None = None) -> list[Request]:
         """Advance every scheduled request; append sampled tokens; finish stopped ones.
 
         Args:
             out: what `schedule` returned for this step.
             sampled: request id -> new token, for the seqs with `samples` True.
             logprobs: optional request id -> logprob record, stored beside the token.
+            accepted: request id -> (accepted proposals, their logprob records), emitted before the
+                sampled token; only the accepted ones count as computed (the K/V written for rejected
+                proposals is overwritten later). The run is cut at the first stop token or max_tokens.
 
         Returns:
             Requests that got a token this step (finished ones have a finished status).
@@ -203,15 +229,20 @@ class Scheduler:
             req = seq.request
             if req.status.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = seq.start + seq.num_tokens
+            rid = req.request_id
+            acc_toks, acc_lps = (accepted or {}).get(rid, ([], []))
+            req.num_computed_tokens = seq.start + seq.num_tokens - len(seq.draft_token_ids) + len(acc_toks)
             if not seq.samples:
                 continue
-            req.output_token_ids.append(sampled[req.request_id])
-            if logprobs is not None and req.request_id in logprobs:
-                req.output_logprobs.append(logprobs[req.request_id])
-            status = req.check_stop_token()
-            if status is not None:
-                self.finish(req.request_id, status)
+            new_lps = list(acc_lps) + [logprobs[rid]] if logprobs is not None and rid in logprobs else None
+            for j, tok in enumerate([*acc_toks, sampled[rid]]):
+                req.output_token_ids.append(tok)
+                if new_lps is not None:
+                    req.output_logprobs.append(new_lps[j])
+                status = req.check_stop_token()
+                if status is not None:
+                    self.finish(rid, status)
+                    break
             touched.append(req)
         return touched
 
