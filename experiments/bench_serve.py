@@ -60,12 +60,16 @@ class Config:
     hf_requests: int = 8
     """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
     seed: int = 0
+    num_speculative_tokens: int = 0
+    """> 0 adds a run of (a) with n-gram prompt-lookup speculation proposing this many tokens."""
 
 
 def check(cfg: Config) -> None:
     """One clear `ValueError` for a flag out of range, before the model loads."""
     if cfg.num_requests < 1:
         raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
+    if cfg.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens={cfg.num_speculative_tokens}; accepted: >= 0 (0: no speculation run)")
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
     if cfg.arrival == "poisson" and not cfg.rate > 0:
@@ -168,7 +172,8 @@ def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
             "kv_util": float(np.mean(util)) if util else 0.0, "preemptions": engine.metrics()["preemptions_total"],
             "compilations": engine.runner.num_compilations, "steps": split,
             "blocking_compilations": engine.runner.num_blocking_compilations,
-            "compiled_in_run": COMPILES.count - compiles0, "compile_s": COMPILES.seconds - compile_s0}
+            "compiled_in_run": COMPILES.count - compiles0, "compile_s": COMPILES.seconds - compile_s0,
+            "spec_accepted": engine.stats["spec_accepted_tokens"], "spec_proposed": engine.stats["spec_draft_tokens"]}
 
 
 def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
@@ -236,11 +241,14 @@ def main(cfg: Config) -> None:
     longest = max(len(p) + o for _, p, o in trace)
     blocks = cfg.num_blocks or sum(-(-(len(p) + o) // cfg.block_size) for _, p, o in trace)
     rows = {}
-    for name, static in (("(a) jmem continuous batching", False), ("(b) jmem static batching", True)):
+    runs = [("(a) jmem continuous batching", False, 0), ("(b) jmem static batching", True, 0)]
+    if cfg.num_speculative_tokens:
+        runs.append((f"(a) + n-gram speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens))
+    for name, static, k in runs:
         ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
                             kv_cache_dtype=cfg.kv_cache_dtype, num_blocks=blocks, static_batching=static,
-                            enable_prefix_caching=False)
+                            enable_prefix_caching=False, num_speculative_tokens=k)
         def fresh_engine():
             engine = Engine(model, tok, ecfg)
             engine.precompile()
@@ -276,6 +284,10 @@ def main(cfg: Config) -> None:
             (np_, tp), (nd, td) = r["steps"]["prefill"], r["steps"]["decode"]
             print(f"| {name} | {np_} / {tp:.1f} | {nd} / {td:.1f} | {r['compiled_in_run']} / {r['compile_s']:.1f} "
                   f"({r['blocking_compilations']}) |")
+    for name, r in rows.items():
+        if r.get("spec_proposed"):
+            print(f"\n{name}: {r['spec_accepted']} of {r['spec_proposed']} proposed tokens accepted; "
+                  f"{r['tok_s'] / rows['(a) jmem continuous batching']['tok_s']:.2f}x the output tokens/s of (a)")
     a = rows["(a) jmem continuous batching"]["tok_s"]
     print(f"\ncontinuous / static: {a / rows['(b) jmem static batching']['tok_s']:.2f}x")
     for name, r in rows.items():
