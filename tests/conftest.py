@@ -20,3 +20,17 @@ def shared_dir() -> pathlib.Path:
     if not SHARED.is_dir():
         pytest.skip("../shared is absent (only present in the project's own checkouts)")
     return SHARED
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every XLA:CPU executable keeps its own
+    memory mappings; the whole suite compiles thousands of programs, which would otherwise reach
+    the kernel's per-process mapping limit (vm.max_map_count) and crash the compiler."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
