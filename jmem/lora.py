@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.models.dot import dot
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import dot, partition_specs
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 ADAPTER_FIELDS = ("lora_a", "lora_b")
@@ -114,6 +116,12 @@ class LoRA:
         """The merged float weight `W + scale * A @ B`."""
         base = self.base.dequantize(jnp.float32) if hasattr(self.base, "dequantize") else self.base
         return (base.astype(jnp.float32) + self.delta()).astype(self.dtype if dtype is None else dtype)
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """The base as it splits, A `[in, r]` on the input rows, B `[r, out]` on the output columns."""
+        key = None if self.dropout_key is None else P()
+        return LoRA(partition_specs(self.base, lead, rows, cols, row_pieces), P(*lead, rows, None),
+                    P(*lead, None, cols), self.alpha, self.dropout, self.rslora, dropout_key=key)
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         y = dot(x, self.base)

@@ -116,3 +116,24 @@ def train_optimizer(tx, params, loss, steps: int):
         params, state, value = step(params, state)
         losses.append(float(value))
     return params, state, np.array(losses)
+
+
+def random_adapter(model, path, seed, rank, targets, alpha=16.0, rslora=False):
+    """An adapter with random (nonzero) A and B, written by `save_adapters` (numpy draws: no compilation)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jmem.lora import LoRA, save_adapters
+
+    m = nnx.clone(model)
+    rng = np.random.default_rng(seed)
+    for t in targets:
+        var = getattr(m.layers, t).kernel
+        *lead, n_in, n_out = var.get_value().shape
+        a = rng.normal(size=(*lead, n_in, rank)) * n_in ** -0.5
+        b = rng.normal(size=(*lead, rank, n_out)) * 0.5
+        var.set_value(LoRA(var.get_value(), jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), alpha,
+                           rslora=rslora))
+    save_adapters(m, path)
+    return path

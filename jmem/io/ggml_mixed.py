@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from jmem.quant import ggml
 from jmem.quant.ggml_weight import GGMLWeight, PackedRows
 
@@ -91,6 +93,15 @@ class MixedGGMLWeight(PackedRows):
         if index is Ellipsis or index == (Ellipsis,):
             return self
         return MixedGGMLWeight.tree_unflatten((self.qtypes, self.in_features), (self.raw[index], self.kind[index]))
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """Output rows on `cols`. Each layer's bytes sit at offsets of its own block type, so no one cut
+        of the padded width splits every layer's input rows: refused for `row_pieces` > 1."""
+        if row_pieces > 1:
+            raise ValueError(f"its layers mix GGML block types ({'/'.join(q.name for q in self.qtypes)}), whose "
+                             f"input rows do not split at one byte offset; accepted: input rows whole (load the "
+                             f"file dequantized, or re-quantize it to one block type with `jmem quantize`)")
+        return MixedGGMLWeight.tree_unflatten((self.qtypes, self.in_features), (P(*lead, cols, None), P(*lead)))
 
     def _decode_OI(self, raw, kind) -> jax.Array:
         """f32[out, in] of one layer: its own type's decoder, picked at run time."""

@@ -25,3 +25,35 @@ def dot(x: jax.Array, w) -> jax.Array:
         w = w.astype(x.dtype)
     y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+def partition_specs(w, lead: tuple, rows, cols, row_pieces: int = 1):
+    """How to split weight leaf `w` `[..., in, out]` over a mesh: a tree shaped like `w` of `PartitionSpec`s.
+
+    `lead` holds the mesh axes of the leading (stacked-layers) axes, `rows` and `cols` those of the
+    input and output axes (None, a mesh axis name or a tuple of them), as `Rules.spec` gives them for
+    the float kernel; `row_pieces` is how many shards the input axis is cut into. A plain array
+    takes the spec as is; a leaf implementing `__jmem_dot__` says how its own children split
+    (`__jmem_partition__`, same arguments), and raises ValueError when a cut would fall inside one
+    of its packing units (a pack word, a quantization group, a GGML block).
+
+    Example:
+        >>> partition_specs(int8_leaf, (None,), None, "tensor")   # column-parallel
+        IntTensor(packed=P(None, None, 'tensor'), scale=P(None, None, 'tensor'))
+    """
+    from jax.sharding import PartitionSpec as P
+
+    if hasattr(w, "__jmem_partition__"):
+        return w.__jmem_partition__(tuple(lead), rows, cols, row_pieces)
+    if hasattr(w, "__jmem_dot__"):
+        raise ValueError(f"a {type(w).__name__} weight does not say how to split over devices "
+                         f"(no __jmem_partition__)")
+    return P(*lead, rows, cols)
+
+
+def check_row_split(n_in: int, row_pieces: int, unit: int, what: str) -> None:
+    """Refuse cutting `n_in` input rows into `row_pieces` shards when a shard would not hold whole
+    `unit`s of rows (`what` names the unit, e.g. "quantization groups of 128 rows")."""
+    if row_pieces > 1 and (n_in % row_pieces or (n_in // row_pieces) % unit):
+        raise ValueError(f"its {n_in} input rows cut into {row_pieces} shards of {n_in / row_pieces:g} rows would "
+                         f"split {what}; accepted: shards of a multiple of {unit} rows")

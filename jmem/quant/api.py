@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import partition_specs
 from jmem.quant.qtensor import IntTensor, QTensor, check_group_size, encode, group_params
 
 N_GRID = 20
@@ -145,6 +148,10 @@ class InputScaled(QTensor):
     def dequantize(self, dtype=None):
         w = self.inner.dequantize(jnp.float32) * self.inv_scale[..., :, None]
         return w.astype(self.dtype if dtype is None else dtype)
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """The inner weight as it splits; the input scales with the input rows."""
+        return InputScaled(partition_specs(self.inner, lead, rows, cols, row_pieces), P(*lead, rows))
 
     def __jmem_dot__(self, x):
         return self.inner.__jmem_dot__((x * self.inv_scale.astype(x.dtype)).astype(x.dtype))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jmem.quant.qtensor import QTensor, check_weight_shape
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -34,6 +36,10 @@ class FP8Tensor(QTensor):
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """Values split like the float kernel, the per-column scales with their columns."""
+        return FP8Tensor.tree_unflatten(self.tree_flatten()[1], (P(*lead, rows, cols), P(*lead, None, cols)))
 
     def dequantize(self, dtype=None) -> jax.Array:
         dtype = self.dtype if dtype is None else dtype

@@ -18,6 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import check_row_split
 from jmem.quant import ggml
 
 
@@ -119,6 +122,13 @@ class GGMLWeight(PackedRows):
                 f"GGMLWeight only indexes its leading (stacked) axes, {self.raw.ndim - 2} here; got {index!r}"
             )
         return GGMLWeight.tree_unflatten(self.qtype, (self.raw[index],))
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """Raw rows `[..., out, bytes]`: output rows on `cols`, each row's bytes on `rows` in whole blocks."""
+        fmt = ggml.FORMATS[self.qtype]
+        check_row_split(self.in_features, row_pieces, fmt.block_size,
+                        f"{self.qtype.name} blocks of {fmt.block_size} weights")
+        return GGMLWeight.tree_unflatten(self.qtype, (P(*lead, cols, rows),))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float kernel K[..., in, out] in `dtype`."""

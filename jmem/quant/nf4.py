@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import check_row_split
 from jmem.quant.qtensor import QTensor, check_weight_shape, pack_bits, unpack_bits
 
 NF4_BLOCK = 64
@@ -67,6 +70,13 @@ class NF4Tensor(QTensor):
         a = (q * self.absmax_scale[..., None]).reshape(*lead, -1)[..., :n_abs]
         a = a + self.absmax_mean[..., None]
         return a.reshape(*lead, n_in // NF4_BLOCK, n_out)
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """Codes split like the float kernel; the double-quantized absmax table (flattened per matrix,
+        1/64 of the codes' bytes) stays whole, and each device slices its own blocks of it."""
+        check_row_split(self.shape[-2], row_pieces, NF4_BLOCK, f"absmax blocks of {NF4_BLOCK} rows")
+        whole = P(*lead)
+        return NF4Tensor.tree_unflatten(self.tree_flatten()[1], (P(*lead, rows, cols), whole, whole, whole))
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         """`x[..., in] @ W`: the Pallas kernel where `jmem.quant.matmul_impl` picks it, else dequantize + dot."""

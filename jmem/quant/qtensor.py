@@ -25,6 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import check_row_split
 
 # Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
 # as `bits` little-endian bytes. For 4 bits byte r then holds rows 2r (low
@@ -155,6 +158,17 @@ class IntTensor(QTensor):
     def _describe(self) -> str:
         kind = "sym" if self.symmetric else "zero-point"
         return f"bits={self.bits}, group_size={self.group_size}, {kind}"
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """Codes, scales and zero points split alike; per-channel scales (one group) stay whole on rows."""
+        groups = self.scale.shape[-2]
+        unit = (PACK_ROWS if self.bits != 8 else 1) if groups == 1 else np.lcm(PACK_ROWS, self.group_size)
+        check_row_split(self.shape[-2], row_pieces, int(unit),
+                        f"{self.bits}-bit pack words of {PACK_ROWS} rows" if groups == 1
+                        else f"quantization groups of {self.group_size} rows")
+        scale = P(*lead, rows if groups > 1 else None, cols)
+        return IntTensor.tree_unflatten(self.tree_flatten()[1], (P(*lead, rows, cols), scale)
+                                        + (() if self.zero is None else (scale,)))
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         """`x[..., in] @ W`: the Pallas kernel for 4-bit weights where `jmem.quant.matmul_impl` picks it."""

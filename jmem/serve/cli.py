@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import sys
 from typing import NoReturn
@@ -50,6 +51,8 @@ class ServeArgs:
     """Require `Authorization: Bearer KEY` on /v1 routes."""
     param_dtype: str = "f32"
     """Dtype of unquantized parameters."""
+    packed: bool = False
+    """Keep a GGUF file's block-quantized matrices packed (decoded inside the step) instead of float."""
     compute_dtype: str = "f32"
     """Dtype of activations."""
     enable_prefix_caching: bool = True
@@ -84,10 +87,15 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
+    from jmem.lm import PACKAGED_MODELS
+    from jmem.models.config import PRESETS
     from jmem.serve.paged_cache import KV_DTYPES
 
     if args.log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
+    if args.packed and args.model not in PACKAGED_MODELS and (args.model in PRESETS or os.path.isdir(args.model)):
+        raise ValueError(f"--packed keeps a GGUF file's blocks packed; model {args.model!r} is not a GGUF file "
+                         f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or {', '.join(PACKAGED_MODELS)}")
     if args.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
     if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
@@ -102,13 +110,13 @@ def check_args(args: ServeArgs) -> None:
         check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--")
     except ValueError as e:
         raise ValueError(str(e).replace("_", "-")) from None
-    modules = lora_modules(args)
-    check_tensor_parallel_args(args, bool(modules))
+    lora_modules(args)
+    check_tensor_parallel_args(args)
 
 
-def check_tensor_parallel_args(args: ServeArgs, has_adapters: bool) -> None:
-    """`--tensor-parallel-size` against the local devices, a preset's head counts and the adapters
-    (a model file's heads are checked once it loads)."""
+def check_tensor_parallel_args(args: ServeArgs) -> None:
+    """`--tensor-parallel-size` against the local devices and a preset's head counts (a model file's
+    heads, and how its quantized weights split, are checked once it loads)."""
     from jmem.models.config import PRESETS, get_config
     from jmem.serve.tensor_parallel import check_tensor_parallel
 
@@ -126,9 +134,6 @@ def check_tensor_parallel_args(args: ServeArgs, has_adapters: bool) -> None:
     except ValueError as e:
         msg = str(e).removeprefix(f"tensor_parallel_size={tp}: ")
         raise ValueError(f"--tensor-parallel-size={tp}: {msg}") from None
-    if tp > 1 and has_adapters:
-        raise ValueError(f"--tensor-parallel-size={tp} with --lora-modules: adapters are served on one device only; "
-                         f"accepted: --tensor-parallel-size=1 with adapters, or no --lora-modules")
 
 
 def lora_modules(args: ServeArgs) -> dict[str, str]:
@@ -193,7 +198,7 @@ def build_engine(args: ServeArgs):
     check_args(args)
     if args.model in PRESETS:  # known without loading; a model file's context is read as it loads
         _check_max_model_len(args, get_config(args.model).max_seq_len)
-    lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
     _check_max_model_len(args, lm.config.max_seq_len)
     cfg = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -233,6 +238,7 @@ def serve_main(argv: list[str] | None = None) -> None:
             sock.close()
         _fail(str(e))
     m = engine.metrics()
+    log.info("weights: %.1f MiB per device", engine.weight_bytes / 2**20)
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)

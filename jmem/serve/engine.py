@@ -13,14 +13,12 @@ import asyncio
 import collections
 import itertools
 import logging
-import math
 import queue
 import random
 import threading
 import time
 from dataclasses import dataclass, field
 
-import jax
 from flax import nnx
 
 from jmem.serve.kv_cache import KVCacheManager
@@ -28,6 +26,7 @@ from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, SamplingParams, Status
 from jmem.serve.runner import ModelRunner, kv_cache_budget
+from jmem.serve.tensor_parallel import per_device_bytes, state_shardings
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("jmem.serve")
@@ -189,29 +188,23 @@ class Engine:
         tp = config.tensor_parallel_size
         mesh = None
         if tp != 1:  # every refusal before the weights move or the adapters load
-            from jmem.serve.tensor_parallel import check_tensor_parallel, refuse_unsplittable, tensor_mesh
+            from jmem.serve.tensor_parallel import check_tensor_parallel, tensor_mesh
 
             check_tensor_parallel(mcfg, tp)
-            if lora_modules:
-                raise ValueError(f"tensor_parallel_size={tp}: LoRA adapters (lora_modules) are served on one "
-                                 f"device only; accepted: tensor_parallel_size=1 with adapters, or no adapters")
-            refuse_unsplittable(nnx.state(model), tp)
             mesh = tensor_mesh(tp)
+            state_shardings(nnx.state(model), mesh)  # a leaf that cannot split raises here
         self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
         if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
             model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,
                                                   max_lora_rank=config.max_lora_rank, impl=config.lora_impl)
         self.adapter_bytes = adapter_bytes(model)
+        state = nnx.state(model)
+        # What one device holds of the weights (adapters included) once they are split.
+        self.weight_bytes = per_device_bytes(state, None if mesh is None else state_shardings(state, mesh))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
-            weights = sum(getattr(x, "nbytes", 0) for x in _leaves(model))
-            if mesh is not None:  # what one device holds once the weights are split
-                from jmem.parallel.rules import shardings
-
-                weights = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in
-                              zip(_leaves(model), jax.tree.leaves(shardings(nnx.state(model), None, mesh))))
-            budget = kv_cache_budget(weights, config.kv_cache_memory, config.memory_utilization)
+            budget = kv_cache_budget(self.weight_bytes, config.kv_cache_memory, config.memory_utilization)
             num_blocks = ModelRunner.num_blocks_for_budget(mcfg, budget, config.block_size, config.kv_cache_dtype,
                                                            tp)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -481,6 +474,3 @@ class Engine:
                 "step_compilations_blocking_total": self.runner.num_blocking_compilations,
             }
 
-
-def _leaves(model):
-    return jax.tree_util.tree_leaves(nnx.state(model))

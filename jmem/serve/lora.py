@@ -37,7 +37,9 @@ import numpy as np
 from flax import nnx
 
 from jmem.lora import LINEAR_TARGETS, LoRA
-from jmem.models.dot import dot
+from jax.sharding import PartitionSpec as P
+
+from jmem.models.dot import dot, partition_specs
 
 IMPLS = ("onehot", "ragged")
 BASE_SLOT = -1  # slot id of rows served by the base model (and of padding rows)
@@ -103,6 +105,13 @@ class MultiLoRA:
         lead = self.lora_a.shape[:-3]
         slots = jnp.broadcast_to(jnp.asarray(slots_N, jnp.int32), (*lead, slots_N.shape[-1]))
         return MultiLoRA(self.base, self.lora_a, self.lora_b, slots, self.impl)
+
+    def __jmem_partition__(self, lead, rows, cols, row_pieces):
+        """The base as it splits, A `[S, in, R]` on the input rows, B `[S, R, out]` on the output columns
+        (a row-parallel weight's `x @ A` is then a partial sum, reduced like the base's), slots whole."""
+        slots = None if self.slots is None else P()
+        return MultiLoRA(partition_specs(self.base, lead, rows, cols, row_pieces), P(*lead, None, rows, None),
+                         P(*lead, None, None, cols), slots, self.impl)
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         y = dot(x, self.base)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -166,10 +167,9 @@ class ModelRunner:
         self.tensor_parallel_size = 1 if mesh is None else mesh.shape.get("tensor", 1)
         self.graphdef, self.state = nnx.split(model)
         if mesh is not None:
-            from jmem.serve.tensor_parallel import check_tensor_parallel, refuse_unsplittable, shard_state
+            from jmem.serve.tensor_parallel import check_tensor_parallel, shard_state
 
             check_tensor_parallel(self.config, self.tensor_parallel_size, mesh.devices.size)
-            refuse_unsplittable(self.state, self.tensor_parallel_size)
             self.state = shard_state(self.state, mesh)
         self.cache = PagedKVCache.create(self.config, num_blocks + 1, block_size, kv_dtype, attention_impl, mesh)
         self._abstract_state, self._abstract_cache = _abstract(self.state), _abstract(self.cache)
@@ -330,7 +330,7 @@ class ModelRunner:
         padded[:T] = ids
         slots = np.full(padded.shape, self.slot_of(adapter_id), np.int32)
         lp, top_lp, top_ids = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1),
-                                                  jnp.asarray(slots))
+                                                  jnp.asarray(slots), self.mesh is not None)
         lp, top_lp, top_ids = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
         return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])])
                          for t in range(T - 1)]
@@ -452,11 +452,26 @@ def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
 
 
 # One jitted function for every runner: engines over the same model share compiled steps.
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T):
+def _split_matmuls(split: bool):
+    """Quantized matmuls of a model split over devices take the XLA path (dequantize and dot), which
+    GSPMD splits with the weight; a Pallas kernel call would need the whole weight on every device."""
+    if not split:
+        return contextlib.nullcontext()
+    from jmem.quant.kernel import matmul_impl
+
+    return matmul_impl("xla")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 5))
+def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T, split: bool):
     """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32, with LoRA slot
-    `slots_T[t]`. The head runs over chunks of positions: the whole [T, vocab] logits never exist at once."""
-    model = nnx.merge(graphdef, with_slots(state, slots_T))
+    `slots_T[t]`. The head runs over chunks of positions: the whole [T, vocab] logits never exist at once.
+    `split`: the state is split over devices (`_split_matmuls`)."""
+    with _split_matmuls(split):
+        return _prompt_logprobs(nnx.merge(graphdef, with_slots(state, slots_T)), ids_T, k)
+
+
+def _prompt_logprobs(model, ids_T, k: int):
     h_TE = model.hidden(ids_T[None])[0][0]
     C = 8  # T is a multiple of 8 (`_fine_bucket(T, 16)`)
     targets_T = jnp.concatenate([ids_T[1:], ids_T[:1]])  # the last position's target is padding
@@ -477,9 +492,10 @@ def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr, draft_
     # Each token's LoRA slot reaches every MultiLoRA leaf as an argument: one program serves any
     # mix of adapters (a model without them ignores `slots_T`).
     model = nnx.merge(graphdef, with_slots(state, slots_T))
-    h_1TE, cache = model.hidden(ids_T[None], positions=pos_T[None], cache=cache)
-    h_1SE = h_1TE[:, last_S]
-    logits_SV = model.logits_from_hidden(h_1SE)[0]
+    with _split_matmuls(cache.mesh is not None):
+        h_1TE, cache = model.hidden(ids_T[None], positions=pos_T[None], cache=cache)
+        h_1SE = h_1TE[:, last_S]
+        logits_SV = model.logits_from_hidden(h_1SE)[0]
     if cache.mesh is not None:
         # A vocabulary-parallel head: gather the few sampled rows' logits once, then sample on every
         # device alike, rather than run each sampling reduction (softmax, top-k, top-p) as collectives.

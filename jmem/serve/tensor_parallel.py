@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.parallel.mesh import make_mesh
-from jmem.parallel.rules import ShardingError, check_heads, shardings
+from jmem.parallel.rules import ShardingError, check_heads
 
 TENSOR = "tensor"
 
@@ -84,30 +85,52 @@ def tensor_mesh(tp: int, devices=None) -> Mesh:
     return make_mesh({TENSOR: tp}, devices[:tp])
 
 
-def refuse_unsplittable(state, tp: int) -> None:
-    """Refuse, for tp > 1, weight leaves other than plain arrays (anything implementing
-    `__jmem_dot__`: quantized, GGUF-packed, multi-LoRA). They pack or stack their input axis in
-    ways the logical-axis table does not name: sharded by path they would be replicated, or cut
-    through a quantization block. One error names the first such weight."""
-    if tp == 1:
-        return
-    from jmem.parallel.rules import path_str
-    from jmem.serve.lora import MultiLoRA
-
-    is_leaf = lambda x: hasattr(x, "__jmem_dot__")
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_leaf)[0]:
-        if is_leaf(leaf):
-            kind = ("a LoRA-adapter (MultiLoRA)" if isinstance(leaf, MultiLoRA)
-                    else f"a quantized ({type(leaf).__name__})")
-            raise TensorParallelError(
-                f"tensor_parallel_size={tp}: weight {path_str(path)!r} is {kind} leaf, which is not split "
-                f"over devices; accepted: float weights (a model loaded without quantization or LoRA "
-                f"adapters), or tensor_parallel_size=1")
-
-
 def shard_state(state, mesh: Mesh):
-    """`state` (an NNX state of float arrays) placed on `mesh` by the default rules (see module doc)."""
-    return jax.device_put(state, shardings(state, None, mesh))
+    """`state` (an NNX state) placed on `mesh` by `state_shardings`."""
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def state_shardings(state, mesh: Mesh):
+    """A tree of `NamedSharding`s shaped like `state`, from the default rules (see module doc).
+
+    Float arrays split by their logical axes. A weight leaf implementing `__jmem_dot__` (quantized,
+    GGUF-packed, LoRA, several LoRA adapters) splits its children the way its float kernel splits,
+    as the leaf says (`jmem.models.dot.partition_specs`): column-parallel leaves on their output
+    columns, row-parallel ones on their input rows in whole packing units.
+
+    Raises:
+        TensorParallelError: a leaf whose packing units (pack words, quantization groups, GGML
+            blocks) a split of its input rows would cut; names the weight and the numbers.
+    """
+    from jmem.models.dot import partition_specs
+    from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
+
+    rules, table = Rules.parse(None), default_logical_axes()
+    # An `nnx.Variable` forwards attribute lookups to its value: the weight leaf is the value inside.
+    is_weight = lambda x: hasattr(x, "__jmem_dot__") and not isinstance(x, nnx.Variable)
+    as_sharding = lambda spec: NamedSharding(mesh, spec)
+    is_spec = lambda x: isinstance(x, P)
+
+    def one(path, x):
+        name = path_str(path)
+        axes = lookup_axes(name, table)
+        shape = tuple(getattr(x, "shape", ()))
+        if axes is None or len(axes) != len(shape):
+            return jax.tree.map(lambda _: as_sharding(P()), x)
+        spec = tuple(rules.spec(axes, shape, mesh, name=name))
+        spec += (None,) * (len(shape) - len(spec))
+        if not is_weight(x):
+            return as_sharding(P(*spec))
+        rows = spec[-2]
+        pieces = math.prod(mesh.shape[a] for a in ((rows,) if isinstance(rows, str) else rows or ()))
+        try:
+            specs = partition_specs(x, spec[:-2], rows, spec[-1], pieces)
+        except ValueError as e:
+            raise TensorParallelError(f"tensor_parallel_size={mesh.shape[TENSOR]}: weight {name!r} "
+                                      f"({type(x).__name__}): {e}") from None
+        return jax.tree.map(as_sharding, specs, is_leaf=is_spec)
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_weight)
 
 
 def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -115,11 +138,14 @@ def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(None, TENSOR, *([None] * (ndim - 2))))
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of `tree`'s arrays (shards for sharded ones, the whole for the rest)."""
+def per_device_bytes(tree, shardings=None) -> int:
+    """Bytes one device holds of `tree`'s arrays: shards for sharded ones (by `shardings`, a tree
+    shaped like `tree`, or else each array's own sharding), the whole for the rest."""
+    leaves = jax.tree.leaves(tree)
+    given = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
     total = 0
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(x, "sharding", None)
+    for x, sharding in zip(leaves, given, strict=True):
+        sharding = getattr(x, "sharding", None) if sharding is None else sharding
         shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
         total += math.prod(shape) * x.dtype.itemsize
     return int(total)

@@ -14,7 +14,7 @@ from flax import nnx
 from jmem.generate import SamplingParams as GenParams
 from jmem.generate import generate_ids
 from jmem.io.tokenizer import ByteTokenizer
-from jmem.lora import LoRA, load_adapters, merge, save_adapters
+from jmem.lora import LoRA, load_adapters, merge
 from jmem.memory.measure import measure
 from jmem.models import Llama, LlamaConfig
 from jmem.models.dot import dot
@@ -23,23 +23,9 @@ from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.lora import MultiLoRA, stack_adapters
 from jmem.serve.request import SamplingParams
 from jmem.serve.runner import _step_fn
+from tests.helpers import random_adapter
 
 SMALL = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-
-
-def random_adapter(model, path, seed, rank, targets, alpha=16.0, rslora=False):
-    """An adapter with random (nonzero) A and B, written by `save_adapters` (numpy draws: no compilation)."""
-    m = nnx.clone(model)
-    rng = np.random.default_rng(seed)
-    for t in targets:
-        var = getattr(m.layers, t).kernel
-        *lead, n_in, n_out = var.get_value().shape
-        a = rng.normal(size=(*lead, n_in, rank)) * n_in ** -0.5
-        b = rng.normal(size=(*lead, rank, n_out)) * 0.5
-        var.set_value(LoRA(var.get_value(), jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), alpha,
-                           rslora=rslora))
-    save_adapters(m, path)
-    return path
 
 
 @pytest.fixture(scope="module")

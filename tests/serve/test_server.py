@@ -458,6 +458,9 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
     assert cli_error(capsys, "--max-model-len", "100000") == (  # the tiny preset's context is 512
         "jmem serve: error: --max-model-len=100000 exceeds the context length of model 'tiny' (512 tokens); "
         "accepted: 1..512")
+    assert cli_error(capsys, "--packed") == (
+        "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is not a GGUF file (a preset "
+        "or a quantized directory loads as it is); accepted: a .gguf path or smollm2-135m")
 
 
 def test_cli_cannot_listen_is_one_line_before_loading(capsys, caplog, monkeypatch):

