@@ -264,8 +264,18 @@ def path_str(path) -> str:
     return ".".join(keys)
 
 
+ADAPTER_CHILDREN = {
+    "lora_a": lambda axes: (*axes[:-1], None),        # [..., in, r]
+    "lora_b": lambda axes: (*axes[:-2], None, axes[-1]),  # [..., r, out]
+    "base": lambda axes: axes,                          # the wrapped float kernel
+}
+"""Children of a LoRA weight leaf (`jmem.lora.LoRA`) at a kernel's path: their logical axes from the
+kernel's, so adapters, their gradients and their optimizer state split with the weight they adapt."""
+
+
 def lookup_axes(path: str, logical_axes: Mapping[str, Sequence[str | None]]) -> tuple | None:
-    """Logical axes of a state path: exact match, else the longest table key that is a dotted suffix.
+    """Logical axes of a state path: exact match, else the longest table key that is a dotted suffix,
+    else, for a LoRA child (`...kernel.lora_a`), axes derived from its kernel's (`ADAPTER_CHILDREN`).
 
     The suffix match lets optimizer states (`"0.mu.layers.wq.kernel"`) find their parameter.
     """
@@ -275,7 +285,14 @@ def lookup_axes(path: str, logical_axes: Mapping[str, Sequence[str | None]]) -> 
     for key in logical_axes:
         if path.endswith("." + key) and (best is None or len(key) > len(best)):
             best = key
-    return None if best is None else tuple(logical_axes[best])
+    if best is not None:
+        return tuple(logical_axes[best])
+    parent, _, child = path.rpartition(".")
+    if child in ADAPTER_CHILDREN and parent:
+        axes = lookup_axes(parent.removesuffix(".value"), logical_axes)
+        if axes is not None and len(axes) >= 2:
+            return ADAPTER_CHILDREN[child](axes)
+    return None
 
 
 def default_logical_axes() -> dict[str, tuple[str, ...]]:

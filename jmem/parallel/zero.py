@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.parallel.mesh import DATA_AXES
@@ -74,6 +75,11 @@ def leaf_spec(name: str, shape, mesh: Mesh, rules: Rules, table: Mapping, *, zer
     if axes is None or len(axes) != len(shape):
         axes = (None,) * len(shape)
     entries = _spec_entries(rules.spec(axes, shape, mesh, name=name), len(shape))
+    return _with_data_axes(entries, shape, axes, mesh, zero, data_axes)
+
+
+def _with_data_axes(entries, shape, axes, mesh: Mesh, zero: bool, data_axes) -> P:
+    """`entries` (mesh axes per dim) as a spec, with the data axes added on the best dim when `zero`."""
     if not zero:
         return P(*[e[0] if len(e) == 1 else (e or None) for e in entries])
     used = {a for e in entries for a in e}
@@ -93,14 +99,60 @@ def leaf_spec(name: str, shape, mesh: Mesh, rules: Rules, table: Mapping, *, zer
     return P(*[(e[0] if len(e) == 1 else e) if e else None for e in entries])
 
 
+def _entry(axes: tuple[str, ...]):
+    return (axes[0] if len(axes) == 1 else axes) if axes else None
+
+
+def _is_packed(x) -> bool:
+    """A whole weight leaf that says how it splits (quantized, GGUF-packed, LoRA with every child
+    present). Trees holding part of one (the adapters of a trainable split, with None for the
+    frozen base) are walked into instead: adapter arrays find their axes by path."""
+    if isinstance(x, nnx.Variable) or not hasattr(x, "__jmem_partition__"):
+        return False
+    children = jax.tree.leaves(x, is_leaf=lambda c: c is None)
+    return bool(children) and all(c is not None for c in children)
+
+
+def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool, data_axes):
+    """Shardings of a packed weight leaf's children: as the leaf splits them for its float kernel's
+    model-parallel spec (`jmem.models.dot.partition_specs`), plus ZeRO's data axes on each child.
+    Where splitting the input rows would cut a packing unit, the rows stay whole (results are the
+    same under GSPMD, the leaf just is not split on that axis); serving refuses such a split instead
+    (`jmem.serve.tensor_parallel`), since there it would defeat the point of the split."""
+    from jmem.models.dot import partition_specs
+
+    kernel = _spec_entries(leaf_spec(name, leaf.shape, mesh, rules, table, zero=False), len(leaf.shape))
+    lead, cols = tuple(map(_entry, kernel[:-2])), _entry(kernel[-1])
+    try:
+        specs = partition_specs(leaf, lead, _entry(kernel[-2]), cols, math.prod(mesh.shape[a] for a in kernel[-2]))
+    except ValueError:  # a row split would cut a pack word / group / block: the input rows stay whole
+        specs = partition_specs(leaf, lead, None, cols)
+    n_lead = len(leaf.shape) - 2
+
+    def child(spec, x):
+        shape = tuple(x.shape)
+        axes = ("layers",) * min(n_lead, len(shape)) + (None,) * max(0, len(shape) - n_lead)
+        return NamedSharding(mesh, _with_data_axes(_spec_entries(spec, len(shape)), shape, axes, mesh, zero,
+                                                   data_axes))
+
+    return jax.tree.map(child, specs, leaf, is_leaf=lambda s: isinstance(s, P))
+
+
 def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *, zero: bool,
                    data_axes=DATA_AXES):
-    """NamedShardings for every array leaf of `tree` (see `leaf_spec`)."""
+    """NamedShardings for every array leaf of `tree` (see `leaf_spec`); packed weight leaves split
+    their children as they say (`_packed_shardings`)."""
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(path_str(p), getattr(x, "shape", ()), mesh, rules, table,
-                                                   zero=zero, data_axes=data_axes)), tree)
+
+    def one(path, x):
+        name = path_str(path)
+        if _is_packed(x):
+            return _packed_shardings(name, x, mesh, rules, table, zero=zero, data_axes=data_axes)
+        return NamedSharding(mesh, leaf_spec(name, getattr(x, "shape", ()), mesh, rules, table, zero=zero,
+                                             data_axes=data_axes))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_packed)
 
 
 @dataclasses.dataclass(frozen=True)

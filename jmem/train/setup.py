@@ -256,8 +256,6 @@ def _validate_lora(cfg: TrainConfig) -> None:
         bad = [t for t in cfg.lora_targets.split(",") if t not in LORA_TARGETS]
         if bad:
             raise ValueError(f"--lora-targets {','.join(bad)}; accepted: {', '.join(LORA_TARGETS)}")
-        if cfg.distributed:
-            raise ValueError("--lora-rank runs on one device; drop --mesh / --zero / --pipeline-stages")
 
 
 def _with_adapters(cfg: TrainConfig, model):

@@ -72,3 +72,41 @@ def test_lora_dropout_acts_in_train_steps_only():
         build(dataclasses.replace(QLORA, lora_dropout=1.0))
     with pytest.raises(ValueError, match="--lora-dropout needs --lora-rank"):
         build(dataclasses.replace(QLORA, lora_dropout=0.1, lora_rank=0, quantize_base=None))
+
+
+MESH_REF = dataclasses.replace(QLORA, steps=3, seq=32, lora_targets="wq,wo,w_up,w_down", precision="f32",
+                               eval_batches=1)
+
+
+@pytest.mark.parametrize("quantize_base", ["nf4", pytest.param(None, marks=pytest.mark.slow)])
+def test_lora_on_a_zero3_tensor_mesh_matches_one_device(quantize_base):
+    """(Q)LoRA on data=2,fsdp=2,tensor=2 with ZeRO-3: the losses of one device."""
+    cfg = dataclasses.replace(MESH_REF, quantize_base=quantize_base)
+    ref = train(cfg, out=io.StringIO()).losses
+    got = train(dataclasses.replace(cfg, mesh="data=2,fsdp=2,tensor=2", zero=3), out=io.StringIO()).losses
+    np.testing.assert_allclose([got[k] for k in range(3)], [ref[k] for k in range(3)], rtol=1e-5)
+
+
+def test_adapters_and_packed_base_split_with_their_weight():
+    """Shardings of a QLoRA train state on a tensor mesh with ZeRO-3: A splits with its kernel's
+    input rows, B with its output columns (parameters, gradients and optimizer moments alike, found
+    by path); the NF4 codes split on the kernel's tensor axis, and a row split that would cut an
+    absmax block (wo: 64 rows over tensor=2) leaves the rows whole."""
+    from jmem.parallel import make_mesh
+    from jmem.parallel.zero import state_shardings
+
+    run = build(dataclasses.replace(MESH_REF, mesh="data=2,fsdp=2,tensor=2", zero=3))
+    state = jax.eval_shape(lambda: run.fns.init_state(run.model))
+    sh = state_shardings(state, make_mesh("data=2,fsdp=2,tensor=2"), stage=3)
+    layers = sh.params["layers"]
+    wq, w_up, wo, w_down = (layers[k]["kernel"] for k in ("wq", "w_up", "wo", "w_down"))
+    def on(sharding, dim):  # mesh axes of one dim (the specs name every dim)
+        entry = sharding.spec[dim]
+        return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+
+    assert "tensor" in on(wq.lora_b, -1) and "tensor" not in on(wq.lora_a, -2)  # column-parallel: B on out
+    assert "tensor" in on(w_down.lora_a, -2) and "tensor" not in on(w_down.lora_b, -1)  # row-parallel: A on in
+    assert "tensor" in on(wq.base.codes, -1) and "tensor" in on(w_up.base.codes, -1)
+    assert "tensor" not in str(wo.base.codes.spec)  # 32 rows per shard would cut a 64-row absmax block
+    mu = sh.opt_state[1][0].mu["layers"]["w_down"]["kernel"]  # adamw's first moment
+    assert mu.lora_a.spec == w_down.lora_a.spec and jax.tree.leaves(mu.base) == []  # no state for the base
