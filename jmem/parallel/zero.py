@@ -104,28 +104,34 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _is_packed(x) -> bool:
-    """A whole weight leaf that says how it splits (quantized, GGUF-packed, LoRA with every child
-    present). Trees holding part of one (the adapters of a trainable split, with None for the
-    frozen base) are walked into instead: adapter arrays find their axes by path."""
+    """A whole weight leaf that says how it splits (quantized, GGUF-packed, LoRA, several adapters).
+    Trees holding part of one (the adapters of a trainable split, with None for the frozen base)
+    have no shape: they are walked into, and the adapter arrays find their axes by path."""
     if isinstance(x, nnx.Variable) or not hasattr(x, "__jmem_partition__"):
         return False
-    children = jax.tree.leaves(x, is_leaf=lambda c: c is None)
-    return bool(children) and all(c is not None for c in children)
+    try:
+        return len(x.shape) >= 2
+    except AttributeError:  # a child is None
+        return False
 
 
-def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool, data_axes):
+def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool, data_axes,
+                      strict: bool):
     """Shardings of a packed weight leaf's children: as the leaf splits them for its float kernel's
     model-parallel spec (`jmem.models.dot.partition_specs`), plus ZeRO's data axes on each child.
     Where splitting the input rows would cut a packing unit, the rows stay whole (results are the
-    same under GSPMD, the leaf just is not split on that axis); serving refuses such a split instead
-    (`jmem.serve.tensor_parallel`), since there it would defeat the point of the split."""
+    same under GSPMD, the leaf just is not split on that axis), or with `strict` one ShardingError
+    names the weight (tensor-parallel serving, where the split is the point)."""
     from jmem.models.dot import partition_specs
+    from jmem.parallel.rules import ShardingError
 
     kernel = _spec_entries(leaf_spec(name, leaf.shape, mesh, rules, table, zero=False), len(leaf.shape))
     lead, cols = tuple(map(_entry, kernel[:-2])), _entry(kernel[-1])
     try:
         specs = partition_specs(leaf, lead, _entry(kernel[-2]), cols, math.prod(mesh.shape[a] for a in kernel[-2]))
-    except ValueError:  # a row split would cut a pack word / group / block: the input rows stay whole
+    except ValueError as e:  # a row split would cut a pack word / group / block
+        if strict:
+            raise ShardingError(f"{name!r} ({type(leaf).__name__}): {e}") from None
         specs = partition_specs(leaf, lead, None, cols)
     n_lead = len(leaf.shape) - 2
 
@@ -139,16 +145,18 @@ def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping,
 
 
 def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *, zero: bool,
-                   data_axes=DATA_AXES):
+                   data_axes=DATA_AXES, strict_packing: bool = False):
     """NamedShardings for every array leaf of `tree` (see `leaf_spec`); packed weight leaves split
-    their children as they say (`_packed_shardings`)."""
+    their children as they say (`_packed_shardings`; `strict_packing`: refuse a split that would cut
+    a packing unit instead of keeping those rows whole)."""
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
 
     def one(path, x):
         name = path_str(path)
         if _is_packed(x):
-            return _packed_shardings(name, x, mesh, rules, table, zero=zero, data_axes=data_axes)
+            return _packed_shardings(name, x, mesh, rules, table, zero=zero, data_axes=data_axes,
+                                     strict=strict_packing)
         return NamedSharding(mesh, leaf_spec(name, getattr(x, "shape", ()), mesh, rules, table, zero=zero,
                                              data_axes=data_axes))
 

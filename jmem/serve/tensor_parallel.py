@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.parallel.mesh import make_mesh
@@ -93,44 +92,22 @@ def shard_state(state, mesh: Mesh):
 def state_shardings(state, mesh: Mesh):
     """A tree of `NamedSharding`s shaped like `state`, from the default rules (see module doc).
 
-    Float arrays split by their logical axes. A weight leaf implementing `__jmem_dot__` (quantized,
-    GGUF-packed, LoRA, several LoRA adapters) splits its children the way its float kernel splits,
-    as the leaf says (`jmem.models.dot.partition_specs`): column-parallel leaves on their output
-    columns, row-parallel ones on their input rows in whole packing units.
+    Float arrays split by their logical axes (`jmem.parallel.zero.tree_shardings` without ZeRO). A
+    weight leaf implementing `__jmem_dot__` (quantized, GGUF-packed, LoRA, several LoRA adapters)
+    splits its children the way its float kernel splits, as the leaf says
+    (`jmem.models.dot.partition_specs`): column-parallel leaves on their output columns,
+    row-parallel ones on their input rows in whole packing units.
 
     Raises:
         TensorParallelError: a leaf whose packing units (pack words, quantization groups, GGML
             blocks) a split of its input rows would cut; names the weight and the numbers.
     """
-    from jmem.models.dot import partition_specs
-    from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
+    from jmem.parallel.zero import tree_shardings
 
-    rules, table = Rules.parse(None), default_logical_axes()
-    # An `nnx.Variable` forwards attribute lookups to its value: the weight leaf is the value inside.
-    is_weight = lambda x: hasattr(x, "__jmem_dot__") and not isinstance(x, nnx.Variable)
-    as_sharding = lambda spec: NamedSharding(mesh, spec)
-    is_spec = lambda x: isinstance(x, P)
-
-    def one(path, x):
-        name = path_str(path)
-        axes = lookup_axes(name, table)
-        shape = tuple(getattr(x, "shape", ()))
-        if axes is None or len(axes) != len(shape):
-            return jax.tree.map(lambda _: as_sharding(P()), x)
-        spec = tuple(rules.spec(axes, shape, mesh, name=name))
-        spec += (None,) * (len(shape) - len(spec))
-        if not is_weight(x):
-            return as_sharding(P(*spec))
-        rows = spec[-2]
-        pieces = math.prod(mesh.shape[a] for a in ((rows,) if isinstance(rows, str) else rows or ()))
-        try:
-            specs = partition_specs(x, spec[:-2], rows, spec[-1], pieces)
-        except ValueError as e:
-            raise TensorParallelError(f"tensor_parallel_size={mesh.shape[TENSOR]}: weight {name!r} "
-                                      f"({type(x).__name__}): {e}") from None
-        return jax.tree.map(as_sharding, specs, is_leaf=is_spec)
-
-    return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_weight)
+    try:
+        return tree_shardings(state, mesh, zero=False, strict_packing=True)
+    except ShardingError as e:
+        raise TensorParallelError(f"tensor_parallel_size={mesh.shape[TENSOR]}: weight {e}") from None
 
 
 def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
