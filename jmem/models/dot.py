@@ -38,8 +38,9 @@ def partition_specs(w, lead: tuple, rows, cols, row_pieces: int = 1):
     of its packing units (a pack word, a quantization group, a GGML block).
 
     Example:
-        >>> partition_specs(int8_leaf, (None,), None, "tensor")   # column-parallel
-        IntTensor(packed=P(None, None, 'tensor'), scale=P(None, None, 'tensor'))
+        >>> specs = partition_specs(int8_leaf, (None,), None, "tensor")   # column-parallel, stacked layers
+        >>> specs.packed, specs.scale
+        (PartitionSpec(None, None, 'tensor'), PartitionSpec(None, None, 'tensor'))
     """
     from jax.sharding import PartitionSpec as P
 

@@ -162,8 +162,9 @@ class IntTensor(QTensor):
     def __jmem_partition__(self, lead, rows, cols, row_pieces):
         """Codes, scales and zero points split alike; per-channel scales (one group) stay whole on rows."""
         groups = self.scale.shape[-2]
-        unit = (PACK_ROWS if self.bits != 8 else 1) if groups == 1 else np.lcm(PACK_ROWS, self.group_size)
-        check_row_split(self.shape[-2], row_pieces, int(unit),
+        pack = PACK_ROWS if self.bits != 8 else 1  # 8-bit codes are stored one per byte
+        unit = pack if groups == 1 else int(np.lcm(pack, self.group_size))
+        check_row_split(self.shape[-2], row_pieces, unit,
                         f"{self.bits}-bit pack words of {PACK_ROWS} rows" if groups == 1
                         else f"quantization groups of {self.group_size} rows")
         scale = P(*lead, rows if groups > 1 else None, cols)
