@@ -110,7 +110,8 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--layerwise", "1", "--layerwise-schedule", "sideways"],
      "--layerwise-schedule 'sideways'; accepted: random, bottom-up, top-down"),
     (["--layerwise", "3"], "--layerwise 3 exceeds the model's 2 layers; accepted: 1..2"),
-    (["--layerwise", "1", "--zero", "1"], "--layerwise 1 runs on one device"),
+    (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
+     "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
