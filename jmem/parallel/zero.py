@@ -265,12 +265,13 @@ def zero_model_bytes(n_params: int, *, stage: int, n: int, param_bytes: int = 4,
 
 
 def model_state_bytes(abstract_state, mesh: Mesh, *, stage: int, rules=None,
-                      logical_axes: Mapping | None = None) -> dict[str, int]:
+                      logical_axes: Mapping | None = None, trainable=None) -> dict[str, int]:
     """Per-device bytes of a train state's params, grads and optimizer state under ZeRO `stage`.
 
     `abstract_state` has `params` and `opt_state` fields (e.g.
     `jax.eval_shape(lambda: fns.init_state(model))`). The keys are the
-    `memory_sweep` record fields.
+    `memory_sweep` record fields. `trainable`: `params -> (trainable, frozen)`
+    (`TrainFns.trainable`, LoRA: the adapters), whose first part alone has gradients.
 
     Example:
         >>> model_state_bytes(abstract, make_mesh("data=8"), stage=2)
@@ -278,8 +279,11 @@ def model_state_bytes(abstract_state, mesh: Mesh, *, stage: int, rules=None,
     """
     zs = zero_shardings(abstract_state.params, abstract_state.opt_state, mesh, stage=stage, rules=rules,
                         logical_axes=logical_axes)
+    grads = abstract_state.params if trainable is None else trainable(abstract_state.params)[0]
+    grad_shardings = zs.grads if trainable is None else tree_shardings(
+        grads, mesh, rules, logical_axes, zero=stage >= 2)
     return {
         "param_bytes_per_device": bytes_per_device(abstract_state.params, zs.params),
-        "grad_bytes_per_device": bytes_per_device(abstract_state.params, zs.grads),
+        "grad_bytes_per_device": bytes_per_device(grads, grad_shardings),
         "opt_bytes_per_device": bytes_per_device(abstract_state.opt_state, zs.opt_state),
     }

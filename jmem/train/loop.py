@@ -223,7 +223,8 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
               "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
-                                                                   rules=_rules(run)).items()), file=out)
+                                                                   rules=_rules(run),
+                                                                   trainable=run.fns.trainable).items()), file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None), file=out)
 
     log = _Logger(cfg.log, append=start > 0)
