@@ -93,11 +93,14 @@ def test_adapters_and_packed_base_split_with_their_weight():
     by path); the NF4 codes split on the kernel's tensor axis, and a row split that would cut an
     absmax block (wo: 64 rows over tensor=2) leaves the rows whole."""
     from jmem.parallel import make_mesh
-    from jmem.parallel.zero import state_shardings
+    from jmem.parallel.zero import model_state_bytes, state_shardings
 
     run = build(dataclasses.replace(MESH_REF, mesh="data=2,fsdp=2,tensor=2", zero=3))
     state = jax.eval_shape(lambda: run.fns.init_state(run.model))
-    sh = state_shardings(state, make_mesh("data=2,fsdp=2,tensor=2"), stage=3)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    sh = state_shardings(state, mesh, stage=3)
+    per_device = model_state_bytes(state, mesh, stage=3, trainable=run.fns.trainable)
+    assert per_device["grad_bytes_per_device"] < 0.2 * per_device["param_bytes_per_device"]  # adapters only
     layers = sh.params["layers"]
     wq, w_up, wo, w_down = (layers[k]["kernel"] for k in ("wq", "w_up", "wo", "w_down"))
     def on(sharding, dim):  # mesh axes of one dim (the specs name every dim)
