@@ -95,7 +95,8 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
     if args.packed and args.model not in PACKAGED_MODELS and (args.model in PRESETS or os.path.isdir(args.model)):
         raise ValueError(f"--packed keeps a GGUF file's blocks packed; model {args.model!r} is not a GGUF file "
-                         f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or {', '.join(PACKAGED_MODELS)}")
+                         f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or "
+                         f"{', '.join(PACKAGED_MODELS)}")
     if args.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
     if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
@@ -110,7 +111,7 @@ def check_args(args: ServeArgs) -> None:
         check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--")
     except ValueError as e:
         raise ValueError(str(e).replace("_", "-")) from None
-    lora_modules(args)
+    lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 
 

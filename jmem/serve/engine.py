@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 
 from flax import nnx
 
+from jmem.parallel.zero import bytes_per_device
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, SamplingParams, Status
 from jmem.serve.runner import ModelRunner, kv_cache_budget
-from jmem.serve.tensor_parallel import per_device_bytes, state_shardings
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
+from jmem.serve.tensor_parallel import per_device_bytes, state_shardings
 
 log = logging.getLogger("jmem.serve")
 
@@ -200,7 +201,8 @@ class Engine:
         self.adapter_bytes = adapter_bytes(model)
         state = nnx.state(model)
         # What one device holds of the weights (adapters included) once they are split.
-        self.weight_bytes = per_device_bytes(state, None if mesh is None else state_shardings(state, mesh))
+        self.weight_bytes = (per_device_bytes(state) if mesh is None
+                             else bytes_per_device(state, state_shardings(state, mesh)))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:

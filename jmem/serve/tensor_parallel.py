@@ -115,14 +115,11 @@ def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(None, TENSOR, *([None] * (ndim - 2))))
 
 
-def per_device_bytes(tree, shardings=None) -> int:
-    """Bytes one device holds of `tree`'s arrays: shards for sharded ones (by `shardings`, a tree
-    shaped like `tree`, or else each array's own sharding), the whole for the rest."""
-    leaves = jax.tree.leaves(tree)
-    given = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays (shards for sharded ones, the whole for the rest)."""
     total = 0
-    for x, sharding in zip(leaves, given, strict=True):
-        sharding = getattr(x, "sharding", None) if sharding is None else sharding
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
         shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
         total += math.prod(shape) * x.dtype.itemsize
     return int(total)
