@@ -186,6 +186,11 @@ def argmax_last(x):
     return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
 
 
+def row_keys(s: SamplingArrays):
+    """Each row's PRNG key, keyed by (seed, step): what `sample` draws with (and speculation's checks)."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
+
+
 def sample(logits_BV, s: SamplingArrays):
     """Choose one token per row.
 
@@ -218,7 +223,7 @@ def sample(logits_BV, s: SamplingArrays):
 
     def draw(logits_BV):  # Gumbel-max: argmax of the masked logits plus noise keyed by (seed, step)
         masked_BV = masked_logits(logits_BV, s)
-        keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
+        keys = row_keys(s)
         g_BV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BV.shape[-1:], jnp.float32))(keys)
         return argmax_last(masked_BV + g_BV)
 

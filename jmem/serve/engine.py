@@ -188,12 +188,11 @@ class Engine:
                              f"(the model's context length)")
         tp = config.tensor_parallel_size
         mesh = None
-        if tp != 1:  # every refusal before the weights move or the adapters load
+        if tp != 1:  # refusals before the weights move: sizes here, unsplittable leaves below
             from jmem.serve.tensor_parallel import check_tensor_parallel, tensor_mesh
 
             check_tensor_parallel(mcfg, tp)
             mesh = tensor_mesh(tp)
-            state_shardings(nnx.state(model), mesh)  # a leaf that cannot split raises here
         self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
         if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
             model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,

@@ -40,9 +40,9 @@ from jax.sharding import PartitionSpec as P
 from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
 from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_decode import chunk_pages
-from jmem.sampling import make_arrays, sample
+from jmem.sampling import make_arrays, row_keys, sample
 from jmem.serve.scheduler import SchedulerOutput
-from jmem.serve.spec_decode import NO_DRAFT, row_keys, verify_rows
+from jmem.serve.spec_decode import NO_DRAFT, verify_rows
 
 log = logging.getLogger("jmem.serve")
 
@@ -451,7 +451,6 @@ def _background_compiler() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jmem-step-compile")
 
 
-# One jitted function for every runner: engines over the same model share compiled steps.
 def _split_matmuls(split: bool):
     """Quantized matmuls of a model split over devices take the XLA path (dequantize and dot), which
     GSPMD splits with the weight; a Pallas kernel call would need the whole weight on every device."""
@@ -462,6 +461,7 @@ def _split_matmuls(split: bool):
     return matmul_impl("xla")
 
 
+# One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
 def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T, split: bool):
     """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32, with LoRA slot

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jmem.serve.kv_cache import KVCacheManager
-from jmem.serve.request import Request, Status
 from jmem.serve.ngram import check_speculative_args, propose_ngram
+from jmem.serve.request import Request, Status
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from jmem.sampling import SamplingArrays, apply_penalties, argmax_last, masked_logits
 
 NO_DRAFT = -1  # a sampled row without a proposal at its position
@@ -69,7 +70,3 @@ def verify_rows(logits_SV, s: SamplingArrays, greedy_S, draft_S, key_S):
     draft_lp = jnp.take_along_axis(logprobs_SV, d_S[:, None], axis=-1)[:, 0]
     return accept, residual, resid_lp, draft_lp
 
-
-def row_keys(s: SamplingArrays):
-    """Each row's key, keyed by (seed, step) as `jmem.sampling.sample` keys its draw."""
-    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
