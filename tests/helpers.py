@@ -2,9 +2,17 @@
 
 import functools
 import pathlib
+import socket
 import sys
 
 import pytest
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,21 +3,16 @@
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.helpers import free_port
+
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(n_devices: int) -> dict:
@@ -36,7 +31,7 @@ def _result(out: str) -> dict:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process():
-    coord = f"127.0.0.1:{_free_port()}"
+    coord = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(WORKER), coord, "2", str(i), str(STEPS)], env=_env(2),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     single = subprocess.run([sys.executable, str(WORKER), "-", "1", "0", str(STEPS)], env=_env(4),

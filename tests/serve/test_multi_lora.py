@@ -269,7 +269,7 @@ def test_server_serves_two_adapters_and_the_base(adapters, expected):
 
 @pytest.fixture
 def port():
-    from tests.serve.test_server import free_port
+    from tests.helpers import free_port
 
     return str(free_port())
 

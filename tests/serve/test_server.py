@@ -12,15 +12,11 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import free_port
+
 openai = pytest.importorskip("openai")
 
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(*flags, timeout=300):
