@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from jmem.serve.draft import load_draft
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.request import SamplingParams
 
@@ -61,7 +62,12 @@ class Config:
     """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
     seed: int = 0
     num_speculative_tokens: int = 0
-    """> 0 adds a run of (a) with n-gram prompt-lookup speculation proposing this many tokens."""
+    """> 0 adds a run of (a) with speculation proposing this many tokens: n-gram prompt lookup, or the draft
+    model of --speculative-model / --speculative-layers."""
+    speculative_model: str | None = None
+    """Draft model (preset or .gguf path with the model's vocabulary) for the speculation run."""
+    speculative_layers: tuple[int, ...] = ()
+    """Draft made of a copy of these layers of the model, for the speculation run."""
 
 
 def check(cfg: Config) -> None:
@@ -70,6 +76,8 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
     if cfg.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens={cfg.num_speculative_tokens}; accepted: >= 0 (0: no speculation run)")
+    if (cfg.speculative_model is not None or cfg.speculative_layers) and cfg.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens={cfg.num_speculative_tokens}; accepted: >= 1 with a draft model")
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
     if cfg.arrival == "poisson" and not cfg.rate > 0:
@@ -138,6 +146,11 @@ def time_steps(engine: Engine) -> dict:
     return split
 
 
+def runners(engine: Engine) -> list:
+    """The engine's model runners: the model's, and the draft's when it speculates with one."""
+    return [engine.runner] + ([engine.drafter.runner] if engine.drafter is not None else [])
+
+
 def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
     """Replay `trace` stepping the engine inline; per-token timestamps from the streams."""
     split = time_steps(engine)
@@ -171,7 +184,7 @@ def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
     return {"tok_s": n_out / elapsed, "elapsed": elapsed, "tokens": n_out, "ttft": ttft, "itl": itl,
             "kv_util": float(np.mean(util)) if util else 0.0, "preemptions": engine.metrics()["preemptions_total"],
             "compilations": engine.runner.num_compilations, "steps": split,
-            "blocking_compilations": engine.runner.num_blocking_compilations,
+            "blocking_compilations": sum(r.num_blocking_compilations for r in runners(engine)),
             "compiled_in_run": COMPILES.count - compiles0, "compile_s": COMPILES.seconds - compile_s0,
             "spec_accepted": engine.stats["spec_accepted_tokens"], "spec_proposed": engine.stats["spec_draft_tokens"]}
 
@@ -242,15 +255,18 @@ def main(cfg: Config) -> None:
     blocks = cfg.num_blocks or sum(-(-(len(p) + o) // cfg.block_size) for _, p, o in trace)
     rows = {}
     runs = [("(a) jmem continuous batching", False, 0), ("(b) jmem static batching", True, 0)]
+    draft = load_draft(model, cfg.speculative_model, cfg.speculative_layers, compute_dtype=cfg.compute_dtype)
     if cfg.num_speculative_tokens:
-        runs.append((f"(a) + n-gram speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens))
+        how = ("n-gram" if draft is None else
+               f"{draft.config.n_layers}-layer draft {cfg.speculative_model or list(cfg.speculative_layers)}")
+        runs.append((f"(a) + {how} speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens))
     for name, static, k in runs:
         ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
                             kv_cache_dtype=cfg.kv_cache_dtype, num_blocks=blocks, static_batching=static,
                             enable_prefix_caching=False, num_speculative_tokens=k)
         def fresh_engine():
-            engine = Engine(model, tok, ecfg)
+            engine = Engine(model, tok, ecfg, draft_model=draft if k else None)
             engine.precompile()
             return engine
 
@@ -258,7 +274,8 @@ def main(cfg: Config) -> None:
             compiles0 = COMPILES.count
             engine = fresh_engine()
             run_engine(engine, trace, cfg.temperature)
-            engine.runner.finish_compilations()
+            for runner in runners(engine):
+                runner.finish_compilations()
             if COMPILES.count == compiles0:
                 break
         rows[name] = run_engine(fresh_engine(), trace, cfg.temperature)

@@ -5,6 +5,7 @@ Example:
     $ python -m jmem.serve --model tiny --port 8001
     $ jmem serve --model smollm2-135m --lora-modules sql=sql.npz chat=chat.npz --max-lora-rank 16
     $ jmem serve --model smollm2-135m --tensor-parallel-size 3      # 9 q heads, 3 kv heads: 3 devices
+    $ jmem serve --model smollm2-135m --num-speculative-tokens 4 --speculative-model draft.gguf
 """
 
 from __future__ import annotations
@@ -76,8 +77,15 @@ class ServeArgs:
     """Local devices to split the model over (Megatron tensor parallelism; the KV cache splits on its kv heads,
     so --kv-cache-memory is per device and the cache holds this many times the tokens)."""
     num_speculative_tokens: int = 0
-    """N-gram (prompt-lookup) speculative decoding: tokens proposed per decode from the sequence's own earlier
-    tokens, verified in the same step (0: off); outputs keep the distribution of decoding without it."""
+    """Speculative decoding: tokens proposed per decode, verified in the same step (0: off); outputs keep the
+    distribution of decoding without it. Proposed by the draft model when one is given, else by n-gram
+    (prompt-lookup) matches in the sequence's own earlier tokens."""
+    speculative_model: str | None = None
+    """Draft model proposing --num-speculative-tokens tokens per decode, greedily: a preset or .gguf path with
+    the model's vocabulary (its weights and KV cache count against the memory budget)."""
+    speculative_layers: tuple[int, ...] = ()
+    """Draft made of a copy of these layers of the model (self-speculative layer dropping), instead of
+    --speculative-model."""
     prompt_lookup_max: int = 3
     """Longest suffix of a sequence looked up for a proposal (shorter ones down to 1 are tried next)."""
 
@@ -111,6 +119,9 @@ def check_args(args: ServeArgs) -> None:
         check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--")
     except ValueError as e:
         raise ValueError(str(e).replace("_", "-")) from None
+    if (args.speculative_model is not None or args.speculative_layers) and args.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens={args.num_speculative_tokens}; accepted: >= 1 with a draft "
+                         "model (--speculative-model or --speculative-layers)")
     lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 
@@ -194,6 +205,7 @@ def build_engine(args: ServeArgs):
     """Load the model and build the engine described by `args`; returns (engine, model name)."""
     import jmem
     from jmem.models.config import PRESETS, get_config
+    from jmem.serve.draft import load_draft
     from jmem.serve.engine import Engine, EngineConfig
 
     check_args(args)
@@ -209,7 +221,9 @@ def build_engine(args: ServeArgs):
                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                        tensor_parallel_size=args.tensor_parallel_size,
                        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max)
-    return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args)), args.model
+    draft = load_draft(lm.model, args.speculative_model, args.speculative_layers, param_dtype=args.param_dtype,
+                       compute_dtype=args.compute_dtype, packed=args.packed)
+    return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args), draft_model=draft), args.model
 
 
 def _fail(message: str) -> NoReturn:
@@ -248,6 +262,10 @@ def serve_main(argv: list[str] | None = None) -> None:
         log.info("LoRA adapters: %s stacked in %d slots of rank %d, %.1f KiB on the device",
                  ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()),
                  args.max_loras or len(engine.adapters), slot, engine.adapter_bytes / 1024)
+    if engine.drafter is not None:
+        draft = engine.drafter.runner.config
+        log.info("speculative decoding: a %d-layer draft proposes %d tokens per decode", draft.n_layers,
+                 args.num_speculative_tokens)
     if args.warmup:
         engine.precompile()
     engine.start()

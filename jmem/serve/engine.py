@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from flax import nnx
 
 from jmem.parallel.zero import bytes_per_device
+from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.ngram import check_speculative_args
@@ -55,9 +56,10 @@ class EngineConfig:
         tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
             `jmem.serve.tensor_parallel`); the KV budgets are per device, so the pool holds this
             many times the tokens.
-        num_speculative_tokens: n-gram (prompt-lookup) speculation: tokens proposed per decode from the
-            sequence's own earlier tokens and verified in the same step (0: off). Outputs keep the
-            distribution (greedy: the exact tokens) of decoding without it.
+        num_speculative_tokens: speculative decoding: tokens proposed per decode and verified in the same
+            step (0: off), by the engine's draft model when it has one, else by n-gram (prompt-lookup)
+            matches in the sequence's own earlier tokens. Outputs keep the distribution (greedy: the
+            exact tokens) of decoding without it.
         prompt_lookup_max: longest suffix of a sequence looked up for a proposal (down to 1).
     """
 
@@ -169,6 +171,9 @@ class Engine:
         config: limits and KV sizing.
         lora_modules: LoRA adapter name -> file written by `jmem.lora.save_adapters`, all
             served at once (`add_request(..., adapter=name)`); stacked on the device at startup.
+        draft_model: a smaller `jmem.models.Llama` with the model's vocabulary that proposes
+            `config.num_speculative_tokens` tokens per decode (`jmem.serve.draft`); its weights and
+            its KV cache (same blocks as the model's) count against the memory budgets.
 
     Example:
         >>> lm = jmem.load("tiny")
@@ -177,8 +182,12 @@ class Engine:
         ...                 adapters=["sql"])
     """
 
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None):
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None,
+                 draft_model=None):
         check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max)
+        if draft_model is not None and config.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} with a draft model; "
+                             "accepted: >= 1 (the tokens it proposes per decode)")
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config
@@ -192,31 +201,40 @@ class Engine:
             from jmem.serve.tensor_parallel import check_tensor_parallel, tensor_mesh
 
             check_tensor_parallel(mcfg, tp)
+            if draft_model is not None:
+                check_tensor_parallel(draft_model.config, tp)
             mesh = tensor_mesh(tp)
+        if draft_model is not None:
+            check_draft(mcfg, draft_model.config, max_len)
         self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
         if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
             model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,
                                                   max_lora_rank=config.max_lora_rank, impl=config.lora_impl)
         self.adapter_bytes = adapter_bytes(model)
-        state = nnx.state(model)
-        # What one device holds of the weights (adapters included) once they are split.
-        self.weight_bytes = (per_device_bytes(state) if mesh is None
-                             else bytes_per_device(state, state_shardings(state, mesh)))
+        models = [model] if draft_model is None else [model, draft_model]
+        # What one device holds of the weights (adapters and draft included) once they are split.
+        self.weight_bytes = sum(per_device_bytes(state) if mesh is None
+                                else bytes_per_device(state, state_shardings(state, mesh))
+                                for state in map(nnx.state, models))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
             budget = kv_cache_budget(self.weight_bytes, config.kv_cache_memory, config.memory_utilization)
-            num_blocks = ModelRunner.num_blocks_for_budget(mcfg, budget, config.block_size, config.kv_cache_dtype,
-                                                           tp)
+            num_blocks = ModelRunner.num_blocks_for_budget([m.config for m in models], budget, config.block_size,
+                                                           config.kv_cache_dtype, tp)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                     static_batching=config.static_batching,
                                     num_speculative_tokens=config.num_speculative_tokens,
+                                    draft_model=draft_model is not None,
                                     prompt_lookup_max=config.prompt_lookup_max)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
                                   config.kv_cache_dtype, config.attention_impl,
                                   {name: a.slot for name, a in self.adapters.items()}, mesh=mesh)
+        self.drafter = None if draft_model is None else DraftProposer(
+            draft_model, num_blocks, config.block_size, config.max_num_seqs, max_len, config.kv_cache_dtype,
+            config.attention_impl, mesh)
         self.eos_ids = tuple(i for i in [getattr(tokenizer, "eos_id", None)] if i is not None)
         self.num_kv_tokens = num_blocks * config.block_size
         if tp > 1:
@@ -239,6 +257,10 @@ class Engine:
         (`ModelRunner.precompile`: smaller shapes then compile on a background thread)."""
         start = time.monotonic()
         shapes = self.runner.precompile(self.config.max_num_batched_tokens, self.config.num_speculative_tokens)
+        if self.drafter is not None:
+            # The draft's first pass of a step may feed one token more per sequence than the budget
+            # (the last proposal of a fully kept round, which it never fed).
+            shapes += self.drafter.runner.precompile(self.config.max_num_batched_tokens + self.config.max_num_seqs)
         log.info("compiled %d step shapes in %.1f s; others compile in the background", len(shapes),
                  time.monotonic() - start)
 
@@ -318,6 +340,8 @@ class Engine:
             return
         out = self.scheduler.schedule()
         try:
+            if self.drafter is not None:
+                self.drafter.propose(out)
             res = self.runner.step(out)
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
@@ -326,6 +350,8 @@ class Engine:
             return
         now = time.monotonic()
         touched = self.scheduler.update_from_output(out, res.tokens, res.logprobs, res.accepted)
+        if self.drafter is not None:
+            self.drafter.update(out, res.accepted, self.scheduler.requests)
         generated = len(res.tokens) + sum(len(toks) for toks, _ in res.accepted.values())
         with self._lock:
             self.stats["steps"] += 1

@@ -339,8 +339,12 @@ class ModelRunner:
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str,
                               tensor_parallel_size: int = 1) -> int:
         """Blocks a per-device budget holds; with tensor parallelism each device stores only its
-        `n_kv_heads / tensor_parallel_size` heads of a block, so the same budget holds N times the blocks."""
-        per_block = kv_bytes_per_token(config, kv_dtype, block_size) * block_size  # int8/fp8: scales included
+        `n_kv_heads / tensor_parallel_size` heads of a block, so the same budget holds N times the blocks.
+        `config` may be a list of model configs whose caches share the block ids (a model and its draft):
+        a block then costs all of them."""
+        configs = config if isinstance(config, (list, tuple)) else [config]
+        # int8/fp8: scales included
+        per_block = sum(kv_bytes_per_token(c, kv_dtype, block_size) for c in configs) * block_size
         per_block //= tensor_parallel_size  # the heads (values and per-head scales) split evenly
         n = budget_bytes // per_block - 1  # one spare page
         if n < 1:

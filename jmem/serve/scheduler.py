@@ -22,6 +22,8 @@ from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.ngram import check_speculative_args, propose_ngram
 from jmem.serve.request import Request, Status
 
+PENDING_PROPOSAL = -1  # a reserved proposal place, filled by a draft model before the step runs
+
 
 @dataclass
 class ScheduledSeq:
@@ -72,7 +74,11 @@ class SchedulerConfig:
     static_batching: bool = False
     """Admit new requests only when none is running (a batch waits for its longest request); for comparison."""
     num_speculative_tokens: int = 0
-    """Tokens proposed per decode by n-gram lookup in the sequence's own tokens (0: no speculation)."""
+    """Tokens proposed per decode (0: no speculation)."""
+    draft_model: bool = False
+    """Proposals come from a draft model run after `schedule` (`jmem.serve.draft`): decodes get
+    `num_speculative_tokens` placeholders (`PENDING_PROPOSAL`), with their blocks and budget reserved.
+    False: n-gram lookup in the sequence's own tokens."""
     prompt_lookup_max: int = 3
     """Longest suffix looked up for a proposal (shorter ones down to 1 are tried next)."""
 
@@ -202,11 +208,15 @@ class Scheduler:
         return out
 
     def _propose(self, req: Request, budget: int) -> list[int]:
-        """N-gram proposals for a decode of `req`: at most k, the budget left after its own token, and the
-        outputs it may still produce after the token the step samples anyway."""
+        """Proposals for a decode of `req`: at most k, the budget left after its own token, and the outputs
+        it may still produce after the token the step samples anyway; placeholders for a draft model."""
         k = min(self.config.num_speculative_tokens, budget - 1,
                 req.params.max_tokens - len(req.output_token_ids) - 1)
-        return propose_ngram(req.all_token_ids, k, self.config.prompt_lookup_max) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.config.draft_model:
+            return [PENDING_PROPOSAL] * k
+        return propose_ngram(req.all_token_ids, k, self.config.prompt_lookup_max)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None,
                            accepted: dict[str, tuple[list[int], list]] | None = None) -> list[Request]:

@@ -1,0 +1,148 @@
+"""Draft-model speculative decoding in the serving engine: the target's greedy tokens under chunked prefill,
+preemption and prefix hits; a draft equal to the target has every proposal kept (its paged cache follows the
+target's exactly); the memory budget counts the draft; bad drafts are refused with one clear error."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem.distill import student_from_teacher
+from jmem.io.tokenizer import ByteTokenizer
+from jmem.models import Llama, LlamaConfig
+from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.request import SamplingParams
+from tests.helpers import free_port
+
+K = 3
+# Pool of 12 blocks of 8 tokens: too small for every request at once (preemption); a 16-token budget
+# splits the longer prompts over several steps (chunked prefill).
+SMALL = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=12)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Llama(LlamaConfig.tiny(n_layers=4), rngs=nnx.Rngs(0))
+
+
+def prompts(seed, n):
+    rng = np.random.default_rng(seed)
+    shared = [int(x) for x in rng.integers(0, 256, size=16)]  # two full blocks: prefix-cache hits
+    out = [[int(x) for x in rng.integers(0, 256, size=rng.integers(1, 30))] for _ in range(n)]
+    return out + [shared + [1, 2], shared + [3]]
+
+
+def greedy(max_tokens=14):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def plain(target, ps, params):
+    return Engine(target, ByteTokenizer(), EngineConfig(**SMALL)).generate(ps, params)
+
+
+def test_layer_dropped_draft_gives_the_targets_greedy_tokens(target):
+    ps = prompts(0, 6)
+    want = plain(target, ps, greedy())
+    draft = student_from_teacher(target, [0, 1, 2])
+    engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=draft)
+    engine.precompile()  # both models' largest steps: then no step of either waits for a compilation
+    got = engine.generate(ps, greedy())
+    for runner in (engine.runner, engine.drafter.runner):
+        runner.finish_compilations()
+        assert runner.num_blocking_compilations == 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == "length"
+        np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
+    m = engine.metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"]
+    assert m["preemptions_total"] > 0 and m["prefix_cache_hit_tokens_total"] > 0
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks and not engine.kv.req_blocks
+    assert not engine.drafter.num_computed  # finished requests forgotten
+
+
+def test_draft_equal_to_the_target_has_every_proposal_kept(target):
+    """The draft's cache holds exactly the target's tokens at every step (catching up on the last proposal
+    after a fully kept round, restarting after preemption): its proposals are the target's argmax."""
+    ps = prompts(1, 6)[:6]  # no shared prefix: a prefix hit is trusted to hold the draft's K/V as well
+    want = plain(target, ps, greedy(20))
+    copy = nnx.merge(*nnx.split(target))
+    engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=copy)
+    got = engine.generate(ps, greedy(20))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    m = engine.metrics()
+    assert m["preemptions_total"] > 0
+    assert m["spec_decode_num_draft_tokens_total"] > 0
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
+
+
+def test_sampled_requests_with_a_draft_are_seeded(target):
+    ps = prompts(2, 3)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(5)]
+    cfg = EngineConfig(num_speculative_tokens=K, **SMALL)
+    runs = [Engine(target, ByteTokenizer(), cfg, draft_model=student_from_teacher(target, [0, 1, 2])).generate(ps, params)
+            for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(len(o.token_ids) == 12 for o in runs[0])
+
+
+def test_the_budget_counts_the_draft(target):
+    """Weights and KV blocks of both models share the budget: a block costs the target's and the draft's K/V."""
+    budget = 1 << 20
+    draft = student_from_teacher(target, [0])
+    alone = Engine(target, ByteTokenizer(), EngineConfig(kv_cache_memory=budget, block_size=8))
+    both = Engine(target, ByteTokenizer(), EngineConfig(kv_cache_memory=budget, block_size=8,
+                                                       num_speculative_tokens=2), draft_model=draft)
+    # KV bytes per token are proportional to the layers: 4 for the target, 1 for the draft.
+    assert both.kv.pool.num_blocks + 1 == (alone.kv.pool.num_blocks + 1) * 4 // 5
+    assert both.weight_bytes > alone.weight_bytes
+
+
+@pytest.mark.parametrize("make, kwargs, msg", [
+    (lambda t: Llama(LlamaConfig.tiny(vocab_size=300), rngs=nnx.Rngs(1)), {},
+     "the draft model's vocab_size=300 differs from the target's 259"),
+    (lambda t: Llama(LlamaConfig.tiny(max_seq_len=32), rngs=nnx.Rngs(1)), {},
+     "the draft model's context of 32 tokens is shorter than max_model_len=64"),
+    (lambda t: student_from_teacher(t, [0]), dict(num_speculative_tokens=0),
+     "num_speculative_tokens=0 with a draft model; accepted: >= 1"),
+])
+def test_bad_drafts_are_refused(target, make, kwargs, msg):
+    cfg = EngineConfig(**{**SMALL, "num_speculative_tokens": K, **kwargs})
+    with pytest.raises(ValueError, match=msg):
+        Engine(target, ByteTokenizer(), cfg, draft_model=make(target))
+
+
+def test_serve_flags_build_a_drafting_engine(capsys):
+    from jmem.serve.cli import ServeArgs, build_engine, serve_main
+
+    args = ServeArgs(model="tiny", num_speculative_tokens=2, speculative_layers=(1,), num_blocks=16,
+                     max_model_len=64, warmup=False)
+    engine, _ = build_engine(args)
+    assert engine.drafter.runner.config.n_layers == 1
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and engine.metrics()["spec_decode_num_draft_tokens_total"] > 0
+    for flags, msg in [
+        (["--speculative-layers", "0"], "--num-speculative-tokens=0; accepted: >= 1 with a draft model"),
+        (["--num-speculative-tokens", "2", "--speculative-layers", "5"],
+         "--speculative-layers: layer 5 is out of range for a teacher of 2 layers"),
+        (["--num-speculative-tokens", "2", "--speculative-layers", "0", "--speculative-model", "tiny"],
+         "--speculative-model='tiny' and --speculative-layers=[0] both given; accepted: one of them"),
+        (["--num-speculative-tokens", "2", "--speculative-model", "bench-8l"],
+         "the draft model's vocab_size=8192 differs from the target's 259"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            serve_main(["--model", "tiny", "--port", str(free_port()), "--num-blocks", "16", *flags])
+        assert exit_info.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: {msg}"), lines
+
+
+@pytest.mark.slow
+def test_tensor_parallel_target_and_draft(target):
+    """Both models split over two devices (each device holds its kv heads of both caches' blocks)."""
+    ps = prompts(3, 3)
+    want = plain(target, ps, greedy(10))
+    cfg = EngineConfig(num_speculative_tokens=K, tensor_parallel_size=2, **SMALL)
+    engine = Engine(target, ByteTokenizer(), cfg, draft_model=student_from_teacher(target, [0, 1, 2]))
+    got = engine.generate(ps, greedy(10))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.drafter.runner.cache.mesh is engine.runner.cache.mesh
