@@ -257,8 +257,8 @@ def main(cfg: Config) -> None:
     runs = [("(a) jmem continuous batching", False, 0), ("(b) jmem static batching", True, 0)]
     draft = load_draft(model, cfg.speculative_model, cfg.speculative_layers, compute_dtype=cfg.compute_dtype)
     if cfg.num_speculative_tokens:
-        how = ("n-gram" if draft is None else
-               f"{draft.config.n_layers}-layer draft {cfg.speculative_model or list(cfg.speculative_layers)}")
+        how = ("n-gram" if draft is None else f"{draft.config.n_layers}-layer draft"
+               + (f" {cfg.speculative_model}" if cfg.speculative_model else " (the model's layers)"))
         runs.append((f"(a) + {how} speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens))
     for name, static, k in runs:
         ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
