@@ -4,7 +4,11 @@ Megatron layout from the training rules (`jmem.parallel.rules.DEFAULT_RULES`):
 wq/wk/wv and w_gate/w_up are column-parallel (their heads / mlp columns on
 `tensor`), wo and w_down row-parallel (their input rows on `tensor`), the
 embedding and head split over the vocabulary where it divides (else whole),
-norms replicated. The paged KV pool `[layers, kv_heads, pages, page_size,
+norms replicated. A mixture-of-experts MLP splits the same way inside every
+expert (gate/up on their `mlp` columns, down on its `mlp` rows; the router
+whole), so each device runs every expert's slice of columns on the tokens
+routed to it, and the MoE block's output takes the one all-reduce a dense
+MLP's does. The paged KV pool `[layers, kv_heads, pages, page_size,
 head_dim]` is split on its kv-head axis, so each device holds the pages of
 its own heads: for the same per-device budget the pool holds N times the
 tokens.
@@ -44,7 +48,7 @@ def check_tensor_parallel(config, tp: int, n_devices: int | None = None) -> None
     """Refuse a tensor-parallel size that does not fit the local devices or the model's shapes.
 
     Args:
-        config: the model config (n_heads, n_kv_heads, ffn_dim).
+        config: the model config (n_heads, n_kv_heads, ffn_dim: every expert's too).
         tp: devices to split the model over.
         n_devices: local devices available (default: `jax.local_device_count()`).
 
@@ -67,9 +71,6 @@ def check_tensor_parallel(config, tp: int, n_devices: int | None = None) -> None
         check_heads(config.n_heads, config.n_kv_heads, None, {TENSOR: tp}, what=f"tensor_parallel_size={tp}: ")
     except ShardingError as e:
         raise TensorParallelError(str(e)) from None
-    if getattr(config, "moe_experts", 0):
-        raise TensorParallelError(f"tensor_parallel_size={tp}: mixture-of-experts models are served on one "
-                                  f"device only; accepted: tensor_parallel_size=1")
     if config.ffn_dim % tp:
         raise TensorParallelError(f"tensor_parallel_size={tp}: ffn_dim={config.ffn_dim} is not divisible by "
                                   f"{tp}; accepted: sizes dividing {config.ffn_dim}")

@@ -192,6 +192,23 @@ def test_quantized_weights_split_and_match_tp1(wide_model, fmt):
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
 
 
+def test_mixture_of_experts_splits_inside_each_expert():
+    """Every expert's gate/up columns and down rows split over the devices (the router whole): tp=1's
+    tokens, two all-reduces per layer (attention out, the MoE block's output), no weight gathered."""
+    moe = Llama(LlamaConfig.tiny_moe(vocab_size=260), rngs=nnx.Rngs(2))
+    out = {}
+    for tp in (1, 2):
+        engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL))
+        out[tp] = engine.generate(PROMPTS, GREEDY)
+    experts = engine.runner.state["layers"]["moe"]
+    L, X, E, F = CONFIG.n_layers, 4, CONFIG.dim, CONFIG.ffn_dim
+    for name, shard in (("expert_gate", (L, X, E, F // 2)), ("expert_down", (L, X, F // 2, E)),
+                        ("router", (L, E, X))):
+        leaf = experts[name][...] if name != "router" else experts[name]["kernel"][...]
+        assert {s.data.shape for s in leaf.addressable_shards} == {shard}, name
+    _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
+
+
 def test_packing_units_a_split_would_cut_are_refused(wide_model):
     """A Q4_K weight whose 256 input rows (one super-block) would be cut in two: one error naming it."""
     q = _quantized(wide_model, "Q4_K")
