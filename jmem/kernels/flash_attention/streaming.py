@@ -44,6 +44,25 @@ def _first_q(cfg, j):
     return jnp.minimum(fk._q_range(cfg, j)[0], pl.cdiv(cfg.q_len, cfg.block_q) - 1)
 
 
+def _for_key_tile(cfg, i, j, tile):
+    """Run `tile(mask)` for key tile j of query block i: without a mask below the causal band, with
+    one inside it, not at all past it."""
+    n_full, n_total = fk._k_range(cfg, i)
+    pl.when(j < n_full)(lambda: tile(None))
+    pl.when((j >= n_full) & (j < n_total))(lambda: tile(fk._tile_mask(cfg, i, j)))
+
+
+def _query_grid(q, k, cfg):
+    """The grid (B, H, query blocks, key blocks) of the forward and dq calls, with the BlockSpec of a
+    query row block (last dim `last`) and of the K/V tile each step streams in."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    row = lambda last: pl.BlockSpec((None, None, bq, last), lambda b, h, i, j: (b, h, i, 0))  # noqa: E731
+    kv = pl.BlockSpec((None, None, bk, D), lambda b, h, i, j: (b, lax.div(h, G), jnp.minimum(j, _last_k(cfg, i)), 0))
+    return (B, H, T // bq, k.shape[2] // bk), row, kv
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg, nk):
     # q_ref, o_ref [bq, D]; k_ref, v_ref [bk, D]; lse_ref [bq, 1]; scratch m, l [bq, 1], acc [bq, D] f32
     i, j = pl.program_id(2), pl.program_id(3)
@@ -52,17 +71,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg,
     def _():
         m_sc[...], l_sc[...], acc_sc[...] = fk.fwd_init(cfg.block_q, acc_sc.shape[-1])
 
-    def step(masked):
-        def run():
-            mask = fk._tile_mask(cfg, i, j) if masked else None
-            carry = fk.fwd_tile(q_ref[...], k_ref[...], v_ref[...], (m_sc[...], l_sc[...], acc_sc[...]), mask, cfg.sm_scale)
-            m_sc[...], l_sc[...], acc_sc[...] = carry
+    def tile(mask):
+        carry = fk.fwd_tile(q_ref[...], k_ref[...], v_ref[...], (m_sc[...], l_sc[...], acc_sc[...]), mask, cfg.sm_scale)
+        m_sc[...], l_sc[...], acc_sc[...] = carry
 
-        return run
-
-    n_full, n_total = fk._k_range(cfg, i)
-    pl.when(j < n_full)(step(False))
-    pl.when((j >= n_full) & (j < n_total))(step(True))
+    _for_key_tile(cfg, i, j, tile)
 
     @pl.when(j == nk - 1)
     def _():
@@ -71,19 +84,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg,
 
 def fwd_call(platform, q, k, v, cfg):
     """Forward: (o [B, H, T, D], lse f32[B, H, T, 1]) from padded [B, H, len, D] inputs."""
-    B, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    G = H // K
-    bq, bk = cfg.block_q, cfg.block_k
-    nq, nk = T // bq, S // bk
-    row = lambda last: pl.BlockSpec((None, None, bq, last), lambda b, h, i, j: (b, h, i, 0))  # noqa: E731
-    kv = pl.BlockSpec((None, None, bk, D), lambda b, h, i, j: (b, lax.div(h, G), jnp.minimum(j, _last_k(cfg, i)), 0))
+    (B, H, nq, nk), row, kv = _query_grid(q, k, cfg)
+    bq, D = cfg.block_q, q.shape[-1]
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, nk=nk),
         grid=(B, H, nq, nk),
         in_specs=[row(D), kv, kv],
         out_specs=[row(D), row(1)],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((*q.shape[:3], 1), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, D), jnp.float32)],
         interpret=cfg.interpret,
         compiler_params=_params(platform),
@@ -98,18 +106,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_sc, 
     def _():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def step(masked):
-        def run():
-            k = k_ref[...]
-            mask = fk._tile_mask(cfg, i, j) if masked else None
-            _, ds = fk.bwd_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask, cfg.sm_scale)
-            acc_sc[...] = fk.dq_update(acc_sc[...], ds, k, cfg.sm_scale)
+    def tile(mask):
+        k = k_ref[...]
+        _, ds = fk.bwd_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask, cfg.sm_scale)
+        acc_sc[...] = fk.dq_update(acc_sc[...], ds, k, cfg.sm_scale)
 
-        return run
-
-    n_full, n_total = fk._k_range(cfg, i)
-    pl.when(j < n_full)(step(False))
-    pl.when((j >= n_full) & (j < n_total))(step(True))
+    _for_key_tile(cfg, i, j, tile)
 
     @pl.when(j == nk - 1)
     def _():
@@ -147,13 +149,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 def bwd_call(platform, q, k, v, do, lse, delta, cfg):
     """Backward: (dq, dk, dv) from padded inputs; lse with +inf for empty rows, delta = rowsum(dO * O)."""
-    B, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    G = H // K
+    (B, H, nq, nk), row, kv = _query_grid(q, k, cfg)
+    K, G, D = k.shape[1], H // k.shape[1], q.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    nq, nk = T // bq, S // bk
-    row = lambda last: pl.BlockSpec((None, None, bq, last), lambda b, h, i, j: (b, h, i, 0))  # noqa: E731
-    kv = pl.BlockSpec((None, None, bk, D), lambda b, h, i, j: (b, lax.div(h, G), jnp.minimum(j, _last_k(cfg, i)), 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, nk=nk),
         grid=(B, H, nq, nk),
