@@ -202,16 +202,17 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
                 return (zeros_x, zeros_x) + c
 
             def forward(c):
-                (micro_S, kept, y_S), g_w, g_sh, loss, count = c
+                (micro_S, kept, _), g_w, g_sh, loss, count = c
                 x = jax.lax.cond(s == 0, lambda: first(shared, m), lambda: recv_f)
                 y, micro, kept = res.forward(w, x)
-                ring = (tuple(put(r, v, m) for r, v in zip(micro_S, micro)), kept, put(y_S, y, m))
+                # The last stage's backward of m is its next tick: one slot holds the stage output it reads.
+                ring = (tuple(put(r, v, m) for r, v in zip(micro_S, micro)), kept, y)
                 return y, zeros_x, ring, g_w, g_sh, loss, count
 
             def backward_tick(c):
-                (micro_S, kept, y_S), g_w, g_sh, loss, count = c
+                (micro_S, kept, y), g_w, g_sh, loss, count = c
                 micro = tuple(get(r, m) for r in micro_S)
-                dw, dsh, dx, l, n = jax.lax.switch(role, roles, micro, kept, get(y_S, m), m, recv_b)
+                dw, dsh, dx, l, n = jax.lax.switch(role, roles, micro, kept, y, m, recv_b)
                 return zeros_x, dx, c[0], _add(g_w, dw), _add(g_sh, dsh), loss + l, count + n
 
             with jax.named_scope(TICK_SCOPE):  # marks the tick's branches for `check_tick_collectives`
@@ -221,11 +222,11 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
             recv_b = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
             return (recv_f, recv_b, *rest), None
 
-        # The ring: each micro residual and the stage output (read by the last stage's loss head) for S
-        # microbatches in flight; the parameter-only residuals, the same for every microbatch, once.
+        # The ring: each micro residual for S microbatches in flight; the parameter-only residuals, the
+        # same for every microbatch, once; the latest stage output (read by the last stage's loss head).
         zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
         ring0 = (tuple(zeros((S,) + a.shape, a.dtype) for a in res.micro),
-                 tuple(zeros(a.shape, a.dtype) for a in res.shared), zeros((S,) + x_shape.shape, x_shape.dtype))
+                 tuple(zeros(a.shape, a.dtype) for a in res.shared), zeros(x_shape.shape, x_shape.dtype))
         zero = jnp.zeros((), jnp.float32)
         carry0 = (zeros_x, zeros_x, ring0, _zeros_f32(w), _zeros_f32(shared), zero, zero)
         (_, _, _, g_w, g_sh, loss, count), _ = jax.lax.scan(tick, carry0, jnp.arange(2 * (M + S - 1)))
