@@ -31,6 +31,7 @@ import numpy as np
 
 from jmem.serve.draft import load_draft
 from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import SamplingParams
 
 
@@ -74,10 +75,11 @@ def check(cfg: Config) -> None:
     """One clear `ValueError` for a flag out of range, before the model loads."""
     if cfg.num_requests < 1:
         raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
-    if cfg.num_speculative_tokens < 0:
-        raise ValueError(f"--num-speculative-tokens={cfg.num_speculative_tokens}; accepted: >= 0 (0: no speculation run)")
-    if (cfg.speculative_model is not None or cfg.speculative_layers) and cfg.num_speculative_tokens < 1:
-        raise ValueError(f"--num-speculative-tokens={cfg.num_speculative_tokens}; accepted: >= 1 with a draft model")
+    try:
+        check_speculative_args(cfg.num_speculative_tokens, prefix="--",
+                               draft=cfg.speculative_model is not None or bool(cfg.speculative_layers))
+    except ValueError as e:
+        raise ValueError(str(e).replace("_", "-")) from None
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
     if cfg.arrival == "poisson" and not cfg.rate > 0:

@@ -116,12 +116,10 @@ def check_args(args: ServeArgs) -> None:
     from jmem.serve.ngram import check_speculative_args
 
     try:
-        check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--")
+        check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--",
+                               draft=args.speculative_model is not None or bool(args.speculative_layers))
     except ValueError as e:
         raise ValueError(str(e).replace("_", "-")) from None
-    if (args.speculative_model is not None or args.speculative_layers) and args.num_speculative_tokens < 1:
-        raise ValueError(f"--num-speculative-tokens={args.num_speculative_tokens}; accepted: >= 1 with a draft "
-                         "model (--speculative-model or --speculative-layers)")
     lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 

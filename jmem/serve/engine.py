@@ -184,10 +184,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None,
                  draft_model=None):
-        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max)
-        if draft_model is not None and config.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} with a draft model; "
-                             "accepted: >= 1 (the tokens it proposes per decode)")
+        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max, draft=draft_model is not None)
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config

@@ -11,10 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_speculative_args(num_speculative_tokens: int, prompt_lookup_max: int, prefix: str = "") -> None:
-    """ValueError naming the bad setting: k >= 0 (0: off), and with k > 0 a lookup length >= 1."""
+def check_speculative_args(num_speculative_tokens: int, prompt_lookup_max: int = 1, prefix: str = "",
+                           draft: bool = False) -> None:
+    """ValueError naming the bad setting: k >= 0 (0: off), k >= 1 with a draft model, and with k > 0 a
+    lookup length >= 1."""
     if num_speculative_tokens < 0:
         raise ValueError(f"{prefix}num_speculative_tokens={num_speculative_tokens}; accepted: >= 0 (0: off)")
+    if draft and num_speculative_tokens < 1:
+        raise ValueError(f"{prefix}num_speculative_tokens={num_speculative_tokens}; accepted: >= 1 with a draft "
+                         "model (the tokens it proposes per decode)")
     if num_speculative_tokens > 0 and prompt_lookup_max < 1:
         raise ValueError(f"{prefix}prompt_lookup_max={prompt_lookup_max}; accepted: >= 1 when "
                          f"num_speculative_tokens > 0")

@@ -19,6 +19,7 @@ def _bench_serve():
 @pytest.mark.parametrize("change, message", [
     (dict(num_requests=0), "--num-requests=0; accepted: >= 1"),
     (dict(num_speculative_tokens=-1), "--num-speculative-tokens=-1; accepted: >= 0"),
+    (dict(speculative_layers=(0,)), "--num-speculative-tokens=0; accepted: >= 1 with a draft model"),
     (dict(arrival="uniform"), "--arrival='uniform'; accepted: burst, poisson"),
     (dict(arrival="poisson", rate=0.0), "--rate=0.0; accepted: > 0"),
     (dict(prompt_len=(10, 5)), "--prompt-len 10 5; accepted: LO HI with 1 <= LO <= HI"),

@@ -102,7 +102,7 @@ def test_the_budget_counts_the_draft(target):
     (lambda t: Llama(LlamaConfig.tiny(max_seq_len=32), rngs=nnx.Rngs(1)), {},
      "the draft model's context of 32 tokens is shorter than max_model_len=64"),
     (lambda t: student_from_teacher(t, [0]), dict(num_speculative_tokens=0),
-     "num_speculative_tokens=0 with a draft model; accepted: >= 1"),
+     "num_speculative_tokens=0; accepted: >= 1 with a draft model"),
 ])
 def test_bad_drafts_are_refused(target, make, kwargs, msg):
     cfg = EngineConfig(**{**SMALL, "num_speculative_tokens": K, **kwargs})
