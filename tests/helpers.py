@@ -1,6 +1,7 @@
 """Shared test fixtures' building blocks."""
 
 import functools
+import importlib.util
 import pathlib
 import socket
 import sys
@@ -28,14 +29,21 @@ def smollm2():
     return jmem.load("smollm2-135m")
 
 
+def experiment(name: str):
+    """The module of `experiments/{name}.py`, imported once per test session (as `experiments_{name}`)."""
+    key = f"experiments_{name}"
+    if key not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def run_train_script(argv, capsys):
     """`experiments/train.py`'s main(argv) in this process: (exit status, stderr)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-    try:
-        import train as script
-    finally:
-        sys.path.pop(0)
-    rc = script.main(argv)
+    rc = experiment("train").main(argv)
     return rc, capsys.readouterr().err
 
 

@@ -67,8 +67,6 @@ def _in_process(main, argv, capsys):
 
 
 def _tiny_gguf(path, **fields):
-    import numpy as np
-
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.models.config import LlamaConfig
     from tests.helpers import random_model

@@ -1,8 +1,5 @@
 """`jmem.prune`: masks as defined, Wanda's activation norms, the packed N:M leaf, and errors."""
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +12,7 @@ from jmem.models.llama import Llama, LlamaConfig, forward
 from jmem.prune import BitmaskSparse, NMSparse, nm_mask, prune, sparsity_report, unstructured_mask
 from jmem.quant import quantize, weight_bytes
 from jmem.calibrate import LINEARS, run_layer
-from tests.helpers import smollm2
+from tests.helpers import experiment, smollm2
 
 CFG = LlamaConfig.tiny()
 OUTLIERS = (3, 17, 40)  # residual channels made large (activations x OUTLIER_GAIN, matching weight rows / it)
@@ -266,12 +263,7 @@ def test_refuses_quantized_and_repacking(model):
 
 
 def _eval_script():
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-    try:
-        import eval_prune
-    finally:
-        sys.path.pop(0)
-    return eval_prune
+    return experiment("eval_prune")
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -36,7 +36,7 @@ def test_greedy_equals_the_targets_greedy_generation(models):
 def test_acceptance_rule_keeps_the_targets_distribution():
     """Proposals drawn from q, kept with min(1, p/q), the first rejection redrawn from
     max(0, p - q): the first emitted token is distributed as p (Leviathan et al. 2023, thm 1)."""
-    V, K, N = 5, 2, 40_000
+    V, N = 5, 40_000
     p_logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1],
                                   [0.2, 0.2, 0.2, 0.2, 0.2]]))[None]
     q = jnp.array([[0.1, 0.4, 0.3, 0.1, 0.1], [0.3, 0.3, 0.1, 0.2, 0.1]])[None]

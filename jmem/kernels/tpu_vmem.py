@@ -29,8 +29,6 @@ kernel has no such bound on TPU: its TPU body streams tiles through the grid
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 SCOPED_VMEM_BYTES = 16 * 2**20  # Mosaic's default scoped VMEM limit (v5e)

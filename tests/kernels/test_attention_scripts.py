@@ -1,33 +1,20 @@
 """`experiments/eval_sparse_attention.py` and `experiments/bench_attention.py`: bad flags are one `error:` line
 and exit status 2, before any model load or benchmark; `--quick` keeps flags given explicitly."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
 import jmem
-
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_script", EXPERIMENTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import experiment
 
 
 @pytest.fixture(scope="module")
 def sparse():
-    return _load("eval_sparse_attention")
+    return experiment("eval_sparse_attention")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load("bench_attention")
+    return experiment("bench_attention")
 
 
 def _refuse_load(*args, **kwargs):

@@ -263,16 +263,11 @@ def test_compiled_kernels_on_accelerator(dtype):
 @pytest.mark.slow
 def test_bench_quick_runs(tmp_path):
     """The benchmark's CPU smoke run completes and writes a row per measurement."""
-    import importlib.util
     import json
-    import pathlib
-    import sys
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = bench
-    spec.loader.exec_module(bench)
+    from tests.helpers import experiment
+
+    bench = experiment("bench_attention")
     out = tmp_path / "bench.json"
     bench.main(bench.Config(quick=True, out=str(out)))
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}

@@ -1,6 +1,5 @@
 """8-bit Adam: nearest-code quantization, tracking AdamW, state bytes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -1,23 +1,14 @@
 """`experiments/eval_quant.py`: bad flags are one `error:` line and exit status 2, before the model loads."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
 import jmem
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "eval_quant.py"
+from tests.helpers import experiment
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("eval_quant_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return experiment("eval_quant")
 
 
 def _refuse_load(*args, **kwargs):

@@ -1,19 +1,12 @@
 """The serving benchmark runs end to end on the tiny model (slow: it runs every mode twice)."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
+
+from tests.helpers import experiment
 
 
 def _bench_serve():
-    path = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return experiment("bench_serve")
 
 
 @pytest.mark.parametrize("change, message", [

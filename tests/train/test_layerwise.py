@@ -20,6 +20,7 @@ from jmem.models.llama import Llama
 from jmem.train.layerwise import LayerwiseError, active_layers, make_layerwise_fns
 from jmem.train import TrainConfig, train
 from jmem.train.step import make_train_fns
+from tests.helpers import experiment
 
 L, B, T = 4, 2, 16
 TX = optax.adam(1e-2)
@@ -276,15 +277,7 @@ def test_other_optimizers_with_bf16_master_weights_reset_each_period(name, data)
 
 
 def _script():
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "experiments"))
-    try:
-        import layerwise as script
-    finally:
-        sys.path.pop(0)
-    return script
+    return experiment("layerwise")
 
 
 @pytest.mark.parametrize("argv, expected", [

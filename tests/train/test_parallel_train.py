@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jmem.train import TrainConfig, train
-from tests.helpers import run_train_script
+from tests.helpers import experiment, run_train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # f32 so the sharded runs can be compared with one device at a tight tolerance.
@@ -87,11 +87,7 @@ def test_tiny_moe_on_an_expert_mesh_matches_one_device():
 
 
 def test_memory_sweep_mesh_and_zero_lists_write_per_device_bytes(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import memory_sweep
-    finally:
-        sys.path.pop(0)
+    memory_sweep = experiment("memory_sweep")
     out, md, png = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
     rc = memory_sweep.main(["--preset", "tiny", "--batch", "8", "--seq", "32", "--remat", "full", "--precision",
                             "f32", "--accum", "1", "--optimizer", "adamw", "--mesh", "data=8", "--zero", "0,3",

@@ -1,23 +1,15 @@
 """`experiments/memory_sweep.py`: records with the documented keys; bad lists fail in one line."""
 
 import json
-import pathlib
-import sys
 
 import pytest
 
 from jmem.train.sweep import RECORD_KEYS
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import experiment
 
 
 def _main(argv, capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import memory_sweep
-    finally:
-        sys.path.pop(0)
-    rc = memory_sweep.main(argv)
+    rc = experiment("memory_sweep").main(argv)
     return rc, capsys.readouterr()
 
 
