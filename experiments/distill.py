@@ -10,6 +10,7 @@ validation windows of the text) before and after, and the teacher's own.
     python experiments/distill.py
     python experiments/distill.py --steps 200 --batch 8 --seq 256 --temperature 4 --alpha 0.9
     python experiments/distill.py --student-layers 0,1,2,27,28,29 --kind reverse --text FILE
+    python experiments/distill.py --steps 500 --save-student draft/    # then: jmem serve --speculative-model draft/
 
 Bad flags end with one `error:` line on stderr and exit status 2, before the model loads.
 """
@@ -30,6 +31,7 @@ import jmem
 from jmem.data import PackedDataset, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
 from jmem.experiment import run_experiment
+from jmem.quant.saved import check_new_dir, save_quantized
 from jmem.train.loss import lm_loss_sum
 
 
@@ -63,6 +65,9 @@ class Config:
     """Training text file (default: the standard library's pydoc_data.topics)."""
     seed: int = 0
     """Batch order seed."""
+    save_student: str | None = None
+    """A new directory to write the distilled student to, with the teacher's tokenizer (`jmem.load` reads it;
+    `jmem serve --speculative-model DIR` serves it as the teacher's draft)."""
 
 
 def parse_layers(spec: str) -> list[int] | None:
@@ -96,11 +101,16 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     if cfg.chunk is not None and (cfg.chunk < 1 or (cfg.chunk < cfg.seq and cfg.seq % cfg.chunk)):
         raise ValueError(f"--chunk {cfg.chunk}; accepted: a positive divisor of --seq {cfg.seq}, or unset")
     layers = parse_layers(cfg.student_layers)
+    if cfg.save_student is not None:
+        try:
+            check_new_dir(cfg.save_student)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--out", "--save-student")) from None
     return layers, load_documents(cfg.text, "--text")
 
 
-def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) -> dict:
-    """Train a fresh copy of `student` for cfg.steps; held-out CE after, per-step losses."""
+def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) -> tuple[dict, nnx.State]:
+    """Train a fresh copy of `student` for cfg.steps: (held-out CE after and per-step losses, trained params)."""
     fns = make_distill_fns(student, teacher, optax.adamw(cfg.lr), temperature=cfg.temperature, alpha=alpha,
                            kind=cfg.kind, chunk=cfg.chunk)
     params, opt = fns.init(student)
@@ -117,7 +127,7 @@ def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) ->
             print(f"  step {i + 1:3d}/{cfg.steps}: objective {losses[-1][0]:.3f}  train CE {losses[-1][1]:.3f}",
                   flush=True)
     step_s = (time.perf_counter() - t0) / max(cfg.steps - 1, 1)
-    return {"eval_ce": eval_fn(params), "first_ce": losses[0][1], "last_ce": losses[-1][1], "step_s": step_s}
+    return {"eval_ce": eval_fn(params), "first_ce": losses[0][1], "last_ce": losses[-1][1], "step_s": step_s}, params
 
 
 def main(cfg: Config) -> dict:
@@ -152,9 +162,20 @@ def main(cfg: Config) -> dict:
     print(f"held-out CE: teacher {result['teacher_ce']:.3f}, student at init {result['student_init_ce']:.3f}")
     for name, alpha in (("distill", cfg.alpha), ("plain CE", 0.0)):
         print(f"{name} (alpha={alpha}, T={cfg.temperature}, {cfg.kind} KL):", flush=True)
-        result[name] = train_student(student, teacher, data, eval_ce, cfg, alpha)
+        result[name], params = train_student(student, teacher, data, eval_ce, cfg, alpha)
+        if name == "distill" and cfg.save_student is not None:
+            save_student(cfg.save_student, nnx.merge(graphdef, params, rest), lm)
+            print(f"wrote the distilled student to {cfg.save_student}")
     print(markdown(cfg, len(layers), result))
     return result
+
+
+def save_student(path: str, student, lm) -> None:
+    """`student` with the teacher's tokenizer in a new model directory (`jmem.quant.saved`, float leaves)."""
+    from jmem.io.tokenizer import ByteTokenizer
+
+    meta = None if isinstance(lm.tokenizer, ByteTokenizer) else lm.source.tokenizer_metadata()
+    save_quantized(path, student, tokenizer=lm.tokenizer, tokenizer_metadata=meta)
 
 
 def markdown(cfg: Config, student_blocks: int, r: dict) -> str:

@@ -276,3 +276,33 @@ def test_vocab_mismatch_and_layer_errors():
                           ([], "empty"), ([0.5], "not an integer")]:
         with pytest.raises(ValueError, match=match):
             student_from_teacher(student, layers)
+
+
+def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, capsys):
+    """`experiments/distill.py --save-student DIR` writes a model `jmem.load` reads; served as the teacher's
+    draft, the engine gives the teacher's greedy tokens. A non-empty directory is refused before loading."""
+    import jmem
+    from jmem.serve.engine import Engine, EngineConfig
+    from jmem.serve.request import SamplingParams
+    from tests.helpers import experiment
+
+    script = experiment("distill")
+    out = tmp_path / "student"
+    argv = ["--teacher", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--eval-batches", "1",
+            "--save-student", str(out)]
+    assert script.cli(argv) == 0, capsys.readouterr().err
+    teacher, student = jmem.load("tiny"), jmem.load(str(out))
+    assert student.config.n_layers == 1 and student.config.vocab_size == teacher.config.vocab_size
+    prompts = [[5, 6, 7, 8], [100, 3]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cfg = dict(num_blocks=16, max_model_len=64, block_size=8)
+    want = Engine(teacher.model, teacher.tokenizer, EngineConfig(**cfg)).generate(prompts, greedy)
+    engine = Engine(teacher.model, teacher.tokenizer, EngineConfig(num_speculative_tokens=2, **cfg),
+                    draft_model=student.model)
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == [o.token_ids for o in want]
+    assert engine.metrics()["spec_decode_num_draft_tokens_total"] > 0
+    capsys.readouterr()
+    assert script.cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --save-student {str(out)!r} is a non-empty directory; accepted: a new or empty directory " \
+                  "(nothing is overwritten)", err
