@@ -195,13 +195,14 @@ def test_quantized_weights_split_and_match_tp1(wide_model, fmt):
 def test_mixture_of_experts_splits_inside_each_expert():
     """Every expert's gate/up columns and down rows split over the devices (the router whole): tp=1's
     tokens, two all-reduces per layer (attention out, the MoE block's output), no weight gathered."""
-    moe = Llama(LlamaConfig.tiny_moe(vocab_size=260), rngs=nnx.Rngs(2))
+    moe_config = LlamaConfig.tiny_moe(vocab_size=260)
+    moe = Llama(moe_config, rngs=nnx.Rngs(2))
     out = {}
     for tp in (1, 2):
         engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL))
         out[tp] = engine.generate(PROMPTS, GREEDY)
     experts = engine.runner.state["layers"]["moe"]
-    L, X, E, F = CONFIG.n_layers, 4, CONFIG.dim, CONFIG.ffn_dim
+    L, X, E, F = moe_config.n_layers, moe_config.moe_experts, moe_config.dim, moe_config.ffn_dim
     for name, shard in (("expert_gate", (L, X, E, F // 2)), ("expert_down", (L, X, F // 2, E)),
                         ("router", (L, E, X))):
         leaf = experts[name][...] if name != "router" else experts[name]["kernel"][...]
