@@ -10,7 +10,9 @@ from jmem.distill import student_from_teacher
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.models import Llama, LlamaConfig
 from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.paged_cache import kv_bytes_per_token
 from jmem.serve.request import SamplingParams
+from jmem.serve.tensor_parallel import per_device_bytes
 from tests.helpers import free_port
 
 K = 3
@@ -78,10 +80,12 @@ def test_sampled_requests_with_a_draft_are_seeded(target):
     ps = prompts(2, 3)
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(5)]
     cfg = EngineConfig(num_speculative_tokens=K, **SMALL)
-    runs = [Engine(target, ByteTokenizer(), cfg, draft_model=student_from_teacher(target, [0, 1, 2])).generate(ps, params)
-            for _ in range(2)]
+    engines = [Engine(target, ByteTokenizer(), cfg, draft_model=student_from_teacher(target, [0, 1, 2]))
+               for _ in range(2)]
+    runs = [e.generate(ps, params) for e in engines]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert all(len(o.token_ids) == 12 for o in runs[0])
+    assert all(e.metrics()["spec_decode_num_draft_tokens_total"] > 0 for e in engines)
 
 
 def test_the_budget_counts_the_draft(target):
@@ -91,9 +95,11 @@ def test_the_budget_counts_the_draft(target):
     alone = Engine(target, ByteTokenizer(), EngineConfig(kv_cache_memory=budget, block_size=8))
     both = Engine(target, ByteTokenizer(), EngineConfig(kv_cache_memory=budget, block_size=8,
                                                        num_speculative_tokens=2), draft_model=draft)
-    # KV bytes per token are proportional to the layers: 4 for the target, 1 for the draft.
-    assert both.kv.pool.num_blocks + 1 == (alone.kv.pool.num_blocks + 1) * 4 // 5
-    assert both.weight_bytes > alone.weight_bytes
+    per_token = [kv_bytes_per_token(m.config, "auto", 8) for m in (target, draft)]
+    assert per_token[0] == 4 * per_token[1]  # K/V bytes follow the layers: 4 for the target, 1 for the draft
+    assert alone.kv.pool.num_blocks + 1 == budget // (per_token[0] * 8)  # one spare page
+    assert both.kv.pool.num_blocks + 1 == budget // (sum(per_token) * 8)
+    assert both.weight_bytes == alone.weight_bytes + per_device_bytes(nnx.state(draft))
 
 
 @pytest.mark.parametrize("make, kwargs, msg", [
