@@ -7,6 +7,6 @@ Example:
 """
 
 from jmem.memory.estimate import estimate
-from jmem.memory.measure import MemoryReport, measure, measure_and_compile
+from jmem.memory.measure import MemoryReport, bytes_per_device, measure, measure_and_compile
 
-__all__ = ["MemoryReport", "estimate", "measure", "measure_and_compile"]
+__all__ = ["MemoryReport", "bytes_per_device", "estimate", "measure", "measure_and_compile"]

@@ -270,3 +270,24 @@ def tree_bytes(tree) -> int:
     """Bytes of all array leaves (arrays or ShapeDtypeStructs) in `tree`."""
     return int(sum(np.prod(x.shape, dtype=np.int64) * x.dtype.itemsize
                    for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")))
+
+
+def bytes_per_device(tree, shardings=None) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs).
+
+    Each leaf counts its shard shape under `shardings` (a matching tree of
+    `jax.sharding.Sharding`s), or under the leaf's own `.sharding` when
+    `shardings` is None; a leaf with neither counts whole. Exact for what a
+    compiled step's inputs/outputs occupy (padding aside: jmem only shards
+    divisible dimensions).
+    """
+    leaves = jax.tree.leaves(tree)
+    if shardings is None:
+        flat = [getattr(x, "sharding", None) for x in leaves]
+    else:
+        flat = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    total = 0
+    for x, s in zip(leaves, flat, strict=True):
+        shape = s.shard_shape(tuple(x.shape)) if s is not None else tuple(x.shape)
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return int(total)

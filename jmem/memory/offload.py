@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jmem.memory.measure import MemoryReport, measure_and_compile
+from jmem.memory.measure import MemoryReport, bytes_per_device, measure_and_compile
 
 OPTIMIZER_OFFLOADS = ("none", "host", "disk")
 PARAM_OFFLOADS = ("none", "host")
@@ -272,16 +272,6 @@ class OffloadReport:
         return "\n".join(lines)
 
 
-def state_bytes_per_device(tree, shardings) -> int:
-    """Bytes one device's shard of `tree` takes under `shardings` (whole leaves when unsharded)."""
-    total = 0
-    flat_sh = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-    for x, s in zip(jax.tree.leaves(tree), flat_sh):
-        shape = s.shard_shape(tuple(x.shape)) if hasattr(s, "shard_shape") else tuple(x.shape)
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
-
-
 def abstract(tree):
     """ShapeDtypeStructs (with shardings) of a tree of arrays."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -447,5 +437,5 @@ class OffloadedTrainStep:
         h_ls = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._host),
                             abstract(state.loss_scale))
         update_report, compiled_update = measure_and_compile(self._update, h_grads, h_opt, h_train, h_ls)
-        host_state = state_bytes_per_device(state.opt_state, self.host_opt_shardings)
+        host_state = bytes_per_device(state.opt_state, self.host_opt_shardings)
         return OffloadReport(report, update_report, dev_args, host_args, host_state, host_output_bytes=host_out)

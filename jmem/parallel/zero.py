@@ -41,6 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmem.memory.measure import bytes_per_device
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
 
@@ -238,19 +239,6 @@ def constrain_gradients(tx: optax.GradientTransformation, mesh: Mesh, *, stage: 
         return tx.update(updates, state, params, **extra)
 
     return optax.GradientTransformation(tx.init, update)
-
-
-def bytes_per_device(tree, shardings) -> int:
-    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `shardings`.
-
-    Uses each sharding's shard shape, so it is exact for what the compiled step's
-    inputs/outputs occupy (padding aside; jmem only shards divisible dims).
-    """
-    total = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
-        shape = s.shard_shape(tuple(x.shape)) if hasattr(s, "shard_shape") else tuple(x.shape)
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
-    return total
 
 
 def zero_model_bytes(n_params: int, *, stage: int, n: int, param_bytes: int = 4, grad_bytes: int = 4,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from flax import nnx
 
-from jmem.parallel.zero import bytes_per_device
+from jmem.memory import bytes_per_device
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
@@ -29,7 +29,7 @@ from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, SamplingParams, Status
 from jmem.serve.runner import ModelRunner, kv_cache_budget
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
-from jmem.serve.tensor_parallel import per_device_bytes, state_shardings
+from jmem.serve.tensor_parallel import state_shardings
 
 log = logging.getLogger("jmem.serve")
 
@@ -210,8 +210,7 @@ class Engine:
         self.adapter_bytes = adapter_bytes(model)
         models = [model] if draft_model is None else [model, draft_model]
         # What one device holds of the weights (adapters and draft included) once they are split.
-        self.weight_bytes = sum(per_device_bytes(state) if mesh is None
-                                else bytes_per_device(state, state_shardings(state, mesh))
+        self.weight_bytes = sum(bytes_per_device(state, None if mesh is None else state_shardings(state, mesh))
                                 for state in map(nnx.state, models))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks

@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -114,16 +113,6 @@ def state_shardings(state, mesh: Mesh):
 def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Pages `[L, K, P, S, D]` (ndim 5) or scales `[L, K, P]` (ndim 3): kv heads on `tensor`."""
     return NamedSharding(mesh, P(None, TENSOR, *([None] * (ndim - 2))))
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of `tree`'s arrays (shards for sharded ones, the whole for the rest)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(x, "sharding", None)
-        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize
-    return int(total)
 
 
 def step_collectives(hlo_text: str, weight_shapes) -> dict:

@@ -8,11 +8,11 @@ from flax import nnx
 
 from jmem.distill import student_from_teacher
 from jmem.io.tokenizer import ByteTokenizer
+from jmem.memory import bytes_per_device
 from jmem.models import Llama, LlamaConfig
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.paged_cache import kv_bytes_per_token
 from jmem.serve.request import SamplingParams
-from jmem.serve.tensor_parallel import per_device_bytes
 from tests.helpers import free_port
 
 K = 3
@@ -99,7 +99,7 @@ def test_the_budget_counts_the_draft(target):
     assert per_token[0] == 4 * per_token[1]  # K/V bytes follow the layers: 4 for the target, 1 for the draft
     assert alone.kv.pool.num_blocks + 1 == budget // (per_token[0] * 8)  # one spare page
     assert both.kv.pool.num_blocks + 1 == budget // (sum(per_token) * 8)
-    assert both.weight_bytes == alone.weight_bytes + per_device_bytes(nnx.state(draft))
+    assert both.weight_bytes == alone.weight_bytes + bytes_per_device(nnx.state(draft))
 
 
 @pytest.mark.parametrize("make, kwargs, msg", [

@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from jmem.io.tokenizer import ByteTokenizer
+from jmem.memory import bytes_per_device
 from jmem.models import Llama, LlamaConfig
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.paged_cache import kv_bytes_per_token
 from jmem.serve.request import SamplingParams
-from jmem.serve.tensor_parallel import TensorParallelError, per_device_bytes, step_collectives
+from jmem.serve.tensor_parallel import TensorParallelError, step_collectives
 from tests.helpers import random_adapter
 
 CONFIG = LlamaConfig.tiny(vocab_size=260)
@@ -89,8 +90,8 @@ def test_weights_and_kv_pool_are_sharded(runs):
     assert len({s.device for s in pool.addressable_shards}) == 2
     # What one device stores: half the pool; the weights (all split but the norms) nearly half.
     ref = runs[1][0].runner
-    assert per_device_bytes(cache) * 2 == per_device_bytes(ref.cache)
-    ratio = per_device_bytes(runner.state) / per_device_bytes(ref.state)
+    assert bytes_per_device(cache) * 2 == bytes_per_device(ref.cache)
+    ratio = bytes_per_device(runner.state) / bytes_per_device(ref.state)
     assert 0.5 < ratio < 0.52, ratio
 
 
@@ -115,7 +116,7 @@ def test_compiled_step_arguments_per_device_halve(runs):
     shape = max(two.compiled_shapes)
     assert shape in one.compiled_shapes
     arg = {r: r.compiled_step(shape).memory_analysis().argument_size_in_bytes for r in (one, two)}
-    stored = {r: per_device_bytes(r.state) + per_device_bytes(r.cache) for r in (one, two)}
+    stored = {r: bytes_per_device(r.state) + bytes_per_device(r.cache) for r in (one, two)}
     assert arg[one] - arg[two] == stored[one] - stored[two] > 0
     assert arg[two] / arg[one] < 0.6, arg
 
@@ -134,7 +135,7 @@ def test_same_per_device_budget_holds_n_times_the_tokens(model):
     assert two.num_kv_tokens / one.num_kv_tokens == 127 / 63
     # The bytes really stored per device match the budget in both.
     for e in (one, two):
-        assert per_device_bytes(e.runner.cache) == budget
+        assert bytes_per_device(e.runner.cache) == budget
 
 
 N = jax.local_device_count()  # 8 simulated CPU devices (tests/conftest.py)
@@ -187,7 +188,7 @@ def test_quantized_weights_split_and_match_tp1(wide_model, fmt):
         shards = {s.data.shape for s in big.addressable_shards}
         axis = split_axis if not fmt.startswith("Q") else (-1 if split_axis == -2 else -2)  # raw is [out, bytes]
         assert shards == {big.shape[:axis % big.ndim] + (big.shape[axis] // 2,) + big.shape[axis % big.ndim + 1:]}
-    ratio = per_device_bytes(state) / per_device_bytes(states[1])
+    ratio = bytes_per_device(state) / bytes_per_device(states[1])
     assert ratio < 0.56, ratio
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
 
