@@ -75,11 +75,8 @@ def check(cfg: Config) -> None:
     """One clear `ValueError` for a flag out of range, before the model loads."""
     if cfg.num_requests < 1:
         raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
-    try:
-        check_speculative_args(cfg.num_speculative_tokens, prefix="--",
-                               draft=cfg.speculative_model is not None or bool(cfg.speculative_layers))
-    except ValueError as e:
-        raise ValueError(str(e).replace("_", "-")) from None
+    check_speculative_args(cfg.num_speculative_tokens, flags=True, draft_model=cfg.speculative_model,
+                           draft_layers=cfg.speculative_layers)
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
     if cfg.arrival == "poisson" and not cfg.rate > 0:

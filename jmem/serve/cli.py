@@ -115,11 +115,8 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
     from jmem.serve.ngram import check_speculative_args
 
-    try:
-        check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, prefix="--",
-                               draft=args.speculative_model is not None or bool(args.speculative_layers))
-    except ValueError as e:
-        raise ValueError(str(e).replace("_", "-")) from None
+    check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,
+                           draft_model=args.speculative_model, draft_layers=args.speculative_layers)
     lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 

@@ -67,10 +67,8 @@ def check_draft(target_config, draft_config, max_model_len: int) -> None:
 def load_draft(target, model: str | None = None, layers: Sequence[int] = (), **load_kwargs):
     """The draft named by serving flags: `model` (a preset or model file, `jmem.load(model, **load_kwargs)`),
     or a copy of the target's `layers` (`jmem.distill.student_from_teacher`: self-speculative layer
-    dropping); None when neither is given. ValueError naming the flag for both or bad layers."""
-    if model is not None and layers:
-        raise ValueError(f"--speculative-model={model!r} and --speculative-layers={list(layers)} both given; "
-                         "accepted: one of them")
+    dropping); None when neither is given (both: refused by `check_speculative_args` before loading).
+    ValueError naming the flag for bad layers."""
     if layers:
         from jmem.distill import student_from_teacher
 

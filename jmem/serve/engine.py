@@ -184,7 +184,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None,
                  draft_model=None):
-        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max, draft=draft_model is not None)
+        check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max, draft_model=draft_model)
         self.config = config
         self.tokenizer = tokenizer
         mcfg = model.config

@@ -11,18 +11,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_speculative_args(num_speculative_tokens: int, prompt_lookup_max: int = 1, prefix: str = "",
-                           draft: bool = False) -> None:
-    """ValueError naming the bad setting: k >= 0 (0: off), k >= 1 with a draft model, and with k > 0 a
-    lookup length >= 1."""
-    if num_speculative_tokens < 0:
-        raise ValueError(f"{prefix}num_speculative_tokens={num_speculative_tokens}; accepted: >= 0 (0: off)")
-    if draft and num_speculative_tokens < 1:
-        raise ValueError(f"{prefix}num_speculative_tokens={num_speculative_tokens}; accepted: >= 1 with a draft "
-                         "model (the tokens it proposes per decode)")
-    if num_speculative_tokens > 0 and prompt_lookup_max < 1:
-        raise ValueError(f"{prefix}prompt_lookup_max={prompt_lookup_max}; accepted: >= 1 when "
-                         f"num_speculative_tokens > 0")
+def check_speculative_args(num_speculative_tokens: int, prompt_lookup_max: int = 1, *, flags: bool = False,
+                           draft_model=None, draft_layers=()) -> None:
+    """ValueError naming the bad setting: k >= 0 (0: off); with a draft (`draft_model`, a name, path or
+    model, or `draft_layers`) k >= 1 and not both; with k > 0 a lookup length >= 1.
+    `flags=True` names the settings as command-line flags (`--num-speculative-tokens`)."""
+
+    def name(setting: str) -> str:
+        return "--" + setting.replace("_", "-") if flags else setting
+
+    k = num_speculative_tokens
+    if k < 0:
+        raise ValueError(f"{name('num_speculative_tokens')}={k}; accepted: >= 0 (0: off)")
+    if draft_model is not None and draft_layers:
+        raise ValueError(f"{name('speculative_model')}={draft_model!r} and {name('speculative_layers')}="
+                         f"{list(draft_layers)} both given; accepted: one of them")
+    if (draft_model is not None or draft_layers) and k < 1:
+        raise ValueError(f"{name('num_speculative_tokens')}={k}; accepted: >= 1 with a draft model "
+                         "(the tokens it proposes per decode)")
+    if k > 0 and prompt_lookup_max < 1:
+        raise ValueError(f"{name('prompt_lookup_max')}={prompt_lookup_max}; accepted: >= 1 when "
+                         f"{name('num_speculative_tokens')} > 0")
 
 
 def propose_ngram(tokens, k: int, n_max: int, n_min: int = 1) -> list[int]:
