@@ -8,7 +8,7 @@ it), 1-D norm weights in F32.
 
 Weights already packed as `GGMLWeight` are written byte for byte when their
 target type is their own type; other leaves are decoded to float and encoded
-with `jmem.quant.ggml.quantize`.
+with `jmem.quant.ggml_quantize.quantize`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
+from jmem.quant.ggml_quantize import quantize
 from jmem.io.ggml_mixed import MixedGGMLWeight
 from jmem.quant.ggml_weight import GGMLWeight
 
@@ -195,7 +196,7 @@ class _Matrix:
             return w_OI, target
         if target == "F16":
             return w_OI.astype(np.float16), target
-        return ggml.quantize(w_OI, target), target
+        return quantize(w_OI, target), target
 
 
 def _expected_shape_OI(config: LlamaConfig, kind: str) -> tuple[int, int]:

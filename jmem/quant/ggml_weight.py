@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import check_row_split
 from jmem.quant import ggml
+from jmem.quant.ggml_quantize import quantize
 
 
 class PackedRows:
@@ -95,7 +96,7 @@ class GGMLWeight(PackedRows):
         w = np.asarray(w_in_out, dtype=np.float32)
         if w.ndim < 2:
             raise ValueError(f"from_float needs a kernel [..., in, out], got shape {w.shape}")
-        raw = ggml.quantize(np.swapaxes(w, -1, -2), qtype)
+        raw = quantize(np.swapaxes(w, -1, -2), qtype)
         return cls(jnp.asarray(raw), qtype)
 
     @property

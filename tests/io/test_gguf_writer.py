@@ -10,6 +10,7 @@ from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
 from jmem.lm import set_weights
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
+from jmem.quant.ggml_quantize import quantize
 from jmem.quant.ggml_weight import GGMLWeight
 from tests.helpers import logits_of, random_model
 
@@ -93,7 +94,7 @@ def test_quantized_model_round_trip(tiny, tmp_path, qtype):
     packed = {f"layers.{k}.kernel": GGMLWeight.from_float(st["layers"][k]["kernel"].get_value(), qtype) for k in KERNELS}
     packed["head.kernel"] = GGMLWeight.from_float(st["head"]["kernel"].get_value(), qtype)
     emb = np.asarray(st["embed"]["embedding"].get_value())
-    packed["embed.embedding"] = np.asarray(ggml.dequantize(ggml.quantize(emb, qtype), qtype))
+    packed["embed.embedding"] = np.asarray(ggml.dequantize(quantize(emb, qtype), qtype))
     model_q = nnx.clone(model)
     set_weights(model_q, packed)
 
@@ -109,7 +110,7 @@ def test_quantized_model_round_trip(tiny, tmp_path, qtype):
             continue
         assert t.tensor_type.name == qtype
         # The stored blocks are exactly our quantization of the (permuted) float matrix.
-        np.testing.assert_array_equal(np.asarray(t.data), ggml.quantize(expected[name], qtype), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(t.data), quantize(expected[name], qtype), err_msg=name)
 
     # Writing the float model with the same type gives the same file.
     path_f = str(tmp_path / f"tiny-from-float-{qtype}.gguf")
@@ -134,7 +135,7 @@ def test_mixed_k_quants_and_patterns(tmp_path):
     for name, qtype in written.items():
         t = tensors[name]
         assert t.tensor_type.name == qtype
-        want = expected[name] if qtype == "F32" else ggml.quantize(expected[name], qtype)
+        want = expected[name] if qtype == "F32" else quantize(expected[name], qtype)
         np.testing.assert_array_equal(np.asarray(t.data), want, err_msg=name)
     # Loading decodes the same blocks: logits of the model with those decoded weights.
     lm = jmem.load(path)
@@ -224,7 +225,7 @@ def test_other_weight_leaves_are_decoded_then_encoded(tiny, tmp_path):
         name = f"blk.{i}.attn_k.weight"
         assert written[name] == "Q8_0"
         w_OI = k_float[i].T[rotary_rows(k_float.shape[-1], cfg.n_kv_heads)]
-        np.testing.assert_array_equal(np.asarray(tensors[name].data), ggml.quantize(w_OI, "Q8_0"))
+        np.testing.assert_array_equal(np.asarray(tensors[name].data), quantize(w_OI, "Q8_0"))
     assert written["blk.0.attn_q.weight"] == "F32"
 
 

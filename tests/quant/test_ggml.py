@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jmem.quant import ggml
+from jmem.quant import ggml, ggml_quantize
+from jmem.quant.ggml_quantize import quantize
 
 # Byte offsets of the f16 scales inside one block, so random payloads get finite scales.
 F16_OFFSETS = {
@@ -84,7 +85,7 @@ def test_float_types_accept_typed_arrays():
 def test_quantize_round_trip(qt):
     rng = np.random.default_rng(100 + int(qt))
     x = rng.normal(size=(2, 3, ROW)).astype(np.float32)
-    raw = ggml.quantize(x, qt)
+    raw = quantize(x, qt)
     fmt = ggml.FORMATS[qt]
     assert raw.dtype == np.uint8 and raw.shape == (2, 3, ROW // fmt.block_size * fmt.type_size)
     ours = np.asarray(ggml.dequantize(raw, qt))
@@ -105,7 +106,7 @@ def test_quantize_round_trip(qt):
 @pytest.mark.parametrize("qt", [T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
 def test_legacy_quantize_matches_gguf_bytes(qt):
     x = np.random.default_rng(7).normal(size=(8, 256)).astype(np.float32)
-    np.testing.assert_array_equal(ggml.quantize(x, qt), gguf.quants.quantize(x, qt))
+    np.testing.assert_array_equal(quantize(x, qt), gguf.quants.quantize(x, qt))
 
 
 def test_k_quant_scale_search_beats_single_scale_formats():
@@ -113,7 +114,7 @@ def test_k_quant_scale_search_beats_single_scale_formats():
 
     def err(qt):
         # gguf's decoder, shown equal to ours above, so no extra compiles here.
-        return float(((gguf.quants.dequantize(ggml.quantize(x, qt), qt) - x) ** 2).mean())
+        return float(((gguf.quants.dequantize(quantize(x, qt), qt) - x) ** 2).mean())
 
     assert err(T.Q4_K) < err(T.Q4_1)
     assert err(T.Q5_K) < err(T.Q5_1)
@@ -124,14 +125,14 @@ def test_k_quant_scale_search_beats_single_scale_formats():
 
 def test_iq4_nl_search_in_chunks_equals_one_pass():
     x = np.random.default_rng(4).normal(size=(10, 32)).astype(np.float32)
-    np.testing.assert_array_equal(ggml._q_iq4_nl(x, chunk=3), ggml._q_iq4_nl(x))
+    np.testing.assert_array_equal(ggml_quantize._q_iq4_nl(x, chunk=3), ggml_quantize._q_iq4_nl(x))
 
 
 @pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
 def test_quantize_zero_and_constant_rows(qt):
     n = ggml.FORMATS[qt].block_size
     x = np.stack([np.zeros(n), np.full(n, -0.75), np.full(n, 0.5)]).astype(np.float32)
-    y = gguf.quants.dequantize(ggml.quantize(x, qt), qt)
+    y = gguf.quants.dequantize(quantize(x, qt), qt)
     assert np.isfinite(y).all()
     np.testing.assert_array_equal(y[0], 0.0)
     np.testing.assert_allclose(y[1:], x[1:], atol=0.02)
@@ -143,12 +144,12 @@ def test_unsupported_type_error_names_type_and_lists_supported():
             ggml.dequantize(np.zeros((1, 34), np.uint8), bad)
         assert str(bad if not isinstance(bad, T) else bad.name) in str(info.value)
     with pytest.raises(ggml.UnsupportedGGMLTypeError, match="IQ4_XS"):
-        ggml.quantize(np.zeros((1, 256), np.float32), T.IQ4_XS)
+        quantize(np.zeros((1, 256), np.float32), T.IQ4_XS)
 
 
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="block size 256"):
-        ggml.quantize(np.zeros((2, 100), np.float32), "q4_k")
+        quantize(np.zeros((2, 100), np.float32), "q4_k")
     with pytest.raises(ValueError, match="18-byte blocks"):
         ggml.dequantize(np.zeros((2, 20), np.uint8), "Q4_0")
 

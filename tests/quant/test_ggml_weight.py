@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jmem.models.dot import dot
-from jmem.quant.ggml import quantize
+from jmem.quant.ggml_quantize import quantize
 from jmem.quant.ggml_weight import GGMLWeight
 
 IN, OUT = 256, 48

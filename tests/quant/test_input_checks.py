@@ -11,7 +11,7 @@ from jmem.models.llama import Llama, LlamaConfig
 from jmem.quant import fp8_quantize, int8_quantize, nf4_quantize, quantize, rtn_quantize
 from jmem.quant.ggml import dequantize as ggml_dequantize
 from jmem.quant.ggml import fitting_qtype
-from jmem.quant.ggml import quantize as ggml_quantize
+from jmem.quant.ggml_quantize import quantize as ggml_quantize
 from jmem.quant.ggml_weight import GGMLWeight, quantize_gguf_blocks
 
 CFG = LlamaConfig.tiny()
