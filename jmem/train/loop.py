@@ -33,8 +33,9 @@ import numpy as np
 
 from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.memory.measure import MemoryReport, measure_and_compile
+from jmem.train.checks import check_steps_left, rules_for
 from jmem.train.config import TrainConfig
-from jmem.train.setup import Run, build, check_steps_left, state_settings_diff, upgrade_meta
+from jmem.train.setup import Run, build, state_settings_diff, upgrade_meta
 
 
 @dataclasses.dataclass
@@ -223,7 +224,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
               "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
-                                                                   rules=_rules(run),
+                                                                   rules=rules_for(run.cfg),
                                                                    trainable=run.fns.trainable).items()), file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None), file=out)
 
@@ -318,12 +319,6 @@ def _multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _rules(run: Run) -> str:
-    from jmem.train.setup import rules_for
-
-    return rules_for(run.cfg)
-
-
 # Jitted (step, eval, state shardings, batch sharding) per live TrainFns: an entry goes with
 # its TrainFns (dropped by `setup._cached_fns`'s LRU and by every Run), so the cache stays as
 # small as that LRU and a new TrainFns never finds an old one's step.
@@ -345,7 +340,7 @@ def _jitted(run: Run, state):
             from jmem import parallel as par
 
             step, sh, batch_sh = par.jit_train_step(fns.step, jax.eval_shape(lambda: state), mesh,
-                                                    zero=run.cfg.zero, rules=_rules(run))
+                                                    zero=run.cfg.zero, rules=rules_for(run.cfg))
             _JIT_CACHE[key] = (step, jax.jit(fns.eval_loss), sh, batch_sh)
     step, _, sh, batch_sh = _JIT_CACHE[key]
 
@@ -388,7 +383,7 @@ def _offloaded(run: Run, state, ckpt, start: int):
 
         disk = DiskOptimizer(run.tx, fns.trainable(abstract_state.params)[0], cfg.offload_dir, clip=cfg.clip)
     trainer = OffloadedTrainStep(fns, abstract_state, mesh=run.mesh, zero=cfg.zero,
-                                 rules=_rules(run) if run.mesh is not None else None,
+                                 rules=rules_for(run.cfg) if run.mesh is not None else None,
                                  params=cfg.offload_params, disk=disk)
     state = trainer.place(state)
     if disk is not None and start > 0:

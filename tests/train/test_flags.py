@@ -1,4 +1,4 @@
-"""Flag checks of `experiments/train.py` before any work (`jmem.train.setup.validate`), the
+"""Flag checks of `experiments/train.py` before any work (`jmem.train.checks.validate`), the
 optimizer chain (`make_tx`), the model-file header read, the jitted-step cache and the
 memory table's matmul count. Nothing here compiles a train step."""
 
@@ -14,7 +14,8 @@ import pytest
 from jmem.memory.precision import Policy
 from jmem.train import TrainConfig
 from jmem.train import loop
-from jmem.train.setup import make_tx, validate
+from jmem.train.checks import validate
+from jmem.train.setup import make_tx
 from jmem.train.step import TrainFns
 from tests.helpers import run_train_script
 

@@ -166,7 +166,8 @@ def test_checkpoint_of_a_version_without_a_newer_model_field_resumes(tmp_path):
     the field's default (which reproduces the older model), and only such a run."""
     from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
     from jmem.models.config import LlamaConfig
-    from jmem.train.setup import meta_for, upgrade_meta, validate
+    from jmem.train.checks import validate
+    from jmem.train.setup import meta_for, upgrade_meta
 
     cfg = dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"))
     policy = validate(cfg)

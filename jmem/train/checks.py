@@ -1,0 +1,331 @@
+"""Every check of a `TrainConfig` before any model is built or compiled: `validate`
+and the checks that need a model config or mesh (`check_seq`, `check_heads_fit`,
+`check_batch_split`, `check_layerwise_fits`, `check_steps_left`), so bad flags
+cost one line and no time.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+from jmem.io.paths import prepare_output
+from jmem.memory.accumulate import check_divisible
+from jmem.memory.precision import Policy
+from jmem.memory.remat import validate as validate_remat
+from jmem.models.config import PRESETS, LlamaConfig
+from jmem.train.config import OPTIMIZERS, TrainConfig
+
+
+def validate(cfg: TrainConfig) -> Policy:
+    """Check every flag; returns the parsed precision policy.
+
+    Reads no more than a checkpoint directory's listing and a model file's first
+    bytes; builds, compiles and writes nothing except the output directories.
+
+    Raises:
+        ValueError: one line naming the bad value and what is accepted.
+    """
+    for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every={cfg.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if cfg.warmup is not None and not 0 <= cfg.warmup <= cfg.steps:
+        raise ValueError(f"--warmup={cfg.warmup} must be in 0..--steps={cfg.steps}")
+    _validate_floats(cfg)
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if cfg.weight_decay and cfg.optimizer not in DECAYING:
+        raise ValueError(f"--weight-decay={cfg.weight_decay} is not applied by --optimizer {cfg.optimizer}; "
+                         f"accepted with: {', '.join(DECAYING)}")
+    _validate_galore(cfg)
+    validate_remat(cfg.remat)
+    policy = Policy.parse(cfg.precision)
+    check_divisible(cfg.batch, cfg.accum)
+    if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
+        raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+    _validate_model_file(cfg)
+    if cfg.stop_after is not None and cfg.stop_after < 1:
+        raise ValueError(f"--stop-after={cfg.stop_after} must be >= 1")
+    if cfg.resume and not cfg.ckpt_dir:
+        raise ValueError("--resume needs --ckpt-dir")
+    if cfg.resume:
+        _validate_resume(cfg)
+    if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
+        raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
+    _validate_parallel(cfg)
+    _validate_lora(cfg)
+    _validate_offload(cfg, policy)
+    _validate_layerwise(cfg)
+    _make_output_dirs(cfg)
+    return policy
+
+
+DECAYING = ("adamw", "adam8bit", "galore")
+"""Optimizers that apply --weight-decay."""
+
+
+def _validate_galore(cfg: TrainConfig) -> None:
+    defaults = TrainConfig()
+    given = [f"--{n.replace('_', '-')}" for n in ("galore_rank", "galore_gap", "galore_scale")
+             if getattr(cfg, n) != getattr(defaults, n)]
+    if cfg.optimizer != "galore":
+        if given:
+            raise ValueError(f"{given[0]} applies to --optimizer galore only; got --optimizer {cfg.optimizer}")
+        return
+    for name, least in (("galore_rank", 1), ("galore_gap", 1)):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= {least}")
+    if not (math.isfinite(cfg.galore_scale) and cfg.galore_scale > 0):
+        raise ValueError(f"--galore-scale={cfg.galore_scale} must be a finite number > 0")
+    if cfg.distributed:
+        # The SVD refresh inside a multi-device XLA:CPU program hung at its first run: refused
+        # until a mesh run is verified.
+        raise ValueError("--optimizer galore runs on one device; accepted: without --mesh, --zero, "
+                         "--pipeline-stages and --num-processes")
+
+
+def _validate_floats(cfg: TrainConfig) -> None:
+    """NaN passes every comparison, so finiteness is checked first."""
+    for flag, value, ok, accepted in (("--lr", cfg.lr, cfg.lr > 0, "> 0"),
+                                      ("--clip", cfg.clip, cfg.clip >= 0, ">= 0 (0 disables clipping)"),
+                                      ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+                                      ("--lora-alpha", cfg.lora_alpha, True, "finite")):
+        if not math.isfinite(value) or not ok:
+            raise ValueError(f"{flag}={value} must be a finite number {accepted}")
+
+
+def _validate_model_file(cfg: TrainConfig) -> None:
+    """A model read from a file must be a GGUF file (its context length is checked once it is
+    loaded, `check_seq`)."""
+    path = model_file(cfg.model)
+    if path is None:
+        return
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"--model {cfg.model!r} is not a GGUF file; accepted: a .gguf path or a preset "
+                             f"({', '.join(PRESETS)})")
+
+
+def check_seq(cfg: TrainConfig, context: int) -> None:
+    """A model read from a file keeps its context length; --seq must fit in it.
+    (Presets trained from scratch raise their max_seq_len to --seq instead.)"""
+    if cfg.seq > context:
+        raise ValueError(f"--seq={cfg.seq} exceeds the context length {context} of --model {cfg.model}; "
+                         f"accepted: 1..{context}")
+
+
+def model_file(model: str) -> str | None:
+    """The file a --model is read from (a packaged model's or the given path); None for presets.
+
+    Raises:
+        ValueError: a packaged model whose package is not installed (with the pip command).
+    """
+    from jmem.lm import PACKAGED_MODELS, packaged_model_path
+
+    if model in PACKAGED_MODELS:
+        try:
+            return packaged_model_path(model)
+        except FileNotFoundError as e:
+            raise ValueError(f"--model {model}: {e}") from None
+    if model in PRESETS:
+        return None
+    return str(pathlib.Path(model).expanduser())
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Step numbers of the finished checkpoints in `directory` (Orbax writes a step under a
+    temporary name and renames it to the bare number when complete); [] when absent."""
+    d = pathlib.Path(directory).expanduser()
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _validate_resume(cfg: TrainConfig) -> None:
+    """--resume needs a checkpoint to continue and steps left to train (the directory is not created)."""
+    steps = checkpoint_steps(cfg.ckpt_dir)
+    if not steps:
+        raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
+                         f"drop --resume to start a new run")
+    check_steps_left(cfg, steps[-1])
+
+
+def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:
+    """A resumed run must end after its checkpoint (--steps counts the steps done before)."""
+    if cfg.steps <= checkpoint_step:
+        raise ValueError(f"--steps={cfg.steps} is not beyond the checkpoint's step {checkpoint_step} in "
+                         f"{cfg.ckpt_dir}: nothing to train; accepted: --steps > {checkpoint_step}")
+
+
+def _make_output_dirs(cfg: TrainConfig) -> None:
+    """Create the directories the run writes into, so that a path it cannot write fails now,
+    not at the first checkpoint or after the last step."""
+    for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot),
+                        ("--offload-dir", cfg.offload_dir)):
+        if value:
+            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir"))
+
+
+def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:
+    """--offload-optimizer / --offload-params / --offload-dir and what they combine with."""
+    from jmem.memory.offload import check_offload
+
+    check_offload(cfg.offload_optimizer, cfg.offload_params, cfg.offload_dir)
+    if cfg.offload_optimizer == "none":
+        return
+    flag = f"--offload-optimizer {cfg.offload_optimizer}"
+    if cfg.zero >= 3:
+        raise ValueError(f"{flag} with --zero {cfg.zero} is not supported (ZeRO-3 gathers sharded parameters per "
+                         f"layer on device); accepted: --zero 0, 1 or 2, with --offload-params host for the layers")
+    if cfg.pipeline_stages > 1:
+        raise ValueError(f"{flag} with --pipeline-stages {cfg.pipeline_stages} is not supported; accepted: "
+                         f"--pipeline-stages 1")
+    if cfg.num_processes not in (None, 1):
+        raise ValueError(f"{flag} runs in one process; got --num-processes {cfg.num_processes}")
+    if cfg.offload_optimizer == "disk" and policy.needs_loss_scale:
+        raise ValueError(f"{flag} with --precision {cfg.precision}: skipping non-finite fp16 steps needs the "
+                         f"whole update at once; accepted: a bf16 or f32 precision, or --offload-optimizer host")
+    if cfg.offload_dir:
+        d = pathlib.Path(cfg.offload_dir).expanduser()
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"--offload-dir {cfg.offload_dir} exists and is not a directory")
+
+
+def _validate_layerwise(cfg: TrainConfig) -> None:
+    """--layerwise / --layerwise-period / --layerwise-schedule and what they combine with."""
+    from jmem.train.layerwise import SCHEDULES
+
+    if cfg.layerwise < 0:
+        raise ValueError(f"--layerwise={cfg.layerwise} must be >= 0 (0: every layer every step)")
+    if cfg.layerwise_period < 1:
+        raise ValueError(f"--layerwise-period={cfg.layerwise_period} must be >= 1")
+    if cfg.layerwise_schedule not in SCHEDULES:
+        raise ValueError(f"--layerwise-schedule {cfg.layerwise_schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    if not cfg.layerwise:
+        return
+    if cfg.pipeline_stages > 1 or cfg.num_processes not in (None, 1):
+        # The layer-wise step runs its own layer scan (not the pipeline's); several processes: not verified.
+        raise ValueError(f"--layerwise {cfg.layerwise} runs in one process without pipeline stages; accepted: "
+                         f"--pipeline-stages 1 and one process (a --mesh of data/fsdp/tensor axes and --zero work)")
+    if cfg.offload_optimizer != "none":
+        raise ValueError(f"--layerwise {cfg.layerwise} with --offload-optimizer {cfg.offload_optimizer} is not "
+                         f"supported (layer-wise training already keeps optimizer state for the active layers "
+                         f"alone); accepted: --offload-optimizer none")
+    if cfg.model in PRESETS:
+        check_layerwise_fits(cfg, PRESETS[cfg.model]())
+
+
+def check_layerwise_fits(cfg: TrainConfig, mc: LlamaConfig) -> None:
+    if cfg.layerwise > mc.n_layers:
+        raise ValueError(f"--layerwise {cfg.layerwise} exceeds the model's {mc.n_layers} layers; "
+                         f"accepted: 1..{mc.n_layers}")
+
+
+BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    if cfg.lora_rank < 0:
+        raise ValueError(f"--lora-rank={cfg.lora_rank} must be >= 0 (0 trains every parameter)")
+    if cfg.quantize_base is not None:
+        if cfg.quantize_base not in BASE_QUANTIZATIONS:
+            raise ValueError(f"--quantize-base {cfg.quantize_base!r}; accepted: {', '.join(BASE_QUANTIZATIONS)}")
+        if cfg.lora_rank == 0:
+            raise ValueError("--quantize-base needs --lora-rank > 0 (a quantized base is frozen)")
+    if not (0.0 <= cfg.lora_dropout < 1.0):
+        raise ValueError(f"--lora-dropout {cfg.lora_dropout}; accepted: 0 <= p < 1")
+    if cfg.lora_dropout and not cfg.lora_rank:
+        raise ValueError("--lora-dropout needs --lora-rank > 0 (it drops adapter inputs)")
+    if cfg.lora_rank:
+        bad = [t for t in cfg.lora_targets.split(",") if t not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"--lora-targets {','.join(bad)}; accepted: {', '.join(LORA_TARGETS)}")
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    """The mesh, ZeRO, rules, pipeline and multi-host flags (no device is touched)."""
+    from jmem import parallel as par
+    from jmem.parallel.distributed import check_args
+
+    par.check_stage(cfg.zero)
+    mesh = par.parse_mesh(cfg.mesh)
+    par.Rules.parse(cfg.rules)
+    check_args(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    if cfg.pipeline_stages < 1 or cfg.microbatches < 1:
+        raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} and --microbatches={cfg.microbatches} "
+                         f"must be >= 1")
+    from jmem.parallel.pipeline_1f1b import check_schedule
+
+    check_schedule(cfg.pipeline_schedule)
+    if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
+        raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
+                         f"for gradient accumulation)")
+    if cfg.pipeline_stages == 1 and mesh.get("stage", 1) != 1:
+        raise ValueError(f"--mesh {cfg.mesh!r} has a stage axis but --pipeline-stages is 1 (the stage axis would "
+                         f"only replicate work); give --pipeline-stages equal to its size, or drop stage")
+    if cfg.pipeline_stages > 1:
+        if mesh.get("stage", cfg.pipeline_stages) not in (cfg.pipeline_stages, -1):
+            raise ValueError(f"--mesh {cfg.mesh!r} has stage={mesh['stage']} but --pipeline-stages="
+                             f"{cfg.pipeline_stages}; give the mesh stage={cfg.pipeline_stages} or leave it out")
+        if (cfg.batch // cfg.accum) % cfg.microbatches:
+            raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
+                             f"step ({cfg.batch // cfg.accum})")
+        if cfg.model in PRESETS:
+            mc = PRESETS[cfg.model]()
+            if mc.n_layers % cfg.pipeline_stages:
+                raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
+                                 f"of --model {cfg.model}")
+            if mc.moe_experts:
+                raise ValueError(f"--pipeline-stages with the MoE model {cfg.model!r} is not supported; "
+                                 f"accepted: dense models")
+
+
+def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = None) -> None:
+    """The model's attention heads must stay whole on the mesh's tensor axis (`sizes`: a `Mesh`,
+    or axis sizes). A preset is checked from its name; a model read from a file once loaded
+    (its `model_config`)."""
+    if model_config is None and cfg.model not in PRESETS:
+        return
+    from jmem import parallel as par
+
+    mc = model_config if model_config is not None else PRESETS[cfg.model]()
+    shown = cfg.mesh if cfg.mesh else par.mesh.format_mesh(dict(getattr(sizes, "shape", sizes)))
+    par.check_heads(mc.n_heads, mc.n_kv_heads, rules_for(cfg), sizes,
+                    what=f"--mesh {shown} with --model {cfg.model}: ")
+
+
+def check_batch_split(cfg: TrainConfig, sizes) -> None:
+    """--batch must split into the data-parallel groups x --accum microbatches, and under a
+    pipeline each of those into --microbatches pipeline microbatches whose rows still split
+    over the data-parallel devices: --batch a multiple of D x --accum x --microbatches.
+    (With --accum 1 the pipeline splits the global batch, sharded over the D devices; with
+    more, each group's accumulation microbatch; the condition is the same.)
+
+    `sizes`: a `Mesh`, or axis sizes (nothing is checked while a batch axis is -1).
+    """
+    from jmem import parallel as par
+
+    shape = dict(getattr(sizes, "shape", sizes))
+    axes = [a for a in par.Rules.parse(rules_for(cfg)).mesh_axes("batch") if shape.get(a, 1) != 1]
+    if any(shape[a] == -1 for a in axes):
+        return
+    d = math.prod(shape[a] for a in axes)
+    m = cfg.microbatches if cfg.pipeline_stages > 1 else 1
+    if cfg.batch % (d * cfg.accum * m) == 0:
+        return
+    if cfg.batch % (d * cfg.accum) or m == 1:
+        raise ValueError(f"--batch={cfg.batch} must be divisible by the data-parallel size {d} x --accum "
+                         f"{cfg.accum} on mesh {par.mesh.format_mesh(shape)}")
+    raise ValueError(f"--microbatches={cfg.microbatches}: --batch={cfg.batch} split over the data-parallel size "
+                     f"{d} ({'+'.join(axes)}) and --accum {cfg.accum} leaves {cfg.batch // (d * cfg.accum)} row(s) "
+                     f"per group and accumulation microbatch, which do not split into {m} pipeline microbatches; "
+                     f"accepted: --batch a multiple of {d} x {cfg.accum} x {m} = {d * cfg.accum * m}")
+
+
+def rules_for(cfg: TrainConfig) -> str:
+    """The sharding rules of a run: `layers=stage` under a pipeline, then --rules."""
+    parts = (["layers=stage"] if cfg.pipeline_stages > 1 else []) + ([cfg.rules] if cfg.rules else [])
+    return ",".join(parts)
