@@ -44,14 +44,15 @@ def test_eos_and_stop_strings(lm):
 
 def test_generation_params_drive_the_shared_sampler():
     """`jmem.generate.SamplingParams` (no min_p/penalties, None = off) packs into the sampler's arrays."""
+    sample_jit = jax.jit(sample)  # as the engine and generate call it: one compilation per shape
     logits = jax.random.normal(jax.random.key(0), (4, 50))
     top1 = make_arrays([SamplingParams(temperature=1.0, top_k=1)] * 4, seeds=range(4), steps=[0] * 4)
-    np.testing.assert_array_equal(sample(logits, top1)[0], jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(sample_jit(logits, top1)[0], jnp.argmax(logits, -1))
     peaked = jnp.zeros((1, 10)).at[0, 3].set(10.0)  # p(3) ~ 0.9996: top_p 0.5 keeps only it
     nucleus = [make_arrays([SamplingParams(temperature=1.0, top_p=0.5)], seeds=[s], steps=[0]) for s in range(20)]
-    assert {int(sample(peaked, a)[0][0]) for a in nucleus} == {3}
+    assert {int(sample_jit(peaked, a)[0][0]) for a in nucleus} == {3}
     free = [make_arrays([SamplingParams(temperature=1.0)], seeds=[s], steps=[0]) for s in range(20)]
-    assert len({int(sample(jnp.zeros((1, 10)), a)[0][0]) for a in free}) > 1
+    assert len({int(sample_jit(jnp.zeros((1, 10)), a)[0][0]) for a in free}) > 1
 
 
 def test_bad_arguments(lm):
