@@ -466,6 +466,7 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for `/metrics` (safe to call from any thread)."""
         kv, sched = self.kv, self.scheduler
+        runners = [self.runner] + ([] if self.drafter is None else [self.drafter.runner])  # compiled steps of both
         used_blocks = kv.pool.num_used
         running = list(sched.running)
         slots_used = sum(r.num_computed_tokens for r in running)
@@ -493,7 +494,7 @@ class Engine:
                 "engine_steps_total": self.stats["steps"],
                 "spec_decode_num_draft_tokens_total": self.stats["spec_draft_tokens"],
                 "spec_decode_num_accepted_tokens_total": self.stats["spec_accepted_tokens"],
-                "step_compilations": self.runner.num_compilations,
-                "step_compilations_blocking_total": self.runner.num_blocking_compilations,
+                "step_compilations": sum(r.num_compilations for r in runners),
+                "step_compilations_blocking_total": sum(r.num_blocking_compilations for r in runners),
             }
 

@@ -48,13 +48,15 @@ def test_layer_dropped_draft_gives_the_targets_greedy_tokens(target):
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=draft)
     engine.precompile()  # both models' largest steps: then no step of either waits for a compilation
     got = engine.generate(ps, greedy())
-    for runner in (engine.runner, engine.drafter.runner):
+    runners = (engine.runner, engine.drafter.runner)
+    for runner in runners:
         runner.finish_compilations()
         assert runner.num_blocking_compilations == 0
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == "length"
         np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
     m = engine.metrics()
+    assert m["step_compilations"] == sum(r.num_compilations for r in runners) > engine.runner.num_compilations
     assert 0 < m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"]
     assert m["preemptions_total"] > 0 and m["prefix_cache_hit_tokens_total"] > 0
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks and not engine.kv.req_blocks
