@@ -37,12 +37,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jmem.serve.paged_cache import TILE, PagedKVCache, build_layout, decode_shape, kv_bytes_per_token, tiles_needed
-from jmem.serve.lora import BASE_SLOT, with_slots
-from jmem.serve.paged_decode import chunk_pages
 from jmem.sampling import make_arrays, row_keys, sample
+from jmem.serve.lora import BASE_SLOT, with_slots
+from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
+from jmem.serve.paged_decode import chunk_pages
 from jmem.serve.scheduler import SchedulerOutput
 from jmem.serve.spec_decode import NO_DRAFT, verify_rows
+from jmem.serve.step_layout import TILE, build_layout, decode_shape, tiles_needed
 
 log = logging.getLogger("jmem.serve")
 

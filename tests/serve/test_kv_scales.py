@@ -15,10 +15,11 @@ from jmem.kernels.paged_attention import paged_attention_reference, ragged_paged
 from jmem.kernels.paged_attention.write import append_pages
 from jmem.models import Llama, LlamaConfig
 from jmem.serve.engine import Engine, EngineConfig
-from jmem.serve.paged_cache import PagedKVCache, build_layout, kv_bytes_per_token, tiles_needed
+from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
 from jmem.serve.request import SamplingParams
 import jmem.serve.runner as runner_module
 from jmem.serve.runner import ModelRunner
+from jmem.serve.step_layout import build_layout, tiles_needed
 
 QDTYPES = {"int8": (jnp.int8, np.int8, 127.0), "fp8_e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0)}
 f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jmem.kernels.paged_attention import ragged_paged_attention_reference
-from jmem.serve.paged_cache import build_layout, dequantize, quantize, tiled_paged_attention, tiles_needed
+from jmem.serve.paged_cache import dequantize, quantize, tiled_paged_attention
+from jmem.serve.step_layout import build_layout, tiles_needed
 
 K, H, D, PAGE, NPAGES = 2, 4, 16, 4, 24
 
