@@ -17,6 +17,7 @@ def test_generate_tiny():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_a_draft_model_matches_plain_greedy(tmp_path):
     """`--draft`: speculative decoding gives the target's own greedy text."""
     target = _tiny_gguf(tmp_path / "t.gguf")

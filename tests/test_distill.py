@@ -278,6 +278,7 @@ def test_vocab_mismatch_and_layer_errors():
             student_from_teacher(student, layers)
 
 
+@pytest.mark.slow
 def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, capsys):
     """`experiments/distill.py --save-student DIR` writes a model `jmem.load` reads; served as the teacher's
     draft, the engine gives the teacher's greedy tokens. A non-empty directory is refused before loading."""

@@ -121,6 +121,7 @@ def test_parameter_offload_keeps_layers_in_host_memory_and_trains_identically():
     assert _max_diff(state.params, ref_params) <= 1e-6
 
 
+@pytest.mark.slow
 def test_offload_with_zero2_bf16_master_weights_matches_the_sharded_step():
     """ZeRO-2 on 8 devices, bf16 params with f32 master weights in the optimizer state, layers
     offloaded too: equal to `jit_train_step`'s on-device ZeRO-2 step; the state stays sharded."""

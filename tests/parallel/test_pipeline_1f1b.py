@@ -219,6 +219,7 @@ def test_unknown_schedule_is_one_clear_error(capsys):
     assert rc == 2 and len(lines) == 1 and "accepted: gpipe, 1f1b" in lines[0], err
 
 
+@pytest.mark.slow
 def test_train_script_1f1b_matches_gpipe(tmp_path, capsys):
     def losses(schedule):
         log = tmp_path / f"{schedule}.jsonl"

@@ -15,6 +15,7 @@ def _quantize(*args):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_gguf_method_and_rtn_written_and_loadable(tmp_path):
     ids = np.arange(1, 17, dtype=np.int32)[None]
     float_logits = np.asarray(jmem.load("tiny").logits(ids))

@@ -256,6 +256,7 @@ def model():
     return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_engine_quantized_kv_greedy_equals_full_precision(model):
     """fp8 and int8 pages with per-page scales give the f32 cache's greedy tokens.
 

@@ -229,6 +229,7 @@ def test_smollm2_packed_q4_base_with_two_adapters(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the server and its flags
+@pytest.mark.slow
 def test_server_serves_two_adapters_and_the_base(adapters, expected):
     """One server start: /v1/models lists the adapters under the base, the `model` field picks the adapter,
     concurrent requests of a, b and the base each give their own model's greedy text without waiting for a
