@@ -48,13 +48,14 @@ try:
 except ImportError:  # older JAX
     from jax.experimental.shard_map import shard_map
 
+from jmem.memory.measure import bytes_per_device
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import (Rules, ShardingError, activation_sharding, active_activation_sharding, check_heads,
                                  without_axes)
-from jmem.parallel.zero import (ZeroShardings, bytes_per_device, check_stage, constrain_gradients, state_shardings,
-                                tree_shardings, zero_shardings)
+from jmem.parallel.zero import (ZeroShardings, check_stage, constrain_gradients, state_shardings, tree_shardings,
+                                zero_shardings)
 
 
 class ParallelState(NamedTuple):

@@ -68,7 +68,13 @@ def test_dequantize_inside_jit(qt):
     raw = random_raw(rng, qt, (4,), 256 // ggml.FORMATS[qt].block_size)
     x = rng.normal(size=(2, 256)).astype(np.float32)
     ref = gguf.quants.dequantize(raw, qt)
-    w, y = jax.jit(lambda x, r: (ggml.dequantize(r, qt), x @ ggml.dequantize(r, qt).T))(x, raw)
+
+    @jax.jit
+    def weights_and_product(x, r):
+        w = ggml.dequantize(r, qt)
+        return w, x @ w.T
+
+    w, y = weights_and_product(x, raw)
     np.testing.assert_array_equal(np.asarray(w), ref)
     # The product's rounding depends on how the backend orders the sum: bound it by the magnitudes summed.
     scale = (np.abs(x) @ np.abs(ref).T).max()
