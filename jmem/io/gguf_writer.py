@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from jmem.io.ggml_mixed import MixedGGMLWeight
 from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
 from jmem.quant.ggml_quantize import quantize
-from jmem.io.ggml_mixed import MixedGGMLWeight
 from jmem.quant.ggml_weight import GGMLWeight
 
 # Per-type `general.file_type` (llama.cpp's LlamaFileType) when one type dominates the matrices.

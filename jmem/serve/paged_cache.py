@@ -6,14 +6,9 @@ run of tokens from many sequences (`ids [1, T]`): each token writes its K/V to
 `(write_page, write_offset)` and attends to its own sequence's cached keys up
 to its position.
 
-Attention of a sequence with several tokens in the step (a prefill chunk) is
-computed over query tiles: the host lays its tokens into tiles of `TILE` rows
-that belong to one sequence, so a tile gathers only its own sequence's pages;
-a chunk of n tokens fills ceil(n / TILE) tiles. A sequence with one token (a
-decode) is a decode row instead (`jmem.serve.paged_decode`): its query reads
-its pages in chunks, one row of work per token. The model's dense layers run
-on the unpadded flat tokens. The host builds each step's `StepLayout`
-(`jmem.serve.step_layout.build_layout`).
+How a step's tokens are laid out (query tiles for prefill chunks, decode rows
+for single tokens) is `jmem.serve.step_layout`; the host builds each step's
+`StepLayout` there and the model's dense layers run on the unpadded flat tokens.
 
 KV dtypes: the compute dtype, bf16, or fp8_e4m3 / int8 pages with one f32
 scale per page per kv head (`k_scale`, `v_scale` f32[layers, kv_heads, pages],
