@@ -33,12 +33,29 @@ from jmem.serve.scheduler import ScheduledSeq, SchedulerOutput
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+class _Tail:
+    """A sequence's tokens from position `offset` on, indexed by absolute position: what a one-token
+    draft step reads of a request (`all_token_ids[start:start + 1]`) without copying the sequence."""
+
+    def __init__(self, offset: int, tokens: list[int]):
+        self.offset, self.tokens = offset, tokens
+
+    def __len__(self) -> int:
+        return self.offset + len(self.tokens)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.start is None or index.start < self.offset:
+            raise IndexError(f"{index} is not a slice from position {self.offset} on")
+        stop = None if index.stop is None else index.stop - self.offset
+        return self.tokens[index.start - self.offset : stop]
+
+
 @dataclass
 class _DraftView:
     """What a `ModelRunner` step reads of a request, for the draft: the tokens so far, greedy, base weights."""
 
     request_id: str
-    all_token_ids: list[int]
+    all_token_ids: list[int] | _Tail
     output_token_ids: list[int] = field(default_factory=list)
     # Shared by every view (class attributes, not fields).
     params = _GREEDY
@@ -122,8 +139,8 @@ class DraftProposer:
             seqs = []
             for s in spec:
                 if len(s.draft_token_ids) > i:
-                    rid, tokens = s.request.request_id, s.request.all_token_ids
-                    seqs.append(ScheduledSeq(_DraftView(rid, tokens + proposals[rid]), len(tokens) - 1 + i, 1,
+                    rid, pos = s.request.request_id, s.request.num_tokens - 1 + i  # feeds proposal i - 1
+                    seqs.append(ScheduledSeq(_DraftView(rid, _Tail(pos, proposals[rid][i - 1 : i])), pos, 1,
                                              s.block_ids))
             res = self.runner.step(SchedulerOutput(seqs))
             for s in seqs:
