@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: a thin FastAPI shim over `Engine`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
+GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
 Errors are OpenAI-shaped (an engine error mid-stream is an SSE error event
 before `data: [DONE]`); a client that disconnects, streaming or not, has its
 requests aborted, which frees their KV blocks.
@@ -21,11 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.serve.engine import Engine, RequestOutput
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, chat_dicts, choice_seed)
+                                 TokenizeRequest, chat_dicts, check_text, choice_seed)
 
 log = logging.getLogger("jmem.serve")
 
@@ -189,6 +190,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         e = validation_error(exc)
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's own errors (no route, wrong method, a body that is not JSON) in OpenAI's shape."""
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"no route {where}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                   405: f"method not allowed: {where}"}.get(exc.status_code, f"{exc.detail} ({where})")
+        if exc.status_code == 400:
+            message = f"request body could not be read as JSON: {exc.detail}"
+        e = APIError(exc.status_code, message)
+        return JSONResponse(e.body(), status_code=e.status, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(_, exc: Exception):
+        log.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
     adapters = getattr(engine, "adapters", {})  # name -> AdapterInfo
     lora = lambda adapter: {} if adapter is None else {"adapter": adapter}  # noqa: E731 - engines without LoRA
 
@@ -333,12 +350,19 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict]:
         card = {"object": "model", "created": created, "owned_by": "jmem", "max_model_len": engine.max_request_tokens}
         data = [{"id": model_name, **card, "root": model_name, "parent": None}]
-        data += [{"id": name, **card, "root": a.path, "parent": model_name} for name, a in adapters.items()]
-        return {"object": "list", "data": data}
+        return data + [{"id": name, **card, "root": a.path, "parent": model_name} for name, a in adapters.items()]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return next(c for c in model_cards() if c["id"] == model)
 
     @app.get("/metrics")
     async def metrics():
@@ -361,9 +385,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         if body.prompt is not None:
-            ids = tok.encode(body.prompt)
+            ids = tok.encode(check_text(body.prompt, "prompt"))
         else:  # a rendered chat is encoded as the chat route encodes it
-            ids = tok.encode_chat(tok.apply_chat_template(chat_dicts(body.messages), body.add_generation_prompt))
+            try:
+                text = tok.apply_chat_template(chat_dicts(body.messages), body.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
+            ids = tok.encode_chat(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
 
     @app.post("/detokenize")
@@ -375,7 +403,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     def prompt_ids_of(prompt, param) -> list[int]:
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
+            ids = tok.encode(check_text(prompt, param))
         else:
             ids = list(prompt)
             check_ids(ids, param)
@@ -460,7 +488,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(raw, param)
         if max_tokens is None:
-            max_tokens = max(1, min(engine.max_request_tokens - len(ids), 512))
+            if len(ids) >= engine.max_request_tokens:
+                raise APIError(400, f"the chat prompt is {len(ids)} tokens; the maximum context is "
+                               f"{engine.max_request_tokens} tokens, prompt and at least one generated token",
+                               "messages")
+            max_tokens = min(engine.max_request_tokens - len(ids), 512)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -42,7 +42,8 @@ class EngineConfig:
         block_size: tokens per KV block.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens computed per step.
-        max_model_len: longest prompt + output; None: the model's `max_seq_len`.
+        max_model_len: longest prompt + output (a KV cache that cannot hold it is an error); None: the
+            model's `max_seq_len`, or as many tokens as the KV cache holds when that is fewer (a warning).
         kv_cache_dtype: auto | bf16 | fp8_e4m3 | int8.
         kv_cache_memory: KV-cache budget in bytes (wins over memory_utilization).
         memory_utilization: fraction of device memory for weights + KV cache.
@@ -145,13 +146,12 @@ class _Detok:
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the output."""
         text = self.tok.decode(ids)
-        for s in self.stop:
-            i = text.find(s, max(0, self.sent - len(s)))
-            if i >= 0:
-                text, finished = text[:i], True
-                out = text[self.sent :]
-                self.sent = len(text)
-                return out, True
+        hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if hits:  # the output ends before the earliest stop string, whichever is listed first
+            text = text[: min(hits)]
+            out = text[self.sent :]
+            self.sent = len(text)
+            return out, True
         end = len(text)
         if not finished:
             end -= self.hold
@@ -218,6 +218,15 @@ class Engine:
             budget = kv_cache_budget(self.weight_bytes, config.kv_cache_memory, config.memory_utilization)
             num_blocks = ModelRunner.num_blocks_for_budget([m.config for m in models], budget, config.block_size,
                                                            config.kv_cache_dtype, tp)
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            if config.max_model_len is not None:  # asked for: refuse rather than serve a shorter context
+                raise ValueError(f"max_model_len={max_len} does not fit the KV cache, which holds {capacity} tokens "
+                                 f"({num_blocks} blocks of {config.block_size}); accepted: max_model_len <= "
+                                 f"{capacity}, or more KV-cache memory (kv_cache_memory, memory_utilization, "
+                                 f"num_blocks)")
+            log.warning("the KV cache holds %d tokens, fewer than the model's context of %d: a request's prompt "
+                        "+ max_tokens is limited to %d", capacity, max_len, capacity)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                     static_batching=config.static_batching,

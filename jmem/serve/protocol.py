@@ -32,7 +32,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.type = err_type or {400: "invalid_request_error", 401: "authentication_error",
-                                 404: "not_found_error"}.get(status, "server_error")
+                                 404: "not_found_error", 405: "invalid_request_error"}.get(status, "server_error")
         self.code = code
 
     def body(self) -> dict:
@@ -41,6 +41,17 @@ class APIError(Exception):
 
 def _unsupported(param: str, value: Any, accepted: str) -> APIError:
     return APIError(400, f"{param}={value!r} is not supported by this server; accepted: {accepted}", param)
+
+
+def check_text(text: str, param: str) -> str:
+    """`text`, or a 400 naming `param` when it holds a lone surrogate (JSON allows `"\\ud800"`; no
+    tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds {text[e.start:e.end]!r} at character {e.start}, a lone surrogate; "
+                       "accepted: text that is valid Unicode", param) from None
+    return text
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -153,14 +164,15 @@ class ChatMessage(BaseModel):
     def text(self, index: int) -> str:
         if self.content is None:
             return ""
+        param = f"messages[{index}].content"
         if isinstance(self.content, str):
-            return self.content
+            return check_text(self.content, param)
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, f"message content part {part!r} is not supported; accepted: "
-                               "{'type': 'text', 'text': ...}", f"messages[{index}].content")
-            parts.append(part["text"])
+                               "{'type': 'text', 'text': ...}", param)
+            parts.append(check_text(part["text"], param))
         return "".join(parts)
 
 

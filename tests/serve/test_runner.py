@@ -10,7 +10,7 @@ from flax import nnx
 
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.models import Llama, LlamaConfig
-from jmem.serve.engine import Engine, EngineConfig
+from jmem.serve.engine import Engine, EngineConfig, _Detok
 from jmem.serve.paged_cache import kv_bytes_per_token
 from jmem.serve.request import SamplingParams
 from jmem.serve.runner import ModelRunner, _step_fn
@@ -191,6 +191,18 @@ def test_capacity_fp8_twice_bf16():
     assert 0.99 * 2 * (n_bf16 + 1) <= n_fp8 + 1 <= 2 * (n_bf16 + 1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_bytes_per_token(cfg, "fp4")
+
+
+def test_stop_strings_cut_at_the_earliest_match():
+    """Two stop strings completed by one token: the text ends before the earlier one, whatever the list's order."""
+    class Pieces:  # a token id is its text
+        def decode(self, ids):
+            return "".join(ids)
+
+    for stop in (["is", "Par"], ["Par", "is"]):
+        d = _Detok(Pieces(), stop)
+        assert d.update([" The"], False) == (" T", False)  # the last 2 characters held back for a stop string
+        assert d.update([" The", " capital", " Paris"], False) == ("he capital ", True)
 
 
 def test_stop_strings_penalties_and_abort(model):

@@ -200,6 +200,35 @@ def test_errors_auth_json_and_client(server, client):
         bad.models.list()
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '{"model": "tiny", "max_tokens": 2, "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "max_tokens": 2, "prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages[0].content"),
+    ("/tokenize", '{"prompt": "\\udfff"}', "prompt"),
+])
+def test_lone_surrogates_are_400(server, path, raw, param):
+    r = httpx.post(server + path, content=raw.encode(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "lone surrogate" in err["message"]
+
+
+def test_routing_and_body_errors_are_openai_shaped(server, client):
+    cases = [("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "JSON"),
+             ("GET", "/v1/embeddings", None, 404, "no route GET /v1/embeddings"),
+             ("GET", "/v1/completions", None, 405, "method not allowed")]
+    for method, path, content, status, words in cases:
+        r = httpx.request(method, server + path, content=content,
+                          headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and words in err["message"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
 def test_disconnect_frees_blocks(server):
     aborted = metrics(server)["jmem_requests_aborted_total"]
     with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -477,6 +506,9 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
     assert cli_error(capsys, "--max-model-len", "100000") == (  # the tiny preset's context is 512
         "jmem serve: error: --max-model-len=100000 exceeds the context length of model 'tiny' (512 tokens); "
         "accepted: 1..512")
+    assert cli_error(capsys, "--max-model-len", "200", "--num-blocks", "4", "--block-size", "16", "--port", str(free_port())) == (
+        "jmem serve: error: max_model_len=200 does not fit the KV cache, which holds 64 tokens (4 blocks of 16); "
+        "accepted: max_model_len <= 64, or more KV-cache memory (kv_cache_memory, memory_utilization, num_blocks)")
     assert cli_error(capsys, "--packed") == (
         "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is not a GGUF file (a preset "
         "or a quantized directory loads as it is); accepted: a .gguf path or smollm2-135m")
