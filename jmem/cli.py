@@ -119,7 +119,3 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         print(f"jmem: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from jmem.lm import packaged_model_path
 
 
 def _jmem(*args):
-    return subprocess.run([sys.executable, "-m", "jmem.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "jmem", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_generate_tiny():
