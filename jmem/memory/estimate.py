@@ -95,6 +95,11 @@ def param_shapes(config, param_dtype=None) -> dict:
         },
         "norm": {"scale": s(d)},
     }
+    if config.moe_experts:  # the experts replace the dense MLP (`jmem.models.moe.MoEMLP`)
+        E, layers = config.moe_experts, shapes["layers"]
+        del layers["w_gate"], layers["w_up"], layers["w_down"]
+        layers["moe"] = {"router": {"kernel": s(L, d, E)}, "expert_gate": s(L, E, d, F),
+                         "expert_up": s(L, E, d, F), "expert_down": s(L, E, F, d)}
     if not config.tie_embeddings:
         shapes["head"] = {"kernel": s(d, V)}
     return shapes

@@ -20,14 +20,15 @@ def _abstract_params(cfg):
     return graphdef, params
 
 
-def test_param_shapes_match_the_model():
-    _, params = _abstract_params(CFG)
-    ours = param_shapes(CFG)
+@pytest.mark.parametrize("cfg", [CFG, LlamaConfig.tiny(moe_experts=4, moe_top_k=2)], ids=["dense", "moe"])
+def test_param_shapes_match_the_model(cfg):
+    _, params = _abstract_params(cfg)
+    ours = param_shapes(cfg)
     model_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
     est_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(ours)}
     # Same leaves (the model's paths end in `.value`), same shapes.
     assert sorted(model_shapes.values(), key=str) == sorted(est_shapes.values(), key=str)
-    assert tree_bytes(params) == estimate(CFG, 2, 16)["params"] == 4 * CFG.num_params
+    assert tree_bytes(params) == estimate(cfg, 2, 16)["params"] == 4 * cfg.num_params
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor", "adam8bit", "sgd"])
