@@ -212,8 +212,10 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         par.check_tick_collectives(compiled.as_text(), run.mesh)  # a collective stages cannot join: refuse, not hang
     matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    print(f"model {cfg.model}: {n_params / 1e6:.2f}M params, remat={cfg.remat}, precision={run.policy}, "
+    n_params = run.model_config.num_params  # the model's, whatever its leaves store (packed quantized bases, adapters)
+    n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.fns.trainable(state.params)[0]))
+    shown = f"{n_params / 1e6:.2f}M params" + (f" ({n_trained / 1e6:.2f}M trained)" if n_trained != n_params else "")
+    print(f"model {cfg.model}: {shown}, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
           f"{run.data.num_tokens / 1e3:.0f}k tokens", file=out)
     if run.mesh is not None:
@@ -230,7 +232,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
 
     log = _Logger(cfg.log, append=start > 0)
     log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
-               "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
+               "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
                **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})})
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}

@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import json
 
 import jax
 import numpy as np
@@ -35,10 +36,17 @@ def test_only_adapters_have_optimizer_state_and_change():
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(new_adapters)))
 
 
-def test_qlora_loss_goes_down():
-    result = train(QLORA, out=io.StringIO())
+def test_qlora_loss_goes_down(tmp_path):
+    out = io.StringIO()
+    result = train(dataclasses.replace(QLORA, log=str(tmp_path / "log.jsonl")), out=out)
     losses = [result.losses[s] for s in sorted(result.losses)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    # The model's parameters (not the packed NF4 codes), and the adapters trained: rank 4 on wq and wv.
+    cfg = build(QLORA).model_config
+    adapters = cfg.n_layers * 4 * (cfg.dim + cfg.n_heads * cfg.head_dim + cfg.dim + cfg.n_kv_heads * cfg.head_dim)
+    memory = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert (memory["params"], memory["trained_params"]) == (cfg.num_params, adapters)
+    assert f"{cfg.num_params / 1e6:.2f}M params ({adapters / 1e6:.2f}M trained)" in out.getvalue()
 
 
 @pytest.mark.parametrize("change, expected", [
