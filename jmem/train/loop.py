@@ -213,7 +213,9 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
     n_params = run.model_config.num_params  # the model's, whatever its leaves store (packed quantized bases, adapters)
-    n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.fns.trainable(state.params)[0]))
+    n_trained = n_params  # layer-wise training (no `trainable`) trains a slice of the layers per step
+    if run.fns.trainable is not None:
+        n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.fns.trainable(state.params)[0]))
     shown = f"{n_params / 1e6:.2f}M params" + (f" ({n_trained / 1e6:.2f}M trained)" if n_trained != n_params else "")
     print(f"model {cfg.model}: {shown}, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
