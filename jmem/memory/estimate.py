@@ -190,7 +190,8 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
 def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dtype=None, compute_dtype=None,
              optimizer: str = "adamw", optimizer_kw: dict | None = None, accum: int = 1, attention: str | None = None, loss_chunk: int | None = None,
              master_weights: bool = False, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
-             quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> dict:
+             quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32",
+             trained_layers: int | None = None) -> dict:
     """Analytic per-device bytes of one training step (no sharding).
 
     Args:
@@ -214,6 +215,9 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             bits, `base_group_size` rows per scale; None: per channel); needs
             lora_rank > 0.
         lora_dtype: the adapters' dtype.
+        trained_layers: layer-wise training (`jmem.train.layerwise`): this many layers (and every
+            group outside the layers) have gradients and optimizer state each step; the other
+            layers are frozen. None: every layer.
 
     Returns:
         dict of bytes: params, grads, optimizer, activations (kept across
@@ -263,6 +267,14 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         frozen = tree_bytes(base)
     else:
         trainable = shapes
+    if trained_layers is not None:
+        if not 1 <= trained_layers <= config.n_layers:
+            raise ValueError(f"trained_layers={trained_layers!r}; accepted: 1..{config.n_layers} (the model's layers)")
+        part = lambda x, n: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype)  # noqa: E731 - n of the stacked layers
+        active = jax.tree.map(lambda x: part(x, trained_layers), trainable["layers"])
+        still = jax.tree.map(lambda x: part(x, config.n_layers - trained_layers), trainable["layers"])
+        frozen = (frozen or 0) + tree_bytes(still)
+        trainable = {**trainable, "layers": active}
     train_bytes = tree_bytes(trainable)
     params = train_bytes + (frozen or 0)
     n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))
@@ -293,7 +305,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         "activations_host": config.n_layers * host * tokens, "workspace": workspace, "logits": logits,
         "batch": batch_bytes, "total": total,
     }
-    if lora_rank:
+    if frozen is not None:
         out = {"trainable": train_bytes, "frozen": frozen, **out}
     return out
 

@@ -86,7 +86,8 @@ def estimate_bytes(run: Run) -> dict[str, int]:
                     quantize_base=cfg.quantize_base, base_group_size=None, lora_dtype="f32")
     kw = {"rank": cfg.galore_rank} if cfg.optimizer == "galore" else None
     return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
-                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32), **lora)
+                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32),
+                    trained_layers=cfg.layerwise or None, **lora)
 
 
 def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple[str, float]:

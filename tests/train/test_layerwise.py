@@ -14,6 +14,7 @@ from flax import nnx
 from jmem.data import PackedDataset, default_text
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.lora import apply_lora
+from jmem.memory.estimate import estimate
 from jmem.memory.measure import measure_and_compile, tree_bytes
 from jmem.models.config import LlamaConfig
 from jmem.models.llama import Llama
@@ -175,6 +176,9 @@ def test_memory_of_the_layer_part_scales_with_the_active_layers(compiled, model)
     assert opt["n1"] == 2 * (one_layer + outer_bytes) + 4
     # The compiler sees the same: the arguments shrink by the frozen layers' moments.
     assert full.argument_bytes - n1.argument_bytes == opt["full"] - opt["n1"]
+    # And the analytic estimate: gradients and moments of one layer plus embed/norm/head.
+    est = estimate(model.config, B, T, optimizer="adamw", trained_layers=1)
+    assert (est["grads"], est["optimizer"], est["frozen"]) == (one_layer + outer_bytes, opt["n1"], (L - 1) * one_layer)
     # Temporaries: one active layer of four saves at least the gradients of the three frozen ones.
     assert full.temp_bytes - n1.temp_bytes >= 0.95 * (L - 1) * one_layer
 
