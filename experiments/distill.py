@@ -31,6 +31,7 @@ import jmem
 from jmem.data import PackedDataset, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
 from jmem.experiment import run_experiment
+from jmem.io.paths import prepare_output
 from jmem.quant.saved import check_new_dir, save_quantized
 from jmem.train.loss import lm_loss_sum
 
@@ -84,7 +85,8 @@ def parse_layers(spec: str) -> list[int] | None:
 
 
 def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
-    """(student layers, documents) after checking every flag; nothing is loaded."""
+    """(student layers, documents) after checking every flag; nothing is loaded. The --save-student
+    directory is created, empty."""
     for flag, v, low in [("--steps", cfg.steps, 1), ("--batch", cfg.batch, 1), ("--seq", cfg.seq, 2),
                          ("--eval-batches", cfg.eval_batches, 1)]:
         if v < low:
@@ -101,12 +103,16 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     if cfg.chunk is not None and (cfg.chunk < 1 or (cfg.chunk < cfg.seq and cfg.seq % cfg.chunk)):
         raise ValueError(f"--chunk {cfg.chunk}; accepted: a positive divisor of --seq {cfg.seq}, or unset")
     layers = parse_layers(cfg.student_layers)
+    docs = load_documents(cfg.text, "--text")
     if cfg.save_student is not None:
         try:
             check_new_dir(cfg.save_student)
         except ValueError as e:
             raise ValueError(str(e).replace("--out", "--save-student")) from None
-    return layers, load_documents(cfg.text, "--text")
+        # New or empty: created (empty) now, so a path that cannot be made (a file on the way, no
+        # permission) fails before training, not when the trained student is saved.
+        prepare_output(cfg.save_student, "--save-student", directory=True)
+    return layers, docs
 
 
 def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) -> tuple[dict, nnx.State]:

@@ -80,8 +80,9 @@ def _counts(text: str, layers: int) -> list[int]:
     return out
 
 
-def validate(cfg: Config) -> tuple[list[int], list[str]]:
-    """(n_active values, documents) after checking every flag; nothing is compiled or trained."""
+def validate(cfg: Config) -> tuple[list[int], PackedDataset | None]:
+    """(n_active values, the training text packed in --train-seq windows, or None without part 2) after
+    checking every flag; nothing is compiled or trained."""
     for flag, name, accepted in (("--model", cfg.model, PRESETS), ("--train-model", cfg.train_model,
                                                                     ("tiny", "small", "bench-8l"))):
         if name not in accepted:
@@ -102,7 +103,18 @@ def validate(cfg: Config) -> tuple[list[int], list[str]]:
 
     get_policy(cfg.remat)  # its own error names the accepted policies
     layers = min(PRESETS[cfg.model]().n_layers, PRESETS[cfg.train_model]().n_layers if cfg.train_steps else 10**9)
-    return _counts(cfg.n_active, layers), load_documents(cfg.data, "--data") if cfg.train_steps else []
+    counts = _counts(cfg.n_active, layers)
+    if not cfg.train_steps:
+        return counts, None
+    try:
+        data = PackedDataset.from_text(load_documents(cfg.data, "--data"), ByteTokenizer(), cfg.train_seq)
+    except ValueError as e:  # the windows are --train-seq long here
+        raise ValueError(str(e).replace("--seq", "--train-seq")) from None
+    if len(data.valid) < cfg.batch:  # the held-out loss needs one whole batch
+        raise ValueError(f"the text (--data {cfg.data}) has {len(data.valid)} held-out windows of --train-seq "
+                         f"{cfg.train_seq} tokens, fewer than --batch {cfg.batch}; accepted: a longer text, a smaller "
+                         f"--batch or --train-seq, or --train-steps 0")
+    return counts, data
 
 
 def _fns(model, tx, n, cfg, always_train=None):
@@ -136,9 +148,8 @@ def memory_table(cfg: Config, counts: list[int]) -> list[dict]:
     return rows
 
 
-def train_table(cfg: Config, counts: list[int], docs: list[str]) -> list[dict]:
+def train_table(cfg: Config, counts: list[int], data: PackedDataset) -> list[dict]:
     mc = PRESETS[cfg.train_model](remat=cfg.remat)
-    data = PackedDataset.from_text(docs, ByteTokenizer(), cfg.train_seq)
     held_out = [{k: jnp.asarray(v) for k, v in b.items()} for b in data.eval_batches(cfg.batch, 8)]
     rows = []
     for n in [None, *counts]:
@@ -163,10 +174,10 @@ def train_table(cfg: Config, counts: list[int], docs: list[str]) -> list[dict]:
 
 
 def main(cfg: Config) -> None:
-    counts, docs = validate(cfg)
+    counts, data = validate(cfg)
     memory_table(cfg, counts)
     if cfg.train_steps:
-        train_table(cfg, counts, docs)
+        train_table(cfg, counts, data)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ import tyro
 from jmem.io.paths import prepare_output
 from jmem.models.config import PRESETS
 from jmem.memory.remat import POLICIES
+from jmem.train.plot import check_image_path
 from jmem.train.sweep import markdown_table, parse_list, plot_records, sweep
 
 
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         for flag, v in (("--batch", cfg.batch), ("--seq", cfg.seq), ("--pipeline-stages", cfg.pipeline_stages)):
             if v < 1:
                 raise ValueError(f"{flag} {v}; accepted: a positive integer")
-        # Output directories now: a path that cannot be written fails before compiling, not after.
+        # Outputs now: a chart format matplotlib cannot write, or a path that cannot be written, fails
+        # before compiling, not after (and before any directory is created).
+        check_image_path(cfg.png, "--png")
         out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         accums = []
         for a in parse_list(cfg.accum, "accum"):

@@ -278,6 +278,22 @@ def test_vocab_mismatch_and_layer_errors():
             student_from_teacher(student, layers)
 
 
+def test_script_refuses_a_save_student_path_through_a_file_before_loading(tmp_path, capsys):
+    """A file where a directory of --save-student would have to be: one line before the teacher loads (was a
+    NotADirectoryError after both training runs, the trained student lost)."""
+    from tests.helpers import experiment
+
+    blocker = tmp_path / "short.txt"
+    blocker.write_text("keep")
+    out = blocker / "sub"
+    argv = ["--teacher", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--save-student", str(out)]
+    assert experiment("distill").cli(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.err == (f"error: --save-student '{out}': cannot create directory '{out}' ('{blocker}' is a file); "
+                       "accepted: a writable path\n")
+    assert cap.out == "" and list(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "keep"
+
+
 @pytest.mark.slow
 def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, capsys):
     """`experiments/distill.py --save-student DIR` writes a model `jmem.load` reads; served as the teacher's

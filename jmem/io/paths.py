@@ -26,7 +26,8 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
 
     Raises:
         ValueError: one line naming the flag and the path when the directory cannot be
-            created, or when a file path names an existing directory.
+            created or written into, when a file path names an existing directory, or an
+            existing file that cannot be written.
     """
     path = pathlib.Path(value).expanduser()
     if not directory and path.is_dir():
@@ -39,4 +40,11 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
         reason = f"{str(in_the_way)!r} is a file" if in_the_way is not None else (e.strerror or str(e))
         raise ValueError(f"{flag} {str(value)!r}: cannot create directory {str(target)!r} ({reason}); "
                          "accepted: a writable path") from None
+    # Permissions (or a read-only file system) would otherwise surface only at the write.
+    if not directory and path.exists():
+        where, mode = path, os.W_OK  # an existing file is overwritten
+    else:
+        where, mode = target, os.W_OK | os.X_OK  # new entries are made in the directory
+    if not os.access(where, mode):
+        raise ValueError(f"{flag} {str(value)!r}: {str(where)!r} is not writable; accepted: a writable path")
     return path

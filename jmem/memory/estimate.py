@@ -166,7 +166,7 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
 
     validate(policy)
     n = sizes.named
-    if policy in ("none", "", None):
+    if policy in ("none", None):
         return sizes.full_layer, 0
     base = n["layer_input"]  # the checkpointed function's input is always kept
     if policy == "full":

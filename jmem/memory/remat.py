@@ -98,8 +98,8 @@ def get_policy(name: str | None) -> Callable | None:
 
     Args:
         name: one of `POLICIES`, or a custom spec such as
-            ``"query=device,key=device,mlp_up=offload"``. ``None`` or ``""``
-            mean ``"none"``.
+            ``"query=device,key=device,mlp_up=offload"``. ``None`` means
+            ``"none"``; ``""`` is refused (a flag given empty says nothing).
 
     Returns:
         A callable usable as ``jax.checkpoint(fn, policy=...)``, or None when
@@ -113,7 +113,7 @@ def get_policy(name: str | None) -> Callable | None:
         True
         >>> p = get_policy("query=device,mlp_up=offload")
     """
-    if name is None or name == "" or name == "none":
+    if name is None or name == "none":
         return None
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
@@ -141,7 +141,7 @@ def get_policy(name: str | None) -> Callable | None:
 def validate(name: str | None) -> str:
     """Check a policy string early (before any compile); returns it unchanged."""
     get_policy(name)
-    return "none" if not name else name
+    return "none" if name is None else name
 
 
 def remat(fn: Callable, name: str | None, *, prevent_cse: bool = True, static_argnums: tuple[int, ...] = ()) -> Callable:

@@ -15,6 +15,7 @@ from jmem.memory.precision import Policy
 from jmem.memory.remat import validate as validate_remat
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.config import OPTIMIZERS, TrainConfig
+from jmem.train.plot import check_image_path
 
 
 def validate(cfg: TrainConfig) -> Policy:
@@ -161,7 +162,10 @@ def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:
 
 def _make_output_dirs(cfg: TrainConfig) -> None:
     """Create the directories the run writes into, so that a path it cannot write fails now,
-    not at the first checkpoint or after the last step."""
+    not at the first checkpoint or after the last step. --plot's format is checked first (nothing
+    is created for a chart matplotlib cannot write)."""
+    if cfg.plot:
+        check_image_path(cfg.plot, "--plot")
     for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot),
                         ("--offload-dir", cfg.offload_dir)):
         if value:

@@ -1,8 +1,34 @@
-"""PNG of a run: the loss curve beside the memory of one step (measured and estimated)."""
+"""PNG of a run: the loss curve beside the memory of one step (measured and estimated), and
+`check_image_path`, the up-front check of a chart's file name (shared with the memory sweep's --png)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+
+
+def image_formats() -> tuple[str, ...]:
+    """The file extensions matplotlib can save a figure as (pyplot is not imported)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return tuple(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_image_path(value: str | os.PathLike, flag: str) -> None:
+    """Refuse, before the work that fills it, a chart path matplotlib cannot save: its extension
+    picks the format. (A name without one is refused too: matplotlib would add '.png' to it.)
+    An existing directory passes here: `jmem.io.paths.prepare_output` refuses it as such.
+
+    Raises:
+        ValueError: one line naming the flag, the path and the accepted extensions.
+    """
+    path = pathlib.Path(value).expanduser()
+    formats = image_formats()
+    if path.is_dir() or path.suffix[1:].lower() in formats:
+        return
+    got = f"matplotlib cannot write {path.suffix!r} files" if path.suffix else "the file name has no extension"
+    raise ValueError(f"{flag} {str(value)!r}: {got}; accepted: a file name ending in "
+                     f"{', '.join('.' + f for f in formats)}")
 
 
 def plot_run(result, path: str, *, title: str = "") -> None:

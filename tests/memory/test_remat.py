@@ -28,6 +28,18 @@ def test_unknown_policy_lists_valid_names():
     assert "'everything'" in msg and all(p in msg for p in POLICIES)
 
 
+def test_empty_policy_is_refused_not_read_as_none():
+    """The model wraps every policy but the exact string "none" in jax.checkpoint, so "" meant full
+    remat there and no remat in the estimate; only None (unset) means none."""
+    from jmem.memory.remat import validate
+
+    for call in (get_policy, validate):
+        with pytest.raises(ValueError) as e:
+            call("")
+        assert str(e.value).startswith("unknown remat policy ''; valid: ") and all(p in str(e.value) for p in POLICIES)
+    assert validate(None) == "none"
+
+
 def test_spec_parsing_and_errors():
     assert parse_spec("query=device, mlp_up=offload,key=remat") == {"query": "device", "mlp_up": "offload", "key": "remat"}
     assert callable(get_policy("query=device,mlp_up=offload"))

@@ -300,6 +300,20 @@ def test_script_refuses_bad_flags_with_one_line(argv, expected, capsys):
     assert err.startswith("error: ") and expected in err and "\n" not in err
 
 
+def test_script_refuses_a_text_with_fewer_held_out_windows_than_batch(capsys, tmp_path):
+    """2,000 bytes in 16-token windows leave 6 held-out windows: fewer than one --batch of 8, refused with the
+    flags (was a ZeroDivisionError after the memory table and every training run)."""
+    text = tmp_path / "short.txt"
+    text.write_text(("the quick brown fox jumps over the lazy dog\n" * 50)[:2000])
+    argv = ["--model", "tiny", "--train-model", "tiny", "--n-active", "1", "--train-steps", "1", "--batch", "8",
+            "--seq", "16", "--train-seq", "16", "--data", str(text)]
+    assert _script().cli(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.err == (f"error: the text (--data {text}) has 6 held-out windows of --train-seq 16 tokens, fewer than "
+                       "--batch 8; accepted: a longer text, a smaller --batch or --train-seq, or --train-steps 0\n")
+    assert cap.out == "" and list(tmp_path.iterdir()) == [text]  # no memory table compiled, nothing written
+
+
 @pytest.mark.slow
 def test_script_runs_end_to_end(capsys):
     assert _script().cli(["--model", "tiny", "--n-active", "1", "--train-model", "tiny", "--train-steps", "3",

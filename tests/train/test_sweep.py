@@ -58,13 +58,48 @@ def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_pat
 @pytest.mark.parametrize("flag", ["--out", "--md", "--png"])
 def test_output_that_cannot_be_written_fails_before_compiling(flag, capsys, tmp_path):
     (tmp_path / "file").write_text("")  # a file where a directory would have to be
-    bad = str(tmp_path / "file" / "sub" / "x")
+    bad = str(tmp_path / "file" / "sub" / f"x.{flag[2:]}")
     argv = ["--out", str(tmp_path / "x.json"), "--md", str(tmp_path / "x.md"), "--png", str(tmp_path / "x.png")]
     argv[argv.index(flag) + 1] = bad
     rc, cap = _main(argv, capsys)
     lines = cap.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and f"{flag} '{bad}': cannot create directory" in lines[0], cap.err
     assert "compilations" not in cap.out  # nothing compiled
+
+
+def _tiny_argv(tmp_path, png="x/s.png"):
+    return ["--preset", "tiny", "--batch", "4", "--seq", "64", "--remat", "full", "--precision", "f32", "--accum", "1",
+            "--optimizer", "adamw", "--out", str(tmp_path / "x" / "s.json"), "--md", str(tmp_path / "x" / "s.md"),
+            "--png", str(tmp_path / png)]
+
+
+def test_chart_format_matplotlib_cannot_write_fails_before_compiling(capsys, tmp_path):
+    """--png's extension is checked with the flags (the same check as train.py's --plot), not by
+    matplotlib after every compile and after --out and --md were written."""
+    png = tmp_path / "x" / "s.txt"
+    rc, cap = _main(_tiny_argv(tmp_path, "x/s.txt"), capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, cap.err
+    assert lines[0].startswith(f"error: --png '{png}': matplotlib cannot write '.txt' files; accepted: a file name "
+                               "ending in .eps,") and ".png" in lines[0], cap.err
+    assert "compilations" not in cap.out and list(tmp_path.iterdir()) == []  # nothing compiled, nothing written
+
+
+def test_output_directory_without_write_permission_fails_before_compiling(monkeypatch, capsys, tmp_path):
+    """A directory that exists but cannot be written into (permissions, a read-only file system) is
+    refused with the flags. Simulated: the tests may run as root, which no mode bit stops."""
+    import os
+
+    readonly, access = tmp_path / "ro", os.access
+    readonly.mkdir()
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: os.fspath(p) != str(readonly) and access(p, mode, **kw))
+    argv = _tiny_argv(tmp_path)
+    argv[argv.index("--md") + 1] = str(readonly / "s.md")
+    rc, cap = _main(argv, capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, cap.err
+    assert lines[0] == f"error: --md '{readonly / 's.md'}': '{readonly}' is not writable; accepted: a writable path"
+    assert "compilations" not in cap.out and not (tmp_path / "x" / "s.json").exists()
 
 
 def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):

@@ -81,12 +81,29 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     (["--precision", "p=f33"], "precision 'p=f33'"),
     (["--model", "no-such-model"], "not a preset"),
     (["--plot", "/"], "--plot '/' is a directory; accepted: a file path"),
+    # An empty policy is refused (the model would remat fully while the estimate counted none).
+    (["--remat", ""], "unknown remat policy ''; valid: none, full"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     rc, err = run_train_script(argv, capsys)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("p.txt", "--plot '{}': matplotlib cannot write '.txt' files; accepted: a file name ending in .eps,"),
+    ("p", "--plot '{}': the file name has no extension; accepted: a file name ending in .eps,"),
+])
+def test_plot_format_matplotlib_cannot_write_is_one_line_before_any_work(name, expected, tmp_path, capsys):
+    """Checked with the flags, not by matplotlib after the last step; no directory is created."""
+    plot = tmp_path / "p" / name
+    rc, err = run_train_script(["--model", "tiny", "--steps", "4", "--seq", "64", "--batch", "4", "--plot", str(plot),
+                                "--log", str(tmp_path / "p" / "log.jsonl")], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: " + expected.format(plot)), err
+    assert ".png" in lines[0] and ".pdf" in lines[0] and ".txt" not in lines[0].split("accepted:")[1]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flag, sub", [("--ckpt-dir", "ck"), ("--log", "logs/log.jsonl"), ("--plot", "p/loss.png")])
