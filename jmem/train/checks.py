@@ -92,7 +92,7 @@ def _validate_floats(cfg: TrainConfig) -> None:
     for flag, value, ok, accepted in (("--lr", cfg.lr, cfg.lr > 0, "> 0"),
                                       ("--clip", cfg.clip, cfg.clip >= 0, ">= 0 (0 disables clipping)"),
                                       ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-                                      ("--lora-alpha", cfg.lora_alpha, True, "finite")):
+                                      ("--lora-alpha", cfg.lora_alpha, cfg.lora_alpha > 0, "> 0")):
         if not math.isfinite(value) or not ok:
             raise ValueError(f"{flag}={value} must be a finite number {accepted}")
 
@@ -244,9 +244,12 @@ def _validate_lora(cfg: TrainConfig) -> None:
     if cfg.lora_dropout and not cfg.lora_rank:
         raise ValueError("--lora-dropout needs --lora-rank > 0 (it drops adapter inputs)")
     if cfg.lora_rank:
-        bad = [t for t in cfg.lora_targets.split(",") if t not in LORA_TARGETS]
-        if bad:
-            raise ValueError(f"--lora-targets {','.join(bad)}; accepted: {', '.join(LORA_TARGETS)}")
+        names = cfg.lora_targets.split(",")
+        bad = [t for t in names if t not in LORA_TARGETS]
+        if bad or len(set(names)) < len(names):
+            shown = ",".join(bad) if bad and all(bad) else repr(cfg.lora_targets)
+            raise ValueError(f"--lora-targets {shown}; accepted: distinct names among {', '.join(LORA_TARGETS)}, "
+                             "comma-separated")
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:

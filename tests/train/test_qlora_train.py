@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import re
 
 import jax
 import numpy as np
@@ -52,10 +53,14 @@ def test_qlora_loss_goes_down(tmp_path):
 @pytest.mark.parametrize("change, expected", [
     (dict(quantize_base="nf4", lora_rank=0), "--quantize-base needs --lora-rank"),
     (dict(quantize_base="q3"), "--quantize-base 'q3'; accepted"),
-    (dict(lora_targets="wq,attn"), "--lora-targets attn; accepted"),
+    (dict(lora_targets="wq,attn"), "--lora-targets attn; accepted: distinct names among wq, "),
+    (dict(lora_targets=""), "--lora-targets ''; accepted: distinct names among wq, "),
+    (dict(lora_targets="wq,wq"), "--lora-targets 'wq,wq'; accepted: distinct names among wq, "),
+    (dict(lora_alpha=float("nan")), "--lora-alpha=nan must be a finite number > 0"),
+    (dict(lora_alpha=-1.0), "--lora-alpha=-1.0 must be a finite number > 0"),
 ])
 def test_bad_lora_flags(change, expected):
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
         train(dataclasses.replace(QLORA, **change), out=io.StringIO())
 
 
