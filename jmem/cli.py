@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 
@@ -32,6 +33,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     """
     import jmem
 
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
     if draft is not None and (top_k is not None or top_p is not None):
         raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
     lm = jmem.load(model)
@@ -55,20 +57,48 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         print(lm.generate([prompt], **kwargs)[0])
 
 
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                    draft_k: int) -> None:
+    """generate's numeric flags, before the model loads."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens}; accepted: an integer >= 0")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature={temperature}; accepted: a finite number >= 0 (0 is greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k={top_k}; accepted: an integer >= 1, or unset (off)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p={top_p}; accepted: a number in (0, 1], or unset (off)")
+    if draft_k < 1:
+        raise ValueError(f"--draft-k={draft_k}; accepted: an integer >= 1")
+
+
 def info(path: tyro.conf.Positional[str]) -> None:
     """Print a GGUF file's (or a quantized model directory's) architecture, hyper-parameters,
     tensor types, parameter count and bytes.
 
     Args:
-        path: A .gguf file or a directory written by `jmem quantize --out DIR`.
+        path: A .gguf file, a directory written by `jmem quantize --out DIR`, or a packaged model name
+            (smollm2-135m: the GGUF file inside its package).
     """
     import os
 
-    if os.path.isdir(path):
-        from jmem.quant.saved import describe
+    from jmem.lm import PACKAGED_MODELS, packaged_model_path
+    from jmem.models.config import PRESETS
+    from jmem.quant.saved import MANIFEST, describe, is_quantized_dir
 
+    accepted = (f"accepted: a .gguf file, a directory written by `jmem quantize --out DIR`, or a packaged model "
+                f"name ({', '.join(PACKAGED_MODELS)})")
+    if path in PACKAGED_MODELS:  # as `jmem generate --model` resolves it
+        path = packaged_model_path(path)
+    elif os.path.isdir(path):
+        if not is_quantized_dir(path):
+            raise ValueError(f"{path!r} is a directory without {MANIFEST}; {accepted}")
         print(describe(path))
         return
+    elif path in PRESETS and not os.path.exists(path):
+        raise ValueError(f"{path!r} is a random-init preset, with no file to describe; {accepted}")
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r}: no such file or directory; {accepted}")
     from jmem.io.gguf import config_from_gguf, read_gguf
 
     gf = read_gguf(path)

@@ -37,8 +37,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer))
                                        or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 or None")

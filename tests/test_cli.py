@@ -47,6 +47,58 @@ def test_info_smollm2():
     assert "architecture:  llama" in r.stdout and "Q4_1 x210" in r.stdout and "134.5M" in r.stdout
 
 
+def test_info_by_packaged_name_reads_the_packaged_gguf(capsys):
+    """`jmem info smollm2-135m` describes the file `jmem generate --model smollm2-135m` loads."""
+    from jmem.cli import main
+
+    try:
+        path = packaged_model_path("smollm2-135m")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    code, out, err = _in_process(main, ["info", "smollm2-135m"], capsys)
+    assert code == 0, err
+    assert f"file:          {path}" in out and "Q4_1 x210" in out
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("nosuch", "jmem: error: 'nosuch': no such file or directory; accepted: a .gguf file, a directory written by "
+               "`jmem quantize --out DIR`, or a packaged model name (smollm2-135m)"),
+    ("tiny", "jmem: error: 'tiny' is a random-init preset, with no file to describe; accepted: a .gguf file"),
+    ("DIR", "jmem: error: 'DIR' is a directory without jmem_model.json; accepted: a .gguf file"),
+])
+def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatch, capsys):
+    from jmem.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "DIR").mkdir()
+    code, _, err = _in_process(main, ["info", arg], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(expected), err
+
+
+def _refuse_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--temperature", "inf"], "--temperature=inf; accepted: a finite number >= 0 (0 is greedy)"),
+    (["--temperature", "nan"], "--temperature=nan; accepted: a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature=-1.0; accepted: a finite number >= 0"),
+    (["--top-p", "inf"], "--top-p=inf; accepted: a number in (0, 1], or unset (off)"),
+    (["--top-p", "nan"], "--top-p=nan; accepted: a number in (0, 1]"),
+    (["--top-p", "0"], "--top-p=0.0; accepted: a number in (0, 1]"),
+    (["--top-k", "0"], "--top-k=0; accepted: an integer >= 1, or unset (off)"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens=-1; accepted: an integer >= 0"),
+    (["--draft", "tiny", "--draft-k", "0"], "--draft-k=0; accepted: an integer >= 1"),
+])
+def test_generate_refuses_bad_sampling_flags_before_loading(args, expected, monkeypatch, capsys):
+    import jmem
+    from jmem.cli import main
+
+    monkeypatch.setattr(jmem, "load", _refuse_load)
+    code, _, err = _in_process(main, ["generate", "--model", "tiny", *args], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"jmem: error: {expected}"), err
+
+
 def test_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"nope")

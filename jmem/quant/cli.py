@@ -18,11 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
+import shutil
 import sys
 
 import tyro
 
 GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0", "iq4_nl")
+FLOAT_METHODS = ("rtn", "int8", "nf4", "fp8", "gptq", "awq")
+# Flags only some methods read: flag -> (field, the methods that read it, why another method does not).
+METHOD_FLAGS = {
+    "--bits": ("bits", FLOAT_METHODS, "a GGUF block type fixes its bits"),
+    "--group-size": ("group_size", ("rtn", "gptq", "awq"), "its block or channel layout is fixed"),
+    "--no-symmetric": ("symmetric", ("rtn", "int8", "gptq", "awq"), "its format fixes its scaling"),
+    "--act-order": ("act_order", ("gptq",), "only gptq orders columns"),
+    "--calibration": ("calibration", ("gptq", "awq"), "it does not calibrate"),
+    "--calibration-windows": ("calibration_windows", ("gptq", "awq"), "it does not calibrate"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +50,8 @@ class QuantizeArgs:
     bits: int | None = None
     """Bits for rtn/gptq/awq (2, 3, 4, 8); the method's own width when unset."""
     group_size: int | None = 64
-    """Input rows per scale for rtn/gptq/awq (must divide every input dimension)."""
+    """Input rows per scale for rtn/gptq/awq (a multiple of 8; -1 for per channel). A matrix whose input dimension
+    it does not divide gets the largest multiple of 32 below it that does (printed, and recorded in the output)."""
     symmetric: bool = True
     """rtn/int8/gptq/awq: scale only (zero point 2**(bits-1)); --no-symmetric adds a u8 zero point per group."""
     act_order: bool = False
@@ -48,7 +61,7 @@ class QuantizeArgs:
     calibration_windows: int = 16
     """512-token calibration windows used by gptq/awq."""
     store_type: str = "F16"
-    """GGUF type that stores the dequantized weights of non-GGUF methods (F32, F16, Q8_0, ...)."""
+    """GGUF type that stores the dequantized weights of non-GGUF methods in a .gguf --out (F32, F16, Q8_0, ...)."""
     force: bool = False
     """Overwrite an existing --out .gguf file (never the --model file itself)."""
 
@@ -74,18 +87,41 @@ def check_gguf_out(out: str, model: str, force: bool) -> None:
         raise ValueError(f"--out {out!r} already exists; pass --force to overwrite it or choose another path")
 
 
-def quantization_spec(args: QuantizeArgs, method: str) -> dict:
-    """The quantization as the manifest records it, with the widths the method resolves to."""
+def quantization_spec(args: QuantizeArgs, method: str, used: dict[str, int | None] | None = None) -> dict:
+    """The quantization as the manifest records it, with the widths the method resolves to.
+
+    `used`: the group size each linear got (`jmem.quant.api.group_sizes`). A substituted group size is
+    recorded as used: one number when every linear got the same, else a mapping from linear to size.
+    """
     from jmem.quant.api import DEFAULT_BITS
     from jmem.quant.nf4 import NF4_BLOCK
 
     if method in GGUF_METHODS:
         return {"method": method, "bits": None, "group_size": None, "symmetric": None, "act_order": None}
     group_size = {"int8": None, "fp8": None, "nf4": NF4_BLOCK}.get(method, args.group_size)
+    if used and method in ("rtn", "gptq", "awq") and group_size not in (None, -1):
+        sizes = set(used.values())
+        group_size = sizes.pop() if len(sizes) == 1 else dict(used)
     bits = args.bits if args.bits is not None else DEFAULT_BITS.get(method, 4)
     symmetric = args.symmetric if method in ("rtn", "int8", "gptq", "awq") else None
     return {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
             "act_order": args.act_order if method == "gptq" else False}
+
+
+def check_flags_apply(args: QuantizeArgs, method: str, kind: str) -> None:
+    """Refuse a flag, set away from its default, that the method (or the kind of --out) does not read."""
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantizeArgs)}
+    for flag, (field, methods, why) in METHOD_FLAGS.items():
+        value = getattr(args, field)
+        if method not in methods and value != defaults[field]:
+            shown = flag if isinstance(value, bool) else f"{flag}={value}"
+            raise ValueError(f"{shown} does not apply to --method {method} ({why}); accepted: {flag} only with "
+                             f"--method {' / '.join(methods)}")
+    if args.store_type.upper() != defaults["store_type"] and (kind == "dir" or method in GGUF_METHODS):
+        target = f"--method {method} (written in its own block type)" if kind == "gguf" else \
+            "--out DIR (a directory keeps the quantized weights as they are)"
+        raise ValueError(f"--store-type={args.store_type} does not apply to {target}; accepted: --store-type only "
+                         f"with a .gguf --out and --method {' / '.join(FLOAT_METHODS)}")
 
 
 def _check_numbers(args: QuantizeArgs, method: str) -> None:
@@ -111,34 +147,69 @@ def _leaf_kinds(model) -> dict[str, str]:
 
 
 def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
-    """Run the quantization and write `--out`; returns the GGUF type (or leaf type) of each tensor."""
-    import jmem
+    """Run the quantization and write `--out`; returns the GGUF type (or leaf type) of each tensor.
+
+    Every flag is checked before anything is loaded or created; a run that fails later removes what it
+    created (the output and the directories made for it).
+    """
     from jmem.data import load_documents
-    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.io.paths import prepare_output
-    from jmem.io.tokenizer import ByteTokenizer
-    from jmem.quant import quantize
-    from jmem.quant.api import CALIBRATED, METHOD_BITS, check_float_model
-    from jmem.quant.ggml import fallback_lines, fitting_qtype, resolve_qtype
-    from jmem.quant.ggml_weight import quantize_gguf_blocks
-    from jmem.quant.saved import check_new_dir, save_quantized
+    from jmem.quant.api import CALIBRATED, METHOD_BITS
+    from jmem.quant.ggml import resolve_qtype
+    from jmem.quant.saved import check_new_dir
 
     kind = out_kind(args.out)
     method = args.method.lower()
     if method not in (*METHOD_BITS, *GGUF_METHODS):
         raise ValueError(f"--method {args.method!r}; accepted: {', '.join((*METHOD_BITS, *GGUF_METHODS))}")
-    # Fail before any heavy work.
+    check_flags_apply(args, method, kind)
     if method in METHOD_BITS and args.bits is not None and args.bits not in METHOD_BITS[method]:
-        raise ValueError(f"bits={args.bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
+        raise ValueError(f"--bits={args.bits} is not supported by --method {method}; accepted: "
+                         f"{', '.join(map(str, METHOD_BITS[method]))}")
     _check_numbers(args, method)
     docs = load_documents(args.calibration, "--calibration") if method in CALIBRATED else None
+    out = pathlib.Path(args.out).expanduser()
     if kind == "gguf":
         resolve_qtype(args.store_type)
         check_gguf_out(args.out, args.model, args.force)
-        prepare_output(args.out, "--out")
     else:
         check_new_dir(args.out)
-        prepare_output(args.out, "--out", directory=True)  # new or empty: created empty now
+    new = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    try:
+        prepare_output(args.out, "--out", directory=kind == "dir")  # a directory --out is created empty now
+        return _quantize_and_write(args, method, kind, docs)
+    except BaseException:
+        _remove_created(out, new, kind)
+        raise
+
+
+def _remove_created(out: pathlib.Path, new: list[pathlib.Path], kind: str) -> None:
+    """Undo a failed run: what it wrote in the (new or empty) --out directory, its new file, its new directories."""
+    if kind == "dir" and out.is_dir():
+        for child in out.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    elif out in new and out.is_file():
+        out.unlink(missing_ok=True)
+    for p in new:
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
+def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dict[str, str]:
+    import jmem
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.io.tokenizer import ByteTokenizer
+    from jmem.quant import quantize
+    from jmem.quant.api import check_float_model, group_sizes
+    from jmem.quant.ggml import fallback_lines, fitting_qtype
+    from jmem.quant.ggml_weight import quantize_gguf_blocks
+    from jmem.quant.saved import save_quantized
+
     lm = jmem.load(args.model)
     check_float_model(lm.model)
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
@@ -164,7 +235,7 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
                               qtype_by_tensor=args.store_type)
     save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,
                    tokenizer_metadata=None if isinstance(lm.tokenizer, ByteTokenizer) else tok_meta,
-                   quantization=quantization_spec(args, method))
+                   quantization=quantization_spec(args, method, group_sizes(qmodel)))
     return _leaf_kinds(qmodel)
 
 

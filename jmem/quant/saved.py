@@ -204,7 +204,8 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
         tokenizer_metadata: GGUF `tokenizer.*` fields (e.g. `GGUFFile.tokenizer_metadata()`),
             required for any tokenizer other than `ByteTokenizer`.
         quantization: method, bits, group_size, symmetric, act_order (a mapping or
-            `jmem.quant.api.QuantSpec`), recorded in the manifest.
+            `jmem.quant.api.QuantSpec`), recorded in the manifest; `jmem quantize` records the
+            group size each linear got (a mapping from linear to size when they differ).
 
     Raises:
         QuantizedDirError: the directory is not new/empty, a leaf type or tokenizer
@@ -377,6 +378,15 @@ def load_quantized(path: str | os.PathLike, **config_overrides):
     return model, tokenizer, QuantizedModelDir(str(path), manifest)
 
 
+def _spec_value(value) -> str:
+    """A recorded quantization field; a per-linear mapping (substituted group sizes) as `96 (128 for w_down)`."""
+    if not isinstance(value, dict):
+        return str(value)
+    common = Counter(value.values()).most_common(1)[0][0]
+    others = ", ".join(f"{v} for {k}" for k, v in value.items() if v != common)
+    return f"{common} ({others})"
+
+
 def describe(path: str | os.PathLike) -> str:
     """A few lines for `jmem info DIR`: config, quantization, leaf types, stored bytes."""
     m = read_manifest(path)
@@ -384,7 +394,7 @@ def describe(path: str | os.PathLike) -> str:
     q = m.get("quantization") or {}
     types = Counter(node.get("type") or m["arrays"][node["array"]]["dtype"] for node in m["leaves"].values())
     n_params = c.num_params
-    spec = ", ".join(f"{k}={q[k]}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
+    spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
     return "\n".join([
         f"directory:     {path} ({FORMAT} v{m['format_version']})",
         f"layers:        {c.n_layers}  width: {c.dim}  heads: {c.n_heads}/{c.n_kv_heads} (head dim {c.head_dim})  "

@@ -22,7 +22,8 @@ def test_gguf_method_and_rtn_written_and_loadable(tmp_path):
     errors = {}
     for method, bits in (("q8_0", "8"), ("rtn", "8"), ("rtn", "2")):
         out = tmp_path / f"{method}{bits}.gguf"
-        r = _quantize("--model", "tiny", "--method", method, "--bits", bits, "--group-size", "32", "--out", str(out))
+        flags = [] if method == "q8_0" else ["--bits", bits, "--group-size", "32"]  # Q8_0 fixes its own layout
+        r = _quantize("--model", "tiny", "--method", method, *flags, "--out", str(out))
         assert r.returncode == 0, r.stderr
         assert f"wrote {out}" in r.stdout
         logits = np.asarray(jmem.load(str(out)).logits(ids))
@@ -49,6 +50,20 @@ def _refuse_load(*args, **kwargs):
     (["--method", "awq", "--calibration-windows", "-3"], "--calibration-windows -3; accepted: a positive integer"),
     (["--method", "gptq", "--calibration", "/nonexist"], "--calibration '/nonexist': no such file"),
     (["--method", "rtn", "--group-size", "0"], "--group-size 0; accepted: a positive number"),
+    # A flag the method does not read is refused, not ignored.
+    (["--method", "q4_0", "--bits", "8"], "--bits=8 does not apply to --method q4_0 (a GGUF block type fixes its "
+                                          "bits); accepted: --bits only with --method rtn / int8 / nf4 / fp8"),
+    (["--method", "rtn", "--calibration", "/nonexistent.txt"],
+     "--calibration=/nonexistent.txt does not apply to --method rtn (it does not calibrate); accepted: "
+     "--calibration only with --method gptq / awq"),
+    (["--method", "q4_k", "--calibration", "/nonexistent.txt"], "does not apply to --method q4_k"),
+    (["--method", "nf4", "--calibration-windows", "4"], "--calibration-windows=4 does not apply to --method nf4"),
+    (["--method", "int8", "--group-size", "32"], "--group-size=32 does not apply to --method int8"),
+    (["--method", "q8_0", "--group-size", "32"], "--group-size=32 does not apply to --method q8_0"),
+    (["--method", "awq", "--act-order"], "--act-order does not apply to --method awq (only gptq orders columns)"),
+    (["--method", "fp8", "--no-symmetric"], "--no-symmetric does not apply to --method fp8"),
+    (["--method", "q4_0", "--store-type", "Q8_0"], "--store-type=Q8_0 does not apply to --method q4_0"),
+    (["--method", "nf4", "--bits", "8"], "--bits=8 is not supported by --method nf4; accepted: 4"),
 ])
 def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypatch, capsys):
     from jmem.quant.cli import quantize_main
@@ -104,3 +119,45 @@ def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
     ids = np.asarray(lm.tokenizer.encode("The capital of France is"), np.int32)[None]
     ref, got = np.asarray(lm.logits(ids)), np.asarray(q.logits(ids))
     assert (ref.argmax(-1) == got.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "nosuch"],                                   # fails at load
+    ["--model", "tiny", "--method", "rtn", "--group-size", "7"],  # fails while quantizing
+])
+@pytest.mark.parametrize("out", ["q/model-dir", "q/model.gguf", "empty"])
+def test_failed_run_leaves_nothing_behind(args, out, tmp_path, capsys):
+    """A failed run removes the --out it created (and its new parent directories); an empty --out stays empty."""
+    from jmem.quant.cli import quantize_main
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        quantize_main([*args, "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"] and not list((tmp_path / "empty").iterdir())
+
+
+@pytest.mark.parametrize("requested, recorded, shown", [
+    (48, 32, "group_size=32,"),  # 48 divides neither 64 nor 128: 32 everywhere
+    (128, {"wq": 64, "wk": 64, "wv": 64, "wo": 64, "w_gate": 64, "w_up": 64, "w_down": 128},
+     "group_size=64 (128 for w_down),"),  # 128 divides only w_down's input (128), not the width 64
+])
+def test_substituted_group_size_is_recorded_as_used(requested, recorded, shown, tmp_path, capsys):
+    import json
+
+    from jmem.cli import main
+    from jmem.quant.api import group_sizes
+    from jmem.quant.cli import quantize_main
+    from jmem.quant.saved import MANIFEST
+
+    out = tmp_path / "q"
+    quantize_main(["--model", "tiny", "--method", "rtn", "--group-size", str(requested), "--out", str(out)])
+    assert "does not divide input dimension 64 (wq, wk, wv, wo, w_gate, w_up): using group size" in \
+        capsys.readouterr().out
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["quantization"]["group_size"] == recorded
+    used = group_sizes(jmem.load(str(out)).model)
+    assert used == (recorded if isinstance(recorded, dict) else dict.fromkeys(used, recorded))
+    main(["info", str(out)])
+    assert shown in capsys.readouterr().out

@@ -96,7 +96,8 @@ def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / case
     flags, spec = CLI_CASES[case]
-    quantize_main(["--model", src, *flags, "--calibration", str(calib), "--out", str(out)])
+    calibrated = ["--calibration", str(calib)] if spec["method"] in ("gptq", "awq") else []
+    quantize_main(["--model", src, *flags, *calibrated, "--out", str(out)])
     assert f"wrote {out}: IntTensor x7" in capsys.readouterr().out
 
     # The same quantization in memory.
