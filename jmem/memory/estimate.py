@@ -149,15 +149,23 @@ class _Sizes:
 def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     d, F = config.dim, config.ffn_dim
     HD, KD, H = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.n_heads
+    # MoE: each token fills top_k (times the capacity factor) expert rows; the token's copies on the
+    # way in and out of the experts, and the router's f32 logits and probabilities, come on top.
+    rows, moe = 1.0, 0
+    if config.moe_experts:
+        k = config.moe_top_k
+        rows = k * (1.0 if config.moe_dropless else config.moe_capacity_factor)
+        moe = int(2 * rows * d * c) + 2 * config.moe_experts * 4
+    Fr = int(F * rows)
     named = {"layer_input": d * c, "attn_norm": d * c, "query": HD * c, "key": KD * c, "value": KD * c,
-             "attention": HD * c, "attn_out": d * c, "mlp_norm": d * c, "mlp_gate": F * c, "mlp_up": F * c,
-             "mlp_hidden": F * c, "mlp_out": d * c}
+             "attention": HD * c, "attn_out": d * c, "mlp_norm": d * c, "mlp_gate": Fr * c, "mlp_up": Fr * c,
+             "mlp_hidden": Fr * c, "mlp_out": d * c}
     norms_extra = 2 * 4
     if attention == "pallas":
         attn = H * 4
     else:
         attn = H * seq * (3 * 4 + (c if c != 4 else 0))
-    return _Sizes(named, norms_extra, attn, 3 * F * c)
+    return _Sizes(named, norms_extra, attn, 3 * Fr * c + moe)
 
 
 def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int, int]:

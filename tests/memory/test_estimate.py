@@ -64,6 +64,26 @@ def test_no_remat_estimate_within_15_percent_of_measured_train_step():
     assert est["activations"] > 0.5 * est["total"]
 
 
+def test_moe_estimate_within_15_percent_of_measured_train_step():
+    """tiny-moe's train step (router, 4 experts, top-2, capacity 1.25), no remat: experts' rows per token
+    and the router's parameters counted."""
+    from jmem.train import TrainConfig
+    from jmem.train.loop import estimate_bytes
+    from jmem.train.setup import build
+
+    cfg = TrainConfig(model="tiny-moe", steps=1, batch=8, seq=256, optimizer="adamw", progress=False, eval_every=0,
+                      remat="none", precision="f32")
+    run = build(cfg)
+    state = jax.eval_shape(lambda: run.fns.init_state(run.model))
+    measured = measure(jax.jit(run.fns.step, donate_argnums=0), state, run.data.batch(0, cfg.batch, cfg.seed))
+    est = estimate_bytes(run)
+    ratio = est["total"] / measured.total_bytes
+    print(measured.table("measured"), format_estimate(est), f"ratio {ratio:.3f}", sep="\n")
+    assert 0.85 <= ratio <= 1.15
+    dense = estimate(run.model_config.replace(moe_experts=0), cfg.batch, cfg.seq, remat="none")
+    assert est["activations"] > 1.3 * dense["activations"]
+
+
 def test_remat_and_accumulation_order_and_bad_input():
     none = estimate(CFG, 8, 128, remat="none")
     full = estimate(CFG, 8, 128, remat="full")

@@ -60,6 +60,49 @@ def test_moe_matches_per_token_reference(top_k, cf):
         assert dropped > 0
 
 
+@pytest.mark.parametrize("top_k,cf", [(1, 0.5), (2, 0.75), (2, 2.0)])
+def test_scatter_gather_dispatch_equals_the_one_hot_einsums_with_gradients(top_k, cf):
+    """The default dispatch (scatter to places, gather back) against the one-hot einsums of the
+    expert-sharded path (taken with an identity `expert_constraint`): outputs, stats and every gradient."""
+    moe = MoEMLP(16, 24, n_experts=4, top_k=top_k, capacity_factor=cf, rngs=nnx.Rngs(5))
+    w = moe.weights()
+    x = jax.random.normal(jax.random.key(11), (2, 12, 16), jnp.float32)
+
+    def loss(x, w, constraint):
+        y, stats = moe_mlp(x, w["router"], w["gate"], w["up"], w["down"], top_k=top_k, capacity_factor=cf,
+                           expert_constraint=constraint)
+        return jnp.sum(jnp.sin(y)) + stats.aux_loss + stats.z_loss, (y, stats)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (gx, gw), (y, stats) = grad(x, w, None)
+    (gx_ref, gw_ref), (y_ref, stats_ref) = grad(x, w, lambda v: v)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-6)
+    assert int(stats.dropped) == int(stats_ref.dropped) and (cf > 1.0 or int(stats.dropped) > 0)
+    for a, b in zip(jax.tree.leaves((gx, gw)), jax.tree.leaves((gx_ref, gw_ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_train_step_memory_is_linear_in_the_tokens():
+    """No [tokens, experts, capacity] tensor: 4x the tokens costs about 4x the step's temporaries
+    (the one-hot einsums cost 10x here and grow with the square of the tokens)."""
+    from jmem.memory.measure import measure
+
+    moe = MoEMLP(32, 64, n_experts=4, top_k=2, rngs=nnx.Rngs(0))
+    w = moe.weights()
+
+    def temp(tokens, constraint):
+        x = jax.ShapeDtypeStruct((2, tokens, 32), jnp.float32)
+
+        def loss(x, w):
+            y, stats = moe_mlp(x, w["router"], w["gate"], w["up"], w["down"], top_k=2, expert_constraint=constraint)
+            return jnp.sum(y * y) + stats.aux_loss
+
+        return measure(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w).temp_bytes
+
+    assert temp(1024, None) < 5 * temp(256, None)
+    assert temp(1024, lambda v: v) > 8 * temp(256, lambda v: v)
+
+
 @pytest.mark.parametrize("top_k,cf", [(1, 0.5), (2, 0.75)])
 def test_tokens_keep_their_place_whatever_comes_after_them(top_k, cf):
     """Causal: with places short, outputs at positions < 6 do not change when later tokens do."""
