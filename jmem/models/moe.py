@@ -9,10 +9,10 @@ carries the token on). Position order keeps a causal LM causal: whether a
 token keeps its place depends only on tokens at its position or before.
 (GShard's order, all first choices before any second choice, lets a later
 token's first choice take the place of an earlier token's second choice.) Tokens
-are scattered to their places and gathered back (memory linear in the tokens);
-with the experts on an `expert` mesh axis (`expert_constraint`), dispatch and
-combine are one-hot einsums instead, so XLA moves tokens with all-to-alls (their
-`[tokens, experts, capacity]` tensors grow with the square of the tokens).
+are scattered to their places in an `[experts, capacity, embed]` buffer and the
+expert outputs gathered back, so memory is linear in the tokens (GShard's one-hot
+dispatch and combine einsums over `[tokens, experts, capacity]` grow with its
+square); the buffer can sit on the `expert` mesh axis (`expert_constraint`).
 
 Dropless routing (`dropless=True`, and every forward with a KV cache in
 `jmem.models.llama`): no capacity; the assignments are sorted by expert and
@@ -82,7 +82,7 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float) -> None:
 
 
 def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
-    """Top-k routing with capacity.
+    """Top-k routing with capacity: each (token, choice) gets a place in an `[experts * cap]` buffer.
 
     Args:
         logits_NX: f32[tokens, experts] router logits, tokens in priority order.
@@ -91,30 +91,18 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
         normalize: rescale the k gates of a token to sum to 1 (top-k > 1).
 
     Returns:
-        (dispatch f32[tokens, experts, cap] one-hot, combine f32[tokens, experts, cap] gate-weighted,
-         MoEStats)
+        (slot_NK i32[tokens, top_k]: expert * cap + place, or experts * cap for a choice past
+         capacity (dropped); gate_NK f32[tokens, top_k]; MoEStats)
     """
     N, X = logits_NX.shape
-    slot_NK, gate_NK, probs_NX, flat_QX = _slots(logits_NX, top_k, cap, normalize)
-    disp_NKXC = jax.nn.one_hot(slot_NK, X * cap, dtype=jnp.float32).reshape(N, top_k, X, cap)  # dropped: all 0
-    dispatch_NXC = jnp.sum(disp_NKXC, axis=1)
-    combine_NXC = jnp.sum(disp_NKXC * gate_NK[:, :, None, None], axis=1)
-    return dispatch_NXC, combine_NXC, _stats(logits_NX, probs_NX, flat_QX, _dropped(slot_NK, X * cap))
-
-
-def _slots(logits_NX, top_k: int, cap: int, normalize: bool):
-    """(slot_NK i32: expert * cap + place of each choice, X * cap when past capacity; gate_NK; probs_NX;
-    flat_QX one-hot choices). Priority: token order, each token's choices in rank order."""
-    N, X = logits_NX.shape
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
+    # Priority: token order, each token's choices in rank order.
     flat_QX = jax.nn.one_hot(idx_NK, X, dtype=jnp.float32).reshape(N * top_k, X)
     pos_Q = jnp.sum((jnp.cumsum(flat_QX, axis=0) - 1.0) * flat_QX, axis=-1).astype(jnp.int32)
-    slot_Q = jnp.where(pos_Q < cap, idx_NK.reshape(-1) * cap + pos_Q, X * cap)
-    return slot_Q.reshape(N, top_k), gate_NK, probs_NX, flat_QX
-
-
-def _dropped(slot_NK, out_of_range: int):
-    return jnp.sum(slot_NK == out_of_range).astype(jnp.int32)
+    keep_Q = pos_Q < cap
+    slot_NK = jnp.where(keep_Q, idx_NK.reshape(-1) * cap + pos_Q, X * cap).reshape(N, top_k)
+    dropped = (top_k * N - jnp.sum(keep_Q)).astype(jnp.int32)
+    return slot_NK, gate_NK, _stats(logits_NX, probs_NX, flat_QX, dropped)
 
 
 def _stats(logits_NX, probs_NX, flat_QX, dropped) -> MoEStats:
@@ -169,24 +157,17 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     x_NE = x_BTE.swapaxes(0, 1).reshape(T * B, E)  # position-major: the routing priority
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     dt = x_NE.dtype
-    if expert_constraint is None:
-        # Tokens scattered to their places and gathered back: no [tokens, experts, capacity] tensor,
-        # whose size grows with the square of the tokens (6 f32 copies of it per layer in a train step).
-        slot_NK, gate_NK, probs_NX, flat_QX = _slots(logits_NX, top_k, cap, normalize)
-        stats = _stats(logits_NX, probs_NX, flat_QX, _dropped(slot_NK, X * cap))
-        in_XCE = jnp.zeros((X * cap, E), dt).at[slot_NK.reshape(-1)].add(
-            jnp.repeat(x_NE, top_k, axis=0), mode="drop").reshape(X, cap, E)
-    else:  # one-hot einsums: with the experts on a mesh axis, XLA moves tokens with all-to-alls
-        dispatch_NXC, combine_NXC, stats = route(logits_NX, top_k, cap, normalize=normalize)
-        in_XCE = expert_constraint(jnp.einsum("nxc,ne->xce", dispatch_NXC.astype(dt), x_NE))
+    slot_NK, gate_NK, stats = route(logits_NX, top_k, cap, normalize=normalize)
+    fix = expert_constraint or (lambda v: v)
+    # Tokens scattered to their places and gathered back: no [tokens, experts, capacity] one-hot
+    # dispatch, whose size grows with the square of the tokens.
+    in_XCE = fix(jnp.zeros((X * cap, E), dt).at[slot_NK.reshape(-1)].add(
+        jnp.repeat(x_NE, top_k, axis=0), mode="drop").reshape(X, cap, E))
     g_XCF = jnp.einsum("xce,xef->xcf", in_XCE, gate_XEF.astype(dt))
     u_XCF = jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(dt))
-    out_XCE = jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(dt))
-    if expert_constraint is None:
-        out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
-        y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
-    else:
-        y_NE = jnp.einsum("nxc,xce->ne", combine_NXC.astype(dt), expert_constraint(out_XCE))
+    out_XCE = fix(jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(dt)))
+    out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
+    y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
 
 
