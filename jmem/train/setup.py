@@ -56,6 +56,9 @@ def mesh_for(cfg: TrainConfig):
     spec = cfg.mesh
     if cfg.pipeline_stages > 1 and "stage" not in par.parse_mesh(spec):
         spec = ",".join([f"stage={cfg.pipeline_stages}"] + ([spec] if spec else ["data=-1"]))
+        if jax.device_count() % cfg.pipeline_stages:
+            raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} needs a multiple of {cfg.pipeline_stages} "
+                             f"devices, one stage per device group; there are {jax.device_count()}")
     mesh = par.make_mesh(spec)
     if cfg.pipeline_stages > 1 and mesh.shape["stage"] != cfg.pipeline_stages:
         raise ValueError(f"mesh {par.mesh_summary(mesh)} has stage={mesh.shape['stage']}, "

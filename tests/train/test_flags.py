@@ -119,6 +119,16 @@ def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, caps
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
 
 
+def test_pipeline_stages_without_a_mesh_name_the_flag_not_a_mesh_never_given():
+    from jmem.train.setup import mesh_for
+
+    with pytest.raises(ValueError, match=r"^--pipeline-stages=3 needs a multiple of 3 devices, one stage per device "
+                                         r"group; there are 8$"):
+        mesh_for(TrainConfig(model="smollm2-135m", pipeline_stages=3))
+    shape = mesh_for(TrainConfig(model="tiny", pipeline_stages=2)).shape
+    assert (shape["stage"], shape["data"]) == (2, 4)
+
+
 def test_mesh_flags_are_checked_before_the_model_is_built(monkeypatch, capsys):
     """Head and pipeline-microbatch checks cost one line, not a model build."""
     from jmem.train import setup
