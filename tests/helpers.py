@@ -29,6 +29,11 @@ def smollm2():
     return jmem.load("smollm2-135m")
 
 
+def refuse_load(*args, **kwargs):
+    """Stands in for `jmem.load` in tests of flag checks that must fail before any model loads."""
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
 def experiment(name: str):
     """The module of `experiments/{name}.py`, imported once per test session (as `experiments_{name}`)."""
     key = f"experiments_{name}"

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from jmem.lm import packaged_model_path
+from tests.helpers import refuse_load
 
 
 def _jmem(*args):
@@ -75,10 +76,6 @@ def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatc
     assert code == 2 and err.count("\n") == 1 and err.startswith(expected), err
 
 
-def _refuse_load(*args, **kwargs):
-    raise AssertionError("the model was loaded before the flags were checked")
-
-
 @pytest.mark.parametrize("args, expected", [
     (["--temperature", "inf"], "--temperature=inf; accepted: a finite number >= 0 (0 is greedy)"),
     (["--temperature", "nan"], "--temperature=nan; accepted: a finite number >= 0"),
@@ -94,7 +91,7 @@ def test_generate_refuses_bad_sampling_flags_before_loading(args, expected, monk
     import jmem
     from jmem.cli import main
 
-    monkeypatch.setattr(jmem, "load", _refuse_load)
+    monkeypatch.setattr(jmem, "load", refuse_load)
     code, _, err = _in_process(main, ["generate", "--model", "tiny", *args], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"jmem: error: {expected}"), err
 

@@ -4,7 +4,7 @@ and exit status 2, before any model load or benchmark; `--quick` keeps flags giv
 import pytest
 
 import jmem
-from tests.helpers import experiment
+from tests.helpers import experiment, refuse_load
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +17,6 @@ def bench():
     return experiment("bench_attention")
 
 
-def _refuse_load(*args, **kwargs):
-    raise AssertionError("the model was loaded before the flags were checked")
-
-
 @pytest.mark.parametrize("argv, expected", [
     (["--text", "/nonexist"], "--text '/nonexist': no such file"),
     (["--seq", "0"], "--seq 0; accepted: an integer >= 2"),
@@ -31,7 +27,7 @@ def _refuse_load(*args, **kwargs):
     (["--seq", "64", "--num-global", "100"], "--num-global 100 is larger than --seq 64"),
 ])
 def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(jmem, "load", _refuse_load)
+    monkeypatch.setattr(jmem, "load", refuse_load)
     rc = sparse.main([*argv, "--out", str(tmp_path / "s.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err

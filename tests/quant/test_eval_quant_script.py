@@ -3,16 +3,12 @@
 import pytest
 
 import jmem
-from tests.helpers import experiment
+from tests.helpers import experiment, refuse_load
 
 
 @pytest.fixture(scope="module")
 def script():
     return experiment("eval_quant")
-
-
-def _refuse_load(*args, **kwargs):
-    raise AssertionError("the model was loaded before the flags were checked")
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -25,7 +21,7 @@ def _refuse_load(*args, **kwargs):
     (["--group-size", "0"], "--group-size 0; accepted: a positive integer"),
 ])
 def test_bad_flags_before_the_model_loads(script, argv, expected, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(jmem, "load", _refuse_load)
+    monkeypatch.setattr(jmem, "load", refuse_load)
     rc = script.cli([*argv, "--out", str(tmp_path / "q.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
@@ -33,7 +29,7 @@ def test_bad_flags_before_the_model_loads(script, argv, expected, tmp_path, monk
 
 
 def test_empty_text_file(script, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(jmem, "load", _refuse_load)
+    monkeypatch.setattr(jmem, "load", refuse_load)
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     assert script.cli(["--text", str(empty), "--out", str(tmp_path / "q.json")]) == 2

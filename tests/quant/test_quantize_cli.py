@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jmem
+from tests.helpers import refuse_load
 
 
 def _quantize(*args):
@@ -41,10 +42,6 @@ def test_bad_input_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _refuse_load(*args, **kwargs):
-    raise AssertionError("the model was loaded before the flags were checked")
-
-
 @pytest.mark.parametrize("args, expected", [
     (["--method", "gptq", "--calibration-windows", "0"], "--calibration-windows 0; accepted: a positive integer"),
     (["--method", "awq", "--calibration-windows", "-3"], "--calibration-windows -3; accepted: a positive integer"),
@@ -68,7 +65,7 @@ def _refuse_load(*args, **kwargs):
 def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypatch, capsys):
     from jmem.quant.cli import quantize_main
 
-    monkeypatch.setattr(jmem, "load", _refuse_load)
+    monkeypatch.setattr(jmem, "load", refuse_load)
     with pytest.raises(SystemExit) as exc:
         quantize_main(["--model", "tiny", *args, "--out", str(tmp_path / "a.gguf")])
     err = capsys.readouterr().err.strip()
