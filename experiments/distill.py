@@ -105,10 +105,7 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     layers = parse_layers(cfg.student_layers)
     docs = load_documents(cfg.text, "--text")
     if cfg.save_student is not None:
-        try:
-            check_new_dir(cfg.save_student)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--out", "--save-student")) from None
+        check_new_dir(cfg.save_student, "--save-student")
         # New or empty: created (empty) now, so a path that cannot be made (a file on the way, no
         # permission) fails before training, not when the trained student is saved.
         prepare_output(cfg.save_student, "--save-student", directory=True)

@@ -153,14 +153,14 @@ def _array_specs(node: dict, arrays: dict) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def check_new_dir(path: str | os.PathLike) -> pathlib.Path:
-    """The output directory, which must be absent or empty (nothing is overwritten)."""
+def check_new_dir(path: str | os.PathLike, flag: str = "--out") -> pathlib.Path:
+    """The output directory, which must be absent or empty (nothing is overwritten); errors name `flag`."""
     p = pathlib.Path(path).expanduser()
     if p.exists() and not p.is_dir():
-        raise QuantizedDirError(f"--out {str(path)!r} exists and is not a directory; "
+        raise QuantizedDirError(f"{flag} {str(path)!r} exists and is not a directory; "
                                 "accepted: a new or empty directory")
     if p.is_dir() and any(p.iterdir()):
-        raise QuantizedDirError(f"--out {str(path)!r} is a non-empty directory; accepted: a new or empty directory "
+        raise QuantizedDirError(f"{flag} {str(path)!r} is a non-empty directory; accepted: a new or empty directory "
                                 "(nothing is overwritten)")
     return p
 
