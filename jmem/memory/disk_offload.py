@@ -140,6 +140,8 @@ class DiskOptimizer:
         """Write a fresh state (`tx.init` of every chunk of the trainable params `train`) to the
         files; returns the handle with update count `count`."""
         leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
+        for stale in pathlib.Path(self.directory).glob("chunk*_*.npy"):  # an earlier run's, maybe more chunks
+            stale.unlink()
         for c, chunk in enumerate(self.chunks):
             i, layer = chunk
             x = np.asarray(leaves[i])

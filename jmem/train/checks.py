@@ -53,6 +53,7 @@ def validate(cfg: TrainConfig) -> Policy:
         raise ValueError("--resume needs --ckpt-dir")
     if cfg.resume:
         _validate_resume(cfg)
+    _validate_log(cfg)
     if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
         raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
@@ -151,6 +152,15 @@ def _validate_resume(cfg: TrainConfig) -> None:
         raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
                          f"drop --resume to start a new run")
     check_steps_left(cfg, steps[-1])
+
+
+def _validate_log(cfg: TrainConfig) -> None:
+    """A fresh run does not write over another run's log; a resumed run appends to its own."""
+    if cfg.log and not cfg.resume:
+        path = pathlib.Path(cfg.log).expanduser()
+        if path.is_file() and path.stat().st_size:
+            raise ValueError(f"--log {cfg.log!r} already holds another run's log (nothing is overwritten); "
+                             "accepted: a new path, or --resume to continue that run's log")
 
 
 def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:

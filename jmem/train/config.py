@@ -62,7 +62,8 @@ class TrainConfig:
     eval_batches: int = 4
     """Held-out batches per evaluation."""
     log: str | None = None
-    """Write one JSON line per step (and per evaluation) to this file."""
+    """Write one JSON line per step (and per evaluation) to this file: a new (or empty) file, or with
+    --resume the resumed run's log, which is continued."""
     plot: str | None = None
     """Write a PNG of the loss curve and the memory table to this file."""
     loss_chunk: int | None = None
@@ -93,7 +94,8 @@ class TrainConfig:
     offload_params: str = "none"
     """Layer parameters: none (on device) or host (host memory, moved to the device one layer at a time inside the layer scan); needs --offload-optimizer host or disk."""
     offload_dir: str | None = None
-    """Directory of the optimizer-state files of --offload-optimizer disk (required with it)."""
+    """Directory of the optimizer-state files of --offload-optimizer disk (required with it); state files
+    an earlier run left there are replaced."""
 
     layerwise: int = 0
     """Layer-wise (LISA) training: train this many layers at a time, plus embeddings, final norm and head; gradients and optimizer state exist for those alone (0: every layer every step)."""

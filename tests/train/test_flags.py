@@ -155,6 +155,16 @@ def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, c
     assert list(empty.iterdir()) == []
 
 
+def test_fresh_run_does_not_write_over_an_existing_log(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "loss": 5.0}\n')
+    line = _one_line_exit_2(["--model", "tiny", "--log", str(log)], capsys)
+    assert f"--log {str(log)!r} already holds another run's log" in line and "--resume" in line
+    assert log.read_text() == '{"step": 0, "loss": 5.0}\n'
+    log.write_text("")  # an empty file (e.g. from `touch`) holds nothing to lose
+    validate(TrainConfig(model="tiny", log=str(log)))
+
+
 def test_model_file_must_be_gguf(tmp_path):
     (tmp_path / "x.txt").write_text("not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
