@@ -131,21 +131,17 @@ def _numel(shape):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": generate, "info": info}
-    if argv and argv[0] == "serve":
-        from jmem.serve.cli import serve_main
+    from jmem.quant.cli import QuantizeArgs, run_quantize
+    from jmem.serve.cli import ServeArgs, run_serve
 
-        return serve_main(argv[1:])
-    if argv and argv[0] == "quantize":
-        from jmem.quant.cli import quantize_main
-
-        return quantize_main(argv[1:])
+    commands = {"generate": generate, "info": info, "serve": ServeArgs, "quantize": QuantizeArgs}
     try:
-        tyro.extras.subcommand_cli_from_dict(
-            commands, args=argv, prog="jmem",
-            description="jmem generate | info | serve | quantize. `jmem serve --help`: the OpenAI-compatible "
-                        "server; `jmem quantize --help`: quantize a model to GGUF or a jmem directory.")
-    except (ValueError, FileNotFoundError) as e:
+        parsed = tyro.extras.subcommand_cli_from_dict(commands, args=sys.argv[1:] if argv is None else argv,
+                                                      prog="jmem")
+    except (ValueError, FileNotFoundError) as e:  # generate and info run inside tyro's call
         print(f"jmem: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if isinstance(parsed, ServeArgs):
+        run_serve(parsed)
+    elif isinstance(parsed, QuantizeArgs):
+        run_quantize(parsed)

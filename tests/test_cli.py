@@ -35,7 +35,19 @@ def test_generate_with_a_draft_model_matches_plain_greedy(tmp_path):
 def test_help_names_every_subcommand():
     r = _jmem("--help")
     assert r.returncode == 0, r.stderr
-    assert all(c in r.stdout for c in ("generate", "info", "jmem serve --help", "jmem quantize --help")), r.stdout
+    assert "{generate,info,serve,quantize}" in r.stdout, r.stdout
+    for command, summary in (("serve", "Serve a model over HTTP with the OpenAI API."),
+                             ("quantize", "Quantize a model and write it as a GGUF file")):
+        assert summary in r.stdout
+        sub = _jmem(command, "--help")
+        assert sub.returncode == 0 and f"usage: jmem {command} [-h]" in sub.stdout and "--model" in sub.stdout, \
+            sub.stdout
+
+
+def test_serve_subcommand_runs_the_server_checks():
+    r = _jmem("serve", "--model", "tiny", "--kv-cache-dtype", "fp4")
+    assert r.returncode == 2 and r.stderr == ("jmem serve: error: --kv-cache-dtype='fp4'; accepted: auto, bf16, "
+                                              "fp8_e4m3, int8\n"), r.stderr
 
 
 def test_info_smollm2():
@@ -151,17 +163,17 @@ def test_info_missing_key_is_one_line(tmp_path, capsys):
 
 
 def test_quantize_refuses_to_overwrite(tmp_path, capsys):
-    from jmem.quant.cli import quantize_main
+    from jmem.cli import main
 
     src = _tiny_gguf(tmp_path / "src.gguf")
     before = open(src, "rb").read()
-    code, _, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", src, "--force"], capsys)
+    code, _, err = _in_process(main, ["quantize", "--model", src, "--method", "q8_0", "--out", src, "--force"], capsys)
     assert code == 2 and "is the --model file itself" in err and open(src, "rb").read() == before
     other = tmp_path / "out.gguf"
     other.write_bytes(b"keep me")
-    code, _, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", str(other)], capsys)
+    code, _, err = _in_process(main, ["quantize", "--model", src, "--method", "q8_0", "--out", str(other)], capsys)
     assert code == 2 and "already exists; pass --force" in err and other.read_bytes() == b"keep me"
-    code, out, err = _in_process(quantize_main, ["--model", src, "--method", "q8_0", "--out", str(other), "--force"],
+    code, out, err = _in_process(main, ["quantize", "--model", src, "--method", "q8_0", "--out", str(other), "--force"],
                                  capsys)
     assert code == 0, err
     assert "Q8_0" in out and other.read_bytes()[:4] == b"GGUF"

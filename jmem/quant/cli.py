@@ -22,7 +22,6 @@ import pathlib
 import shutil
 import sys
 
-import tyro
 
 GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0", "iq4_nl")
 FLOAT_METHODS = ("rtn", "int8", "nf4", "fp8", "gptq", "awq")
@@ -239,8 +238,8 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     return _leaf_kinds(qmodel)
 
 
-def quantize_main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(QuantizeArgs, args=argv, prog="jmem quantize")
+def run_quantize(args: QuantizeArgs) -> None:
+    """`jmem quantize`: quantize, write, print what was written (one error line and exit 2 on bad input)."""
     try:
         types = quantize_to_file(args)
     except (ValueError, FileNotFoundError) as e:

@@ -9,5 +9,5 @@ Layers, bottom up (import the module you need; the first three import no JAX):
     lora.MultiLoRA              several LoRA adapters stacked in one weight leaf, one slot per token
     runner.ModelRunner          device arrays and the jitted mixed prefill/decode step
     engine.Engine               scheduler + runner + detokenizer, background loop, streams
-    api.create_app              FastAPI app; cli.serve_main is `jmem serve`
+    api.create_app              FastAPI app; cli.run_serve is `jmem serve`
 """

@@ -227,8 +227,12 @@ def _fail(message: str) -> NoReturn:
 
 
 def serve_main(argv: list[str] | None = None) -> None:
-    """Entry point of `jmem serve`: parse flags, bind, load, log capacity and address, serve until interrupted."""
-    args = tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve")
+    """`python -m jmem.serve`: parse the flags of `jmem serve` and run it."""
+    run_serve(tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve"))
+
+
+def run_serve(args: ServeArgs) -> None:
+    """`jmem serve`: check the flags, bind, load, log capacity and address, serve until interrupted."""
     try:
         check_args(args)
     except ValueError as e:

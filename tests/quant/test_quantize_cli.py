@@ -63,11 +63,11 @@ def test_bad_input_one_line(tmp_path):
     (["--method", "nf4", "--bits", "8"], "--bits=8 is not supported by --method nf4; accepted: 4"),
 ])
 def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypatch, capsys):
-    from jmem.quant.cli import quantize_main
+    from jmem.cli import main
 
     monkeypatch.setattr(jmem, "load", refuse_load)
     with pytest.raises(SystemExit) as exc:
-        quantize_main(["--model", "tiny", *args, "--out", str(tmp_path / "a.gguf")])
+        main(["quantize", "--model", "tiny", *args, "--out", str(tmp_path / "a.gguf")])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "\n" not in err and expected in err, err
     assert not list(tmp_path.iterdir())
@@ -76,10 +76,10 @@ def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypa
 def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys):
     """Every row of the tiny model (64, 128) is shorter than Q4_K's 256: llama.cpp's Q5_0 is written, and said."""
     from jmem.io.gguf import read_gguf
-    from jmem.quant.cli import quantize_main
+    from jmem.cli import main
 
     out = tmp_path / "q4k.gguf"
-    quantize_main(["--model", "tiny", "--method", "q4_k", "--out", str(out)])
+    main(["quantize", "--model", "tiny", "--method", "q4_k", "--out", str(out)])
     printed = capsys.readouterr().out
     assert ("Q4_K: row length 64 is not a multiple of its block size 256; stored as Q5_0 (llama.cpp's fallback): "
             "token_embd.weight, blk.*.attn_q.weight") in printed, printed
@@ -92,7 +92,7 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
     # Q2_K falls back to IQ4_NL (current llama.cpp), which also reads back.
     out = tmp_path / "q2k.gguf"
-    quantize_main(["--model", "tiny", "--method", "q2_k", "--out", str(out)])
+    main(["quantize", "--model", "tiny", "--method", "q2_k", "--out", str(out)])
     assert "stored as IQ4_NL (llama.cpp's fallback)" in capsys.readouterr().out
     assert {t.qtype for name, t in read_gguf(str(out)).tensors.items() if name.startswith("blk.") and "norm" not in name} \
         == {"IQ4_NL"}
@@ -105,10 +105,10 @@ def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
     from tests.helpers import smollm2
 
     lm = smollm2()  # skips when the package is absent
-    from jmem.quant.cli import quantize_main
+    from jmem.cli import main
 
     out = tmp_path / "smollm2-q4k.gguf"
-    quantize_main(["--method", "q4_k", "--out", str(out)])
+    main(["quantize", "--method", "q4_k", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "Q4_K: row length 576 is not a multiple of its block size 256; stored as Q5_0" in printed, printed
     assert "Q4_K x30" in printed  # ffn_down (row length 1536) keeps Q4_K
@@ -125,11 +125,11 @@ def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
 @pytest.mark.parametrize("out", ["q/model-dir", "q/model.gguf", "empty"])
 def test_failed_run_leaves_nothing_behind(args, out, tmp_path, capsys):
     """A failed run removes the --out it created (and its new parent directories); an empty --out stays empty."""
-    from jmem.quant.cli import quantize_main
+    from jmem.cli import main
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exc:
-        quantize_main([*args, "--out", str(tmp_path / out)])
+        main(["quantize", *args, "--out", str(tmp_path / out)])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "\n" not in err, err
     assert [p.name for p in tmp_path.iterdir()] == ["empty"] and not list((tmp_path / "empty").iterdir())
@@ -145,11 +145,10 @@ def test_substituted_group_size_is_recorded_as_used(requested, recorded, shown, 
 
     from jmem.cli import main
     from jmem.quant.api import group_sizes
-    from jmem.quant.cli import quantize_main
     from jmem.quant.saved import MANIFEST
 
     out = tmp_path / "q"
-    quantize_main(["--model", "tiny", "--method", "rtn", "--group-size", str(requested), "--out", str(out)])
+    main(["quantize", "--model", "tiny", "--method", "rtn", "--group-size", str(requested), "--out", str(out)])
     assert "does not divide input dimension 64 (wq, wk, wv, wo, w_gate, w_up): using group size" in \
         capsys.readouterr().out
     manifest = json.loads((out / MANIFEST).read_text())

