@@ -31,7 +31,7 @@ import jmem
 from jmem.data import PackedDataset, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
 from jmem.experiment import run_experiment
-from jmem.io.paths import prepare_output
+from jmem.io.paths import undo_on_failure
 from jmem.quant.saved import check_new_dir, save_quantized
 from jmem.train.loss import lm_loss_sum
 
@@ -106,9 +106,6 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     docs = load_documents(cfg.text, "--text")
     if cfg.save_student is not None:
         check_new_dir(cfg.save_student, "--save-student")
-        # New or empty: created (empty) now, so a path that cannot be made (a file on the way, no
-        # permission) fails before training, not when the trained student is saved.
-        prepare_output(cfg.save_student, "--save-student", directory=True)
     return layers, docs
 
 
@@ -135,6 +132,16 @@ def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) ->
 
 def main(cfg: Config) -> dict:
     layers, docs = validate(cfg)
+    if cfg.save_student is None:
+        return run(cfg, layers, docs)
+    # Created (empty) before the teacher loads, so a path that cannot be made fails now, not when the
+    # trained student is saved; removed again if the run fails.
+    with undo_on_failure(cfg.save_student, "--save-student", directory=True):
+        return run(cfg, layers, docs)
+
+
+def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
+    """Load the teacher, train the distilled and the plain-CE students, save the first (--save-student)."""
     try:
         lm = jmem.load(cfg.teacher)
     except FileNotFoundError as e:

@@ -294,6 +294,16 @@ def test_script_refuses_a_save_student_path_through_a_file_before_loading(tmp_pa
     assert cap.out == "" and list(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "keep"
 
 
+def test_script_failing_after_validation_leaves_no_save_student_directory(tmp_path, capsys):
+    from tests.helpers import experiment
+
+    out = tmp_path / "models" / "student"
+    argv = ["--teacher", "tiny", "--steps", "2", "--batch", "2", "--seq", "4096", "--save-student", str(out)]
+    assert experiment("distill").cli(argv) == 2
+    assert "--seq 4096 exceeds the teacher's context" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, capsys):
     """`experiments/distill.py --save-student DIR` writes a model `jmem.load` reads; served as the teacher's

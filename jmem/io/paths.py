@@ -3,17 +3,23 @@
 A run that writes its results at the end (a sweep, an evaluation, a quantized
 model, a checkpoint after the first steps) should fail on a path it cannot
 write before it starts, not after it has done the work. `prepare_output`
-creates the directory a flag writes into, or raises one clear error.
+creates the directory a flag writes into, or raises one clear error;
+`undo_on_failure` also removes what a failed run created there.
 
 Example:
     >>> out = prepare_output("results/run1/sweep.json", "--out")   # creates results/run1/
     >>> ckpt = prepare_output("~/ckpt/run1", "--ckpt-dir", directory=True)
+    >>> with undo_on_failure("models/student", "--save-student", directory=True):
+    ...     train_and_save()   # an exception leaves no (empty or partial) models/student behind
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import shutil
+from collections.abc import Iterator
 
 
 def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = False) -> pathlib.Path:
@@ -48,3 +54,32 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
     if not os.access(where, mode):
         raise ValueError(f"{flag} {str(value)!r}: {str(where)!r} is not writable; accepted: a writable path")
     return path
+
+
+@contextlib.contextmanager
+def undo_on_failure(value: str | os.PathLike, flag: str, *, directory: bool = False) -> Iterator[pathlib.Path]:
+    """`prepare_output`, then run the block; if it raises, remove what the run created.
+
+    For a directory output (which the caller has checked is new or empty) its whole content goes
+    and the directory too if this call created it; a file output goes if it did not exist before.
+    The directories created on the way are removed when left empty. A file output that existed
+    before (overwritten on purpose) is left as the block left it.
+    """
+    path = pathlib.Path(value).expanduser()
+    new = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    prepare_output(value, flag, directory=directory)
+    try:
+        yield path
+    except BaseException:
+        if directory and path.is_dir():
+            for child in path.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        elif path in new and path.is_file():
+            path.unlink(missing_ok=True)
+        for p in new:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
-import shutil
 import sys
 
 
@@ -152,7 +150,7 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     created (the output and the directories made for it).
     """
     from jmem.data import load_documents
-    from jmem.io.paths import prepare_output
+    from jmem.io.paths import undo_on_failure
     from jmem.quant.api import CALIBRATED, METHOD_BITS
     from jmem.quant.ggml import resolve_qtype
     from jmem.quant.saved import check_new_dir
@@ -167,36 +165,13 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
                          f"{', '.join(map(str, METHOD_BITS[method]))}")
     _check_numbers(args, method)
     docs = load_documents(args.calibration, "--calibration") if method in CALIBRATED else None
-    out = pathlib.Path(args.out).expanduser()
     if kind == "gguf":
         resolve_qtype(args.store_type)
         check_gguf_out(args.out, args.model, args.force)
     else:
         check_new_dir(args.out)
-    new = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    try:
-        prepare_output(args.out, "--out", directory=kind == "dir")  # a directory --out is created empty now
+    with undo_on_failure(args.out, "--out", directory=kind == "dir"):  # a directory --out is created empty now
         return _quantize_and_write(args, method, kind, docs)
-    except BaseException:
-        _remove_created(out, new, kind)
-        raise
-
-
-def _remove_created(out: pathlib.Path, new: list[pathlib.Path], kind: str) -> None:
-    """Undo a failed run: what it wrote in the (new or empty) --out directory, its new file, its new directories."""
-    if kind == "dir" and out.is_dir():
-        for child in out.iterdir():
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-    elif out in new and out.is_file():
-        out.unlink(missing_ok=True)
-    for p in new:
-        try:
-            p.rmdir()
-        except OSError:
-            pass
 
 
 def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jmem.io.paths import prepare_output
+from jmem.io.paths import prepare_output, undo_on_failure
 
 
 def test_creates_the_parent_of_a_file_and_a_directory_itself(tmp_path):
@@ -23,3 +23,34 @@ def test_refusals_name_the_flag_and_the_path(tmp_path):
     with pytest.raises(ValueError, match="--log '.*' is a directory; accepted: a file path"):
         prepare_output(tmp_path, "--log")
     assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_undo_on_failure_removes_only_what_the_failed_run_created(tmp_path):
+    out = tmp_path / "new" / "dir"
+    with pytest.raises(KeyError):
+        with undo_on_failure(out, "--out", directory=True) as d:
+            (d / "sub").mkdir()
+            (d / "sub" / "a.bin").write_bytes(b"x")
+            (d / "b.json").write_text("{}")
+            raise KeyError("late failure")
+    assert list(tmp_path.iterdir()) == []  # the directory and the parent made for it are gone
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(KeyError):
+        with undo_on_failure(empty, "--out", directory=True):
+            (empty / "part").write_text("x")
+            raise KeyError
+    assert empty.is_dir() and not any(empty.iterdir())  # given empty, left empty
+    kept = tmp_path / "kept.gguf"
+    kept.write_text("old")
+    with pytest.raises(KeyError):
+        with undo_on_failure(kept, "--out"):
+            raise KeyError
+    with pytest.raises(KeyError):
+        with undo_on_failure(tmp_path / "x" / "new.gguf", "--out") as f:
+            f.write_text("partial")
+            raise KeyError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "kept.gguf"] and kept.read_text() == "old"
+    with undo_on_failure(tmp_path / "ok", "--out", directory=True) as d:
+        (d / "done").write_text("1")
+    assert (tmp_path / "ok" / "done").read_text() == "1"
