@@ -30,6 +30,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
+from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -58,8 +59,12 @@ class LoRA:
     def init(cls, base, rank: int, alpha: float, key, dropout: float = 0.0, rslora: bool = False,
              dtype=jnp.float32) -> "LoRA":
         """A fresh adapter: A ~ N(0, 1/in), B = 0."""
-        if not isinstance(rank, (int, np.integer)) or rank <= 0:
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank <= 0:
             raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+        dtype = as_dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"LoRA dtype={jnp.dtype(dtype).name}; accepted: a floating dtype (float32, bfloat16, "
+                             "float16; or their names f32, bf16, f16)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
         *lead, n_in, n_out = base.shape
@@ -224,6 +229,9 @@ def remove_adapters(model, *, inplace: bool = False):
 def _keyed(lora: LoRA, key, i: int) -> LoRA:
     new_key = None
     if key is not None and lora.dropout > 0.0:
+        if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+            raise ValueError(f"dropout key={key!r}; accepted: a typed PRNG key (jax.random.key(seed), not the "
+                             "raw uint32 jax.random.PRNGKey) or None")
         lead = lora.lora_a.shape[:-2]
         k = jax.random.fold_in(key, i)
         new_key = jax.random.key_data(jax.random.split(k, int(np.prod(lead))).reshape(lead) if lead else k)

@@ -149,7 +149,9 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray
                          "accepted: models sharing one tokenizer")
     check_ints("max_new_tokens", max_new_tokens, 0)
     check_ints("k", k, 1)
-    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
+    scalar = isinstance(temperature, (int, float, np.number)) or (isinstance(temperature, jax.Array)
+                                                                 and temperature.ndim == 0)
+    if not (scalar and not isinstance(temperature, bool) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
     lengths = check_prompt_ids(prompts, tc.vocab_size)
     context = min(tc.max_seq_len, dc.max_seq_len)
@@ -188,7 +190,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     max_len = -(-(T + max_new_tokens + k + 1) // 64) * 64
-    greedy = temperature == 0
+    greedy = float(temperature) == 0
     temp = jnp.float32(temperature if not greedy else 1.0)
     key = jax.random.key(seed)
     t_def, t_state = nnx.split(target)

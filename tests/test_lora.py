@@ -139,6 +139,15 @@ def test_dropout_and_bad_inputs():
     for alpha in (-1.0, 0.0, float("nan")):
         with pytest.raises(ValueError, match="alpha=.* must be a finite number > 0"):
             apply_lora(base, alpha=alpha)
+    with pytest.raises(ValueError, match="rank=True must be a positive integer"):
+        apply_lora(base, rank=True)
+    with pytest.raises(ValueError, match="LoRA dtype=int8; accepted: a floating dtype"):
+        apply_lora(base, dtype=jnp.int8)
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported; accepted: f32"):
+        apply_lora(base, dtype="int8")
+    assert apply_lora(base, dtype="bf16").layers.wq.kernel.get_value().lora_a.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dropout key=0; accepted: a typed PRNG key"):
+        set_dropout_key(model, 0)
 
 
 def test_dropout_only_in_train_steps_never_at_inference():

@@ -69,11 +69,15 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     eos = a[0][4]
     c, _ = speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=3, eos_id=eos)
     assert c[0] == a[0][:a[0].index(eos)]
+    for t in (np.float32(1.0), jnp.float32(1.0)):  # NumPy and JAX scalars are numbers too
+        assert speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=t, seed=3)[0] == a
 
 
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(k=0), "k=0; accepted: an integer >= 1"),
     (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(temperature=True), "temperature=True; accepted: a finite number >= 0"),
+    (dict(temperature=jnp.ones(2)), "accepted: a finite number >= 0"),
     (dict(prompts=[[]]), "prompt 0 has no tokens"),
     (dict(prompts=[[1, 10_000]]), "prompt 0 holds 10000; accepted: integer token ids"),
     (dict(max_new_tokens=10_000), "exceeds the models' context"),

@@ -109,6 +109,13 @@ def _quantized_shapes(sds: jax.ShapeDtypeStruct, fmt: str, group_size: int | Non
     """The quantized leaf of a float kernel, with `ShapeDtypeStruct` children (nothing is computed)."""
     from jmem.quant import FP8Tensor, IntTensor, NF4Tensor
 
+    from jmem.quant.api import resolve_group_size
+
+    if fmt == "rtn":  # the group size `jmem.quant.quantize` would use for this matrix (or its error)
+        try:
+            group_size = resolve_group_size(sds.shape[-2], group_size, 4)
+        except ValueError as e:
+            raise ValueError(f"base_group_size: {e}") from None
     make = {"nf4": NF4Tensor.quantize, "fp8": FP8Tensor.quantize,
             "int8": lambda w: IntTensor.quantize(w, 8, None),
             "rtn": lambda w: IntTensor.quantize(w, 4, group_size)}[fmt]
@@ -245,12 +252,13 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     attention = attention or config.attention_impl
     if attention not in _ATTENTION_IMPLS:
         raise ValueError(f"attention={attention!r}; accepted: {', '.join(_ATTENTION_IMPLS)}")
-    if not isinstance(accum, int) or accum < 1 or batch % accum:
-        raise ValueError(f"accum={accum!r} must be an integer >= 1 that divides batch={batch}")
-    if batch < 1 or seq < 1:
-        raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
-    if not isinstance(lora_rank, (int, np.integer)) or lora_rank < 0:
-        raise ValueError(f"lora_rank={lora_rank!r} must be an integer >= 0")
+    for name, value, least in (("batch", batch, 1), ("seq", seq, 1), ("accum", accum, 1), ("lora_rank", lora_rank, 0),
+                               ("loss_chunk", 1 if loss_chunk is None else loss_chunk, 1)):
+        if not _is_int(value) or value < least:
+            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}" +
+                             (", or None (whole sequence)" if name == "loss_chunk" else ""))
+    if batch % accum:
+        raise ValueError(f"accum={accum!r} does not divide batch={batch}; accepted: a divisor of batch")
     bad = [t for t in lora_targets if t not in LINEAR_NAMES]
     if bad:
         raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")
@@ -316,6 +324,10 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     if frozen is not None:
         out = {"trainable": train_bytes, "frozen": frozen, **out}
     return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def format_estimate(est: dict, title: str = "estimate") -> str:

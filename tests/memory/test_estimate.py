@@ -1,5 +1,7 @@
 """The analytic estimate against the compiler's measurement of a real train step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -104,6 +106,22 @@ def test_remat_and_accumulation_order_and_bad_input():
         estimate(CFG, 8, 128, optimizer="adam9")
     with pytest.raises(ValueError, match="remat"):
         estimate(CFG, 8, 128, remat="everything")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(loss_chunk=-5), "loss_chunk=-5; accepted: an integer >= 1, or None"),
+    (dict(loss_chunk=0), "loss_chunk=0; accepted"),
+    (dict(batch=True), "batch=True; accepted: an integer >= 1"),
+    (dict(batch=2.5), "batch=2.5; accepted: an integer >= 1"),
+    (dict(seq=0), "seq=0; accepted: an integer >= 1"),
+    (dict(accum=0), "accum=0; accepted: an integer >= 1"),
+    (dict(lora_rank=-1), "lora_rank=-1; accepted: an integer >= 0"),
+    (dict(lora_rank=4, quantize_base="rtn", base_group_size=7), "base_group_size: group_size=7"),
+])
+def test_bad_arguments_name_themselves(kw, message):
+    args = {"batch": 8, "seq": 128, **kw}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        estimate(CFG, args.pop("batch"), args.pop("seq"), **args)
 
 
 def test_qlora_estimate_within_15_percent_of_measured_arguments():
