@@ -67,6 +67,9 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
     if path is None or str(path) in ("", "default"):
         return default_documents()
     p = pathlib.Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; accepted: a UTF-8 text file, or leave it unset "
+                         "for the default text (pydoc_data.topics)")
     if not p.is_file():
         raise ValueError(f"{flag} {str(path)!r}: no such file; accepted: a UTF-8 text file, or leave it unset "
                          "for the default text (pydoc_data.topics)")
@@ -142,8 +145,11 @@ class PackedDataset:
 
     @classmethod
     def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05) -> "PackedDataset":
-        if seq < 1:
-            raise ValueError(f"seq={seq} must be >= 1")
+        _check_int("seq", seq, 1)
+        stream = np.asarray(stream)
+        if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
+            raise ValueError(f"stream of dtype {stream.dtype} and shape {stream.shape}; accepted: a 1-D sequence of "
+                             "integer token ids")
         if not 0 <= valid_fraction < 1:
             raise ValueError(f"valid_fraction={valid_fraction}; accepted: 0 <= valid_fraction < 1")
         n = (len(stream) - 1) // seq
@@ -179,9 +185,8 @@ class PackedDataset:
         Returns:
             {"inputs": i32[batch, seq], "targets": i32[batch, seq], "mask": f32[batch, seq]}
         """
-        for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
+        for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1), ("seed", seed, 0)):
+            _check_int(name, value, least)
         n = len(self.train)
         start = step * batch_size
         rows = []
@@ -198,13 +203,18 @@ class PackedDataset:
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None):
         """Validation batches in order; the last partial batch is dropped (fixed shapes)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}; accepted: an integer >= 1")
+        _check_int("batch_size", batch_size, 1)
         n = len(self.valid) // batch_size
         if max_batches is not None:
+            _check_int("max_batches", max_batches, 0)
             n = min(n, max_batches)
         for i in range(n):
             yield _as_batch(self.valid[i * batch_size : (i + 1) * batch_size])
+
+
+def _check_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
 def _as_batch(w: np.ndarray) -> dict[str, np.ndarray]:

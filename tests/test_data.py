@@ -82,6 +82,8 @@ def test_file_input_and_errors(tmp_path):
     assert load_documents("default") == default_documents()
     with pytest.raises(ValueError, match="no such file"):
         load_documents(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="is a directory; accepted: a UTF-8 text file"):
+        load_documents(str(tmp_path))
     with pytest.raises(ValueError, match="too short"):
         PackedDataset.from_text("tiny", ByteTokenizer(), seq=64)
 
@@ -91,11 +93,21 @@ def test_batch_arguments_are_checked():
     for kw, message in [(dict(step=0, batch_size=0), "batch_size=0; accepted: an integer >= 1"),
                         (dict(step=0, batch_size=-3), "batch_size=-3; accepted"),
                         (dict(step=-1, batch_size=2), "step=-1; accepted: an integer >= 0"),
-                        (dict(step=1.5, batch_size=2), "step=1.5; accepted")]:
+                        (dict(step=1.5, batch_size=2), "step=1.5; accepted"),
+                        (dict(step=0, batch_size=2, seed=-1), "seed=-1; accepted: an integer >= 0")]:
         with pytest.raises(ValueError, match=message):
             ds.batch(**kw)
     with pytest.raises(ValueError, match="batch_size=0"):
         next(ds.eval_batches(0))
+    with pytest.raises(ValueError, match="max_batches=-1; accepted: an integer >= 0"):
+        next(ds.eval_batches(2, max_batches=-1))
+    for stream, seq, message in [(np.arange(200) % 7, 2.5, "seq=2.5; accepted: an integer >= 1"),
+                                 (np.arange(200) % 7, True, "seq=True"),
+                                 (np.linspace(0, 1, 200), 8, "dtype float64 .* accepted: a 1-D sequence of integer"),
+                                 (np.zeros((2, 100), np.int32), 8, r"shape \(2, 100\)")]:
+        with pytest.raises(ValueError, match=message):
+            PackedDataset.from_tokens(stream, seq)
+    assert PackedDataset.from_tokens(list(range(100)), 8).seq == 8  # a list of ids is a stream too
     for fraction in (1.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=f"valid_fraction={fraction}; accepted: 0 <= valid_fraction < 1"):
             PackedDataset.from_tokens(np.arange(200) % 7, 8, valid_fraction=fraction)
