@@ -183,6 +183,8 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
     _check(q, k, v)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"attention: causal={causal!r}; accepted: True or False")
     kernel_ok = _zero(q_offset) and kv_lengths is None
     q_offset, kv_lengths = _per_row("q_offset", q_offset, q.shape[0]), _per_row("kv_lengths", kv_lengths, q.shape[0])
     if impl not in IMPLS:

@@ -100,6 +100,8 @@ def test_bad_inputs_raise():
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 9, 2, 16)))
     with pytest.raises(ValueError, match="block_q=48 must be a power of two"):
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), block_q=48)
+    with pytest.raises(ValueError, match="flash_attention: causal='no'; accepted: True or False"):
+        flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), causal="no")
 
 
 def test_dispatcher_checks_offsets_lengths_and_dtypes():
@@ -116,6 +118,8 @@ def test_dispatcher_checks_offsets_lengths_and_dtypes():
         attention(q.astype(jnp.int32), k, v, impl="xla")
     with pytest.raises(ValueError, match="kv_len is 0"):
         attention(q, k[:, :0], v[:, :0], impl="xla")
+    with pytest.raises(ValueError, match="attention: causal=None; accepted: True or False"):
+        attention(q, k, v, causal=None, impl="xla")
 
 
 def tpu_topology_device():

@@ -132,6 +132,10 @@ def test_bad_inputs_name_the_problem():
         paged_attention(q, kp, vp, lengths, table.at[1, 0].set(999))
     with pytest.raises(ValueError, match="lengths\\[1\\]=33 is outside \\[0, 32\\]"):
         paged_attention(q, kp, vp, lengths.at[1].set(33), table)
+    for kw, message in [(dict(num_splits=0), "num_splits=0 must be in"),
+                        (dict(pages_per_compute_block=0), "pages_per_compute_block=0 must be a power of two")]:
+        with pytest.raises(ValueError, match=message):
+            paged_attention(q, kp, vp, lengths, table, **kw)
     with pytest.raises(ValueError, match="need k_scale"):
         paged_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), lengths, table)
     with pytest.raises(ValueError, match="head_dim=16 but pages have head_dim=8"):

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -461,6 +462,8 @@ def flash_attention(
         >>> dq = jax.grad(lambda q: flash_attention(q, k, v).sum())(q)
     """
     check_qkv("flash_attention", q, k, v)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"flash_attention: causal={causal!r}; accepted: True or False")
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
     bq, bk = effective_block(block_q, T, "block_q"), effective_block(block_k, S, "block_k")
     # Resolved here, not inside the jit: the jit cache is keyed on the static

@@ -117,11 +117,11 @@ def paged_attention(
     backend, interpret = core.resolve(backend, interpret)
     core.check_backend_shapes("paged_attention", backend, interpret, page, D)
     npages = block_tables.shape[1]
-    ppb = pages_per_compute_block or default_pages_per_block(page, npages)
+    ppb = default_pages_per_block(page, npages) if pages_per_compute_block is None else pages_per_compute_block
     if ppb < 1 or ppb & (ppb - 1):
         raise ValueError(f"paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
     nb_total = -(-npages // ppb)
-    splits = num_splits or default_splits(B, K, nb_total, backend)
+    splits = default_splits(B, K, nb_total, backend) if num_splits is None else num_splits
     if not 1 <= splits <= nb_total:
         raise ValueError(f"paged_attention: num_splits={splits} must be in [1, {nb_total}] ({npages} pages / {ppb} per block)")
     q, scale = split_scale("paged_attention", q, sm_scale, D)

@@ -159,7 +159,8 @@ def ragged_paged_attention(
     check_tables("ragged_paged_attention", checked_lens, block_tables, N, page, rows=None)
     backend, interpret = core.resolve(backend, interpret)
     core.check_backend_shapes("ragged_paged_attention", backend, interpret, page, D)
-    ppb = pages_per_compute_block or default_pages_per_block(page, block_tables.shape[1])
+    ppb = default_pages_per_block(page, block_tables.shape[1]) if pages_per_compute_block is None \
+        else pages_per_compute_block
     if ppb < 1 or ppb & (ppb - 1):
         raise ValueError(f"ragged_paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
     if block_q < 1 or block_q & (block_q - 1):
