@@ -341,6 +341,11 @@ def shardings(tree, rules: "Rules | str | None", mesh: Mesh, logical_axes: Mappi
 def shard(tree, rules: "Rules | str | None", mesh: Mesh, logical_axes: Mapping | None = None):
     """Place `tree` on `mesh` by its logical axes (see `shardings`); returns the sharded tree.
 
+    Only array dims are checked: a tree holds no head counts, so a tensor axis that divides
+    `n_heads * head_dim` but not the heads would cut heads apart. Check the model's config
+    first with `check_heads(config.n_heads, config.n_kv_heads, rules, mesh)` (the sharded
+    train step and the serving engine do).
+
     Example:
         >>> mesh = make_mesh("fsdp=4,tensor=2")
         >>> params = shard(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "embed=fsdp", mesh)
