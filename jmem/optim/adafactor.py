@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.optim import checks
+
 
 class Layout(NamedTuple):
     """How one parameter is treated.
@@ -166,8 +168,12 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
         decay_rate: second-moment decay `1 - (t+1)^-decay_rate`.
         decay_offset: step at which a fine-tuning run restarts the schedule.
         eps: added to g^2.
-        state_dtype: dtype of the statistics (f32 recommended).
+        state_dtype: floating dtype of the statistics (f32 recommended).
+
+    Raises:
+        ValueError: an unknown rule name, or `state_dtype` not a floating dtype.
     """
+    checks.float_dtype("adafactor", "state_dtype", state_dtype)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
 
     def init(params):
@@ -275,7 +281,7 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     2-D parameters with any rule) it computes the same updates.
 
     Args:
-        learning_rate: float or schedule; None uses the paper's relative step
+        learning_rate: a number >= 0 or a schedule; None uses the paper's relative step
             `min(1e-2, 1/sqrt(t))` (times the parameter RMS when
             `multiply_by_parameter_scale`).
         factor_rule: "stacked" (default), "last_two", "optax" or a callable;
@@ -285,19 +291,27 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
         multiply_by_parameter_scale: scale steps by each block's parameter RMS.
         clipping_threshold: clip each block's update RMS to this (None: off).
         momentum: optional first-moment decay (e.g. 0.9); costs one buffer
-            per parameter in `momentum_dtype` (bf16 by default: half of f32).
+            per parameter in `momentum_dtype` (a floating dtype, bf16 by default:
+            half of f32; None: the updates' dtype).
         weight_decay_rate, weight_decay_mask: decoupled weight decay.
-        state_dtype: dtype of the second-moment statistics.
+        state_dtype: floating dtype of the second-moment statistics.
 
     Returns:
         An `optax.GradientTransformation`.
+
+    Raises:
+        ValueError: a bad setting, before anything is built: learning_rate not None, a finite
+            number >= 0 or a schedule, momentum outside [0, 1), clipping_threshold or decay_rate
+            not finite > 0, eps or weight_decay_rate not finite >= 0, state_dtype or
+            momentum_dtype not a floating dtype, an unknown factor_rule name.
     """
-    if momentum is not None and not 0 <= momentum < 1:
-        raise ValueError(f"adafactor momentum={momentum}; accepted: None or a value in [0, 1)")
-    if clipping_threshold is not None and clipping_threshold <= 0:
-        raise ValueError(f"adafactor clipping_threshold={clipping_threshold}; accepted: None or > 0")
-    if decay_rate <= 0:
-        raise ValueError(f"adafactor decay_rate={decay_rate}; accepted: > 0")
+    checks.learning_rate("adafactor", learning_rate, none_ok=True)
+    checks.decay("adafactor", "momentum", momentum, none_ok=True)
+    checks.positive("adafactor", "clipping_threshold", clipping_threshold, none_ok=True)
+    checks.positive("adafactor", "decay_rate", decay_rate)
+    checks.non_negative("adafactor", "eps", eps)
+    checks.rate("adafactor", "weight_decay_rate", weight_decay_rate, none_ok=True)
+    checks.float_dtype("adafactor", "momentum_dtype", momentum_dtype, none_ok=True)
     get_rule(factor_rule, min_dim_size_to_factor)  # fail on a bad rule name before building the chain
     kw = dict(min_dim_size_to_factor=min_dim_size_to_factor)
     lr = relative_step_size() if learning_rate is None else learning_rate

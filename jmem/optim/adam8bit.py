@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.optim import checks
+
 CODES = ("dynamic", "linear")
 
 
@@ -84,7 +86,13 @@ def _blocks(x, block_size: int):
 
 
 def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
-    """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales."""
+    """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales.
+
+    Raises:
+        ValueError: `code` not in CODES, or `block_size` not an integer >= 1.
+    """
+    checks.one_of("quantize", "code", code, CODES)
+    block_size = checks.integer("quantize", "block_size", block_size, 1)
     x_NB = _blocks(x, block_size)
     scale_N = jnp.max(jnp.abs(x_NB), axis=1)
     y_NB = x_NB / jnp.where(scale_N == 0, 1.0, scale_N)[:, None]  # in [-1, 1]
@@ -99,14 +107,25 @@ def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -
 
 
 def dequantize(q: QuantizedMoment, shape, *, signed: bool, code: str = "dynamic") -> jax.Array:
-    """Inverse of `quantize`: f32 array of `shape`."""
+    """Inverse of `quantize`: f32 array of `shape`.
+
+    Raises:
+        ValueError: `code` not in CODES, or `shape`'s element count does not fit the quantized
+            blocks (`(n_blocks - 1) * block_size < size <= n_blocks * block_size`).
+    """
+    checks.one_of("dequantize", "code", code, CODES)
+    n_blocks, block_size = q.codes.shape
+    size = int(np.prod(shape, dtype=np.int64))
+    if not (n_blocks - 1) * block_size < size <= n_blocks * block_size:
+        checks.fail("dequantize", "shape", shape,
+                    f"a shape of {(n_blocks - 1) * block_size + 1} to {n_blocks * block_size} elements (got {size}): "
+                    f"the codes hold {n_blocks} blocks of {block_size}")
     idx = q.codes.astype(jnp.int32)
     if code == "linear":
         y_NB = (idx.astype(jnp.float32) - 127.0) / 127.0 if signed else idx.astype(jnp.float32) / 255.0
     else:
         y_NB = jnp.asarray(dynamic_code(signed))[idx]
     x_NB = y_NB * q.scales[:, None]
-    size = int(np.prod(shape, dtype=np.int64))
     return x_NB.reshape(-1)[:size].reshape(shape)
 
 
@@ -123,11 +142,17 @@ class ScaleByAdam8bitState(NamedTuple):
 
 def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, block_size: int = 256,
                       min_8bit_size: int = 4096, code: str = "dynamic") -> optax.GradientTransformation:
-    """Adam's scaling (`m_hat / (sqrt(v_hat) + eps)`) with 8-bit block-wise moments."""
-    if code not in CODES:
-        raise ValueError(f"adam8bit code={code!r}; accepted: {', '.join(CODES)}")
-    if block_size < 1 or min_8bit_size < 0:
-        raise ValueError(f"adam8bit block_size={block_size} (>=1), min_8bit_size={min_8bit_size} (>=0)")
+    """Adam's scaling (`m_hat / (sqrt(v_hat) + eps)`) with 8-bit block-wise moments.
+
+    Raises:
+        ValueError: a bad setting (b1 or b2 outside [0, 1), eps < 0, block_size < 1, ...).
+    """
+    checks.one_of("adam8bit", "code", code, CODES)
+    checks.decay("adam8bit", "b1", b1)
+    checks.decay("adam8bit", "b2", b2)
+    checks.non_negative("adam8bit", "eps", eps)
+    block_size = checks.integer("adam8bit", "block_size", block_size, 1)
+    min_8bit_size = checks.integer("adam8bit", "min_8bit_size", min_8bit_size, 0)
 
     def big(x) -> bool:
         return x.size >= min_8bit_size
@@ -182,7 +207,7 @@ def adam8bit(learning_rate: "float | optax.Schedule", b1: float = 0.9, b2: float
     """AdamW with 8-bit block-wise quantized moments (same arguments as `optax.adamw`).
 
     Args:
-        learning_rate: float or schedule.
+        learning_rate: a number >= 0 or a schedule.
         b1, b2, eps: Adam's decays and epsilon.
         weight_decay, mask: decoupled weight decay (as `optax.adamw`).
         block_size: values per quantization block (one f32 scale each).
@@ -192,7 +217,15 @@ def adam8bit(learning_rate: "float | optax.Schedule", b1: float = 0.9, b2: float
     Returns:
         An `optax.GradientTransformation`:
         `chain(scale_by_adam8bit, add_decayed_weights, scale_by_learning_rate)`.
+
+    Raises:
+        ValueError: a bad setting, before anything is built: learning_rate or weight_decay not a
+            finite number >= 0 or a schedule (None is refused), b1 or b2 outside [0, 1), eps not a
+            finite number >= 0, block_size not an integer >= 1, min_8bit_size not an integer >= 0,
+            an unknown code.
     """
+    checks.learning_rate("adam8bit", learning_rate)
+    checks.rate("adam8bit", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_adam8bit(b1, b2, eps, block_size=block_size, min_8bit_size=min_8bit_size, code=code),
         optax.add_decayed_weights(weight_decay, mask),

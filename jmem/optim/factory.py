@@ -6,6 +6,7 @@ import inspect
 
 import optax
 
+from jmem.optim import checks
 from jmem.optim.adafactor import adafactor
 from jmem.optim.adam8bit import adam8bit
 from jmem.optim.galore import galore
@@ -28,13 +29,15 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
 
     Args:
         name: one of "adamw", "adafactor", "adam8bit", "galore", "sgd" (case-insensitive).
-        lr: learning rate, float or optax schedule.
+        lr: learning rate, a finite number >= 0 or an optax schedule; None only for
+            "adafactor" (its relative step size).
         **kw: passed to the constructor (`optax.adamw`, `jmem.optim.adafactor`,
             `jmem.optim.adam8bit`, `jmem.optim.galore`, `optax.sgd`); unknown keywords are an error.
 
     Raises:
         UnknownOptimizerError: unknown name (the message lists valid names).
-        ValueError: a keyword the chosen optimizer does not accept.
+        ValueError: a keyword the chosen optimizer does not accept, or a bad `lr` (None for
+            another optimizer than adafactor: optax would take it as 1 and climb the gradient).
 
     Example:
         >>> tx = make_optimizer("adafactor", 1e-2, momentum=0.9)
@@ -42,6 +45,7 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in OPTIMIZERS:
         raise UnknownOptimizerError(f"optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+    checks.learning_rate(key, lr, none_ok=key == "adafactor")
     ctor = OPTIMIZERS[key]
     params = inspect.signature(ctor).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

@@ -48,9 +48,9 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from jmem.optim import checks
 from jmem.optim.adam8bit import QuantizedMoment, dequantize, quantize
 
 MOMENTS = ("f32", "8bit")
@@ -73,9 +73,13 @@ class Plan(NamedTuple):
     rank: int
 
 
-def default_rule(exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> ProjectRule:
-    """Project leaves of at least 2 axes with no path key in `exclude`."""
-    exclude = tuple(exclude)
+def default_rule(exclude: "str | tuple[str, ...]" = DEFAULT_EXCLUDE) -> ProjectRule:
+    """Project leaves of at least 2 axes with no path key in `exclude` (one name or a tuple of names).
+
+    Raises:
+        ValueError: `exclude` is neither a string nor a sequence of strings.
+    """
+    exclude = checks.names("galore", "exclude", exclude)
     return lambda path, shape: len(shape) >= 2 and not any(k in exclude for k in path)
 
 
@@ -97,8 +101,14 @@ def leaf_plan(path: tuple, shape: tuple, rank: int, rule: ProjectRule) -> Plan:
     return Plan("left" if m <= n else "right", rank)
 
 
-def galore_plan(tree, rank: int, *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None):
+def galore_plan(tree, rank: int, *, exclude: "str | tuple[str, ...]" = DEFAULT_EXCLUDE,
+                rule: ProjectRule | None = None):
     """`(plans, treedef)`: the `Plan` of every array leaf of `tree` (a params or grads pytree).
+
+    `exclude` is one path key (a string) or a tuple of them; `rule` replaces it.
+
+    Raises:
+        ValueError: `exclude` is neither a string nor a sequence of strings.
 
     Example:
         >>> plans, _ = galore_plan(params, rank=4)
@@ -193,8 +203,22 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
 
     Returns:
         An `optax.GradientTransformation` whose state is a `ScaleByGaloreState`.
+
+    Raises:
+        ValueError: a bad setting (see `galore`), before anything is built.
     """
-    _check(rank, update_proj_gap, scale, b1, b2, eps, eps_root, moments, block_size, min_8bit_size, svd_batch_size)
+    rank = checks.integer("galore", "rank", rank, 1)
+    update_proj_gap = checks.integer("galore", "update_proj_gap", update_proj_gap, 1)
+    checks.positive("galore", "scale", scale)
+    checks.decay("galore", "b1", b1)
+    checks.decay("galore", "b2", b2)
+    checks.non_negative("galore", "eps", eps)
+    checks.non_negative("galore", "eps_root", eps_root)
+    checks.float_dtype("galore", "basis_dtype", basis_dtype)
+    checks.one_of("galore", "moments", moments, MOMENTS)
+    block_size = checks.integer("galore", "block_size", block_size, 1)
+    min_8bit_size = checks.integer("galore", "min_8bit_size", min_8bit_size, 0)
+    svd_batch_size = checks.integer("galore", "svd_batch_size", svd_batch_size, 1, none_ok=True)
     rule = default_rule(exclude) if rule is None else rule
 
     def eight(shape) -> bool:
@@ -268,30 +292,6 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
     return optax.GradientTransformation(init, update)
 
 
-def _check(rank, gap, scale, b1, b2, eps, eps_root, moments, block_size, min_8bit_size, svd_batch_size) -> None:
-    def positive_int(v) -> bool:
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
-
-    if not positive_int(rank):
-        raise ValueError(f"galore rank={rank!r}; accepted: an integer >= 1")
-    if not positive_int(gap):
-        raise ValueError(f"galore update_proj_gap={gap!r}; accepted: an integer >= 1 (steps between SVD refreshes)")
-    if not (isinstance(scale, (int, float, np.number)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"galore scale={scale!r}; accepted: a finite number > 0")
-    for name, b in (("b1", b1), ("b2", b2)):
-        if not 0 <= b < 1:
-            raise ValueError(f"galore {name}={b!r}; accepted: a value in [0, 1)")
-    if eps < 0 or eps_root < 0:
-        raise ValueError(f"galore eps={eps!r}, eps_root={eps_root!r}; accepted: values >= 0")
-    if moments not in MOMENTS:
-        raise ValueError(f"galore moments={moments!r}; accepted: {', '.join(MOMENTS)}")
-    if not positive_int(block_size) or not isinstance(min_8bit_size, (int, np.integer)) or min_8bit_size < 0:
-        raise ValueError(f"galore block_size={block_size!r} (accepted: an integer >= 1), "
-                         f"min_8bit_size={min_8bit_size!r} (accepted: an integer >= 0)")
-    if svd_batch_size is not None and not positive_int(svd_batch_size):
-        raise ValueError(f"galore svd_batch_size={svd_batch_size!r}; accepted: None or an integer >= 1")
-
-
 def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
            b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4, *, mask=None,
            eps_root: float = 0.0, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None,
@@ -300,7 +300,7 @@ def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj
     """GaLore-AdamW: AdamW whose matrix leaves keep rank-`rank` projected moments.
 
     Args:
-        learning_rate: float or schedule (the paper pairs `scale=0.25` with a
+        learning_rate: a number >= 0 or a schedule (the paper pairs `scale=0.25` with a
             learning rate about 4x AdamW's, e.g. 1e-2).
         rank: projection rank r >= 1; a matrix is projected when
             `r < min(m, n)` of its last two axes (else plain Adam).
@@ -309,10 +309,10 @@ def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj
         b1, b2, eps, eps_root: Adam's decays and epsilons (as `optax.adam`).
         weight_decay, mask: decoupled weight decay on the full parameters (as
             `optax.adamw`).
-        exclude: path keys whose leaves run plain Adam (default: "embed" and
-            "head", the paper's choice: only attention and MLP matrices).
+        exclude: path keys whose leaves run plain Adam, one string or a tuple
+            (default: "embed" and "head", the paper's choice: only attention and MLP matrices).
         rule: a callable `(path names, shape) -> bool` replacing `exclude`.
-        basis_dtype: dtype of the stored bases (bf16 halves their bytes).
+        basis_dtype: floating dtype of the stored bases (bf16 halves their bytes).
         moments: "f32" or "8bit" (`jmem.optim.adam8bit`'s block-wise dynamic
             code for moments with at least `min_8bit_size` elements).
         block_size, min_8bit_size: the 8-bit blocks and size threshold.
@@ -323,14 +323,18 @@ def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj
         `chain(scale_by_galore, add_decayed_weights, scale_by_learning_rate)`.
 
     Raises:
-        ValueError: a bad setting (rank < 1, gap < 1, scale <= 0, ...), before anything is built.
+        ValueError: a bad setting, before anything is built: learning_rate or weight_decay not a
+            finite number >= 0 or a schedule (None is refused), rank, update_proj_gap, block_size or
+            svd_batch_size not an integer >= 1 (bools are refused), min_8bit_size not an integer >= 0,
+            scale not finite > 0, b1 or b2 outside [0, 1), eps or eps_root not finite >= 0,
+            basis_dtype not a floating dtype, an unknown moments, exclude not a string or strings.
 
     Example:
         >>> tx = galore(1e-2, rank=4, update_proj_gap=50)     # tiny model, width 64
         >>> fns = jmem.train.step.make_train_fns(model, tx)
     """
-    if not weight_decay >= 0:
-        raise ValueError(f"galore weight_decay={weight_decay!r}; accepted: a value >= 0")
+    checks.learning_rate("galore", learning_rate)
+    checks.rate("galore", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_galore(rank, update_proj_gap, scale, b1, b2, eps, eps_root, exclude=exclude, rule=rule,
                         basis_dtype=basis_dtype, moments=moments, block_size=block_size,
