@@ -32,7 +32,7 @@ from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
 from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
-from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_group_size, check_int_bits
+from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_finite, check_group_size, check_int_bits, is_int
 
 METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
 CALIBRATED = ("gptq", "awq")
@@ -130,10 +130,13 @@ def describe_quantized(leaf) -> str | None:
 
 
 def check_float_model(model) -> dict:
-    """The layers' weights of `model`; a ValueError when a linear kernel is already quantized.
+    """The layers' weights of `model`; a ValueError when a linear kernel is already quantized or holds a
+    non-finite value.
 
     Quantizing quantized leaves would round their packed codes again, so the
-    float model is the only accepted input.
+    float model is the only accepted input. A NaN or inf would destroy its
+    group's scale (GPTQ would spread it over the column), so it is refused
+    naming the weight and its layers.
     """
     weights = model.layers.weights()
     for name in LINEARS:
@@ -141,6 +144,8 @@ def check_float_model(model) -> dict:
         if kind is not None:
             raise ValueError(f"the model is already quantized ({name}: {kind}); accepted: the float model "
                              "(quantize the model as loaded, before any quantization)")
+    for name in LINEARS:
+        check_finite(weights[name], f"layers.{name}", lead="layer")
     return weights
 
 
@@ -149,8 +154,9 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
         raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
     if bits is None:
         bits = DEFAULT_BITS.get(method, 4)
-    if bits not in METHOD_BITS[method]:
-        raise ValueError(f"bits={bits!r} is not supported by method {method!r}; accepted: {METHOD_BITS[method]}")
+    if not is_int(bits) or bits not in METHOD_BITS[method]:
+        raise ValueError(f"bits={bits!r} is not supported by method {method!r}; accepted: an int in "
+                         f"{METHOD_BITS[method]}")
     if method in ("int8", "fp8"):
         group_size = None
     weights = check_float_model(model)
@@ -249,7 +255,8 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
       method: rtn, int8 (per channel), nf4 (double quantization), fp8 (e4m3,
         per channel), gptq or awq.
       bits: rtn/gptq/awq: 2, 3, 4 or 8 (default 4); nf4: 4; int8, fp8: 8.
-      group_size: input rows per scale for rtn/gptq/awq; None for per channel.
+      group_size: input rows per scale for rtn/gptq/awq; None or -1 for per
+        channel (-1 is how GPTQ checkpoints write per channel).
         A matrix whose input dimension it does not divide gets the largest
         multiple of 32 below it that does (one logged line per input
         dimension; `group_sizes(result)` lists what each matrix got); an
@@ -305,8 +312,22 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
     return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label=spec.method))
 
 
+def _linear_names(names) -> tuple[str, ...]:
+    """`names` as a tuple of linear names (one string is one name); a ValueError naming unknown ones."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    unknown = [n for n in names if n not in LINEARS]
+    if unknown:
+        raise ValueError(f"unknown linear name(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(LINEARS)} "
+                         "(one name or a sequence of them)")
+    return names
+
+
 def weight_bytes(model, names=LINEARS) -> int:
-    """Stored bytes of the layers' linear kernels (quantized leaves count their packed bytes)."""
+    """Stored bytes of the layers' linear kernels (quantized leaves count their packed bytes).
+
+    `names`: one linear name ("wq") or a sequence of them (default: all).
+    """
+    names = _linear_names(names)
     weights = model.layers.weights()
     return int(sum(weights[n].nbytes for n in names))
 
@@ -316,11 +337,13 @@ def group_sizes(model, names=LINEARS) -> dict[str, int | None]:
 
     NF4 reports its 64-row block; float and FP8 (per-channel scales, no
     groups) kernels report None. A LoRA-wrapped kernel reports its base.
+    `names`: one linear name ("wq") or a sequence of them (default: all).
 
     Example:
         >>> group_sizes(quantize(smollm2, "rtn", bits=4, group_size=128))
         {'wq': 96, 'wk': 96, 'wv': 96, 'wo': 96, 'w_gate': 96, 'w_up': 96, 'w_down': 128}
     """
+    names = _linear_names(names)
     weights = model.layers.weights()
     out: dict[str, int | None] = {}
     for n in names:

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import partition_specs
-from jmem.quant.qtensor import IntTensor, QTensor, check_group_size, encode, group_params
+from jmem.quant.qtensor import (IntTensor, QTensor, check_finite, check_group_size, encode, float_input,
+                                group_params, is_int)
 
 N_GRID = 20
 CLIP_GRID = 20
@@ -42,7 +43,10 @@ def fake_quant(w, bits: int, group_size: int, symmetric: bool, clip=None):
     return wg.reshape(n_in, n_out)
 
 
-def _subsample(x, n: int, seed: int = 0) -> jax.Array:
+def _subsample(x, n: int, seed: int = 0, n_in: int | None = None) -> jax.Array:
+    if n_in is not None and (np.ndim(x) < 1 or np.shape(x)[-1] != n_in):
+        raise ValueError(f"x has {np.shape(x)[-1] if np.ndim(x) else 'no'} input features (its last axis, shape "
+                         f"{np.shape(x)}) but the weight has {n_in} input rows; accepted: x[..., {n_in}]")
     x = jnp.asarray(x, jnp.float32).reshape(-1, np.shape(x)[-1])
     if x.shape[0] == 0:
         raise ValueError("AWQ needs at least one calibration token; got an empty input")
@@ -80,7 +84,12 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
     Returns:
       s: f32[in]; use `w * s[:, None]` and `x / s`.
     """
-    x = _subsample(x, SEARCH_TOKENS)
+    _check_grid(n_grid)
+    rows = sorted({np.shape(w)[0] for w in ws})
+    if len(rows) > 1:
+        raise ValueError(f"ws have different input dimensions {rows}; accepted: weights [in, out_j] that all read x "
+                         "(one input dimension)")
+    x = _subsample(x, SEARCH_TOKENS, n_in=rows[0])
     w_cat = jnp.concatenate([jnp.asarray(w, jnp.float32) for w in ws], axis=1)
     group_size = check_group_size(w_cat.shape[0], group_size, bits)
     if x_mean is None:
@@ -101,7 +110,7 @@ def _clip_search(x, w, bits, group_size, symmetric, n_grid, max_shrink):
         out = jnp.einsum("ngk,gko->ngo", xg, wq.reshape(n_groups, group_size, n_out))
         return jnp.mean((out - ref) ** 2, axis=0)  # [G, out]
 
-    n_steps = int(round(max_shrink * n_grid))
+    n_steps = max(1, int(round(max_shrink * n_grid)))
     ratios = 1.0 - jnp.arange(n_steps, dtype=jnp.float32) / n_grid
     errs = jax.lax.map(err_for, ratios)  # [steps, G, out]
     return ratios[jnp.argmin(errs, axis=0)]
@@ -110,10 +119,19 @@ def _clip_search(x, w, bits, group_size, symmetric, n_grid, max_shrink):
 def awq_clip(x, w, bits: int = 4, group_size: int | None = 128, symmetric: bool = True,
              n_grid: int = CLIP_GRID, max_shrink: float = CLIP_MAX_SHRINK) -> jax.Array:
     """Per-group range factors f32[in/group_size, out] in (1 - max_shrink, 1] minimising each group's output error."""
+    _check_grid(n_grid)
+    if not isinstance(max_shrink, (int, float, np.number)) or not 0 < max_shrink <= 1:
+        raise ValueError(f"max_shrink={max_shrink!r}; accepted: a number in (0, 1] (the largest fraction of a "
+                         "group's range the clip search may cut)")
     w = jnp.asarray(w, jnp.float32)
     group_size = check_group_size(w.shape[0], group_size, bits)
-    x = _subsample(x, CLIP_TOKENS, seed=1)
+    x = _subsample(x, CLIP_TOKENS, seed=1, n_in=w.shape[0])
     return _clip_search(x, w, bits, group_size, symmetric, n_grid, max_shrink)
+
+
+def _check_grid(n_grid) -> None:
+    if not is_int(n_grid) or n_grid < 1:
+        raise ValueError(f"n_grid={n_grid!r}; accepted: a positive integer (grid points searched)")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -154,6 +172,7 @@ class InputScaled(QTensor):
         return InputScaled(partition_specs(self.inner, lead, rows, cols, row_pieces), P(*lead, rows))
 
     def __jmem_dot__(self, x):
+        x = float_input(x, self.dtype)
         return self.inner.__jmem_dot__((x * self.inv_scale.astype(x.dtype)).astype(x.dtype))
 
 
@@ -165,6 +184,8 @@ def awq_quantize(w, x, bits: int = 4, group_size: int | None = 128, symmetric: b
         >>> q = awq_quantize(w, x_calib, bits=4, group_size=128)
         >>> y = jmem.models.dot.dot(x, q)
     """
+    check_finite(w, "the weight w")
+    check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
     w = jnp.asarray(w, jnp.float32)
     s = awq_scale(x, [w], bits, group_size, symmetric)
     ws = w * s[:, None]

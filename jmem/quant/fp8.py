@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.quant.qtensor import QTensor, check_weight_shape
+from jmem.quant.qtensor import QTensor, check_finite, check_weight_shape
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -49,6 +49,7 @@ class FP8Tensor(QTensor):
     def quantize(cls, w) -> "FP8Tensor":
         """FP8-quantize a float `[..., in, out]` weight (at least 2 axes, none empty)."""
         check_weight_shape(w, "FP8 quantization")
+        check_finite(w, "the weight w")
         w = jnp.asarray(w)
         return cls(*_fp8_arrays(w), dtype=w.dtype)
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jmem.models.dot import check_row_split
 from jmem.quant import ggml
 from jmem.quant.ggml_quantize import quantize
+from jmem.quant.qtensor import check_finite, float_input
 
 
 class PackedRows:
@@ -96,6 +97,7 @@ class GGMLWeight(PackedRows):
         w = np.asarray(w_in_out, dtype=np.float32)
         if w.ndim < 2:
             raise ValueError(f"from_float needs a kernel [..., in, out], got shape {w.shape}")
+        check_finite(w, "the weight w_in_out")
         raw = quantize(np.swapaxes(w, -1, -2), qtype)
         return cls(jnp.asarray(raw), qtype)
 
@@ -144,6 +146,7 @@ class GGMLWeight(PackedRows):
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the {self.qtype.name} weight has {self.in_features}")
+        x = float_input(x, self.dtype)
         w_OI = ggml.dequantize(self.raw, self.qtype).astype(x.dtype)
         y = jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg  # noqa: F401  (cho_solve)
 import numpy as np
 
-from jmem.quant.qtensor import IntTensor, check_group_size, group_params
+from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, group_params, is_int
 
 BLOCK = 128
 DAMP = 0.01
@@ -55,7 +55,9 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
 
     Args:
       w: float[in, out] (the layer computes `x @ w`).
-      h: f64[in, in], e.g. `hessian(x)` for calibration inputs x[..., in].
+      h: f64[in, in], e.g. `hessian(x)` for calibration inputs x[..., in];
+        finite and not all zero. Zero diagonal entries (dead input
+        channels) are allowed: those columns quantize to 0.
       bits: 2, 3, 4 or 8.
       group_size: input rows per scale (a divisor of `in`, multiple of 8) or
         None for per channel.
@@ -64,8 +66,8 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
         parameters are then fixed up front from the original weight, so the
         stored groups stay contiguous in the original order.
       damp: fraction of the mean Hessian diagonal added to the diagonal.
-      block: columns per lazy batch update (whole groups; the compiled loop
-        uses the nearest size that divides `in`).
+      block: columns per lazy batch update, a positive integer (whole
+        groups; the compiled loop uses the nearest size that divides `in`).
       reference: run the plain NumPy loop instead of the compiled one.
 
     Returns:
@@ -79,8 +81,16 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
         raise ValueError(f"gptq_quantize takes one [in, out] matrix; got shape {w.shape}")
     n_in, n_out = w.shape
     group_size = check_group_size(n_in, group_size, bits)
-    if h.shape != (n_in, n_in):
-        raise ValueError(f"Hessian shape {h.shape} does not match the weight's input dimension {n_in}")
+    if np.shape(h) != (n_in, n_in):
+        raise ValueError(f"Hessian shape {np.shape(h)} does not match the weight's input dimension {n_in}")
+    if not is_int(block) or block < 1:
+        raise ValueError(f"block={block!r}; accepted: a positive integer (columns per lazy update)")
+    check_finite(w, "the weight w")
+    check_finite(h, "the Hessian h", accepted="a finite Hessian (hessian(x) of finite calibration inputs)")
+    if not np.any(np.diag(np.asarray(h))):
+        raise ValueError("the Hessian h is all zero on its diagonal (the calibration inputs are all zero: no "
+                         "calibration signal); accepted: a Hessian with some non-zero diagonal entries, i.e. "
+                         "hessian(x) of calibration inputs that are not all zero")
 
     W = w.astype(np.float32).T.copy()  # [out, in]: one column per input feature
     H = np.array(h, np.float64, copy=True)

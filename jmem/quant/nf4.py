@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import check_row_split
-from jmem.quant.qtensor import QTensor, check_weight_shape, pack_bits, unpack_bits
+from jmem.quant.qtensor import QTensor, check_finite, check_weight_shape, pack_bits, unpack_bits
 
 NF4_BLOCK = 64
 NF4_ABSMAX_BLOCK = 256
@@ -96,6 +96,7 @@ class NF4Tensor(QTensor):
     def quantize(cls, w) -> "NF4Tensor":
         """NF4-quantize a float `[..., in, out]` weight; `in` must be a multiple of 64."""
         check_weight_shape(w, "NF4 quantization")
+        check_finite(w, "the weight w")
         w = jnp.asarray(w)
         if w.shape[-2] % NF4_BLOCK:
             raise ValueError(f"NF4 needs the input dimension to be a multiple of {NF4_BLOCK}; got {w.shape[-2]}")

@@ -36,7 +36,18 @@ PACK_ROWS = 8
 SUPPORTED_INT_BITS = (2, 3, 4, 8)
 
 
+def float_input(x: jax.Array, dtype) -> jax.Array:
+    """`x` as a float: integer (or bool) inputs take the weight's float `dtype` (float32 when it is not a float
+    dtype), as `jnp.matmul` promotes them against a float weight; float inputs are returned unchanged."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    dtype = jnp.dtype(dtype)
+    return x.astype(dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
+
+
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    x = float_input(x, w.dtype)
     y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
@@ -68,7 +79,8 @@ class QTensor:
         return jax.tree_util.tree_map(lambda c: c[index], self)
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
-        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step."""
+        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step (an integer `x` is promoted to float)."""
+        x = float_input(x, self.dtype)
         return _matmul(x, self.dequantize(x.dtype))
 
     def __repr__(self) -> str:
@@ -83,6 +95,7 @@ class QTensor:
 
 def pack_bits(u: np.ndarray | jax.Array, bits: int) -> jax.Array:
     """Pack unsigned codes `[..., in, out]` (values < 2**bits) into uint8 `[..., in*bits/8, out]`."""
+    check_codes(u, bits)
     u = jnp.asarray(u).astype(jnp.uint32)
     if bits == 8:
         return u.astype(jnp.uint8)
@@ -97,6 +110,7 @@ def pack_bits(u: np.ndarray | jax.Array, bits: int) -> jax.Array:
 
 def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
     """Inverse of `pack_bits`: uint8 `[..., in*bits/8, out]` -> int32 codes `[..., in, out]`."""
+    check_int_bits(bits)
     if bits == 8:
         return packed.astype(jnp.int32)
     *lead, n_rows, n_out = packed.shape
@@ -197,7 +211,7 @@ class IntTensor(QTensor):
     @classmethod
     def from_codes(cls, u, scale, zero, bits: int, dtype=jnp.float32) -> "IntTensor":
         """Build from unsigned codes `[..., in, out]` and group parameters `[..., G, out]`."""
-        check_int_bits(bits)
+        check_codes(u, bits)
         scale = jnp.asarray(scale, jnp.float16)
         zero = None if zero is None else jnp.asarray(zero).astype(jnp.uint8)
         return cls(_pack_jit(jnp.asarray(u), bits), scale, zero, bits, dtype)
@@ -216,6 +230,8 @@ class IntTensor(QTensor):
             shrink each group's range before rounding (AWQ's clip search).
         """
         check_weight_shape(w, f"{bits}-bit integer quantization")
+        check_int_bits(bits)
+        check_finite(w, "the weight w")
         w = jnp.asarray(w)
         group_size = check_group_size(w.shape[-2], group_size, bits)
         packed, scale, zero = _rtn_arrays(w, clip, bits, group_size, symmetric)
@@ -234,8 +250,54 @@ def _rtn_arrays(w, clip, bits: int, group_size: int, symmetric: bool):
 
 
 def check_int_bits(bits) -> None:
-    if bits not in SUPPORTED_INT_BITS:
-        raise ValueError(f"bits={bits!r} is not supported for integer quantization; accepted: {SUPPORTED_INT_BITS}")
+    if not is_int(bits) or bits not in SUPPORTED_INT_BITS:
+        raise ValueError(f"bits={bits!r} is not supported for integer quantization; accepted: an int in "
+                         f"{SUPPORTED_INT_BITS}")
+
+
+def is_int(v) -> bool:
+    """A Python or NumPy integer (not a bool, not a float that happens to be whole)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def is_concrete(x) -> bool:
+    """False for a jax Tracer (under jit/grad/vmap): checks on array values run only on concrete arrays."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_finite(x, name: str, accepted: str = "finite weights", lead: str | None = None) -> None:
+    """Refuse a concrete array holding NaN or inf: one ValueError naming `name` and the count (skipped when
+    `x` is a Tracer). `lead` names the leading axis (e.g. "layer") to also say which of its entries are hit.
+
+    Quantizing a non-finite value destroys its group's scale (or, in GPTQ, spreads NaN over the column), so
+    it is refused up front rather than rounded into a silently wrong weight.
+    """
+    if not is_concrete(x):
+        return
+    finite = jnp.isfinite(jnp.asarray(x))
+    n_bad = int(finite.size - jnp.count_nonzero(finite))
+    if not n_bad:
+        return
+    where = ""
+    if lead is not None and finite.ndim > 2:
+        hit = np.flatnonzero(~np.asarray(finite.reshape(finite.shape[0], -1).all(axis=1)))
+        where = f" ({lead}{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))})"
+    raise ValueError(f"{name} has {n_bad} non-finite value(s){where}; accepted: {accepted}")
+
+
+def check_codes(u, bits) -> None:
+    """Refuse bits outside SUPPORTED_INT_BITS, an input dimension that is not whole pack words, and (on a
+    concrete array) codes outside [0, 2**bits) that packing would silently wrap."""
+    check_int_bits(bits)
+    shape = np.shape(u)
+    if len(shape) < 2 or (bits != 8 and shape[-2] % PACK_ROWS):
+        raise ValueError(f"codes of shape {shape} cannot be packed at {bits} bits; accepted: an array [..., in, out] "
+                         f"with in a multiple of {PACK_ROWS if bits != 8 else 1}")
+    if is_concrete(u) and np.size(u):
+        lo, hi = int(jnp.min(jnp.asarray(u))), int(jnp.max(jnp.asarray(u)))
+        if lo < 0 or hi >= 2 ** bits:
+            raise ValueError(f"codes range over {lo}..{hi}; accepted: unsigned {bits}-bit codes, "
+                             f"0..{2 ** bits - 1}")
 
 
 def check_weight_shape(w, what: str = "quantize") -> None:
