@@ -36,8 +36,14 @@ def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs
     """Token windows i32[n_seqs, seq_len] from texts (needs `tokenizer`) or token arrays.
 
     Accepts a string, a list of strings, an int array [B, T] or a list of 1-D
-    int arrays. Texts are tokenized, concatenated and cut into non-overlapping
-    windows of `seq_len` (a shorter stream gives one shorter window).
+    int arrays. Texts and 1-D arrays are concatenated into one stream and cut
+    into non-overlapping windows of `seq_len` (a shorter stream gives one
+    shorter window); a [B, T] array already holds windows and is used as it is
+    (its T, whatever `seq_len`). At most `max_seqs` windows are returned.
+
+    Raises:
+        ValueError: empty input, texts without a tokenizer, non-integer ids, or
+            seq_len / max_seqs not a positive integer.
     """
     for name, n in (("seq_len", seq_len), ("max_seqs", max_seqs)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -54,8 +60,13 @@ def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs
             enc = tokenizer.encode(text)
             stream.extend(enc.ids if hasattr(enc, "ids") else list(enc))
         calibration = np.asarray(stream, np.int32)
+    parts = calibration if isinstance(calibration, (list, tuple)) else [calibration]
+    parts = [np.asarray(c) for c in parts]
+    bad = next((c.dtype for c in parts if c.size and not np.issubdtype(c.dtype, np.integer)), None)
+    if bad is not None:
+        raise ValueError(f"calibration token ids of dtype {bad}; accepted: integer ids (or texts with a tokenizer)")
     if isinstance(calibration, (list, tuple)):
-        calibration = np.concatenate([np.asarray(c, np.int32).reshape(-1) for c in calibration])
+        calibration = np.concatenate([c.astype(np.int32).reshape(-1) for c in parts])
     ids = np.asarray(calibration, np.int32)
     if ids.ndim == 2 and ids.size:
         return ids[:max_seqs]

@@ -121,6 +121,12 @@ def test_calibration_from_texts():
     assert ids.shape == (3, 64) and ids.dtype == np.int32  # 249 tokens -> 3 full windows
     np.testing.assert_array_equal(ids[0, :5], [b + 3 for b in b"hello"])
     assert calibration_tokens("short", _ByteTokenizer(), seq_len=64).shape == (1, 5)
+    windows = np.arange(1000, dtype=np.int32).reshape(2, 500)
+    assert calibration_tokens(windows, seq_len=128).shape == (2, 500)  # [B, T] are windows already
+    assert calibration_tokens([windows[0], windows[1]], seq_len=128, max_seqs=4).shape == (4, 128)
+    for ids in (np.ones((2, 8)), [np.ones(8, np.int32), np.ones(4)]):
+        with pytest.raises(ValueError, match="calibration token ids of dtype float64; accepted: integer ids"):
+            calibration_tokens(ids)
 
 
 def test_bad_inputs(model, data):
