@@ -130,13 +130,16 @@ def test_script_end_to_end(tmp_path):
     steps = [r for r in recs if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in steps)
     assert plot.stat().st_size > 1000 and (tmp_path / "ck" / "3").is_dir()
-    # A second run with the same dir and no --resume: one line, exit 2, nothing overwritten.
-    before = _files(tmp_path / "ck")
-    p2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert p2.returncode == 2 and "Traceback" not in p2.stderr
-    errors = [ln for ln in p2.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and "already holds step 3; pass --resume" in errors[0], p2.stderr
-    assert _files(tmp_path / "ck") == before
+    # A second run with the same log, then with the same checkpoint dir, and no --resume: one line, exit 2,
+    # nothing overwritten.
+    before, logged = _files(tmp_path / "ck"), log.read_text()
+    for again, expected in ((cmd, "already holds another run's log"),
+                            ([*cmd[:-5], str(tmp_path / "log2.jsonl"), *cmd[-4:]], "already holds step 3; pass --resume")):
+        p2 = subprocess.run(again, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert p2.returncode == 2 and "Traceback" not in p2.stderr
+        errors = [ln for ln in p2.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 1 and expected in errors[0], p2.stderr
+    assert _files(tmp_path / "ck") == before and log.read_text() == logged
 
 
 @pytest.mark.slow
