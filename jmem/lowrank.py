@@ -66,8 +66,13 @@ class LowRank:
             gram: optional `X^T X` f64/f32 `[..., in, in]` of the layer's inputs: the factors
                 then minimise `||X (w - u v)||_F` instead of `||w - u v||_F`.
             damp: added to the gram's diagonal, as a fraction of its mean diagonal (keeps
-                channels the calibration never used from being singular).
+                channels the calibration never used from being singular); a finite number >= 0.
         """
+        shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
+        if shape is None or len(shape) < 2 or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            what = f"w of type {type(w).__name__}" if shape is None else f"w of shape {tuple(shape)} and dtype {dtype}"
+            raise ValueError(f"{what}; accepted: a float [..., in, out] matrix (at least 2 axes)")
+        check_damp(damp)
         n_in, n_out = w.shape[-2:]
         check_rank(rank, n_in, n_out)
         w64 = np.asarray(w, np.float64)
@@ -123,8 +128,20 @@ def check_rank(rank, n_in: int, n_out: int) -> None:
                          f"1..{min(n_in, n_out)}")
 
 
+def check_damp(damp) -> None:
+    """One clear error unless `damp` is a finite number >= 0."""
+    if isinstance(damp, bool) or not isinstance(damp, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"damp={damp!r}; accepted: a finite number >= 0 (a fraction of the gram's mean diagonal)")
+
+
 def rank_for(keep: float, n_in: int, n_out: int) -> int:
-    """The rank whose factors hold at most `keep` of an `[n_in, n_out]` matrix's parameters (at least 1)."""
+    """The rank whose factors hold at most `keep` of an `[n_in, n_out]` matrix's parameters (at least 1).
+
+    `keep` is a fraction in (0, 1].
+    """
+    if isinstance(keep, bool) or not isinstance(keep, (int, float, np.integer, np.floating)) or not 0 < keep <= 1:
+        raise ValueError(f"keep={keep!r}; accepted: the fraction of the matrix's parameters to keep, in (0, 1]")
     return max(1, math.floor(keep * n_in * n_out / (n_in + n_out)))
 
 
@@ -171,7 +188,8 @@ def factorize(model, rank: int | None = None, *, keep: float | None = None, targ
         calibration: optional text(s) (with `tokenizer`) or token ids `[B, T]`: factors
             whitened by each layer's own inputs (SVD-LLM), layer by layer; without it,
             plain truncated SVD.
-        seq_len, max_seqs: calibration windows; damp: gram dampening (fraction of its mean diagonal).
+        seq_len, max_seqs: calibration windows; damp: gram dampening (fraction of its mean diagonal,
+            a finite number >= 0).
         inplace: modify `model` instead of a copy.
         log: optional callable taking one progress line per calibrated layer.
 
@@ -182,6 +200,7 @@ def factorize(model, rank: int | None = None, *, keep: float | None = None, targ
         >>> small = factorize(model, keep=0.5, calibration=ids_BT)
     """
     plan = _plan(model, rank, keep, targets)
+    check_damp(damp)
     ids = None
     if calibration is not None:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)

@@ -112,6 +112,9 @@ def test_factorized_model_runs_under_jit_and_halves_its_bytes(tiny):
     (dict(rank=31), "stores"),
     (dict(rank=4, targets=("wz",)), "unknown target 'wz'"),
     (dict(rank=4, targets=()), "targets is empty"),
+    (dict(keep=0.5, calibration=np.zeros((1, 8), np.int32), damp=-1.0), "damp=-1.0; accepted: a finite number >= 0"),
+    (dict(keep=0.5, calibration=np.zeros((1, 8), np.int32), damp=float("nan")), "damp=nan; accepted"),
+    (dict(rank=4, damp=True), "damp=True; accepted"),
 ])
 def test_bad_settings_are_one_clear_error(tiny, kwargs, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
@@ -123,3 +126,17 @@ def test_quantized_or_out_of_vocabulary_input_is_refused(tiny):
         factorize(quantize(tiny, "int8"), keep=0.5)
     with pytest.raises(ValueError, match="out of range|vocab"):
         factorize(tiny, keep=0.5, calibration=np.full((1, 8), tiny.config.vocab_size, np.int32))
+
+
+def test_bad_factor_inputs_are_one_clear_error():
+    w = jnp.ones((8, 6), jnp.float32)
+    for bad in (jnp.ones(8), [[1.0, 2.0]], jnp.ones((8, 6), jnp.int32)):
+        with pytest.raises(ValueError, match=r"^w of .*; accepted: a float \[\.\.\., in, out\] matrix"):
+            LowRank.from_svd(bad, 1)
+    for damp in (-1.0, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(ValueError, match=r"^damp=.*; accepted: a finite number >= 0"):
+            LowRank.from_svd(w, 2, gram=jnp.eye(8), damp=damp)
+    for keep in (0, -1, 2, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match=r"^keep=.*; accepted: .* in \(0, 1\]"):
+            rank_for(keep, 64, 48)
+    assert rank_for(1, 64, 48) == rank_for(1.0, 64, 48) == 27 and rank_for(1e-9, 64, 48) == 1

@@ -282,10 +282,21 @@ def bytes_per_device(tree, shardings=None) -> int:
     divisible dimensions).
     """
     leaves = jax.tree.leaves(tree)
+    for x in leaves:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise ValueError(f"bytes_per_device: tree has a leaf {x!r} ({type(x).__name__}); accepted: a tree of "
+                             "arrays or jax.ShapeDtypeStructs")
     if shardings is None:
         flat = [getattr(x, "sharding", None) for x in leaves]
     else:
         flat = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+        accepted = "accepted: a tree of jax.sharding.Sharding with the same structure as tree"
+        if len(flat) != len(leaves):
+            raise ValueError(f"bytes_per_device: shardings has {len(flat)} leaves for the {len(leaves)} of tree; "
+                             + accepted)
+        for s in flat:
+            if not isinstance(s, jax.sharding.Sharding):
+                raise ValueError(f"bytes_per_device: shardings has a leaf {s!r} ({type(s).__name__}); " + accepted)
     total = 0
     for x, s in zip(leaves, flat, strict=True):
         shape = s.shard_shape(tuple(x.shape)) if s is not None else tuple(x.shape)

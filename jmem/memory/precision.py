@@ -30,6 +30,7 @@ which drops a non-finite update and counts it in the optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -70,7 +71,11 @@ def _dtype(name_or_dtype) -> np.dtype:
                 f"unknown dtype {name_or_dtype!r}; accepted: {', '.join(sorted(_DTYPE_NAMES))}"
             )
         return np.dtype(_DTYPE_NAMES[key])
-    dt = np.dtype(name_or_dtype)
+    try:
+        dt = np.dtype(name_or_dtype)
+    except TypeError:
+        raise PrecisionError(f"dtype {name_or_dtype!r} is not a dtype; accepted: float32, bfloat16, float16 "
+                             f"or a name among {', '.join(sorted(_DTYPE_NAMES))}") from None
     if dt not in _SHORT:
         raise PrecisionError(f"dtype {dt} is not a policy dtype; accepted: float32, bfloat16, float16")
     return dt
@@ -91,11 +96,16 @@ def _cast_leaf(x, dtype):
 
 
 def cast_floating(tree, dtype):
-    """Casts every floating leaf of `tree` (arrays or ShapeDtypeStructs) to `dtype`.
+    """Casts every floating leaf of `tree` (arrays or ShapeDtypeStructs) to `dtype`
+    (float32, bfloat16 or float16, or one of their names such as "bf16").
+
+    Raises:
+        PrecisionError: `dtype` is not one of those.
 
     Example:
         >>> cast_floating({"w": jnp.ones(2), "step": jnp.int32(0)}, jnp.bfloat16)
     """
+    dtype = _dtype(dtype)
     return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)
 
 
@@ -210,6 +220,10 @@ class DynamicLossScale:
     @classmethod
     def create(cls, initial_scale: float = 2.0**15, *, growth_interval: int = 2000, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, min_scale: float = 1.0, max_scale: float = 2.0**24):
+        number = (int, float, np.integer, np.floating)
+        if isinstance(initial_scale, bool) or not isinstance(initial_scale, number) \
+                or not (math.isfinite(initial_scale) and initial_scale > 0):
+            raise ValueError(f"DynamicLossScale: initial_scale={initial_scale!r}; accepted: a finite number > 0")
         if growth_interval < 1 or growth_factor <= 1 or not 0 < backoff_factor < 1 or min_scale <= 0:
             raise ValueError(
                 f"DynamicLossScale: growth_interval={growth_interval} (>=1), growth_factor={growth_factor} (>1), "

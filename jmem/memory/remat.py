@@ -71,6 +71,8 @@ def parse_spec(spec: str) -> dict[str, str]:
     Raises:
         ValueError: an unknown activation name, an unknown choice, or a bad item.
     """
+    if not isinstance(spec, str):
+        raise ValueError(f"remat spec {spec!r} ({type(spec).__name__}); accepted: a string 'name=choice,...'")
     out: dict[str, str] = {}
     for item in spec.split(","):
         item = item.strip()
@@ -106,7 +108,7 @@ def get_policy(name: str | None) -> Callable | None:
         the layer should not be wrapped in ``jax.checkpoint`` at all.
 
     Raises:
-        ValueError: the name is neither a known policy nor a valid spec.
+        ValueError: the name is not a string, or neither a known policy nor a valid spec.
 
     Example:
         >>> get_policy("none") is None
@@ -115,6 +117,11 @@ def get_policy(name: str | None) -> Callable | None:
     """
     if name is None or name == "none":
         return None
+    if not isinstance(name, str):
+        raise ValueError(
+            f"remat policy {name!r} ({type(name).__name__}); accepted: None, one of {', '.join(POLICIES)}, "
+            f"or a spec string 'name=remat|device|offload,...'"
+        )
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
     if name == "dots":
@@ -154,6 +161,8 @@ def remat(fn: Callable, name: str | None, *, prevent_cse: bool = True, static_ar
         >>> body = remat(block_fn, "minimal", prevent_cse=False)
         >>> h, _ = jax.lax.scan(body, h, stacked_params)
     """
+    if not callable(fn):
+        raise ValueError(f"remat: fn={fn!r} ({type(fn).__name__}); accepted: a callable (one layer's forward)")
     policy = get_policy(name)
     if policy is None:
         return fn

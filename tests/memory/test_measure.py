@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem.memory.measure import MemoryReport, TargetError, measure, parse_target, tree_bytes
+from jmem.memory.measure import MemoryReport, TargetError, bytes_per_device, measure, parse_target, tree_bytes
 
 N = 256
 
@@ -59,6 +59,18 @@ def test_temp_bytes_track_an_intermediate():
 def test_tree_bytes():
     tree = {"a": jnp.zeros((3, 4), jnp.bfloat16), "b": jax.ShapeDtypeStruct((5,), jnp.int32), "c": 1.0}
     assert tree_bytes(tree) == 3 * 4 * 2 + 5 * 4
+
+
+def test_bytes_per_device_bad_input_is_one_clear_error():
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = {"a": jnp.ones(4), "b": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    assert bytes_per_device(tree) == bytes_per_device(tree, {"a": s, "b": s}) == 40
+    with pytest.raises(ValueError, match=r"^bytes_per_device: tree has a leaf 1 \(int\); accepted: a tree of arrays"):
+        bytes_per_device([1, 2])
+    with pytest.raises(ValueError, match=r"^bytes_per_device: shardings has 1 leaves for the 2 of tree; accepted"):
+        bytes_per_device(tree, {"a": s})
+    with pytest.raises(ValueError, match=r"^bytes_per_device: shardings has a leaf 'x' \(str\); accepted"):
+        bytes_per_device(tree, {"a": s, "b": "x"})
 
 
 @pytest.mark.parametrize("bad", ["tpu", "gpu:a100", "tpu:v5e", "tpu:v5e:2y2", "v5e:2x2"])

@@ -12,6 +12,7 @@ from jmem.memory.precision import (
     Policy,
     PrecisionError,
     all_finite,
+    cast_floating,
     loss_scale_for,
     skip_nonfinite,
     with_master_weights,
@@ -48,6 +49,19 @@ def test_casts_only_floating_leaves():
     assert out["sds"].dtype == jnp.bfloat16 and out["sds"].shape == (4,)
     assert out["sds_i"].dtype == jnp.int32
     assert Policy.parse("bf16").cast_to_param(out)["w"].dtype == jnp.float32
+    assert cast_floating(tree, "bf16")["w"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("bad", ["bogus", "int8", 3, jnp.int8, jnp.float64])
+def test_bad_cast_dtype_is_one_clear_error(bad):
+    with pytest.raises(PrecisionError, match=r"^(unknown )?dtype .*; accepted: .*(bf16|bfloat16)"):
+        cast_floating({"w": jnp.ones(2)}, bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), True, "8"])
+def test_bad_initial_loss_scale_is_one_clear_error(bad):
+    with pytest.raises(ValueError, match=r"^DynamicLossScale: initial_scale=.*; accepted: a finite number > 0$"):
+        DynamicLossScale.create(bad)
 
 
 def test_dynamic_loss_scale_grows_and_backs_off():

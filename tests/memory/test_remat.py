@@ -52,6 +52,21 @@ def test_spec_parsing_and_errors():
     assert set(MINIMAL_NAMES) <= set(ACTIVATIONS)
 
 
+@pytest.mark.parametrize("bad", [3, True, ["full"], b"full"])
+def test_non_string_policy_is_one_clear_error(bad):
+    from jmem.memory.remat import validate
+
+    for call in (get_policy, validate, parse_spec, lambda p: remat(lambda x: x, p)):
+        with pytest.raises(ValueError, match=r"^remat (policy|spec) .*; accepted: .*string"):
+            call(bad)
+
+
+def test_remat_refuses_a_non_callable():
+    for name in ("full", "none"):
+        with pytest.raises(ValueError, match=r"^remat: fn=3 \(int\); accepted: a callable"):
+            remat(3, name)
+
+
 def test_remat_wrapper_is_identity_for_none():
     f = lambda x: x * 2  # noqa: E731
     assert remat(f, "none") is f
