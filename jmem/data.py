@@ -62,7 +62,7 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
     default text's documents when `path` is None or "default".
 
     Raises:
-        ValueError: a missing or empty file, named by `flag` (the option it came from).
+        ValueError: a missing, empty or non-UTF-8 file, named by `flag` (the option it came from).
     """
     if path is None or str(path) in ("", "default"):
         return default_documents()
@@ -73,7 +73,12 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
     if not p.is_file():
         raise ValueError(f"{flag} {str(path)!r}: no such file; accepted: a UTF-8 text file, or leave it unset "
                          "for the default text (pydoc_data.topics)")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # a binary file (e.g. a token-id .bin) would train on garbage
+        raise ValueError(f"{flag} {str(path)!r}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); accepted: "
+                         "a UTF-8 text file") from None
     if not text.strip():
         raise ValueError(f"{flag} {str(path)!r}: the file is empty; accepted: a non-empty UTF-8 text file")
     return [text]

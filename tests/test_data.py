@@ -84,6 +84,11 @@ def test_file_input_and_errors(tmp_path):
         load_documents(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="is a directory; accepted: a UTF-8 text file"):
         load_documents(str(tmp_path))
+    binary = tmp_path / "train.bin"
+    binary.write_bytes(b"token ids \x00\x01\xff\xfe")
+    with pytest.raises(ValueError, match=r"--text '.*train.bin': not UTF-8 text \(byte 12 is 0xff\); accepted: a "
+                                         "UTF-8 text file"):
+        load_documents(str(binary), "--text")
     with pytest.raises(ValueError, match="too short"):
         PackedDataset.from_text("tiny", ByteTokenizer(), seq=64)
 
