@@ -251,8 +251,13 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise ValueError("--quantize-base needs --lora-rank > 0 (a quantized base is frozen)")
     if not (0.0 <= cfg.lora_dropout < 1.0):
         raise ValueError(f"--lora-dropout {cfg.lora_dropout}; accepted: 0 <= p < 1")
-    if cfg.lora_dropout and not cfg.lora_rank:
-        raise ValueError("--lora-dropout needs --lora-rank > 0 (it drops adapter inputs)")
+    if not cfg.lora_rank:
+        defaults = TrainConfig()
+        for flag, field in (("--lora-dropout", "lora_dropout"), ("--lora-alpha", "lora_alpha"),
+                            ("--lora-targets", "lora_targets")):
+            if getattr(cfg, field) != getattr(defaults, field):
+                raise ValueError(f"{flag} needs --lora-rank > 0 (without adapters every parameter trains and "
+                                 f"{flag} does nothing)")
     if cfg.lora_rank:
         names = cfg.lora_targets.split(",")
         bad = [t for t in names if t not in LORA_TARGETS]

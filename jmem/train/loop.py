@@ -136,6 +136,11 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
     return "\n".join(lines)
 
 
+def _count(n: int) -> str:
+    """A parameter count: millions down to 0.10M, thousands below (a tiny model's adapters are not 0.00M)."""
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
 class _Logger:
     def __init__(self, path: str | None, append: bool):
         # A resumed run continues its log; a fresh run starts a new one.
@@ -217,7 +222,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     n_trained = n_params  # layer-wise training (no `trainable`) trains a slice of the layers per step
     if run.fns.trainable is not None:
         n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.fns.trainable(state.params)[0]))
-    shown = f"{n_params / 1e6:.2f}M params" + (f" ({n_trained / 1e6:.2f}M trained)" if n_trained != n_params else "")
+    shown = f"{_count(n_params)} params" + (f" ({_count(n_trained)} trained)" if n_trained != n_params else "")
     print(f"model {cfg.model}: {shown}, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
           f"{run.data.num_tokens / 1e3:.0f}k tokens", file=out)
@@ -282,6 +287,9 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         _save(ckpt, final, state, run.meta, offload)
     if interrupted:
         print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
+    elif final < cfg.steps:  # --stop-after
+        print(f"stopped at step {final} of {cfg.steps} (--stop-after {cfg.stop_after})"
+              + (f"; checkpoint in {ckpt.directory}, --resume continues it" if ckpt else ""), file=out)
     if not interrupted and final == cfg.steps:
         ev = _evaluate(_jitted_eval(fns), state.params, run)
         if ev is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from jmem.lora import split_trainable
 from jmem.train import TrainConfig, train
+from jmem.train.checks import validate
 from jmem.train.setup import build
 
 QLORA = TrainConfig(model="tiny", steps=12, batch=8, seq=64, lr=1e-2, optimizer="adamw", lora_rank=4, lora_targets="wq,wv",
@@ -47,7 +48,7 @@ def test_qlora_loss_goes_down(tmp_path):
     adapters = cfg.n_layers * 4 * (cfg.dim + cfg.n_heads * cfg.head_dim + cfg.dim + cfg.n_kv_heads * cfg.head_dim)
     memory = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert (memory["params"], memory["trained_params"]) == (cfg.num_params, adapters)
-    assert f"{cfg.num_params / 1e6:.2f}M params ({adapters / 1e6:.2f}M trained)" in out.getvalue()
+    assert f"{cfg.num_params / 1e6:.2f}M params ({adapters / 1e3:.1f}k trained)" in out.getvalue()
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -85,6 +86,8 @@ def test_lora_dropout_acts_in_train_steps_only():
         build(dataclasses.replace(QLORA, lora_dropout=1.0))
     with pytest.raises(ValueError, match="--lora-dropout needs --lora-rank"):
         build(dataclasses.replace(QLORA, lora_dropout=0.1, lora_rank=0, quantize_base=None))
+    with pytest.raises(ValueError, match="--lora-alpha needs --lora-rank > 0 .* does nothing"):
+        validate(TrainConfig(model="tiny", lora_alpha=8.0))
 
 
 MESH_REF = dataclasses.replace(QLORA, steps=3, seq=32, lora_targets="wq,wo,w_up,w_down", precision="f32",

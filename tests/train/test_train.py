@@ -39,8 +39,11 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     out = io.StringIO()
     a = train(ck, out=out, on_step=sigterm_after_3)
     assert a.interrupted and a.final_step == 3 and "interrupted at step 3" in out.getvalue()
-    b = train(dataclasses.replace(ck, resume=True, stop_after=2), out=io.StringIO())
+    out = io.StringIO()
+    b = train(dataclasses.replace(ck, resume=True, stop_after=2), out=out)
     assert not b.interrupted and b.final_step == 5 and sorted(b.losses) == [3, 4]
+    assert f"stopped at step 5 of 10 (--stop-after 2); checkpoint in {tmp_path / 'ck'}, --resume continues it" \
+        in out.getvalue()
     c = train(dataclasses.replace(ck, resume=True), out=io.StringIO())
     assert c.final_step == 10 and sorted(c.losses) == [5, 6, 7, 8, 9]
     resumed = {**a.losses, **b.losses, **c.losses}
