@@ -107,10 +107,12 @@ def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple
 
 
 def memory_table(report: MemoryReport, estimate: dict[str, int],
-                 matmul: tuple[str, float] | None = None, *, offload=None) -> str:
+                 matmul: tuple[str, float] | None = None, *, offload=None, devices: int = 1) -> str:
     """Measured (compiler) and estimated (analytic) memory of one step, MiB; `matmul` is
     `step_matmul_flops`'s (label, FLOPs), the report's own count when None. `offload`: the
-    `jmem.memory.offload.OffloadReport` of an offloaded step (`report` is its device program)."""
+    `jmem.memory.offload.OffloadReport` of an offloaded step (`report` is its device program).
+    `devices` > 1: the step runs on a mesh; the measured rows and FLOPs are one device's, the
+    estimate is the unsharded model's (the header and a last line say so)."""
     matmul = ("every loop iteration", report.matmul_flops) if matmul is None else matmul
     if offload is None:
         args = ("arguments (params, opt state, batch)", report.argument_bytes)
@@ -129,10 +131,13 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
         rows += [("measured", f"{where} {what.strip()}", b) for where, what, b in offload.rows()
                  if where != "device" and (b or "optimizer" in what)]
     rows += [("estimated", k, v) for k, v in estimate.items() if v or k == "total"]
-    lines = [f"memory of one train step [{report.target}]" + " " * 19 + "MiB"]
+    title = f"memory of one train step [{report.target}]" + (f", per device of {devices}" if devices > 1 else "")
+    lines = [title + " " * max(1, 49 - len(title)) + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
     lines.append(f"  {'cost model GFLOPs per step':<48s}{report.flops / 1e9:10.3f}")
     lines.append(f"  {f'matmul GFLOPs per step ({matmul[0]})':<48s}{matmul[1] / 1e9:10.3f}")
+    if devices > 1:
+        lines.append("  (estimated: the whole step on one device, unsharded)")
     return "\n".join(lines)
 
 
@@ -236,7 +241,8 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
                                                                    rules=rules_for(run.cfg),
                                                                    trainable=run.fns.trainable).items()), file=out)
-    print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None), file=out)
+    print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
+                       devices=run.mesh.size if run.mesh is not None else 1), file=out)
 
     log = _Logger(cfg.log, append=start > 0)
     log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,

@@ -215,5 +215,8 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     label, flops = loop.step_matmul_flops(cfg, report, compiled)
     assert label == "busiest pipeline stage" and flops == matmul_flops(text, differing="zero") + 8 * 3 * one
     assert "matmul GFLOPs per step (busiest pipeline stage)" in loop.memory_table(report, {}, (label, flops))
+    on_mesh = loop.memory_table(report, {"total": 1}, (label, flops), devices=8).splitlines()
+    assert on_mesh[0].startswith("memory of one train step [cpu], per device of 8")
+    assert on_mesh[-1] == "  (estimated: the whole step on one device, unsharded)"
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
     assert loop.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
