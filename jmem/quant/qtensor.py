@@ -34,6 +34,7 @@ from jmem.models.dot import check_row_split
 # nibble) and 2r + 1 (high nibble), the layout the Pallas kernel reads.
 PACK_ROWS = 8
 SUPPORTED_INT_BITS = (2, 3, 4, 8)
+PACK_BITS = (1, 2, 3, 4, 8)
 
 
 def float_input(x: jax.Array, dtype) -> jax.Array:
@@ -110,7 +111,7 @@ def pack_bits(u: np.ndarray | jax.Array, bits: int) -> jax.Array:
 
 def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
     """Inverse of `pack_bits`: uint8 `[..., in*bits/8, out]` -> int32 codes `[..., in, out]`."""
-    check_int_bits(bits)
+    check_pack_bits(bits)
     if bits == 8:
         return packed.astype(jnp.int32)
     *lead, n_rows, n_out = packed.shape
@@ -285,10 +286,17 @@ def check_finite(x, name: str, accepted: str = "finite weights", lead: str | Non
     raise ValueError(f"{name} has {n_bad} non-finite value(s){where}; accepted: {accepted}")
 
 
+def check_pack_bits(bits) -> None:
+    """Code widths `pack_bits` packs: 1 to 4 bits (eight rows in one 32-bit word) or 8 (unpacked);
+    quantized weights use 2, 3, 4, 8, pruning masks 1."""
+    if not is_int(bits) or bits not in PACK_BITS:
+        raise ValueError(f"bits={bits!r} cannot be packed; accepted: {', '.join(map(str, PACK_BITS))}")
+
+
 def check_codes(u, bits) -> None:
-    """Refuse bits outside SUPPORTED_INT_BITS, an input dimension that is not whole pack words, and (on a
-    concrete array) codes outside [0, 2**bits) that packing would silently wrap."""
-    check_int_bits(bits)
+    """Refuse bits outside PACK_BITS, an input dimension that is not whole pack words, and (on a concrete
+    array) codes outside [0, 2**bits) that packing would silently wrap."""
+    check_pack_bits(bits)
     shape = np.shape(u)
     if len(shape) < 2 or (bits != 8 and shape[-2] % PACK_ROWS):
         raise ValueError(f"codes of shape {shape} cannot be packed at {bits} bits; accepted: an array [..., in, out] "

@@ -163,10 +163,14 @@ def test_gptq_block_must_be_positive(block, w, x):
 def test_pack_bits_checks_bits_and_codes():
     codes = np.arange(16, dtype=np.int32).reshape(8, 2) % 16
     np.testing.assert_array_equal(np.asarray(unpack_bits(pack_bits(codes, 4), 4)), codes)
-    with pytest.raises(ValueError, match=r"bits=5 is not supported for integer quantization"):
-        pack_bits(codes, 5)
-    with pytest.raises(ValueError, match=r"bits=5 is not supported"):
-        unpack_bits(np.zeros((5, 2), np.uint8), 5)
+    for bits in (1, 3):  # pruning masks use 1 bit
+        small = codes % 2 ** bits
+        np.testing.assert_array_equal(np.asarray(unpack_bits(pack_bits(small, bits), bits)), small)
+    for bits in (0, 5, 9, 4.0):  # 8 rows of 5 bits overflow a 32-bit word
+        with pytest.raises(ValueError, match=rf"bits={bits} cannot be packed; accepted: 1, 2, 3, 4, 8"):
+            pack_bits(codes, bits)
+        with pytest.raises(ValueError, match=rf"bits={bits} cannot be packed"):
+            unpack_bits(np.zeros((4, 2), np.uint8), bits)
     with pytest.raises(ValueError, match=r"codes range over 0..16; accepted: unsigned 4-bit codes, 0..15"):
         pack_bits(codes + (codes == 15), 4)
     with pytest.raises(ValueError, match=r"codes range over -1..14; accepted: unsigned 4-bit codes"):
