@@ -6,16 +6,19 @@
 Both sides generate greedily from the same prompts; the table reports new tokens
 per second after one warm-up call (compilation excluded), and whether the greedy
 texts are identical.
+
+Bad flags end with one `error:` line on stderr and exit status 2, before any model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import sys
 import time
 
-import tyro
-
 import jmem
+from jmem.experiment import run_experiment
 from jmem.lm import packaged_model_path
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -25,6 +28,8 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 
 @dataclasses.dataclass(frozen=True)
 class Args:
+    """Greedy decode tokens/s of jmem vs Hugging Face transformers."""
+
     batches: tuple[int, ...] = (1, 8)
     """Batch sizes to time."""
     new_tokens: int = 64
@@ -37,8 +42,20 @@ class Args:
     """CPU threads for torch."""
 
 
+def validate(args: Args) -> None:
+    """A ValueError naming the first bad flag; nothing is loaded."""
+    if not args.batches:
+        raise ValueError("--batches is empty; accepted: one or more integers >= 1")
+    for b in args.batches:
+        if b < 1:
+            raise ValueError(f"--batches={b}; accepted: integers >= 1")
+    for flag, v in (("--new-tokens", args.new_tokens), ("--repeats", args.repeats), ("--threads", args.threads)):
+        if v < 1:
+            raise ValueError(f"{flag}={v}; accepted: an integer >= 1")
+
+
 def _median(xs):
-    return sorted(xs)[len(xs) // 2]
+    return statistics.median(xs)
 
 
 def time_jmem(lm, prompts, n):
@@ -68,6 +85,7 @@ def time_hf(model, tok, prompts, n):
 
 
 def main(args: Args) -> None:
+    validate(args)
     lm = jmem.load("smollm2-135m")
     hf = None
     if not args.skip_hf:
@@ -100,5 +118,10 @@ def main(args: Args) -> None:
         print(f"| {b} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {same}/{b} |", flush=True)
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: exit status 2 with one `error: ...` line for bad input."""
+    return run_experiment(Args, main, argv, description=__doc__)
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(cli())

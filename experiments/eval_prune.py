@@ -23,7 +23,7 @@ import numpy as np
 
 import jmem
 from jmem.data import load_documents
-from jmem.experiment import run_experiment
+from jmem.experiment import check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.prune import METHODS, check_spec, prune, sparsity_report
 from jmem.quant import weight_bytes
@@ -110,9 +110,7 @@ def main(cfg: Config) -> list[dict]:
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
     n_calib = cfg.calibration if any(m.startswith("wanda") for m in methods) else 0
     need = (cfg.windows + n_calib) * WINDOW
-    if tokens.size < need:
-        raise ValueError(f"the text has {tokens.size} tokens; {cfg.windows} evaluation + {n_calib} "
-                         f"calibration windows of {WINDOW} need {need}")
+    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration", WINDOW)
     windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
     calib = tokens[cfg.windows * WINDOW: need].reshape(n_calib, WINDOW) if n_calib else None
     base = lm.model

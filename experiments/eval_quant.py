@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 import jmem
+from jmem.calibrate import LINEARS
 from jmem.data import load_documents
-from jmem.experiment import run_experiment
+from jmem.experiment import check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
+from jmem.quant.api import resolve_group_size
 from jmem.quant.ggml_weight import quantize_gguf_blocks
 from jmem.train.loss import window_perplexity
 
@@ -38,6 +41,7 @@ PLAIN = {"int8": ("int8", 8), "rtn4": ("rtn", 4), "rtn3": ("rtn", 3), "nf4": ("n
 GGUF = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_1": "Q4_1", "q5_0": "Q5_0",
         "iq4_nl": "IQ4_NL"}
 ALL = ("float", *PLAIN, *CALIBRATED, *GGUF)
+GROUPED = ("rtn", "gptq", "awq")  # the methods --group-size applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,9 @@ class Config:
     model: str = "smollm2-135m"
     """Model name or GGUF path for `jmem.load`."""
     group_size: int = 128
-    """Group size of the 4/3-bit methods; a matrix whose input dimension it does not divide gets the largest
-    multiple of 32 below it that does (SmolLM2's width 576: 96), recorded in each record's `group_sizes`."""
+    """Input rows per scale of rtn, gptq and awq: a positive multiple of 8. A matrix whose input dimension it does
+    not divide gets the largest multiple of 32 below it that does (SmolLM2's width 576 with 128: 96), recorded in
+    each record's `group_sizes`; a value that fits no input dimension this way is refused before the model loads."""
     calib_windows: int = 16
     """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
     symmetric: bool = False
@@ -83,9 +88,57 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
+    spec = {**PLAIN, **CALIBRATED}
+    grouped_bits = sorted({spec[m][1] for m in methods if m in spec and spec[m][0] in GROUPED})
+    if grouped_bits:
+        check_group_flag(cfg.group_size, cfg.model, grouped_bits)
     text = "\n\n".join(load_documents(cfg.text, "--text"))
     prepare_output(cfg.out, "--out")
     return methods, text
+
+
+def input_dims(model: str) -> dict[str, int] | None:
+    """Input dimension of each block linear of `model` (a preset name or a GGUF file, read from its header; no
+    weights are loaded); None when it is neither (a quantized directory, an unknown name: `jmem.load` says)."""
+    from flax import nnx
+
+    from jmem.io.gguf import config_from_gguf, read_gguf
+    from jmem.models.config import PRESETS, get_config
+    from jmem.models.llama import Llama
+
+    if model in PRESETS:
+        config = get_config(model)
+    elif os.path.isfile(model):
+        config = config_from_gguf(read_gguf(model))
+    else:
+        return None
+    shapes = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))).layers.weights()
+    return {n: int(shapes[n].shape[-2]) for n in LINEARS}
+
+
+def check_group_flag(group_size: int, model: str, bits: list[int]) -> None:
+    """A ValueError naming --group-size when `quantize` at any of `bits` would refuse it for a linear of `model`
+    (`resolve_group_size`'s rule, checked on the input dimensions before anything loads)."""
+    dims = input_dims(model)
+    if dims is None:
+        return
+
+    def fits(n_in, g):
+        try:
+            for b in bits:
+                resolve_group_size(n_in, g, b)
+        except ValueError:
+            return False
+        return True
+
+    bad = sorted({n for n in dims.values() if not fits(n, group_size)})
+    if not bad:
+        return
+    examples = [g for g in (32, 64, 128, 256) if all(fits(n, g) for n in dims.values())]
+    raise ValueError(f"--group-size={group_size} does not fit the input dimension{'s' * (len(bad) > 1)} "
+                     f"{', '.join(map(str, bad))} of --model {model}; accepted: a positive multiple of 8 that divides "
+                     f"each input dimension ({', '.join(map(str, sorted(set(dims.values()))))}) or has a multiple "
+                     f"of 32 below it that does" + (f", e.g. {', '.join(map(str, examples))}" if examples else ""))
 
 
 def main(cfg: Config) -> list[dict]:
@@ -94,9 +147,7 @@ def main(cfg: Config) -> list[dict]:
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
     need = (cfg.windows + cfg.calib_windows) * WINDOW
-    if tokens.size < need:
-        raise ValueError(f"the text has {tokens.size} tokens; {cfg.windows} evaluation + {cfg.calib_windows} "
-                         f"calibration windows of {WINDOW} need {need}")
+    check_windows_fit(int(tokens.size), cfg.windows, cfg.calib_windows, "--calib-windows", WINDOW)
     windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
     calib = tokens[cfg.windows * WINDOW: need].reshape(cfg.calib_windows, WINDOW)
     base = lm.model

@@ -166,7 +166,9 @@ def train_table(cfg: Config, counts: list[int], data: PackedDataset) -> list[dic
                          last=np.mean(losses[-10:]), eval=float(sum(s for s, _ in sums) / sum(c for _, c in sums))))
     print(f"\n{cfg.train_model} from scratch: {cfg.train_steps} steps, {cfg.optimizer} lr {cfg.lr}, batch "
           f"{cfg.batch} x {cfg.train_seq}, schedule {cfg.schedule}, period {cfg.period}\n")
-    print("| training | train loss, first 10 steps | train loss, last 10 steps | held-out loss |")
+    k = min(10, cfg.train_steps)  # the steps each train-loss column averages
+    span = f"{k} step" + "s" * (k != 1)
+    print(f"| training | train loss, first {span} | train loss, last {span} | held-out loss |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['first']:.3f} | {r['last']:.3f} | {r['eval']:.3f} |")

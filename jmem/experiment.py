@@ -28,3 +28,23 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_windows_fit(n_tokens: int, windows: int, n_calib: int, calib_flag: str, window: int) -> None:
+    """A ValueError naming --windows (and `calib_flag` when it asks for windows) and the largest accepted count
+    when the text's `n_tokens` hold fewer than `windows + n_calib` windows of `window` tokens (the
+    evaluation scripts' --windows and their calibration flag)."""
+    need = (windows + n_calib) * window
+    if n_tokens >= need:
+        return
+    total = n_tokens // window
+    flags = f"--windows={windows}" + (f" with {calib_flag}={n_calib}" if n_calib else "")
+    if total <= n_calib:
+        accepted = f"a --text of at least {(1 + n_calib) * window} tokens" + (f", or a smaller {calib_flag}"
+                                                                             if total else "")
+    elif n_calib:
+        accepted = f"--windows <= {total - n_calib} (--windows + {calib_flag} <= {total}), or a longer --text"
+    else:
+        accepted = f"--windows <= {total}, or a longer --text"
+    raise ValueError(f"{flags}: {windows} evaluation + {n_calib} calibration windows of {window} tokens need {need} "
+                     f"tokens and the text has {n_tokens}; accepted: {accepted}")
