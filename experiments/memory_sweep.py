@@ -33,7 +33,7 @@ from jmem.io.paths import prepare_output
 from jmem.models.config import PRESETS
 from jmem.memory.remat import POLICIES
 from jmem.train.plot import check_image_path
-from jmem.train.sweep import markdown_table, parse_list, plot_records, sweep
+from jmem.train.sweep import markdown_table, parse_list, plot_records, sweep, validate_grid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         grid = dict(microbatches=micros, schedules=parse_list(cfg.pipeline_schedule, "pipeline-schedule"),
                     remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)
+        # Every value of every list, in every combination, before the first compile (at bench-8l each
+        # compile takes minutes): one line naming the flag, not a failure midway through the sweep.
+        validate_grid(cfg.batch, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
+                      pipeline_stages=cfg.pipeline_stages, mc=PRESETS[cfg.preset](), **grid)
         n = 1
         for v in grid.values():
             n *= len(v)

@@ -47,33 +47,87 @@ def parse_list(text: str, name: str) -> list[str]:
     return items
 
 
-def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None, meshes=(None,),
-                  zeros=(0,)) -> None:
-    """Every value of every list, checked before the first compile."""
-    from jmem import parallel as par
-    from jmem.parallel.mesh import resolve_shape
+def _translate(flag: str, value, message: str, accepted: str) -> str:
+    """A check's message as one line naming the flag: `--flag=value ...; accepted: ...`."""
+    head, bare = f"{flag}={value}", f"{flag.lstrip('-')}={value}"
+    if message.startswith((head, "--")):  # names its flag already (`check_batch_split`'s messages)
+        pass
+    elif message.startswith(bare):  # "accum=3 does not divide ..." -> "--accum=3 does not divide ..."
+        message = "--" + message
+    else:
+        message = f"{head}: {message}"
+    message = message.replace("; valid", "; accepted").replace("; expected ", "; accepted: ")
+    if "accepted" not in message:
+        message += f"; accepted: {accepted}"
+    return message
 
-    for z in zeros:
-        par.check_stage(z)
-    for m in meshes:
-        if m is not None:
-            shape = resolve_shape(m, jax.device_count())
-            d = shape["data"] * shape["fsdp"] * shape["expert"]
-            for a in accums:
-                if batch % (d * a):
-                    raise ValueError(f"--batch={batch} is not divisible by the data-parallel size {d} of mesh "
-                                     f"{m!r} x accum {a}")
+
+def _named(flag: str, value, check: Callable, *args, accepted: str):
+    """`check(*args)`, its ValueError re-raised as one line that names `flag` and `value`."""
+    try:
+        return check(*args)
+    except ValueError as e:
+        raise ValueError(_translate(flag, value, str(e), accepted)) from None
+
+
+def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None, meshes=(None,),
+                  zeros=(0,), *, microbatches=(1,), schedules=("gpipe",), pipeline_stages: int = 1, rules: str = "",
+                  attention: str | None = None, mc: LlamaConfig | None = None) -> None:
+    """Every value of every list, and every combination of them, checked before the first compile
+    with the checks the train step uses (`jmem.train.checks`, `jmem.parallel`).
+
+    Raises:
+        ValueError: one line `--flag=value ...; accepted: ...` naming the first bad value.
+    """
+    from jmem import parallel as par
+    from jmem.memory.precision import ALIASES
+    from jmem.memory.remat import POLICIES
+    from jmem.parallel.mesh import resolve_shape
+    from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
+    from jmem.train.checks import check_batch_split, rules_for
+
     for r in remats:
-        validate_remat(r)
+        _named("--remat", r, validate_remat, r,
+               accepted=f"{', '.join(POLICIES)}, or a spec 'name=remat|device|offload,...'")
     for p in precisions:
-        Policy.parse(p)
+        _named("--precision", p, Policy.parse, p, accepted=f"{', '.join(ALIASES)}, or 'p=DTYPE,c=DTYPE,o=DTYPE'")
     for a in accums:
-        check_divisible(batch, a)
+        _named("--accum", a, check_divisible, batch, a, accepted=f"a positive integer that divides --batch={batch}")
     for o in optimizers:
         if o not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {o!r}; accepted: {', '.join(OPTIMIZERS)}")
+            raise ValueError(f"--optimizer={o}: unknown optimizer; accepted: {', '.join(OPTIMIZERS)}")
+    for z in zeros:
+        _named("--zero", z, par.check_stage, z, accepted="0, 1, 2, 3")
+    for s in schedules:
+        _named("--pipeline-schedule", s, check_schedule, s, accepted=", ".join(SCHEDULES))
+    for k in microbatches:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--microbatches={k}: not a pipeline microbatch count; accepted: a positive integer")
+    if attention is not None and attention not in IMPLS:
+        raise ValueError(f"--attention={attention}: unknown attention; accepted: {', '.join(IMPLS)}")
     if target is not None:
-        parse_target(target)
+        _named("--target", target, parse_target, target, accepted="'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'")
+    _named("--rules", rules, par.Rules.parse, rules, accepted="'logical=mesh_axes,...'")
+    if pipeline_stages > 1 and None in meshes:
+        raise ValueError(f"--pipeline-stages={pipeline_stages} needs --mesh with a 'stage' axis; accepted: "
+                         f"e.g. --mesh stage={pipeline_stages},data=4")
+    for m in meshes:
+        if m is None:
+            continue
+        shape = _named("--mesh", m, resolve_shape, m, jax.device_count(),
+                       accepted=f"axis sizes that multiply to the {jax.device_count()} devices")
+        if pipeline_stages > 1 and shape["stage"] != pipeline_stages:
+            raise ValueError(f"--mesh={m} has stage={shape['stage']} but --pipeline-stages={pipeline_stages}; "
+                             f"accepted: a mesh with stage={pipeline_stages}")
+        # The train step's checks, one combination at a time (`jmem.train.setup.mesh_for`).
+        for a, k in itertools.product(accums, microbatches if pipeline_stages > 1 else (1,)):
+            cfg = TrainConfig(batch=batch, accum=a, mesh=m, rules=rules, pipeline_stages=pipeline_stages,
+                              microbatches=k)
+            _named("--mesh", m, check_batch_split, cfg, shape,
+                   accepted=f"a mesh whose data-parallel size x --accum {a} divides --batch={batch}")
+            if mc is not None:
+                _named("--mesh", m, par.check_heads, mc.n_heads, mc.n_kv_heads, rules_for(cfg), shape,
+                       accepted="a tensor axis that divides the head counts")
 
 
 def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precision: str, accum: int,
@@ -157,14 +211,11 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
           schedules: Iterable[str] = ("gpipe",), on_record: Callable[[dict], None] | None = None) -> list[dict]:
     """One `compile_record` per combination (mesh varies slowest, then zero, microbatches,
     schedule, remat, precision, accum; optimizer fastest)."""
-    remats, precisions, accums, optimizers, meshes, zeros = map(list, (remats, precisions, accums, optimizers,
-                                                                      meshes, zeros))
-    validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros)
-    if attention is not None and attention not in IMPLS:
-        raise ValueError(f"unknown attention {attention!r}; accepted: {', '.join(IMPLS)}")
-    from jmem.parallel.pipeline_1f1b import check_schedule
-
-    microbatches, schedules = list(microbatches), [check_schedule(s) for s in schedules]
+    remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules = map(
+        list, (remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules))
+    # Every combination before the first compile: a late bad value would lose the compiles before it.
+    validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros, microbatches=microbatches,
+                  schedules=schedules, pipeline_stages=pipeline_stages, rules=rules, attention=attention, mc=mc)
     out = []
     for mesh, zero, micro, schedule, remat, precision, accum, optimizer in itertools.product(
             meshes, zeros, microbatches, schedules, remats, precisions, accums, optimizers):

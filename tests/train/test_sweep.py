@@ -31,11 +31,11 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["--remat", "none,bogus"], "unknown remat policy 'bogus'"),
     (["--precision", "f32,q8"], "precision 'q8'"),
-    (["--accum", "3"], "accum=3 does not divide batch=8"),
-    (["--optimizer", "adamw,lion"], "unknown optimizer 'lion'"),
+    (["--accum", "3"], "--accum=3 does not divide batch=8"),
+    (["--optimizer", "adamw,lion"], "--optimizer=lion: unknown optimizer; accepted: adamw,"),
     (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
     (["--accum", "two"], "--accum 'two' is not a positive integer"),
-    (["--attention", "flash"], "unknown attention 'flash'"),
+    (["--attention", "flash"], "--attention=flash: unknown attention; accepted: auto,"),
     (["--pipeline-stages", "2"], "needs --mesh with a 'stage' axis"),
     (["--mesh", "stage=2,data=4", "--accum", "1", "--pipeline-stages", "2", "--pipeline-schedule", "zb"],
      "unknown pipeline schedule 'zb'"),
@@ -53,6 +53,55 @@ def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_pat
     lines = cap.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and expected in lines[0], cap.err
     assert not (tmp_path / "x.json").exists()
+
+
+def _no_compile(*args, **kwargs):
+    raise AssertionError("compiled before every value of every list was checked")
+
+
+_TINY = {"--preset": "tiny", "--batch": "8", "--seq": "32", "--remat": "none", "--precision": "f32", "--accum": "1",
+         "--optimizer": "adamw"}
+_PIPE = {"--mesh": "stage=2,data=4", "--pipeline-stages": "2"}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"--batch": "2", "--accum": "1,3"}, "--accum=3 does not divide batch=2; accepted values: 1, 2"),
+    ({**_PIPE, "--microbatches": "2,3"}, "--microbatches=3: --batch=8 split over the data-parallel size 4"),
+    ({"--remat": "full,bogus"}, "--remat=bogus: unknown remat policy 'bogus'; accepted: none, full,"),
+    ({"--precision": "f32,q8"}, "--precision=q8: precision 'q8'"),
+    ({"--optimizer": "adamw,lion"}, "--optimizer=lion: unknown optimizer; accepted: adamw,"),
+    ({"--mesh": "data=8", "--zero": "0,5"}, "--zero=5 is not a ZeRO stage; accepted: 0, 1, 2, 3"),
+    ({**_PIPE, "--pipeline-schedule": "gpipe,zb"}, "--pipeline-schedule=zb: unknown pipeline schedule 'zb'; accepted"),
+    ({"--mesh": "data=8;data=16"}, "--mesh=data=16: mesh data=16 needs 16 devices but there are 8"),
+    ({"--mesh": "data=8;tensor=8"}, "--mesh=tensor=8: n_heads=4 is not divisible by mesh axes tensor of size 8"),
+    ({**_PIPE, "--mesh": "stage=2,data=4;stage=4,data=2"}, "--mesh=stage=4,data=2 has stage=4 but --pipeline-stages=2"),
+    ({"--mesh": "data=4,tensor=2;data=8", "--batch": "4"}, "--batch=4 must be divisible by the data-parallel size 8 x --accum 1"),
+])
+def test_a_bad_value_late_in_a_list_fails_before_the_first_compile(flags, expected, monkeypatch, capsys, tmp_path):
+    """Each list value (and each combination) is checked with the train step's checks before
+    anything compiles, in one line naming the flag; the good combinations before it are not compiled
+    first and then lost."""
+    import jmem.train.sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "compile_record", _no_compile)
+    argv = [x for kv in {**_TINY, **flags, "--out": str(tmp_path / "x.json")}.items() for x in kv]
+    rc, cap = _main(argv, capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), cap.err
+    assert "accepted" in lines[0], lines[0]
+    assert "compilations" not in cap.out and not (tmp_path / "x.json").exists()
+
+
+def test_sweep_checks_every_combination_before_compiling(monkeypatch):
+    """The library entry point too: microbatches=3 does not split batch 8 over data=4, found before
+    the microbatches=2 combination is compiled."""
+    import jmem.train.sweep as sweep_mod
+    from jmem.models.config import PRESETS
+
+    monkeypatch.setattr(sweep_mod, "compile_record", _no_compile)
+    with pytest.raises(ValueError, match=r"^--microbatches=3: .*; accepted: --batch a multiple of 4 x 1 x 3 = 12$"):
+        sweep_mod.sweep(PRESETS["tiny"](), batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1],
+                        optimizers=["adamw"], meshes=["stage=2,data=4"], pipeline_stages=2, microbatches=[2, 3])
 
 
 @pytest.mark.parametrize("flag", ["--out", "--md", "--png"])
