@@ -141,6 +141,16 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
     return "\n".join(lines)
 
 
+RESUME_DATA_FLAGS = ("data", "seq", "batch", "seed")
+"""Flags a resumed run may change (the train state does not depend on them) that change its batches."""
+
+
+def _changed_data_flags(old_config: dict, cfg: TrainConfig) -> list[str]:
+    """`--flag X (checkpoint: Y)` for each of `RESUME_DATA_FLAGS` that differs from the checkpointed run's."""
+    return [f"--{name} {getattr(cfg, name)} (checkpoint: {old_config[name]})" for name in RESUME_DATA_FLAGS
+            if name in old_config and old_config[name] != getattr(cfg, name)]
+
+
 def _count(n: int) -> str:
     """A parameter count: millions down to 0.10M, thousands below (a tiny model's adapters are not 0.00M)."""
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
@@ -205,6 +215,9 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
+            changed = _changed_data_flags((ckpt.read_meta(resume_step) or {}).get("config", {}), cfg)
+            if changed:
+                print(f"note: {', '.join(changed)}: the batches differ from an uninterrupted run's", file=out)
 
     offload = None
     if cfg.offload_optimizer != "none":  # ZeRO-Offload / -Infinity: two programs (jmem.memory.offload)

@@ -43,7 +43,7 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     b = train(dataclasses.replace(ck, resume=True, stop_after=2), out=out)
     assert not b.interrupted and b.final_step == 5 and sorted(b.losses) == [3, 4]
     assert f"stopped at step 5 of 10 (--stop-after 2); checkpoint in {tmp_path / 'ck'}, --resume continues it" \
-        in out.getvalue()
+        in out.getvalue() and "note:" not in out.getvalue()  # same data flags: no note
     c = train(dataclasses.replace(ck, resume=True), out=io.StringIO())
     assert c.final_step == 10 and sorted(c.losses) == [5, 6, 7, 8, 9]
     resumed = {**a.losses, **b.losses, **c.losses}
@@ -56,6 +56,15 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
                                rtol=0, atol=1e-6)
     # The loss goes down on the default text.
     assert np.mean([straight.losses[k] for k in (7, 8, 9)]) < np.mean([straight.losses[k] for k in (0, 1, 2)])
+
+
+def test_resume_names_the_data_flags_it_changes():
+    from jmem.train.loop import _changed_data_flags
+
+    saved = dataclasses.asdict(dataclasses.replace(BASE, data="a.txt"))
+    assert _changed_data_flags(saved, dataclasses.replace(BASE, data="a.txt")) == []
+    assert _changed_data_flags(saved, dataclasses.replace(BASE, data="b.txt", seed=BASE.seed + 1)) == [
+        "--data b.txt (checkpoint: a.txt)", f"--seed {BASE.seed + 1} (checkpoint: {BASE.seed})"]
 
 
 def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
