@@ -32,6 +32,8 @@ from jmem.data import PackedDataset, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
 from jmem.experiment import run_experiment
 from jmem.io.paths import undo_on_failure
+from jmem.lm import PACKAGED_MODELS
+from jmem.models.config import PRESETS
 from jmem.quant.saved import check_new_dir, save_quantized
 from jmem.train.loss import lm_loss_sum
 
@@ -159,6 +161,9 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
         raise ValueError(f"the text has {len(data.valid)} validation windows, fewer than --batch {cfg.batch}")
     print(f"teacher {cfg.teacher}: {n} blocks; student: {len(layers)} blocks {layers}; "
           f"{len(data.train)} train windows of {cfg.seq} tokens, eval {len(evals) * cfg.batch * cfg.seq} tokens")
+    if cfg.teacher in PRESETS and cfg.teacher not in PACKAGED_MODELS:
+        print(f"note: preset {cfg.teacher!r} is randomly initialised (no trained weights): a test of the "
+              "pipeline, not of distillation")
 
     graphdef, student_params, rest = nnx.split(student, nnx.Param, ...)
     ce_sum = jax.jit(lambda g, states, b: lm_loss_sum(nnx.merge(g, *states), b, chunk=cfg.chunk), static_argnums=0)

@@ -318,6 +318,7 @@ def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, caps
     argv = ["--teacher", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--eval-batches", "1",
             "--save-student", str(out)]
     assert script.cli(argv) == 0, capsys.readouterr().err
+    assert "note: preset 'tiny' is randomly initialised" in capsys.readouterr().out
     teacher, student = jmem.load("tiny"), jmem.load(str(out))
     assert student.config.n_layers == 1 and student.config.vocab_size == teacher.config.vocab_size
     prompts = [[5, 6, 7, 8], [100, 3]]
