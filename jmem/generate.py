@@ -47,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < sampling.GREEDY_BELOW
 
 
 def check_ints(name: str, value, least: int) -> None:

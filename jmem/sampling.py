@@ -48,6 +48,11 @@ class SamplingArrays(NamedTuple):
     hist_is_output: jax.Array
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (as vLLM's): logits divided by a smaller one overflow f32
+(1e-30 turned every row into NaN, whose argmax is token 0)."""
+
+
 def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = None, hist_len: int = 0) -> SamplingArrays:
     """Host side: pack per-request `SamplingParams` into padded numpy arrays.
 
@@ -76,8 +81,9 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
             hist_ids[i, : len(toks)] = toks
             n_out = min(len(out), len(toks))
             hist_out[i, len(toks) - n_out : len(toks)] = True
+    temperature = f("temperature", 0.0)
     return SamplingArrays(
-        temperature=f("temperature", 0.0),
+        temperature=np.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature),
         top_p=f("top_p", 1.0),
         top_k=np.array([value(p, "top_k", 0) for p in params_list] + [0] * (B - n), np.int32),
         min_p=f("min_p", 0.0),

@@ -36,6 +36,7 @@ from flax import nnx
 
 from jmem.generate import check_ints, check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
+from jmem.sampling import GREEDY_BELOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     max_len = -(-(T + max_new_tokens + k + 1) // 64) * 64
-    greedy = float(temperature) == 0
+    greedy = float(temperature) < GREEDY_BELOW
     temp = jnp.float32(temperature if not greedy else 1.0)
     key = jax.random.key(seed)
     t_def, t_state = nnx.split(target)

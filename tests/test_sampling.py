@@ -128,6 +128,18 @@ def test_sample_frequencies_follow_distribution(temperature):
     assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() / n)
 
 
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    """Logits / 1e-30 overflow f32 (NaN rows whose argmax was token 0); below GREEDY_BELOW the row is greedy."""
+    from jmem.generate import SamplingParams as GenerateParams
+    from jmem.sampling import GREEDY_BELOW
+
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(4, V)).astype(np.float32) * 4)
+    temps = [1e-30, 1e-12, GREEDY_BELOW / 2, 0.0]
+    s = make_arrays([SamplingParams(temperature=t, top_k=5) for t in temps], seeds=[1] * 4, steps=[0] * 4)
+    np.testing.assert_array_equal(np.asarray(jax.jit(sample)(logits, s)[0]), np.argmax(np.asarray(logits), -1))
+    assert GenerateParams(temperature=1e-30).greedy and not GenerateParams(temperature=GREEDY_BELOW).greedy
+
+
 def test_argmax_last_equals_argmax_with_ties_infinities_and_nan():
     rng = np.random.default_rng(7)
     x = rng.standard_normal((64, 1000)).astype(np.float32)
