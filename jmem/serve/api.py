@@ -219,8 +219,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         raise APIError(404, f"model {name!r} does not exist; this server serves {served}", "model",
                        code="model_not_found")
 
-    def submit(prompts: list[list[int]], params, n, rid, adapter=None):
-        """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j."""
+    def submit(prompts: list[list[int]], params, n, rid, adapter=None, *, prompt_param="prompt",
+               max_tokens_param="max_tokens"):
+        """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j. The
+        `*_param` names are the body's (chat: messages, max_completion_tokens) for the errors."""
         loop = asyncio.get_running_loop()
         streams = []
         for pi, ids in enumerate(prompts):
@@ -233,8 +235,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 except ValueError as e:
                     for s in streams:
                         engine.abort(s.request_id)
-                    param = "prompt" if "context" in str(e) or "prompt" in str(e) else None
-                    raise APIError(400, str(e) if len(prompts) == 1 else f"prompt {pi}: {e}", param) from None
+                    message = str(e).replace("+ max_tokens (", f"+ {max_tokens_param} (")
+                    param = prompt_param if "context" in message or "prompt" in message else None
+                    raise APIError(400, message if len(prompts) == 1 else f"prompt {pi}: {message}", param) from None
         return streams
 
     async def merged(streams, request: Request):
@@ -496,7 +499,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = submit([ids], params, body.n, rid, adapter)
+        # Only an explicit max_tokens can overflow the context here (the prompt alone was checked).
+        streams = submit([ids], params, body.n, rid, adapter, prompt_param=param, max_tokens_param=param)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}
 
         if body.stream:

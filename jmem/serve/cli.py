@@ -113,6 +113,9 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(f"--api-key={args.api_key!r} would leave the server open (an unset variable in "
+                         "--api-key \"$KEY\"?); accepted: a non-empty key, or no --api-key for an open server")
     from jmem.serve.ngram import check_speculative_args
 
     check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,

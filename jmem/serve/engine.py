@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from flax import nnx
 
 from jmem.memory import bytes_per_device
@@ -281,8 +282,10 @@ class Engine:
         params.validate()
         self.runner.slot_of(adapter)
         rid = request_id or f"req-{next(self._ids)}"
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise ValueError("prompt is empty; need at least one token")
+        self._check_ids("prompt", prompt_ids)
+        self._check_ids("stop_token_ids", params.stop_token_ids)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_request_tokens:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
@@ -294,12 +297,23 @@ class Engine:
         self._commands.put(("add", req, stream))
         return stream
 
+    def _check_ids(self, what: str, ids) -> None:
+        """Token ids must be integers of the model's vocabulary (the embedding would clamp others)."""
+        vocab = self.runner.config.vocab_size
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+            raise ValueError(f"{what} holds {bad!r}; accepted: integer token ids 0..{vocab - 1}")
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ValueError(f"{what} holds token id {bad}; accepted: 0..{vocab - 1}")
+
     def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
         """Each prompt token's log-probability given the tokens before it, with the top `k`
         (0..20): `[None, (lp, [(id, lp), ...]), ...]` (see `ModelRunner.prompt_logprobs`).
         Safe to call from any thread; it does not touch the paged cache or the schedule."""
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty; accepted: at least one token")
+        self._check_ids("prompt", prompt_ids)
         if len(prompt_ids) > self.max_request_tokens:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}")
         if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
@@ -426,6 +440,9 @@ class Engine:
         """Blocking batch helper: all prompts at once, one merged output per prompt (text, all token ids);
         `adapters`: one LoRA adapter name (or None) per prompt."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts; accepted: one, or one "
+                             "per prompt")
         adapters = [None] * len(prompts) if adapters is None else adapters
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts; accepted: one per prompt")
@@ -454,10 +471,16 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the background loop; requests still queued or running end with finish_reason "abort"
+        and their blocks are freed (their streams get a final output, nothing waits forever)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self._drain_commands(block=False)
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._commands.put(("abort", req.request_id, None))
+        self._drain_commands(block=False)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

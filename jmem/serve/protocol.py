@@ -6,7 +6,8 @@ are ignored (as OpenAI does with `user`, `metadata`, ...); known fields are
 strictly typed (no "5" for 5, no true for 1, no 4.0 for 4; a float field takes
 a JSON int) and a wrong type is a 400 naming the field. Known parameters the
 server does not implement (tools, response_format other than text, logit_bias,
-suffix, best_of > n) are a 400 rather than silently ignored.
+suffix, best_of > n, and `NOT_IMPLEMENTED`: vLLM's min_tokens, guided decoding, ...)
+are a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -72,8 +73,22 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+NOT_IMPLEMENTED = {
+    # vLLM's extras that change the output
+    "min_tokens": (0,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    # OpenAI chat parameters for outputs this server does not produce
+    "modalities": (["text"],), "audio": (), "reasoning_effort": (),
+}
+"""Parameters this server knows but does not implement, with the values that change nothing
+(null is always accepted): any other value is a 400 rather than silently ignored."""
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept only to check NOT_IMPLEMENTED
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -106,6 +121,11 @@ class _Sampling(BaseModel):
             raise _unsupported("logit_bias", self.logit_bias, "unset or {}")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        for name, value in (self.model_extra or {}).items():
+            neutral = NOT_IMPLEMENTED.get(name)
+            if neutral is not None and value is not None and value not in neutral:
+                accepted = "unset" + "".join(f" or {v!r}" for v in neutral)
+                raise _unsupported(name, value, accepted)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Validated `SamplingParams` (call `check_supported` first); APIError(400) naming the first bad field."""

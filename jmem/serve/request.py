@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class Status(enum.Enum):
@@ -56,7 +59,24 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its accepted range."""
+        """Raise ValueError naming the first bad field and its accepted range or type.
+
+        `stop` and `stop_token_ids` are normalised in place: None is none, and one string is
+        one stop string (as OpenAI's `stop`), not its characters."""
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            v = getattr(self, name)
+            if (v is not None or name == "max_tokens") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise ValueError(f"{name}={v!r}; accepted: an integer")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+                raise ValueError(f"{name}={v!r}; accepted: a finite number")
+        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if not all(isinstance(t, str) and t for t in self.stop):
+            raise ValueError(f"stop={self.stop!r}; accepted: a non-empty string or a list of them")
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids")
         checks = [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),

@@ -240,6 +240,34 @@ def test_stop_strings_penalties_and_abort(model):
     for bad in (0, model.config.max_seq_len + 1):
         with pytest.raises(ValueError, match=f"max_model_len={bad} is out of range; accepted: 1..512"):
             Engine(model, tok, EngineConfig(num_blocks=16, **{**SMALL, "max_model_len": bad}))
+    # One stop string is one string, not its characters; None is none.
+    if stop and "\ufffd" not in stop:
+        [one] = engine.generate([p], greedy(max_tokens=12, stop=stop))
+        assert one.text == text[: text.find(stop)]
+    assert engine.generate([p], greedy(max_tokens=12, stop=None))[0].text == text
+    vocab = model.config.vocab_size
+    for prompt, params, message in [
+            ([vocab], greedy(), f"prompt holds token id {vocab}; accepted: 0..{vocab - 1}"),
+            ([-1, 5], greedy(), "prompt holds token id -1"),
+            (["h"], greedy(), "prompt holds 'h'; accepted: integer token ids"),
+            (p, greedy(stop_token_ids=[vocab + 3]), f"stop_token_ids holds token id {vocab + 3}"),
+            (p, greedy(max_tokens=4.5), "max_tokens=4.5; accepted: an integer"),
+            (p, SamplingParams(temperature="0"), "temperature='0'; accepted: a finite number"),
+            (p, greedy(stop=[""]), "stop=\\[''\\]; accepted: a non-empty string")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts; accepted: one, or one per prompt"):
+        engine.generate([p, p], [greedy()])
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+    # stop() ends what is still running: a final "abort" output, the blocks freed.
+    engine.start()
+    s = engine.add_request(tok.encode("hello world"), greedy(max_tokens=40))
+    engine.stop()
+    items = []
+    while (x := s.get_nowait()) is not None:
+        items.append(x)
+    assert items and items[-1].finished and items[-1].finish_reason in ("abort", "length")
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
 
 
 def test_kernel_impl_matches_tiled(model, reference):

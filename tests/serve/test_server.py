@@ -315,6 +315,11 @@ def test_error_param_names_the_field_openai_style(server, path, body, param):
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
+    ("/v1/chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
 ])
 def test_unimplemented_parameters_are_400(server, path, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **extra}
@@ -323,13 +328,14 @@ def test_unimplemented_parameters_are_400(server, path, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
-    assert any(w in err["message"] for w in ("accepted:", "needs logprobs", "only allowed when stream"))
+    assert any(w in err["message"] for w in ("accepted:", "needs logprobs", "only allowed when stream",
+                                            "+ max_completion_tokens (100000)"))
 
 
 def test_harmless_and_neutral_parameters_are_accepted(server):
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "user": "u1",
             "metadata": {"k": "v"}, "response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {},
-            "store": False}
+            "store": False, "min_tokens": 0, "modalities": ["text"], "skip_special_tokens": True, "audio": None}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
     cmpl = {"model": "tiny", "max_tokens": 2, "prompt": "x", "n": 2, "best_of": 2, "suffix": "", "whatever": [1]}
     assert post(server, "/v1/completions", cmpl).status_code == 200
@@ -509,6 +515,8 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
     assert cli_error(capsys, "--max-model-len", "200", "--num-blocks", "4", "--block-size", "16", "--port", str(free_port())) == (
         "jmem serve: error: max_model_len=200 does not fit the KV cache, which holds 64 tokens (4 blocks of 16); "
         "accepted: max_model_len <= 64, or more KV-cache memory (kv_cache_memory, memory_utilization, num_blocks)")
+    assert cli_error(capsys, "--api-key", "").startswith(
+        "jmem serve: error: --api-key='' would leave the server open (an unset variable in --api-key \"$KEY\"?)")
     assert cli_error(capsys, "--packed") == (
         "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is not a GGUF file (a preset "
         "or a quantized directory loads as it is); accepted: a .gguf path or smollm2-135m")
