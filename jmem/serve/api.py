@@ -95,12 +95,13 @@ class RequireAPIKey:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            # The scheme is case-insensitive (RFC 9110 section 11.1): "bearer" is "Bearer".
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.expected):
                 body = APIError(401, "missing or invalid API key", code="invalid_api_key").body()
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return

@@ -83,6 +83,12 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
 
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}={v!r}; accepted: an integer >= 1")
+
 
 @dataclass
 class RequestOutput:

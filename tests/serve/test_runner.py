@@ -256,6 +256,9 @@ def test_stop_strings_penalties_and_abort(model):
             (p, greedy(stop=[""]), "stop=\\[''\\]; accepted: a non-empty string")]:
         with pytest.raises(ValueError, match=message):
             engine.add_request(prompt, params)
+    for field_, bad in (("block_size", 0), ("max_num_seqs", "4"), ("max_num_batched_tokens", True)):
+        with pytest.raises(ValueError, match=f"{field_}={bad!r}; accepted: an integer >= 1"):
+            EngineConfig(**{**SMALL, field_: bad})
     with pytest.raises(ValueError, match="1 sampling params for 2 prompts; accepted: one, or one per prompt"):
         engine.generate([p, p], [greedy()])
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()

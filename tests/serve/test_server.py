@@ -188,9 +188,10 @@ def test_errors_auth_json_and_client(server, client):
     r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": "hi"},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
         r = httpx.get(server + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server + "/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="hi", max_tokens=-3)
     with pytest.raises(openai.NotFoundError):
