@@ -290,14 +290,16 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    def completion_logprobs(lps, offset0):
+    def completion_logprobs(lps, at=None):
         """OpenAI's completions logprobs of `(token id, (logprob, top) | None)` pairs (None: a prompt's
-        first token, which has no context). Offsets count characters of the decoded bytes."""
-        tokens, token_lps, tops, offsets, off = [], [], [], [], offset0
-        chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first token, which has no context). Offsets count characters of the decoded bytes: from 0, or
+        continuing `at`, a stream's `[offset, UTF-8 decoder]` (a character split over two chunks has
+        the offsets it has in one response)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        at = [0, codecs.getincrementaldecoder("utf-8")(errors="replace")] if at is None else at
         for tid, entry in lps:
-            tokens.append(token_bytes.text(tid)), offsets.append(off)
-            off += len(chars.decode(token_bytes(tid)))
+            tokens.append(token_bytes.text(tid)), offsets.append(at[0])
+            at[0] += len(at[1].decode(token_bytes(tid)))
             lp, top = entry if entry is not None else (None, None)
             token_lps.append(lp)
             tops.append(None if top is None else {token_bytes.text(i): l for i, l in top})
@@ -436,7 +438,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             else [[] for _ in prompts]
         if echo_only:
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
-                        "logprobs": completion_logprobs(scored[k], 0) if body.logprobs is not None else None}
+                        "logprobs": completion_logprobs(scored[k]) if body.logprobs is not None else None}
                        for k, ids in enumerate(prompts) for j in range(n)]
             base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
             prompt_usage = usage(sum(len(ids) for ids in prompts), [])
@@ -454,19 +456,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [len(e) for e in echo_of]
+            offsets = [[len(e), codecs.getincrementaldecoder("utf-8")(errors="replace")] for e in echo_of]
 
             def choice(i, o):
                 lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i]) \
                     if body.logprobs is not None else None
-                offsets[i] += len(o.text)
                 if not (o.text or o.finished or lp):
                     return None
                 return {"index": i, "text": o.text, "logprobs": lp,
                         "finish_reason": o.finish_reason if o.finished else None}
 
             opening = [{"index": i, "text": e, "finish_reason": None,
-                        "logprobs": completion_logprobs(scored[i // n], 0) if body.logprobs is not None else None}
+                        "logprobs": completion_logprobs(scored[i // n]) if body.logprobs is not None else None}
                        for i, e in enumerate(echo_of) if e]
             return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
 
@@ -475,7 +476,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
-                    "logprobs": completion_logprobs(scored[i // n] + lps[i], 0) if body.logprobs is not None else None,
+                    "logprobs": completion_logprobs(scored[i // n] + lps[i]) if body.logprobs is not None else None,
                     "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
         return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 

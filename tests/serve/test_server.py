@@ -131,6 +131,16 @@ def test_streaming_n2_stop_logprobs(server, client):
     assert all(max(t.values()) == pytest.approx(l, abs=1e-5) for t, l in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_streamed_text_offsets_equal_the_whole_response(server, client):
+    """The tiny model's bytes split characters over tokens (and the stream holds partial ones back):
+    each token's text_offset is the same streamed or not."""
+    kw = dict(model="tiny", prompt="hello", max_tokens=12, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    streamed = [o for c in client.completions.create(stream=True, **kw) if (lp := c.choices[0].logprobs)
+                for o in lp.text_offset]
+    assert streamed == whole.text_offset and len(streamed) == 12
+
+
 def test_echo_with_logprobs_scores_the_prompt(server, client):
     """lm-eval-harness's loglikelihood request: the prompt's own tokens get log-probabilities (the
     first none), computed apart from the paged cache; they agree with what generation gave."""
