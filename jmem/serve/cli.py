@@ -113,6 +113,12 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    for flag, v, ok, accepted in (("--num-blocks", args.num_blocks, lambda v: v >= 1, "an integer >= 1"),
+                                  ("--kv-cache-memory", args.kv_cache_memory, lambda v: v > 0, "a number of bytes > 0"),
+                                  ("--memory-utilization", args.memory_utilization, lambda v: 0 < v <= 1,
+                                   "a fraction in (0, 1]")):
+        if v is not None and not ok(v):  # before the model loads (the engine would say it after)
+            raise ValueError(f"{flag}={v}; accepted: {accepted}, or unset")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key={args.api_key!r} would leave the server open (an unset variable in "
                          "--api-key \"$KEY\"?); accepted: a non-empty key, or no --api-key for an open server")
