@@ -184,6 +184,9 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
         engine.add_request([1, 2], greedy(), adapter="c")
     with pytest.raises(ValueError, match="does not exist"):
         stack_adapters(model, {"x": str(tmp_path / "missing.npz")})
+    for name in ("", None, " "):
+        with pytest.raises(ValueError, match=f"LoRA module name {name!r}; accepted: a non-empty string"):
+            stack_adapters(model, {name: str(tmp_path / "missing.npz")})
     (tmp_path / "junk.npz").write_bytes(b"not an npz")
     with pytest.raises(ValueError, match="not a LoRA adapter file"):
         stack_adapters(model, {"x": str(tmp_path / "junk.npz")})
