@@ -309,7 +309,7 @@ class Engine:
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
             bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
             raise ValueError(f"{what} holds {bad!r}; accepted: integer token ids 0..{vocab - 1}")
-        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+        if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
             bad = min(ids) if min(ids) < 0 else max(ids)
             raise ValueError(f"{what} holds token id {bad}; accepted: 0..{vocab - 1}")
 

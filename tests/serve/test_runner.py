@@ -249,6 +249,7 @@ def test_stop_strings_penalties_and_abort(model):
     for prompt, params, message in [
             ([vocab], greedy(), f"prompt holds token id {vocab}; accepted: 0..{vocab - 1}"),
             ([-1, 5], greedy(), "prompt holds token id -1"),
+            (np.array([5, vocab + 1]), greedy(), f"prompt holds token id {vocab + 1}"),  # an array prompt too
             (["h"], greedy(), "prompt holds 'h'; accepted: integer token ids"),
             (p, greedy(stop_token_ids=[vocab + 3]), f"stop_token_ids holds token id {vocab + 3}"),
             (p, greedy(max_tokens=4.5), "max_tokens=4.5; accepted: an integer"),
