@@ -32,6 +32,7 @@ import pathlib
 
 import numpy as np
 
+from jmem.checks import check_int
 from jmem.io.tokenizer import ByteTokenizer
 
 BYTE_VOCAB = ByteTokenizer.vocab_size
@@ -150,7 +151,7 @@ class PackedDataset:
 
     @classmethod
     def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05) -> "PackedDataset":
-        _check_int("seq", seq, 1)
+        check_int("seq", seq, 1)
         stream = np.asarray(stream)
         if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
             raise ValueError(f"stream of dtype {stream.dtype} and shape {stream.shape}; accepted: a 1-D sequence of "
@@ -191,7 +192,7 @@ class PackedDataset:
             {"inputs": i32[batch, seq], "targets": i32[batch, seq], "mask": f32[batch, seq]}
         """
         for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1), ("seed", seed, 0)):
-            _check_int(name, value, least)
+            check_int(name, value, least)
         n = len(self.train)
         start = step * batch_size
         rows = []
@@ -208,18 +209,13 @@ class PackedDataset:
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None):
         """Validation batches in order; the last partial batch is dropped (fixed shapes)."""
-        _check_int("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
         n = len(self.valid) // batch_size
         if max_batches is not None:
-            _check_int("max_batches", max_batches, 0)
+            check_int("max_batches", max_batches, 0)
             n = min(n, max_batches)
         for i in range(n):
             yield _as_batch(self.valid[i * batch_size : (i + 1) * batch_size])
-
-
-def _check_int(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
 def _as_batch(w: np.ndarray) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
+from jmem.checks import check_int
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -48,11 +49,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < sampling.GREEDY_BELOW
-
-
-def check_ints(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
 def check_prompt_ids(prompts, vocab_size: int) -> np.ndarray:
@@ -128,8 +124,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             returning how many ids to keep when a stop condition was met.
         chunk: decode steps per device call.
     """
-    check_ints("max_new_tokens", max_new_tokens, 0)
-    check_ints("chunk", chunk, 1)  # 0 decode steps per call would never finish
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_int("chunk", chunk, 1)  # 0 decode steps per call would never finish
     cfg = model.config
     lengths = check_prompt_ids(prompts, cfg.vocab_size)
     total = int(lengths.max()) + max_new_tokens + chunk

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.generate import check_ints, check_prompt_ids
+from jmem.checks import check_int
+from jmem.generate import check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
 from jmem.sampling import GREEDY_BELOW
 
@@ -148,8 +149,8 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
                          "accepted: models sharing one tokenizer")
-    check_ints("max_new_tokens", max_new_tokens, 0)
-    check_ints("k", k, 1)
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_int("k", k, 1)
     scalar = isinstance(temperature, (int, float, np.number)) or (isinstance(temperature, jax.Array)
                                                                  and temperature.ndim == 0)
     if not (scalar and not isinstance(temperature, bool) and np.isfinite(temperature) and temperature >= 0):

@@ -49,6 +49,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jmem.checks import is_int
 from jmem.memory.measure import format_bytes, tree_bytes
 
 _DTYPE_BYTES = {"f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2}
@@ -254,7 +255,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         raise ValueError(f"attention={attention!r}; accepted: {', '.join(_ATTENTION_IMPLS)}")
     for name, value, least in (("batch", batch, 1), ("seq", seq, 1), ("accum", accum, 1), ("lora_rank", lora_rank, 0),
                                ("loss_chunk", 1 if loss_chunk is None else loss_chunk, 1)):
-        if not _is_int(value) or value < least:
+        if not is_int(value) or value < least:
             raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}" +
                              (", or None (whole sequence)" if name == "loss_chunk" else ""))
     if batch % accum:
@@ -324,10 +325,6 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     if frozen is not None:
         out = {"trainable": train_bytes, "frozen": frozen, **out}
     return out
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def format_estimate(est: dict, title: str = "estimate") -> str:

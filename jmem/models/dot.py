@@ -12,12 +12,24 @@ import jax
 import jax.numpy as jnp
 
 
+def float_input(x: jax.Array, dtype) -> jax.Array:
+    """`x` as a float: integer (or bool) inputs take the weight's float `dtype` (float32 when it is not a float
+    dtype), as `jnp.matmul` promotes them against a float weight; float inputs are returned unchanged."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    dtype = jnp.dtype(dtype)
+    return x.astype(dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
+
+
 def dot(x: jax.Array, w) -> jax.Array:
-    """`x[..., in] @ w[in, out] -> [..., out]` in `x.dtype`, accumulating in f32.
+    """`x[..., in] @ w[in, out] -> [..., out]` in `x.dtype`, accumulating in f32; an integer `x` is
+    first promoted to the weight's float dtype (`float_input`), for plain and quantized weights alike.
 
     Example:
         >>> y = dot(jnp.ones((2, 4)), jnp.ones((4, 3)))  # f32[2, 3]
     """
+    x = float_input(x, getattr(w, "dtype", jnp.float32))
     if hasattr(w, "__jmem_dot__"):
         return w.__jmem_dot__(x)
     w = jnp.asarray(w)

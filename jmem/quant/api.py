@@ -27,12 +27,13 @@ from flax import nnx
 from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import STAGES as GPTQ_STAGES
 from jmem.calibrate import stack_records
+from jmem.checks import is_int
 from jmem.models.llama import Blocks
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
 from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
-from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_finite, check_group_size, check_int_bits, is_int
+from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_finite, check_group_size, check_int_bits
 
 METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
 CALIBRATED = ("gptq", "awq")

@@ -21,9 +21,9 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.models.dot import partition_specs
-from jmem.quant.qtensor import (IntTensor, QTensor, check_finite, check_group_size, encode, float_input,
-                                group_params, is_int)
+from jmem.quant.qtensor import IntTensor, QTensor, check_finite, check_group_size, encode, group_params
 
 N_GRID = 20
 CLIP_GRID = 20
@@ -172,7 +172,6 @@ class InputScaled(QTensor):
         return InputScaled(partition_specs(self.inner, lead, rows, cols, row_pieces), P(*lead, rows))
 
     def __jmem_dot__(self, x):
-        x = float_input(x, self.dtype)
         return self.inner.__jmem_dot__((x * self.inv_scale.astype(x.dtype)).astype(x.dtype))
 
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jmem.models.dot import check_row_split
 from jmem.quant import ggml
 from jmem.quant.ggml_quantize import quantize
-from jmem.quant.qtensor import check_finite, float_input
+from jmem.quant.qtensor import check_finite
 
 
 class PackedRows:
@@ -146,7 +146,6 @@ class GGMLWeight(PackedRows):
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the {self.qtype.name} weight has {self.in_features}")
-        x = float_input(x, self.dtype)
         w_OI = ggml.dequantize(self.raw, self.qtype).astype(x.dtype)
         y = jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import jax.scipy.linalg  # noqa: F401  (cho_solve)
 import numpy as np
 
-from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, group_params, is_int
+from jmem.checks import is_int
+from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, group_params
 
 BLOCK = 128
 DAMP = 0.01

@@ -48,7 +48,8 @@ from jax.experimental import pallas as pl
 from jmem.kernels.dispatch import target_platform
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
-from jmem.quant.qtensor import IntTensor, float_input
+from jmem.models.dot import float_input
+from jmem.quant.qtensor import IntTensor
 
 MATMUL_IMPLS = ("auto", "pallas", "xla")
 # Backends where "auto" picks the compiled kernel.
@@ -210,7 +211,7 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
     """`x[..., K] @ W[K, N] -> [..., N]` (dtype of x) for a 4-bit `IntTensor` or an `NF4Tensor`.
 
     Args:
-      x: float[..., K] (an integer x is promoted to the weight's float dtype).
+      x: float[..., K].
       w: a 2-D `IntTensor` with bits=4 (symmetric or with zero points, group
         size a multiple of 32) or a 2-D `NF4Tensor`.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
@@ -218,7 +219,6 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
     Example:
         >>> y = dequant_matmul(x, IntTensor.quantize(w, bits=4, group_size=128), interpret=True)
     """
-    x = float_input(x, w.dtype)
     if isinstance(w, NF4Tensor):
         packed, scale, zero, group, nf4, zero_const = w.codes, w.absmax(), None, NF4_BLOCK, True, 0.0
     elif isinstance(w, IntTensor) and w.bits == 4:
@@ -271,6 +271,5 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
 
 def reference_matmul(x: jax.Array, w: IntTensor | NF4Tensor) -> jax.Array:
     """The plain path the kernel must match: dequantize, then matmul in f32."""
-    x = float_input(x, w.dtype)
     y = jnp.matmul(x.astype(jnp.float32), w.dequantize(jnp.float32))
     return y.astype(x.dtype)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.models.dot import check_row_split
 
 # Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
@@ -37,18 +38,7 @@ SUPPORTED_INT_BITS = (2, 3, 4, 8)
 PACK_BITS = (1, 2, 3, 4, 8)
 
 
-def float_input(x: jax.Array, dtype) -> jax.Array:
-    """`x` as a float: integer (or bool) inputs take the weight's float `dtype` (float32 when it is not a float
-    dtype), as `jnp.matmul` promotes them against a float weight; float inputs are returned unchanged."""
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    dtype = jnp.dtype(dtype)
-    return x.astype(dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
-
-
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    x = float_input(x, w.dtype)
     y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
@@ -80,8 +70,7 @@ class QTensor:
         return jax.tree_util.tree_map(lambda c: c[index], self)
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
-        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step (an integer `x` is promoted to float)."""
-        x = float_input(x, self.dtype)
+        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step."""
         return _matmul(x, self.dequantize(x.dtype))
 
     def __repr__(self) -> str:
@@ -254,11 +243,6 @@ def check_int_bits(bits) -> None:
     if not is_int(bits) or bits not in SUPPORTED_INT_BITS:
         raise ValueError(f"bits={bits!r} is not supported for integer quantization; accepted: an int in "
                          f"{SUPPORTED_INT_BITS}")
-
-
-def is_int(v) -> bool:
-    """A Python or NumPy integer (not a bool, not a float that happens to be whole)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def is_concrete(x) -> bool:

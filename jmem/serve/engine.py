@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from flax import nnx
 
+from jmem.checks import check_int, is_int
 from jmem.memory import bytes_per_device
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
@@ -85,9 +85,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name}={v!r}; accepted: an integer >= 1")
+            check_int(name, getattr(self, name), 1)
 
 
 @dataclass
@@ -306,8 +304,8 @@ class Engine:
     def _check_ids(self, what: str, ids) -> None:
         """Token ids must be integers of the model's vocabulary (the embedding would clamp others)."""
         vocab = self.runner.config.vocab_size
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+        if not all(is_int(t) for t in ids):
+            bad = next(t for t in ids if not is_int(t))
             raise ValueError(f"{what} holds {bad!r}; accepted: integer token ids 0..{vocab - 1}")
         if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
             bad = min(ids) if min(ids) < 0 else max(ids)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jmem.checks import is_int
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -65,7 +67,7 @@ class SamplingParams:
         one stop string (as OpenAI's `stop`), not its characters."""
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             v = getattr(self, name)
-            if (v is not None or name == "max_tokens") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            if (v is not None or name == "max_tokens") and not is_int(v):
                 raise ValueError(f"{name}={v!r}; accepted: an integer")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -75,7 +77,7 @@ class SamplingParams:
         if not all(isinstance(t, str) and t for t in self.stop):
             raise ValueError(f"stop={self.stop!r}; accepted: a non-empty string or a list of them")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.stop_token_ids):
+        if not all(is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids")
         checks = [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),

@@ -93,6 +93,15 @@ def test_integer_input_is_promoted_to_float(make, w):
         np.testing.assert_allclose(np.asarray(quantized_dot(x_int, q)), want, rtol=1e-5, atol=1e-4)
 
 
+def test_integer_input_against_a_plain_weight(w):
+    """`dot` promotes an integer x for every weight leaf (it cast a float weight to int before)."""
+    x_int = jnp.arange(N_IN, dtype=jnp.int32).reshape(1, N_IN) % 3 - 1
+    got = dot(x_int, jnp.asarray(w, jnp.float32))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x_int, np.float32) @ np.asarray(w, np.float32), rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_integer_input_through_awq_input_scale(w, x):
     q = awq_quantize(w, x, 4, 32)
     x_int = jnp.ones((1, N_IN), jnp.int32)

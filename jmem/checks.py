@@ -1,0 +1,23 @@
+"""Argument checks shared across the package: an integer is a Python or NumPy integer, never a bool
+(and never a float that happens to be whole); a bad one is one ValueError naming it.
+
+Example:
+    >>> check_int("batch_size", 8, 1)
+    >>> is_int(True), is_int(np.int64(3))
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, least: int) -> None:
+    """ValueError `name=value; accepted: an integer >= least` unless `value` is such an integer."""
+    if not is_int(value) or value < least:
+        raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
