@@ -27,6 +27,7 @@ from jmem.io.tokenizer import ByteTokenizer
 from jmem.serve.engine import Engine, RequestOutput
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, chat_dicts, check_text, choice_seed)
+from jmem.serve.request import ContextTooLong
 
 log = logging.getLogger("jmem.serve")
 
@@ -236,8 +237,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 except ValueError as e:
                     for s in streams:
                         engine.abort(s.request_id)
-                    message = str(e).replace("+ max_tokens (", f"+ {max_tokens_param} (")
-                    param = prompt_param if "context" in message or "prompt" in message else None
+                    message = e.describe(max_tokens_param) if isinstance(e, ContextTooLong) else str(e)
+                    param = getattr(e, "param", None)
+                    param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param)
                     raise APIError(400, message if len(prompts) == 1 else f"prompt {pi}: {message}", param) from None
         return streams
 

@@ -27,7 +27,7 @@ from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.ngram import check_speculative_args
-from jmem.serve.request import Request, SamplingParams, Status
+from jmem.serve.request import Request, RequestError, SamplingParams, Status, check_fits
 from jmem.serve.runner import ModelRunner, kv_cache_budget
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 from jmem.serve.tensor_parallel import state_shardings
@@ -286,14 +286,9 @@ class Engine:
         params.validate()
         self.runner.slot_of(adapter)
         rid = request_id or f"req-{next(self._ids)}"
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty; need at least one token")
+        check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids)
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_request_tokens:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the maximum context of {self.max_request_tokens} tokens")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
                       seed=seed % (1 << 32))
@@ -306,22 +301,23 @@ class Engine:
         vocab = self.runner.config.vocab_size
         if not all(is_int(t) for t in ids):
             bad = next(t for t in ids if not is_int(t))
-            raise ValueError(f"{what} holds {bad!r}; accepted: integer token ids 0..{vocab - 1}")
+            raise RequestError(f"{what} holds {bad!r}; accepted: integer token ids 0..{vocab - 1}", what)
         if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
             bad = min(ids) if min(ids) < 0 else max(ids)
-            raise ValueError(f"{what} holds token id {bad}; accepted: 0..{vocab - 1}")
+            raise RequestError(f"{what} holds token id {bad}; accepted: 0..{vocab - 1}", what)
 
     def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
         """Each prompt token's log-probability given the tokens before it, with the top `k`
         (0..20): `[None, (lp, [(id, lp), ...]), ...]` (see `ModelRunner.prompt_logprobs`).
         Safe to call from any thread; it does not touch the paged cache or the schedule."""
         if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty; accepted: at least one token")
+            raise RequestError("the prompt is empty; accepted: at least one token", "prompt")
         self._check_ids("prompt", prompt_ids)
         if len(prompt_ids) > self.max_request_tokens:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}")
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}",
+                               "prompt")
         if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
-            raise ValueError(f"logprobs={k} is out of range; accepted: 0..{SamplingParams.MAX_LOGPROBS}")
+            raise RequestError(f"logprobs={k} is out of range; accepted: 0..{SamplingParams.MAX_LOGPROBS}", "logprobs")
         return self.runner.prompt_logprobs(list(prompt_ids), k, adapter)
 
     def abort(self, request_id: str) -> None:

@@ -12,6 +12,36 @@ import numpy as np
 from jmem.checks import is_int
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; `param` names the request field at fault (None when none is),
+    so a caller that spells the fields differently (the HTTP API) can name its own."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLong(RequestError):
+    """prompt + max_tokens beyond the most tokens one request may hold."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+        super().__init__(self.describe(), "prompt")
+
+    def describe(self, max_tokens_name: str = "max_tokens") -> str:
+        total = self.prompt_tokens + self.max_tokens
+        return (f"prompt ({self.prompt_tokens} tokens) + {max_tokens_name} ({self.max_tokens}) = {total} "
+                f"exceeds the maximum context of {self.limit} tokens")
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:
+    """Raise ContextTooLong (before any work) for a request that could never be scheduled."""
+    if not prompt_tokens:
+        raise RequestError("prompt is empty; need at least one token", "prompt")
+    if prompt_tokens + max_tokens > limit:
+        raise ContextTooLong(prompt_tokens, max_tokens, limit)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -61,24 +91,25 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its accepted range or type.
+        """Raise RequestError (a ValueError) naming the first bad field and its accepted range or type.
 
         `stop` and `stop_token_ids` are normalised in place: None is none, and one string is
         one stop string (as OpenAI's `stop`), not its characters."""
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             v = getattr(self, name)
             if (v is not None or name == "max_tokens") and not is_int(v):
-                raise ValueError(f"{name}={v!r}; accepted: an integer")
+                raise RequestError(f"{name}={v!r}; accepted: an integer", name)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-                raise ValueError(f"{name}={v!r}; accepted: a finite number")
+                raise RequestError(f"{name}={v!r}; accepted: a finite number", name)
         self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if not all(isinstance(t, str) and t for t in self.stop):
-            raise ValueError(f"stop={self.stop!r}; accepted: a non-empty string or a list of them")
+            raise RequestError(f"stop={self.stop!r}; accepted: a non-empty string or a list of them", "stop")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if not all(is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids")
+            raise RequestError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids",
+                               "stop_token_ids")
         checks = [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
@@ -92,7 +123,7 @@ class SamplingParams:
         ]
         for name, ok, accepted in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range; accepted: {accepted}")
+                raise RequestError(f"{name}={getattr(self, name)!r} is out of range; accepted: {accepted}", name)
 
     @property
     def uses_penalties(self) -> bool:

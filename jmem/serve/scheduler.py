@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.ngram import check_speculative_args, propose_ngram
-from jmem.serve.request import Request, Status
+from jmem.serve.request import Request, Status, check_fits
 
 PENDING_PROPOSAL = -1  # a reserved proposal place, filled by a draft model before the step runs
 
@@ -117,13 +117,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         """Queue a request; ValueError if it could never fit."""
-        if not req.prompt_token_ids:
-            raise ValueError("prompt is empty; need at least one token")
-        if req.max_total_tokens > self.max_request_tokens:
-            raise ValueError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = "
-                f"{req.max_total_tokens} exceeds the maximum context of {self.max_request_tokens} tokens"
-            )
+        check_fits(req.num_prompt_tokens, req.params.max_tokens, self.max_request_tokens)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.status = Status.WAITING

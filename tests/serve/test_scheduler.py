@@ -6,7 +6,7 @@ import pytest
 
 from jmem.serve.block_pool import BlockPool, NoFreeBlocksError, hash_block
 from jmem.serve.kv_cache import KVCacheManager
-from jmem.serve.request import Request, SamplingParams, Status
+from jmem.serve.request import ContextTooLong, Request, RequestError, SamplingParams, Status
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 
 
@@ -204,15 +204,19 @@ def test_abort_frees_blocks_and_errors():
     assert sched.finish("b").status is Status.FINISHED_ABORTED
     assert sched.finish("b") is None
     assert kv.pool.num_used == 0 and not sched.has_unfinished()
-    with pytest.raises(ValueError, match="exceeds the maximum context of 32"):
+    with pytest.raises(ContextTooLong, match="exceeds the maximum context of 32") as e:
         sched.add_request(Request("c", list(range(30)), SamplingParams(max_tokens=5)))
-    with pytest.raises(ValueError, match="empty"):
+    assert e.value.param == "prompt" and (e.value.prompt_tokens, e.value.max_tokens, e.value.limit) == (30, 5, 32)
+    assert e.value.describe("max_completion_tokens").startswith("prompt (30 tokens) + max_completion_tokens (5) = 35")
+    with pytest.raises(RequestError, match="empty") as e:
         sched.add_request(Request("d", []))
+    assert e.value.param == "prompt"
 
 
 def test_sampling_params_validation():
     SamplingParams().validate()
     for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2),
                 dict(logprobs=21), dict(top_k=-2), dict(top_k=2**31)):  # top_k: an int32 on the device
-        with pytest.raises(ValueError, match=next(iter(bad))):
+        with pytest.raises(RequestError, match=next(iter(bad))) as e:
             SamplingParams(**bad).validate()
+        assert e.value.param == next(iter(bad))
