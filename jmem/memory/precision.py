@@ -148,7 +148,7 @@ class Policy:
         for part in text.split(","):
             if "=" not in part:
                 raise PrecisionError(
-                    f"precision {spec!r}: cannot parse {part!r}; expected 'p=DTYPE,c=DTYPE,o=DTYPE' "
+                    f"precision {spec!r}: cannot parse {part!r}; accepted: 'p=DTYPE,c=DTYPE,o=DTYPE' "
                     f"or one of {', '.join(ALIASES)}"
                 )
             k, v = (s.strip() for s in part.split("=", 1))

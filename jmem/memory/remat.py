@@ -84,9 +84,9 @@ def parse_spec(spec: str) -> dict[str, str]:
             )
         name, choice = (s.strip() for s in item.split("=", 1))
         if name not in ACTIVATIONS:
-            raise ValueError(f"remat spec: unknown activation name {name!r}; valid names: {', '.join(ACTIVATIONS)}")
+            raise ValueError(f"remat spec: unknown activation name {name!r}; accepted: {', '.join(ACTIVATIONS)}")
         if choice not in CHOICES:
-            raise ValueError(f"remat spec: {name}={choice!r}; each name takes one of {', '.join(CHOICES)}")
+            raise ValueError(f"remat spec: {name}={choice!r}; accepted: {', '.join(CHOICES)}")
         if name in out:
             raise ValueError(f"remat spec: name {name!r} given twice")
         out[name] = choice
@@ -136,7 +136,7 @@ def get_policy(name: str | None) -> Callable | None:
         return _save_and_offload((), MINIMAL_NAMES)
     if "=" not in name:
         raise ValueError(
-            f"unknown remat policy {name!r}; valid: {', '.join(POLICIES)}, "
+            f"unknown remat policy {name!r}; accepted: {', '.join(POLICIES)}, "
             f"or a spec 'name=remat|device|offload,...' over names {', '.join(ACTIVATIONS)}"
         )
     spec = parse_spec(name)

@@ -56,7 +56,6 @@ def _translate(flag: str, value, message: str, accepted: str) -> str:
         message = "--" + message
     else:
         message = f"{head}: {message}"
-    message = message.replace("; valid", "; accepted").replace("; expected ", "; accepted: ")
     if "accepted" not in message:
         message += f"; accepted: {accepted}"
     return message

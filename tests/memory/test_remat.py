@@ -36,7 +36,7 @@ def test_empty_policy_is_refused_not_read_as_none():
     for call in (get_policy, validate):
         with pytest.raises(ValueError) as e:
             call("")
-        assert str(e.value).startswith("unknown remat policy ''; valid: ") and all(p in str(e.value) for p in POLICIES)
+        assert str(e.value).startswith("unknown remat policy ''; accepted: ") and all(p in str(e.value) for p in POLICIES)
     assert validate(None) == "none"
 
 

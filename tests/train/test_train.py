@@ -87,14 +87,14 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--remat", "everything"], "unknown remat policy 'everything'; valid: none, full"),
+    (["--remat", "everything"], "unknown remat policy 'everything'; accepted: none, full"),
     (["--optimizer", "lion"], "unknown optimizer 'lion'; accepted: adamw, adafactor, adam8bit, galore, sgd"),
     (["--accum", "3", "--batch", "4"], "accum=3 does not divide batch=4"),
     (["--precision", "p=f33"], "precision 'p=f33'"),
     (["--model", "no-such-model"], "not a preset"),
     (["--plot", "/"], "--plot '/' is a directory; accepted: a file path"),
     # An empty policy is refused (the model would remat fully while the estimate counted none).
-    (["--remat", ""], "unknown remat policy ''; valid: none, full"),
+    (["--remat", ""], "unknown remat policy ''; accepted: none, full"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     rc, err = run_train_script(argv, capsys)
