@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import is_int
 from jmem.models.dot import dot
 from jmem.models.llama import block
 
@@ -46,7 +47,7 @@ def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs
             seq_len / max_seqs not a positive integer.
     """
     for name, n in (("seq_len", seq_len), ("max_seqs", max_seqs)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"{name}={n!r}; accepted: a positive integer")
     if calibration is None or (isinstance(calibration, (str, list, tuple)) and len(calibration) == 0):
         raise ValueError("calibration is empty; accepted: non-empty text(s) or token arrays")

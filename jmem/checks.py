@@ -1,5 +1,5 @@
 """Argument checks shared across the package: an integer is a Python or NumPy integer, never a bool
-(and never a float that happens to be whole); a bad one is one ValueError naming it.
+(and never a float that happens to be whole), a number is an integer or a float; a bad one is one ValueError naming it.
 
 Example:
     >>> check_int("batch_size", 8, 1)
@@ -15,6 +15,11 @@ import numpy as np
 def is_int(value) -> bool:
     """A Python or NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A Python or NumPy integer or float, not a bool (finiteness is the caller's to check)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def check_int(name: str, value, least: int) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jmem.checks import is_int
 from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
 from jmem.train.loss import router_loss
@@ -108,7 +109,7 @@ def _resolve_chunk(chunk: int | None, T: int, default: int) -> int:
         while T % c:
             c -= 1
         return c
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+    if not is_int(chunk) or chunk <= 0:
         raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer dividing seq={T}, or None")
     if chunk >= T:
         return T
@@ -253,7 +254,7 @@ def student_from_teacher(teacher: Llama, layers: Sequence[int]) -> Llama:
     if not layers:
         raise ValueError(f"student layers is empty; accepted: distinct indices in [0, {n})")
     for i in layers:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        if not is_int(i):
             raise ValueError(f"student layer {i!r} is not an integer; accepted: indices in [0, {n})")
         if not 0 <= i < n:
             raise ValueError(f"student layer {i} is out of range for a teacher of {n} layers; accepted: [0, {n})")

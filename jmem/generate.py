@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
-from jmem.checks import check_int
+from jmem.checks import check_int, is_int
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -40,7 +40,7 @@ class SamplingParams:
     def __post_init__(self):
         if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer))
+        if self.top_k is not None and (not is_int(self.top_k)
                                        or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 or None")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 
@@ -59,7 +60,7 @@ class LoRA:
     def init(cls, base, rank: int, alpha: float, key, dropout: float = 0.0, rslora: bool = False,
              dtype=jnp.float32) -> "LoRA":
         """A fresh adapter: A ~ N(0, 1/in), B = 0."""
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank <= 0:
+        if not is_int(rank) or rank <= 0:
             raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
         dtype = as_dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):

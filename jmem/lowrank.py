@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.checks import is_int, is_number
 from jmem.models.dot import dot
 from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import stack_records
@@ -123,14 +124,14 @@ jax.tree_util.register_pytree_with_keys_class(LowRank)
 
 def check_rank(rank, n_in: int, n_out: int) -> None:
     """One clear error unless `rank` is an integer in 1..min(n_in, n_out)."""
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 1 <= rank <= min(n_in, n_out):
+    if not is_int(rank) or not 1 <= rank <= min(n_in, n_out):
         raise ValueError(f"rank={rank!r} for a [{n_in}, {n_out}] weight; accepted: an integer in "
                          f"1..{min(n_in, n_out)}")
 
 
 def check_damp(damp) -> None:
     """One clear error unless `damp` is a finite number >= 0."""
-    if isinstance(damp, bool) or not isinstance(damp, (int, float, np.integer, np.floating)) \
+    if not is_number(damp) \
             or not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"damp={damp!r}; accepted: a finite number >= 0 (a fraction of the gram's mean diagonal)")
 
@@ -140,7 +141,7 @@ def rank_for(keep: float, n_in: int, n_out: int) -> int:
 
     `keep` is a fraction in (0, 1].
     """
-    if isinstance(keep, bool) or not isinstance(keep, (int, float, np.integer, np.floating)) or not 0 < keep <= 1:
+    if not is_number(keep) or not 0 < keep <= 1:
         raise ValueError(f"keep={keep!r}; accepted: the fraction of the matrix's parameters to keep, in (0, 1]")
     return max(1, math.floor(keep * n_in * n_out / (n_in + n_out)))
 
@@ -148,7 +149,7 @@ def rank_for(keep: float, n_in: int, n_out: int) -> int:
 def _plan(model, rank, keep, targets) -> dict[str, int]:
     if (rank is None) == (keep is None):
         raise ValueError(f"give exactly one of rank={rank!r} or keep={keep!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep < 1):
+    if keep is not None and (not is_number(keep) or not 0 < keep < 1):
         raise ValueError(f"keep={keep!r}; accepted: the fraction of each matrix's parameters to keep, in (0, 1)")
     if isinstance(targets, str):
         targets = (targets,)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.checks import is_number
 from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import stack_records
 from jmem.quant.api import describe_quantized
@@ -92,7 +93,7 @@ def check_spec(method: str, sparsity, pattern) -> PruneSpec:
     if method not in METHODS:
         raise ValueError(f"unknown pruning method {method!r}; accepted: {', '.join(METHODS)}")
     if sparsity is not None:
-        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float, np.integer, np.floating)) \
+        if not is_number(sparsity) \
                 or not 0.0 <= float(sparsity) < 1.0:
             raise ValueError(f"sparsity={sparsity!r}; accepted: a fraction of zeros in [0, 1)")
     if pattern is None:

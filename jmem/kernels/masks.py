@@ -26,6 +26,8 @@ import functools
 
 import numpy as np
 
+from jmem.checks import is_int
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -78,7 +80,7 @@ class LocalWindow(Mask):
     size: int
 
     def __post_init__(self):
-        if not isinstance(self.size, (int, np.integer)) or self.size < 1:
+        if not is_int(self.size) or self.size < 1:
             raise ValueError(f"LocalWindow size must be an int >= 1; got {self.size!r}")
 
     def _eval(self, i, j, q_len, kv_len):
@@ -92,7 +94,7 @@ class Strided(Mask):
     stride: int
 
     def __post_init__(self):
-        if not isinstance(self.stride, (int, np.integer)) or self.stride < 1:
+        if not is_int(self.stride) or self.stride < 1:
             raise ValueError(f"Strided stride must be an int >= 1; got {self.stride!r}")
 
     def _eval(self, i, j, q_len, kv_len):
@@ -118,8 +120,8 @@ class BlockSparse(Mask):
         arr = np.asarray(self.layout, dtype=bool)
         if arr.ndim != 2 or 0 in arr.shape:
             raise ValueError(f"BlockSparse layout must be a non-empty 2-D bool array; got shape {arr.shape}")
-        if self.block_q < 1 or self.block_k < 1:
-            raise ValueError(f"BlockSparse block sizes must be >= 1; got {self.block_q}, {self.block_k}")
+        if not (is_int(self.block_q) and is_int(self.block_k)) or self.block_q < 1 or self.block_k < 1:
+            raise ValueError(f"BlockSparse block sizes must be integers >= 1; got {self.block_q!r}, {self.block_k!r}")
         object.__setattr__(self, "layout", tuple(map(tuple, arr.tolist())))
 
     def check(self, q_len, kv_len):
@@ -156,11 +158,11 @@ class BigBird(Mask):
     block: int = 64
 
     def __post_init__(self):
-        for name in ("num_global", "window", "num_random"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"BigBird {name} must be >= 0; got {getattr(self, name)}")
-        if self.block < 1:
-            raise ValueError(f"BigBird block must be >= 1; got {self.block}")
+        for name in ("num_global", "window", "num_random", "seed"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"BigBird {name} must be an integer >= 0; got {getattr(self, name)!r}")
+        if not is_int(self.block) or self.block < 1:
+            raise ValueError(f"BigBird block must be an integer >= 1; got {self.block!r}")
 
     def check(self, q_len, kv_len):
         super().check(q_len, kv_len)

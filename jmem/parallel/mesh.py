@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jmem.checks import is_int
 
 AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "tensor")
 """Mesh axis names, outermost first."""
@@ -68,7 +69,7 @@ def parse_mesh(spec: "str | Mapping[str, int] | None") -> dict[str, int]:
             raise MeshError(f"unknown mesh axis {name!r}; accepted: {', '.join(AXES)}")
         if name in out:
             raise MeshError(f"mesh axis {name!r} is given twice")
-        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+        if not is_int(size) or (size < 1 and size != -1):
             raise MeshError(f"mesh axis {name}={size!r}: accepted sizes are positive integers or -1 (fill)")
         out[name] = int(size)
     if sum(1 for s in out.values() if s == -1) > 1:

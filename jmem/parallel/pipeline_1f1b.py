@@ -72,6 +72,7 @@ import numpy as np
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_microbatches, split_stages
 from jmem.parallel.residuals import split_residuals
 from jmem.parallel.rules import active_activation_sharding, check_heads
@@ -343,7 +344,7 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     cfg = model.config
     if getattr(cfg, "moe_experts", 0):
         raise PipelineError("the 1f1b pipeline schedule supports dense models only; accepted: dense models")
-    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+    if not is_int(n_microbatches) or n_microbatches < 1:
         raise PipelineError(f"microbatches={n_microbatches!r} must be an integer >= 1")
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     treedef = jax.tree.structure(param_state)

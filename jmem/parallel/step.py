@@ -48,6 +48,7 @@ try:
 except ImportError:  # older JAX
     from jax.experimental.shard_map import shard_map
 
+from jmem.checks import is_int
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
@@ -336,7 +337,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         >>> state = trainer.init(params); state, m = trainer.step(state, batch)
     """
     stage = check_stage(zero)
-    if not isinstance(accum, int) or accum < 1:
+    if not is_int(accum) or accum < 1:
         raise ValueError(f"accum={accum!r}: the number of microbatches must be an integer >= 1")
     rules = Rules.parse(rules)
     heads = getattr(loss_fn, "jmem_heads", None)

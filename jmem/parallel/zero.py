@@ -36,11 +36,11 @@ import math
 from typing import Any, Mapping
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
@@ -55,7 +55,7 @@ class ZeroStageError(ValueError):
 
 def check_stage(stage) -> int:
     """`stage` as an int in 0..3, else one clear error."""
-    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in ZERO_STAGES:
+    if not is_int(stage) or stage not in ZERO_STAGES:
         raise ZeroStageError(f"zero={stage!r} is not a ZeRO stage; accepted: 0, 1, 2, 3")
     return int(stage)
 

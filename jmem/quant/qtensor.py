@@ -326,7 +326,7 @@ def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
                              f"(codes are packed {unit} rows at a time); got {n_in}; accepted: bits=8 for "
                              f"this matrix, or an input dimension that is a multiple of {unit}")
         return int(n_in)
-    ok_type = isinstance(group_size, (int, np.integer)) and not isinstance(group_size, bool)
+    ok_type = is_int(group_size)
     if not ok_type or group_size <= 0 or n_in % group_size:
         if n_in % unit:
             raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}, and no group "

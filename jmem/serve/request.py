@@ -7,9 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import is_int, is_number
 
 
 class RequestError(ValueError):
@@ -101,7 +100,7 @@ class SamplingParams:
                 raise RequestError(f"{name}={v!r}; accepted: an integer", name)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+            if not is_number(v) or not math.isfinite(v):
                 raise RequestError(f"{name}={v!r}; accepted: a finite number", name)
         self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if not all(isinstance(t, str) and t for t in self.stop):

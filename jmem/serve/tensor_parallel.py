@@ -33,6 +33,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmem.checks import is_int
 from jmem.parallel.mesh import make_mesh
 from jmem.parallel.rules import ShardingError, check_heads
 
@@ -58,7 +59,7 @@ def check_tensor_parallel(config, tp: int, n_devices: int | None = None) -> None
     Example:
         >>> check_tensor_parallel(LlamaConfig.tiny(), 2)   # 4 q heads, 2 kv heads: fine
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+    if not is_int(tp) or tp < 1:
         raise TensorParallelError(f"tensor_parallel_size={tp!r}; accepted: an integer >= 1")
     n = jax.local_device_count() if n_devices is None else n_devices
     if tp > n:

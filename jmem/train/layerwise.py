@@ -60,6 +60,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jmem.checks import is_int
 from jmem.lora import LoRA, combine, set_dropout_key, trainable_split, with_dropout
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.measure import tree_bytes
@@ -117,10 +118,10 @@ def active_layers(step, *, n_layers: int, n_active: int, period: int, schedule: 
 
 
 def _check_schedule(n_layers: int, n_active, period, schedule) -> None:
-    if not isinstance(n_active, (int, np.integer)) or isinstance(n_active, bool) or not 1 <= n_active <= n_layers:
+    if not is_int(n_active) or not 1 <= n_active <= n_layers:
         raise LayerwiseError(f"n_active={n_active!r}: the number of trained layers must be an integer in 1..{n_layers} "
                              f"(the model has {n_layers} layers)")
-    if not isinstance(period, (int, np.integer)) or isinstance(period, bool) or period < 1:
+    if not is_int(period) or period < 1:
         raise LayerwiseError(f"period={period!r}: steps per layer draw must be an integer >= 1")
     if schedule not in SCHEDULES:
         raise LayerwiseError(f"schedule={schedule!r}; accepted: {', '.join(SCHEDULES)}")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.checks import is_int
 from jmem.kernels.dispatch import IMPLS
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.measure import measure_and_compile, parse_target, tree_bytes
@@ -100,7 +101,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     for s in schedules:
         _named("--pipeline-schedule", s, check_schedule, s, accepted=", ".join(SCHEDULES))
     for k in microbatches:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_int(k) or k < 1:
             raise ValueError(f"--microbatches={k}: not a pipeline microbatch count; accepted: a positive integer")
     if attention is not None and attention not in IMPLS:
         raise ValueError(f"--attention={attention}: unknown attention; accepted: {', '.join(IMPLS)}")

@@ -80,6 +80,13 @@ def test_bad_masks_raise():
         LocalWindow(0)
     with pytest.raises(ValueError, match="Strided stride"):
         Strided(-2)
+    with pytest.raises(ValueError, match="LocalWindow size"):
+        LocalWindow(True)
+    with pytest.raises(ValueError, match=r"BlockSparse block sizes must be integers >= 1; got 16.0, 16"):
+        BlockSparse(np.ones((2, 2), bool), block_q=16.0, block_k=16)
+    with pytest.raises(ValueError, match=r"BigBird block must be an integer >= 1; got 2.5"):
+        BigBird(1, 1, 1, block=2.5)
+    assert LocalWindow(np.int32(3)).size == 3
     with pytest.raises(ValueError, match=r"layout \(2, 2\) does not match"):
         BlockSparse(np.ones((2, 2), bool), block_q=4, block_k=4).mask(12, 8)
     with pytest.raises(ValueError, match="num_global=9 is larger than the sequence kv_len=8"):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import is_int
 from jmem.kernels.paged_attention.checks import check_pages, concrete, is_quantized
 from jmem.kernels.paged_attention.reference import qmax, quantize
 
@@ -229,7 +230,7 @@ def slots_for(block_tables, positions, page_size: int):
     """
     block_tables = block_tables if hasattr(block_tables, "ndim") else np.asarray(block_tables)
     positions = positions if hasattr(positions, "ndim") else np.asarray(positions)
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+    if not is_int(page_size) or page_size < 1:
         raise ValueError(f"slots_for: page_size={page_size!r}; accepted: a positive integer")
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"slots_for: block_tables must be int32[batch, pages_per_seq]; got {block_tables.dtype}{list(block_tables.shape)}")
