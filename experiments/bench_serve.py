@@ -66,7 +66,7 @@ class Config:
     """> 0 adds a run of (a) with speculation proposing this many tokens: n-gram prompt lookup, or the draft
     model of --speculative-model / --speculative-layers."""
     speculative_model: str | None = None
-    """Draft model (preset or .gguf path with the model's vocabulary) for the speculation run."""
+    """Draft model (preset, .gguf path or model directory with the model's vocabulary) for the speculation run."""
     speculative_layers: tuple[int, ...] = ()
     """Draft made of a copy of these layers of the model, for the speculation run."""
 

@@ -27,10 +27,10 @@ def test_logits_and_nll_match(ref, lm):
         ids = ref[f"ids_{i}"]
         logits = np.asarray(lm.logits(ids[None]))[0]
         assert logits.dtype == np.float32 and logits.shape == (len(ids), lm.config.vocab_size)
-        np.testing.assert_allclose(logits[-1], ref[f"last_logits_{i}"], atol=1e-3, rtol=0)
+        np.testing.assert_allclose(logits[-1], ref[f"last_logits_{i}"], atol=2e-4, rtol=0)
         logp = np.asarray(jax.nn.log_softmax(logits[:-1], axis=-1))
         nll = -np.mean(np.take_along_axis(logp, ids[1:, None], axis=1))
-        assert abs(nll - float(ref[f"nll_{i}"])) < 1e-3
+        assert abs(nll - float(ref[f"nll_{i}"])) < 5e-5
 
 
 def test_greedy_continuations_identical(ref, lm):

@@ -81,8 +81,8 @@ class ServeArgs:
     distribution of decoding without it. Proposed by the draft model when one is given, else by n-gram
     (prompt-lookup) matches in the sequence's own earlier tokens."""
     speculative_model: str | None = None
-    """Draft model proposing --num-speculative-tokens tokens per decode, greedily: a preset or .gguf path with
-    the model's vocabulary (its weights and KV cache count against the memory budget)."""
+    """Draft model proposing --num-speculative-tokens tokens per decode, greedily: a preset, .gguf path or model
+    directory with the model's vocabulary (its weights and KV cache count against the memory budget)."""
     speculative_layers: tuple[int, ...] = ()
     """Draft made of a copy of these layers of the model (self-speculative layer dropping), instead of
     --speculative-model."""
