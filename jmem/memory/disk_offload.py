@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 from typing import Any, NamedTuple
 
@@ -41,6 +42,7 @@ from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
 
 _META = "chunks.json"
+_CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # `DiskOptimizer._files`
 
 
 class DiskState(NamedTuple):
@@ -200,11 +202,35 @@ class DiskOptimizer:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def snapshot(self, target: str) -> None:
-        """Copy the state files to `target` (beside a train checkpoint of the same step)."""
-        dst = pathlib.Path(target)
-        if dst.exists():
-            shutil.rmtree(dst)
-        shutil.copytree(self.directory, dst)
+        """Copy the state files to `target` (beside a train checkpoint of the same step).
+
+        `target` is created, or holds only an earlier snapshot's files (replaced); nothing else
+        in it is touched.
+
+        Raises:
+            OffloadError: `target` is the state directory or inside it, is not a directory, or
+                holds other files.
+        """
+        dst, live = pathlib.Path(target).expanduser().resolve(), pathlib.Path(self.directory).resolve()
+        if dst == live or live in dst.parents:
+            raise OffloadError(f"optimizer-state snapshot target {target} is the live state directory "
+                               f"{self.directory} or inside it; accepted: a directory outside it")
+        if dst.exists() and not dst.is_dir():
+            raise OffloadError(f"optimizer-state snapshot target {target} exists and is not a directory")
+        dst.mkdir(parents=True, exist_ok=True)
+        entries = list(dst.iterdir())
+        own = [f for f in entries if f.name == _META or _CHUNK_FILE.fullmatch(f.name)]
+        others = sorted(f.name for f in entries if f not in own)
+        if others:
+            raise OffloadError(f"optimizer-state snapshot target {target} holds other files ({', '.join(others[:3])}"
+                               f"{', ...' if len(others) > 3 else ''}); accepted: a new or empty directory, or "
+                               f"an earlier snapshot's")
+        for f in own:  # an earlier snapshot's, maybe of more chunks; its chunks.json first
+            f.unlink()
+        for c in range(len(self.chunks)):
+            for f in self._files(c):
+                shutil.copyfile(f, dst / f.name)
+        shutil.copyfile(pathlib.Path(self.directory) / _META, dst / _META)
 
     def restore(self, source: str) -> None:
         """Replace the state files with a snapshot's.

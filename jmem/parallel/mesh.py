@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Mapping, Sequence
 
@@ -118,12 +119,16 @@ def make_mesh(spec: "str | Mapping[str, int] | None" = None, devices: Sequence |
         A mesh of all five axes (the ones not named have size 1).
 
     Raises:
-        MeshError: unknown axis name, bad size, or sizes whose product is not the device count.
+        MeshError: unknown axis name, bad size, sizes whose product is not the device count, or a
+            device given twice.
 
     Example:
         >>> mesh = make_mesh("fsdp=-1,tensor=2")
     """
     devices = list(jax.devices() if devices is None else devices)
+    for d, n in collections.Counter(devices).items():
+        if n > 1:
+            raise MeshError(f"device {d} is given {n} times; accepted: each device at most once")
     sizes = resolve_shape(spec, len(devices))
     shape = tuple(sizes[a] for a in AXES)
     grid = np.asarray(devices, dtype=object).reshape(shape)

@@ -9,7 +9,8 @@ XLA lowers to a `collective-permute` between neighbouring stages) and the next
 microbatch enters stage 0. With M microbatches the forward pass takes
 M + S - 1 ticks; the backward pass is the reverse (autodiff of the same scan),
 so this is the GPipe schedule with its (S - 1)/(M + S - 1) bubble. Bubble ticks
-compute on zeros (Llama blocks map zeros to zeros) and never reach an output.
+run their stage on the microbatch entering stage 0 (a real input, where zeros could
+give a NaN Jacobian, e.g. `x / ||x||`), pass no gradient back and never reach an output.
 
 Example:
     >>> y_MBTE = pipeline(stage_fn, stage_weights, x_MBTE, mesh=mesh)
@@ -18,11 +19,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem.checks import is_int
 
 
 class PipelineError(ValueError):
@@ -31,6 +35,8 @@ class PipelineError(ValueError):
 
 def split_stages(stacked, n_stages: int, *, name: str = "layers"):
     """`[L, ...]` leaves -> `[S, L/S, ...]` (stage s gets a contiguous run of layers)."""
+    _check_stages(n_stages)
+
     def one(x):
         if x.shape[0] % n_stages:
             raise PipelineError(f"{name}: {x.shape[0]} layers do not split into {n_stages} pipeline stages; "
@@ -38,6 +44,20 @@ def split_stages(stacked, n_stages: int, *, name: str = "layers"):
         return x.reshape((n_stages, x.shape[0] // n_stages) + x.shape[1:])
 
     return jax.tree.map(one, stacked)
+
+
+def _check_stages(n_stages) -> None:
+    if not is_int(n_stages) or n_stages < 1:
+        raise PipelineError(f"n_stages={n_stages!r}; accepted: an integer >= 1")
+
+
+def _check_stage_axis(n_stages: int, mesh: Mesh | None, stage_axis: str) -> None:
+    """Stages and the stage axis agree (as `pipeline_1f1b` requires): fewer stages leave stage devices idle,
+    more run several stages per device one after another, only lengthening the bubble."""
+    size = n_stages if mesh is None else mesh.shape.get(stage_axis, 1)
+    if size != n_stages:
+        raise PipelineError(f"n_stages={n_stages} does not match mesh axis {stage_axis!r} of size {size}; "
+                            f"accepted: n_stages={size}")
 
 
 def split_microbatches(x, n_microbatches: int):
@@ -75,7 +95,7 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
         stage_fn: `(params of one stage, x[micro, ...]) -> y` of the same shape and dtype.
         stage_params: pytree with leading stage axis `[S, ...]` (e.g. from `split_stages`).
         x_M: microbatched input `[M, micro, ...]`.
-        mesh: puts the stage axis of params and buffer on `stage_axis` (None: no constraint).
+        mesh: puts the stage axis of params and buffer on `stage_axis`, of size S (None: no constraint).
         stage_axis: the mesh axis of the stages.
         remat: recompute each tick's stage activations in the backward pass
             (keeps one buffer per tick instead of every layer's activations). Leave it
@@ -88,6 +108,7 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
     """
     n_stages = jax.tree.leaves(stage_params)[0].shape[0]
     n_micro = x_M.shape[0]
+    _check_stage_axis(n_stages, mesh, stage_axis)
     stage_params = _constrain(stage_params, mesh, stage_axis)
     run = jax.vmap(stage_fn)
     if remat:
@@ -95,8 +116,14 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
 
     def tick(carry, t):
         buf_S, out_M = carry
-        buf_S = buf_S.at[0].set(x_M[jnp.minimum(t, n_micro - 1)])
-        y_S = _constrain(run(stage_params, _constrain(buf_S, mesh, stage_axis)), mesh, stage_axis)
+        x_in = x_M[jnp.minimum(t, n_micro - 1)]
+        # Stage s works on microbatch t - s; outside 0..M-1 (a bubble) it gets the microbatch entering
+        # stage 0 instead, and no gradient: a zero cotangent times a stage Jacobian that is not finite on
+        # the bubble's own input (zeros, or a stage's output of zeros) would be NaN.
+        m_S = t - jnp.arange(n_stages)
+        real_S = ((m_S >= 0) & (m_S < n_micro)).reshape((-1,) + (1,) * (x_M.ndim - 1))
+        x_S = _constrain(jnp.where(real_S, buf_S.at[0].set(x_in), jax.lax.stop_gradient(x_in)), mesh, stage_axis)
+        y_S = _constrain(run(stage_params, x_S), mesh, stage_axis)
         done = jnp.maximum(t - (n_stages - 1), 0)
         out_M = jax.lax.dynamic_update_index_in_dim(out_M, y_S[n_stages - 1], done, 0)
         return (jnp.roll(y_S, 1, axis=0), out_M), None
@@ -104,6 +131,22 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
     buf0 = _constrain(jnp.zeros((n_stages,) + x_M.shape[1:], x_M.dtype), mesh, stage_axis)
     (_, out_M), _ = jax.lax.scan(tick, (buf0, jnp.zeros_like(x_M)), jnp.arange(n_micro + n_stages - 1))
     return out_M
+
+
+def _check_micro_rows(batch: int, n_microbatches: int) -> None:
+    """Under `activation_sharding`, each microbatch's rows split over the `batch` rule's mesh axes."""
+    from jmem.parallel.rules import active_activation_sharding
+
+    active = active_activation_sharding()
+    if active is None:
+        return
+    rules, mesh = active
+    axes = [a for a in rules.mesh_axes("batch") if mesh.shape.get(a, 1) > 1]
+    d, rows = math.prod(mesh.shape[a] for a in axes), batch // n_microbatches
+    if rows % d:
+        raise PipelineError(f"n_microbatches={n_microbatches} splits the batch {batch} into {rows} row(s) per "
+                            f"microbatch, not divisible by the data-parallel size {d} ({'+'.join(axes)}); "
+                            f"accepted: n_microbatches dividing {batch} into a multiple of {d} rows each")
 
 
 def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: Mesh | None = None):
@@ -116,8 +159,11 @@ def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: 
 
     cfg = model.config
     B, T = ids_BT.shape
-    if n_microbatches < 1 or B % n_microbatches:
+    _check_stages(n_stages)
+    _check_stage_axis(n_stages, mesh, "stage")
+    if not is_int(n_microbatches) or n_microbatches < 1 or B % n_microbatches:
         raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
+    _check_micro_rows(B, n_microbatches)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B // n_microbatches, T))
     x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
     weights = split_stages(model.layers.weights(), n_stages)
@@ -151,6 +197,8 @@ def pipeline_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh: Mesh
 
     from jmem.train.loss import chunked_cross_entropy
 
+    _check_stages(n_stages)
+    _check_stage_axis(n_stages, mesh, "stage")
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     treedef = jax.tree.structure(param_state)

@@ -232,6 +232,9 @@ def _mesh_axes(name: str, axes) -> tuple[str, ...]:
         return ()
     if isinstance(axes, str):
         axes = () if axes.lower() in ("", "none", "null") else tuple(a.strip() for a in axes.split("+"))
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes):
+        raise ShardingError(f"rule {name}={axes!r}: accepted: a string of mesh axes like 'fsdp' or 'data+fsdp', "
+                            f"a tuple of mesh axis names, or None")
     axes = tuple(axes)
     for a in axes:
         if a not in AXES:

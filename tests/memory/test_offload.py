@@ -224,6 +224,33 @@ def test_disk_optimizer_matches_the_in_memory_update(tmp_path, name, param_dtype
     assert {p.name for p in (tmp_path / "opt").glob("*.npy")} == names
 
 
+def test_disk_snapshot_never_deletes_files_it_did_not_write(tmp_path):
+    params = _stacked_params(np.float32)
+    disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    disk.place(params)
+    live = sorted(p.name for p in (tmp_path / "opt").iterdir())
+    for target in (tmp_path / "opt", tmp_path / "opt" / "snap"):
+        with pytest.raises(OffloadError, match="is the live state directory .* or inside it"):
+            disk.snapshot(str(target))
+    assert sorted(p.name for p in (tmp_path / "opt").iterdir()) == live
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "params.msgpack").write_text("weights")
+    with pytest.raises(OffloadError, match=r"holds other files \(params.msgpack\); accepted: a new or empty"):
+        disk.snapshot(str(ckpt))
+    assert [p.name for p in ckpt.iterdir()] == ["params.msgpack"]
+    # An earlier snapshot of more chunks is replaced whole; the new one restores.
+    bigger = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt2"), layer_chunks=False)
+    bigger.place(params)
+    small = DiskOptimizer(optax.adamw(1e-2), {"head": params["head"]}, str(tmp_path / "opt3"))
+    small.place({"head": params["head"]})
+    bigger.snapshot(str(tmp_path / "snap"))
+    small.snapshot(str(tmp_path / "snap"))
+    names = [sorted(p.name for p in (tmp_path / d).iterdir()) for d in ("snap", "opt3")]
+    assert names[0] == names[1]
+    small.restore(str(tmp_path / "snap"))
+
+
 def _leaf_index(tree, path):
     for i, (p, _) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
         if tuple(str(getattr(k, "key", k)) for k in p) == path:

@@ -2,6 +2,8 @@
 that name a mesh axis twice, bool mesh sizes, and collectives inside the 1F1B tick's branches
 (small programs compiled, never run)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,21 @@ def test_rule_naming_a_mesh_axis_twice_is_one_sharding_error():
     with pytest.raises(par.ShardingError, match="names mesh axis 'tensor' twice"):
         par.Rules.parse({"mlp": ("tensor", "fsdp", "tensor")})
     assert par.Rules.parse("embed=fsdp+data").mesh_axes("embed") == ("fsdp", "data")
+
+
+def test_rule_that_is_not_mesh_axes_is_one_sharding_error():
+    for bad in (3, 2.5, ("fsdp", 1)):
+        with pytest.raises(par.ShardingError, match=re.escape(
+                f"rule embed={bad!r}: accepted: a string of mesh axes like 'fsdp' or 'data+fsdp', a tuple of mesh "
+                f"axis names, or None")):
+            par.Rules.parse({"embed": bad})
+    assert par.Rules.parse({"embed": ["fsdp"], "mlp": None}).mesh_axes("embed") == ("fsdp",)
+
+
+def test_make_mesh_refuses_a_repeated_device():
+    d = jax.devices()
+    with pytest.raises(par.MeshError, match=rf"device {d[0]} is given 2 times; accepted: each device at most once"):
+        par.make_mesh("data=4", devices=[d[0], d[1], d[0], d[2]])
 
 
 def test_make_mesh_refuses_bool_sizes():

@@ -1,6 +1,7 @@
 """Sharded train steps: same losses as one device, and the collectives XLA emits for each ZeRO stage."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -84,6 +85,60 @@ def test_pipeline_errors(tiny):
         par.pipeline_hidden(model, np.zeros((4, 8), np.int32), n_stages=3, n_microbatches=2)
     with pytest.raises(par.PipelineError, match="microbatches=3"):
         par.pipeline_hidden(model, np.zeros((4, 8), np.int32), n_stages=2, n_microbatches=3)
+    for bad in (0, -1, 2.0):
+        with pytest.raises(par.PipelineError, match=rf"n_stages={bad}; accepted: an integer >= 1"):
+            par.pipeline_hidden(model, np.zeros((4, 8), np.int32), n_stages=bad, n_microbatches=2)
+        with pytest.raises(par.PipelineError, match=rf"n_stages={bad}; accepted: an integer >= 1"):
+            par.split_stages({"w": np.zeros((4, 3))}, bad)
+
+
+@pytest.mark.parametrize("spec,n_stages", [("stage=4,data=2", 2), ("stage=2,data=4", 4), ("data=8", 2)])
+def test_gpipe_refuses_stages_that_differ_from_the_stage_axis(tiny, spec, n_stages):
+    """Fewer stages than stage devices leave some idle, more run one after another on each: refused, as by 1F1B."""
+    size = dict(par.make_mesh(spec).shape)["stage"]
+    model = Llama(LlamaConfig.tiny(n_layers=4), rngs=nnx.Rngs(0))
+    with pytest.raises(par.PipelineError, match=rf"n_stages={n_stages} does not match mesh axis 'stage' of size "
+                                                rf"{size}; accepted: n_stages={size}"):
+        par.pipeline_lm_loss_fn(model, n_stages=n_stages, n_microbatches=2, mesh=par.make_mesh(spec))
+    with pytest.raises(par.PipelineError, match=rf"n_stages={n_stages} does not match"):
+        par.pipeline(lambda w, x: x * w, np.ones((n_stages, 1)), np.ones((2, 8, 1)), mesh=par.make_mesh(spec))
+
+
+def test_gpipe_microbatches_smaller_than_the_data_axis_are_one_pipeline_error(tiny):
+    model, _, _, batches, _ = tiny
+    mesh = par.make_mesh("stage=2,data=4")
+    loss_fn, p = par.pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=8, mesh=mesh, chunk=T)
+
+    def traced(p, b):
+        with par.activation_sharding(None, mesh):
+            return loss_fn(p, b)
+
+    with pytest.raises(par.PipelineError, match=r"n_microbatches=8 splits the batch 16 into 2 row\(s\) per "
+                                                r"microbatch, not divisible by the data-parallel size 4 \(data\)"):
+        jax.eval_shape(traced, p, batches[0])
+
+
+def test_gpipe_gradient_is_finite_where_the_stage_is_not_finite_at_zero():
+    """A stage that unit-normalises rows has a NaN Jacobian at zero: bubble ticks must not run it there."""
+    S, M, D = 2, 4, 8
+    mesh = par.make_mesh("stage=2,data=4")
+
+    def stage_fn(w, x_BD):
+        x_BD = x_BD @ w[0]
+        return x_BD / jnp.sqrt(jnp.sum(x_BD * x_BD, -1, keepdims=True))
+
+    def reference(w, x_M):
+        for s in range(S):
+            x_M = jax.vmap(lambda x, s=s: stage_fn(w[s], x))(x_M)
+        return jnp.sum(x_M ** 3)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (S, 1, D, D))
+    x = jax.random.normal(jax.random.PRNGKey(1), (M, 4, D))
+    (l, g), (l_ref, g_ref) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(w, x) for f in (
+        lambda w, x: jnp.sum(par.pipeline(stage_fn, w, x, mesh=mesh) ** 3), reference))
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_batch_and_stage(tiny):
