@@ -92,18 +92,30 @@ def _check(q, k, v):
         raise ValueError(f"attention: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
     if k.shape[1] == 0:
         raise ValueError(f"attention: kv_len is 0 (k {k.shape}); accepted: at least one key")
+    if q.shape[3] == 0:
+        raise ValueError(f"attention: head_dim is 0 (q {q.shape}); accepted: at least 1")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"attention: {name} has dtype {x.dtype}; accepted: a floating dtype")
 
 
-def _per_row(name: str, value, batch: int):
-    """`q_offset` / `kv_lengths` as i32[batch]: a scalar is broadcast; anything else must be [batch] ints."""
+def _per_row(name: str, value, batch: int, most: int | None = None):
+    """`q_offset` / `kv_lengths` as i32[batch]: a scalar is broadcast; anything else must be [batch] ints.
+
+    Concrete values must lie in [0, most] (most None: no upper bound); traced ones are not checked.
+    """
     if value is None:
         return None
+    known = None if isinstance(value, jax.core.Tracer) else np.asarray(value)  # numpy: see `_zero`
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise ValueError(f"attention: {name} has dtype {value.dtype}; accepted: integers, one per row")
+    flat = np.zeros(0) if known is None else known.reshape(-1)
+    bad = np.flatnonzero((flat < 0) | (flat > (np.inf if most is None else most)))
+    if bad.size:
+        i = int(bad[0])
+        accepted = "integers >= 0" if most is None else f"integers in [0, kv_len={most}]"
+        raise ValueError(f"attention: {name}{f'[{i}]' if known.ndim else ''}={int(flat[i])}; accepted: {accepted}")
     if value.ndim == 0:
         return jnp.broadcast_to(value.astype(jnp.int32), (batch,))
     if value.shape != (batch,):
@@ -186,7 +198,8 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"attention: causal={causal!r}; accepted: True or False")
     kernel_ok = _zero(q_offset) and kv_lengths is None
-    q_offset, kv_lengths = _per_row("q_offset", q_offset, q.shape[0]), _per_row("kv_lengths", kv_lengths, q.shape[0])
+    q_offset = _per_row("q_offset", q_offset, q.shape[0])
+    kv_lengths = _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1])
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":

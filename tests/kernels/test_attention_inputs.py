@@ -110,3 +110,41 @@ def test_which_calls_run_the_kernel():
     assert _runs_kernel() and _runs_kernel(q_offset=0) and _runs_kernel(q_offset=np.zeros(2, np.int32))
     assert not _runs_kernel(q_offset=3)
     assert not _runs_kernel(kv_lengths=jnp.asarray([16, 9]))
+
+
+def test_empty_batch_gives_empty_outputs():
+    """No batch rows (no ragged tokens) give an empty output of q's shape and dtype, as the references do."""
+    z = lambda *s: jnp.zeros(s, jnp.bfloat16)  # noqa: E731
+    q, k = z(0, 8, 2, 16), z(0, 8, 1, 16)
+    outs = [flash_attention(q, k, k, interpret=True), sparse_attention(q, k, k, MASK, interpret=True),
+            attention(q, k, k, impl="pallas")]
+    kp, none = z(1, 4, 8, 16), jnp.zeros((0,), jnp.int32)
+    outs.append(paged_attention(z(0, 2, 16), kp, kp, none, jnp.zeros((0, 2), jnp.int32), interpret=True))
+    args = (z(0, 2, 16), kp, kp, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), 0)
+    outs.append(ragged_paged_attention(*args, interpret=True))
+    assert ragged_paged_attention_reference(*args).shape == (0, 2, 16)
+    assert [(o.shape, o.dtype) for o in outs] == [(q.shape, q.dtype)] * 3 + [((0, 2, 16), q.dtype)] * 2
+
+
+def test_sizes_and_counts_must_be_integers_and_lists_are_arrays():
+    q, k, v = _dense(seed=10)
+    with pytest.raises(ValueError, match=r"flash_attention: block_q=16.0; accepted: a power of two >= 16"):
+        flash_attention(q, k, v, block_q=16.0, interpret=True)
+    with pytest.raises(ValueError, match=r"sparse_attention: block_k=32.0; accepted: a power of two >= 16"):
+        sparse_attention(q, k, v, MASK, block_k=32.0, interpret=True)
+    qd, _, _, kp, vp, lengths, table = decode_case(11, 2, 16, 4, 2, 16, 8, jnp.float32)
+    want = paged_attention(qd, kp, vp, lengths, table, interpret=True)
+    got = paged_attention(qd, kp, vp, np.asarray(lengths).tolist(), np.asarray(table).tolist(), interpret=True)
+    np.testing.assert_array_equal(got, want)
+    for kw, message in [(dict(num_splits=1.0), r"num_splits=1.0; accepted: an integer in \[1, 1\]"),
+                        (dict(pages_per_compute_block=2.0), "pages_per_compute_block=2.0; accepted: a power of two")]:
+        with pytest.raises(ValueError, match=f"paged_attention: {message}"):
+            paged_attention(qd, kp, vp, lengths, table, interpret=True, **kw)
+    qr, _, _, kp, vp, kvl, table, cu, n = ragged_case(12, [2, 1], [4, 3], 2, 4, 4, 2, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"cu_q_lens must be int32\[max_seqs \+ 1\] = \[3\] .*; got float32\[3\]"):
+        ragged_paged_attention(qr, kp, vp, kvl, table, cu.astype(jnp.float32), n, interpret=True)
+    for bad in (2.5, np.float32(2), jnp.asarray([2])):
+        with pytest.raises(ValueError, match="ragged_paged_attention: num_seqs=.*; accepted: an integer"):
+            ragged_paged_attention(qr, kp, vp, kvl, table, cu, bad, interpret=True)
+    with pytest.raises(ValueError, match="ragged_paged_attention: block_q=3; accepted: a power of two"):
+        ragged_paged_attention(qr, kp, vp, kvl, table, cu, n, block_q=3, interpret=True)

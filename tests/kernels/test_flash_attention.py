@@ -98,7 +98,7 @@ def test_bad_inputs_raise():
         flash_attention(q, jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8)))
     with pytest.raises(ValueError, match=r"k \(1, 8, 2, 16\) and v \(1, 9, 2, 16\)"):
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 9, 2, 16)))
-    with pytest.raises(ValueError, match="block_q=48 must be a power of two"):
+    with pytest.raises(ValueError, match="block_q=48; accepted: a power of two >= 16"):
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), block_q=48)
     with pytest.raises(ValueError, match="flash_attention: causal='no'; accepted: True or False"):
         flash_attention(q, jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), causal="no")
@@ -221,3 +221,19 @@ def test_flash_compiles_for_tpu_at_training_length():
     compiled = compile_grad_for_tpu(fn, device, (1, 4096, 32, 128), (1, 4096, 8, 128), jnp.bfloat16)
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 3 and "flash_dkdv_stream" in text
+
+
+def test_dispatcher_refuses_negative_offsets_and_lengths_past_kv_len():
+    q, k, v, _ = _inputs(3, 2, 4, 10, 4, 2, 16, jnp.float32)
+    for kw, message in [(dict(kv_lengths=-3), r"attention: kv_lengths=-3; accepted: integers in \[0, kv_len=10\]"),
+                        (dict(kv_lengths=jnp.array([10, -1])), r"attention: kv_lengths\[1\]=-1; accepted"),
+                        (dict(kv_lengths=11), r"attention: kv_lengths=11; accepted: integers in \[0, kv_len=10\]"),
+                        (dict(q_offset=np.array([0, -5])), r"attention: q_offset\[1\]=-5; accepted: integers >= 0")]:
+        for impl in ("xla", "pallas"):
+            with pytest.raises(ValueError, match=message):
+                attention(q, k, v, impl=impl, **kw)
+    # The ends of the ranges are accepted; traced values are not checked (the cached decode's offsets are traced).
+    assert not attention(q, k, v, kv_lengths=0, impl="xla").any()
+    want = attention(q, k, v, q_offset=20, kv_lengths=10, impl="xla")
+    got = jax.jit(lambda off, n: attention(q, k, v, q_offset=off, kv_lengths=n, impl="xla"))(jnp.int32(20), jnp.int32(10))
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)  # jit may fuse differently: rounding only

@@ -132,8 +132,8 @@ def test_bad_inputs_name_the_problem():
         paged_attention(q, kp, vp, lengths, table.at[1, 0].set(999))
     with pytest.raises(ValueError, match="lengths\\[1\\]=33 is outside \\[0, 32\\]"):
         paged_attention(q, kp, vp, lengths.at[1].set(33), table)
-    for kw, message in [(dict(num_splits=0), "num_splits=0 must be in"),
-                        (dict(pages_per_compute_block=0), "pages_per_compute_block=0 must be a power of two")]:
+    for kw, message in [(dict(num_splits=0), r"num_splits=0; accepted: an integer in \[1, "),
+                        (dict(pages_per_compute_block=0), "pages_per_compute_block=0; accepted: a power of two")]:
         with pytest.raises(ValueError, match=message):
             paged_attention(q, kp, vp, lengths, table, **kw)
     with pytest.raises(ValueError, match="need k_scale"):
@@ -310,3 +310,23 @@ def test_slots_for_drops_positions_past_the_table():
     slots = jax.jit(lambda t, p: slots_for(t, p, P))(table, jnp.asarray([[17], [-1]], jnp.int32)).reshape(-1)
     kp, _ = write_pages(empty, empty, jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)), slots)
     assert not np.asarray(kp).any()
+
+
+def test_slots_for_refuses_unallocated_table_entries():
+    """A position whose table entry is -1 (no page yet) is an error when concrete and padding (-1) when traced."""
+    table = jnp.asarray([[0, -1]], jnp.int32)
+    pos = jnp.asarray([[3, 4, 5, 7]], jnp.int32)
+    with pytest.raises(ValueError, match=r"positions\[0, 1\]=4 falls in block_tables\[0, 1\]=-1, an unallocated page"):
+        slots_for(table, pos, 4)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda t, p: slots_for(t, p, 4))(table, pos)), [[3, -1, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(slots_for(table, jnp.asarray([[2, -1]], jnp.int32), 4)), [[2, -1]])
+
+
+def test_quantized_scales_must_be_float32():
+    q, _, _, kp, vp, lengths, table = decode_case(1, 2, 16, 4, 2, 16, 8, jnp.float32)
+    (k8, ks), (v8, vs) = quantize_pages(kp, jnp.int8), quantize_pages(vp, jnp.int8)
+    with pytest.raises(ValueError, match="paged_attention: k_scale has dtype int32; accepted: float32"):
+        paged_attention(q, k8, v8, lengths, table, k_scale=ks.astype(jnp.int32), v_scale=vs)
+    new = jnp.zeros((1, 2, 16))
+    with pytest.raises(ValueError, match="write_pages: v_scale has dtype bfloat16; accepted: float32"):
+        write_pages(k8, v8, new, new, jnp.zeros((1,), jnp.int32), k_scale=ks, v_scale=vs.astype(jnp.bfloat16))

@@ -131,3 +131,12 @@ def test_cu_q_lens_entries_past_num_seqs_are_ignored():
         np.testing.assert_allclose(f32(ref)[rows], dense, atol=2e-5, rtol=2e-5)
     live = int(cu[n])
     assert not f32(out)[live:].any() and not f32(ref)[live:].any()  # tokens of sequences past num_seqs: padding
+
+
+def test_ragged_kv_lens_shape_and_range_are_named():
+    q, _, _, kp, vp, kvl, table, cu, n = ragged_case(3, Q_LENS, KV_LENS, 6, 36, 4, 2, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"kv_lens must be int32\[max_seqs\] = \[6\] .*; got int32\[7\]"):
+        ragged_paged_attention(q, kp, vp, jnp.append(kvl, 3), table, cu, n)
+    # A negative length is named as such, before its q_len is compared with it.
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]=-2 is outside \[0, 32\]"):
+        ragged_paged_attention(q, kp, vp, kvl.at[1].set(-2), table, cu, n)

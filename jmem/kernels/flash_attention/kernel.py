@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jmem.checks import is_int
 from jmem.kernels.scale import split_scale
 
 DEFAULT_BLOCK_Q = 128
@@ -59,8 +60,8 @@ def check_qkv(name: str, q, k, v) -> None:
         raise ValueError(f"{name}: q {q.shape} and k {k.shape} must agree in batch (dim 0) and head_dim (dim 3)")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"{name}: q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]} (q {q.shape}, k {k.shape})")
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(f"{name}: q_len and kv_len must be >= 1; got q {q.shape}, k {k.shape}")
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[3] == 0:
+        raise ValueError(f"{name}: q_len, kv_len and head_dim must be >= 1; got q {q.shape}, k {k.shape}")
     check_float(name, q=q, k=k, v=v)
 
 
@@ -73,8 +74,8 @@ def check_float(name: str, **arrays) -> None:
 
 def effective_block(block: int, length: int, what: str) -> int:
     """The tile size used for `length`: `block`, shrunk for short sequences."""
-    if block < MIN_BLOCK or block & (block - 1):
-        raise ValueError(f"{what}={block} must be a power of two >= {MIN_BLOCK}")
+    if not is_int(block) or block < MIN_BLOCK or block & (block - 1):
+        raise ValueError(f"{what}={block!r}; accepted: a power of two >= {MIN_BLOCK}")
     return min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))
 
 
@@ -465,11 +466,14 @@ def flash_attention(
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"flash_attention: causal={causal!r}; accepted: True or False")
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
-    bq, bk = effective_block(block_q, T, "block_q"), effective_block(block_k, S, "block_k")
+    bq = effective_block(block_q, T, "flash_attention: block_q")
+    bk = effective_block(block_k, S, "flash_attention: block_k")
     # Resolved here, not inside the jit: the jit cache is keyed on the static
     # value, so `None` resolved at trace time would pin the first platform seen.
     interpret = resolve_interpret(interpret)
     q, scale = split_scale("flash_attention", q, sm_scale, D)
+    if q.size == 0:  # no batch rows or no heads: nothing to attend (the kernel grid would be empty)
+        return jnp.zeros(q.shape, q.dtype)
     return _flash_jit(q, k, v, causal=bool(causal), sm_scale=scale, block_q=bq, block_k=bk, interpret=interpret,
                       pad_platforms=POW2_HEAD_DIM_PLATFORMS, stream_platforms=STREAM_PLATFORMS)
 

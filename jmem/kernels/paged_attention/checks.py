@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import is_int
+
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -54,21 +56,36 @@ def check_pages(name: str, q_heads: int, head_dim: int, k_pages, v_pages, k_scal
             raise ValueError(f"{name}: {sname} is only for int8/float8_e4m3fn pages; pages are {dtype}")
         if s is not None and tuple(s.shape) != (kv_heads, num_pages):
             raise ValueError(f"{name}: {sname} shape {s.shape} must be [kv_heads, num_pages] = {(kv_heads, num_pages)}")
+        if s is not None and s.dtype != jnp.float32:
+            raise ValueError(f"{name}: {sname} has dtype {s.dtype}; accepted: float32")
 
 
-def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: int, *, rows: int | None):
+def check_pow2(name: str, what: str, value) -> None:
+    """ValueError `name: what=value; accepted: ...` unless `value` is an integer power of two."""
+    if not is_int(value) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: {what}={value!r}; accepted: a power of two >= 1")
+
+
+def as_array(x):
+    """`x` itself when it is an array (NumPy, JAX, tracer), else `np.asarray(x)` (a list of lengths)."""
+    return x if hasattr(x, "ndim") else np.asarray(x)
+
+
+def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: int, *, rows: int | None,
+                 lengths_name: str = "lengths"):
     """Checks per-sequence lengths against the block tables and the page pool.
 
     Args:
         lengths: i32[n] context length of each table row.
         block_tables: i32[n, pages_per_seq].
         rows: expected number of table rows (the batch), or None to skip.
+        lengths_name: what the caller calls `lengths`, for error messages.
     """
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"{name}: block_tables must be int32[batch, pages_per_seq]; got {block_tables.dtype}{list(block_tables.shape)}")
     if lengths.ndim != 1 or lengths.shape[0] != block_tables.shape[0] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
-            f"{name}: lengths must be int32[{block_tables.shape[0]}] (one per block-table row); "
+            f"{name}: {lengths_name} must be int32[{block_tables.shape[0]}] (one per block-table row); "
             f"got {lengths.dtype}{list(lengths.shape)}"
         )
     if rows is not None and block_tables.shape[0] != rows:
@@ -81,7 +98,7 @@ def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: in
     if (lens < 0).any() or (lens > capacity).any():
         bad = int(np.flatnonzero((lens < 0) | (lens > capacity))[0])
         raise ValueError(
-            f"{name}: lengths[{bad}]={int(lens[bad])} is outside [0, {capacity}], the "
+            f"{name}: {lengths_name}[{bad}]={int(lens[bad])} is outside [0, {capacity}], the "
             f"{block_tables.shape[1]} pages x page_size {page_size} one block-table row covers"
         )
     if table is None:

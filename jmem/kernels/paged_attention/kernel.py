@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jmem.kernels.paged_attention import core
 from jmem.kernels.flash_attention.kernel import check_float
-from jmem.kernels.paged_attention.checks import check_pages, check_tables
+from jmem.checks import is_int
+from jmem.kernels.paged_attention.checks import as_array, check_pages, check_pow2, check_tables
 from jmem.kernels.scale import split_scale
 
 # Programs to keep a GPU busy (about 2 per SM on an H100/H200); decode splits
@@ -31,7 +32,7 @@ def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
 
 def default_splits(batch: int, kv_heads: int, num_blocks: int, backend: str) -> int:
     target = GPU_TARGET_PROGRAMS if backend == "triton" else 2
-    return max(1, min(num_blocks, -(-target // (batch * kv_heads))))
+    return max(1, min(num_blocks, -(-target // max(1, batch * kv_heads))))
 
 
 def sanitize_tables(block_tables, lengths, page_size: int, num_pages: int):
@@ -84,7 +85,7 @@ def paged_attention(
         lengths: i32[batch] keys visible to each sequence (0 gives zeros).
         block_tables: i32[batch, pages_per_seq]; row b's i-th page holds tokens
             [i * page_size, (i + 1) * page_size) of sequence b. Entries past
-            cdiv(length, page_size) are ignored.
+            cdiv(length, page_size) are ignored. Both may be arrays or lists.
         k_scale, v_scale: f32[kv_heads, num_pages] per-page-per-head scales
             (required for, and only for, int8/fp8 pages).
         sm_scale: softmax scale, 1/sqrt(head_dim) when None; a Python/NumPy/JAX
@@ -113,18 +114,21 @@ def paged_attention(
     check_float("paged_attention", q=q)
     check_pages("paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
+    lengths, block_tables = as_array(lengths), as_array(block_tables)
     check_tables("paged_attention", lengths, block_tables, N, page, rows=B)
     backend, interpret = core.resolve(backend, interpret)
     core.check_backend_shapes("paged_attention", backend, interpret, page, D)
     npages = block_tables.shape[1]
     ppb = default_pages_per_block(page, npages) if pages_per_compute_block is None else pages_per_compute_block
-    if ppb < 1 or ppb & (ppb - 1):
-        raise ValueError(f"paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
+    check_pow2("paged_attention", "pages_per_compute_block", ppb)
     nb_total = -(-npages // ppb)
     splits = default_splits(B, K, nb_total, backend) if num_splits is None else num_splits
-    if not 1 <= splits <= nb_total:
-        raise ValueError(f"paged_attention: num_splits={splits} must be in [1, {nb_total}] ({npages} pages / {ppb} per block)")
+    if not is_int(splits) or not 1 <= splits <= nb_total:
+        raise ValueError(f"paged_attention: num_splits={splits!r}; accepted: an integer in [1, {nb_total}] "
+                         f"({npages} pages / {ppb} per block)")
     q, scale = split_scale("paged_attention", q, sm_scale, D)
+    if B == 0:  # an empty batch: nothing to attend (the kernel grid would be empty)
+        return jnp.zeros(q.shape, q.dtype)
     return _paged_attention(
         q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale,
         sm_scale=scale, pages_per_block=ppb, num_splits=splits, backend=backend, interpret=interpret,

@@ -19,7 +19,8 @@ import numpy as np
 
 from jmem.kernels.flash_attention.kernel import check_float
 from jmem.kernels.paged_attention import core
-from jmem.kernels.paged_attention.checks import check_pages, check_tables, concrete
+from jmem.checks import is_int
+from jmem.kernels.paged_attention.checks import as_array, check_pages, check_pow2, check_tables, concrete
 from jmem.kernels.paged_attention.kernel import default_pages_per_block, sanitize_tables
 from jmem.kernels.paged_attention.reference import live_cu_q_lens
 from jmem.kernels.scale import split_scale
@@ -86,31 +87,37 @@ def _ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_s
     return out.astype(q.dtype)
 
 
-def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs):
-    S_max = block_tables.shape[0] if block_tables.ndim == 2 else None
-    if cu_q_lens.ndim != 1 or S_max is None or cu_q_lens.shape[0] != S_max + 1:
-        raise ValueError(
-            f"ragged_paged_attention: cu_q_lens must be int32[max_seqs + 1] = [{(S_max or 0) + 1}] "
-            f"for block_tables {block_tables.shape}; got {cu_q_lens.shape}"
-        )
+def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_pages: int, page_size: int):
+    """Shapes and dtypes always; with concrete values, num_seqs, cu_q_lens, kv_lens and the tables."""
+    name = "ragged_paged_attention"
+    if block_tables.ndim != 2:
+        raise ValueError(f"{name}: block_tables must be int32[max_seqs, pages_per_seq]; got {block_tables.shape}")
+    S_max = block_tables.shape[0]
+    for what, x, size, label in (("cu_q_lens", cu_q_lens, S_max + 1, "max_seqs + 1"),
+                                 ("kv_lens", kv_lens, S_max, "max_seqs")):
+        if x.shape != (size,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name}: {what} must be int32[{label}] = [{size}] for block_tables {block_tables.shape}; "
+                             f"got {x.dtype}{list(x.shape)}")
+    if not (is_int(num_seqs) or (getattr(num_seqs, "ndim", None) == 0 and jnp.issubdtype(num_seqs.dtype, jnp.integer))):
+        raise ValueError(f"{name}: num_seqs={num_seqs!r}; accepted: an integer or an integer scalar array")
     cu, n, kl = concrete(cu_q_lens), concrete(num_seqs), concrete(kv_lens)
+    if n is not None and not 0 <= int(n) <= S_max:
+        raise ValueError(f"{name}: num_seqs={int(n)} outside [0, max_seqs={S_max}]")
+    # Rows past num_seqs may hold anything: their lengths are not checked.
+    live = kv_lens if n is None or kl is None else np.where(np.arange(S_max) < int(n), kl, 0)
+    check_tables(name, live, block_tables, num_pages, page_size, rows=None, lengths_name="kv_lens")
     if n is None or cu is None:
-        return kv_lens
+        return
     n = int(n)
-    if not 0 <= n <= S_max:
-        raise ValueError(f"ragged_paged_attention: num_seqs={n} outside [0, max_seqs={S_max}]")
     q_len = np.diff(cu[: n + 1])
     if cu[0] != 0 or (q_len < 0).any() or cu[n] > q.shape[0]:
         raise ValueError(
-            f"ragged_paged_attention: cu_q_lens[:num_seqs+1]={cu[: n + 1].tolist()} must start at 0, "
+            f"{name}: cu_q_lens[:num_seqs+1]={cu[: n + 1].tolist()} must start at 0, "
             f"not decrease, and end at most at total_tokens={q.shape[0]}"
         )
-    if kl is not None:
-        if (q_len > kl[:n]).any():
-            bad = int(np.flatnonzero(q_len > kl[:n])[0])
-            raise ValueError(f"ragged_paged_attention: sequence {bad} has q_len={int(q_len[bad])} > kv_len={int(kl[bad])}")
-        return np.where(np.arange(S_max) < n, kl, 0)  # rows past num_seqs are not checked
-    return kv_lens
+    if kl is not None and (q_len > kl[:n]).any():
+        bad = int(np.flatnonzero(q_len > kl[:n])[0])
+        raise ValueError(f"{name}: sequence {bad} has q_len={int(q_len[bad])} > kv_len={int(kl[bad])}")
 
 
 def ragged_paged_attention(
@@ -153,19 +160,17 @@ def ragged_paged_attention(
     check_float("ragged_paged_attention", q=q)
     check_pages("ragged_paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
-    if block_tables.ndim != 2:
-        raise ValueError(f"ragged_paged_attention: block_tables must be int32[max_seqs, pages_per_seq]; got {block_tables.shape}")
-    checked_lens = _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs)
-    check_tables("ragged_paged_attention", checked_lens, block_tables, N, page, rows=None)
+    kv_lens, block_tables, cu_q_lens = as_array(kv_lens), as_array(block_tables), as_array(cu_q_lens)
+    _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, N, page)
     backend, interpret = core.resolve(backend, interpret)
     core.check_backend_shapes("ragged_paged_attention", backend, interpret, page, D)
     ppb = default_pages_per_block(page, block_tables.shape[1]) if pages_per_compute_block is None \
         else pages_per_compute_block
-    if ppb < 1 or ppb & (ppb - 1):
-        raise ValueError(f"ragged_paged_attention: pages_per_compute_block={ppb} must be a power of two >= 1")
-    if block_q < 1 or block_q & (block_q - 1):
-        raise ValueError(f"ragged_paged_attention: block_q={block_q} must be a power of two >= 1")
+    check_pow2("ragged_paged_attention", "pages_per_compute_block", ppb)
+    check_pow2("ragged_paged_attention", "block_q", block_q)
     q, scale = split_scale("ragged_paged_attention", q, sm_scale, D)
+    if T == 0:  # no query tokens: nothing to attend (the kernel grid would be empty)
+        return jnp.zeros(q.shape, q.dtype)
     return _ragged(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.asarray(num_seqs, jnp.int32), k_scale, v_scale,
         sm_scale=scale, pages_per_block=ppb, block_q=block_q, backend=backend, interpret=interpret,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.checks import is_int
-from jmem.kernels.paged_attention.checks import check_pages, concrete, is_quantized
+from jmem.kernels.paged_attention.checks import as_array, check_pages, concrete, is_quantized
 from jmem.kernels.paged_attention.reference import qmax, quantize
 
 
@@ -204,32 +204,34 @@ def _slots_for(block_tables, positions, page_size: int):
     # position past the table never lands in another sequence's page.
     index = jnp.clip(positions, 0, capacity - 1) // page_size
     page = jnp.take_along_axis(block_tables, index, axis=1)
-    return jnp.where(valid, page * page_size + positions % page_size, -1)
+    # A negative (unallocated) table entry gives padding, not a negative slot of some other meaning.
+    return jnp.where(valid & (page >= 0), page * page_size + positions % page_size, -1)
 
 
 def slots_for(block_tables, positions, page_size: int):
     """Slot of each (sequence, position): block_tables[b, pos // page_size] * page_size + pos % page_size.
 
     Args:
-        block_tables: i32[batch, pages_per_seq].
+        block_tables: i32[batch, pages_per_seq]; a negative entry is an
+            unallocated page.
         positions: i32[batch, tokens]; negative positions give slot -1 (padding),
             which `write_pages` skips. A position at or past the table's end
-            (pages_per_seq * page_size) raises when `positions` is concrete and
-            gives -1 (dropped) when it is traced.
+            (pages_per_seq * page_size), or one whose table entry is negative,
+            raises when the arrays are concrete and gives -1 (dropped) when traced.
         page_size: tokens per page.
 
     Returns:
         i32[batch, tokens] slots, -1 for padding.
 
     Raises:
-        ValueError: bad shapes or dtypes; a concrete position past the table.
+        ValueError: bad shapes or dtypes; a concrete position past the table or
+            in an unallocated (negative) table entry.
 
     Example:
         >>> slots = slots_for(block_tables, positions, page_size=16)
         >>> k_pages, v_pages = write_pages(k_pages, v_pages, k_new, v_new, slots.reshape(-1))
     """
-    block_tables = block_tables if hasattr(block_tables, "ndim") else np.asarray(block_tables)
-    positions = positions if hasattr(positions, "ndim") else np.asarray(positions)
+    block_tables, positions = as_array(block_tables), as_array(positions)
     if not is_int(page_size) or page_size < 1:
         raise ValueError(f"slots_for: page_size={page_size!r}; accepted: a positive integer")
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
@@ -248,6 +250,18 @@ def slots_for(block_tables, positions, page_size: int):
             f"{block_tables.shape[1]} pages x page_size {page_size} = {capacity} positions; "
             "accepted: positions below that (negative ones are padding)"
         )
+    table = concrete(block_tables)
+    if pos is not None and table is not None and capacity:
+        used = pos >= 0
+        entry = np.take_along_axis(table, np.where(used, pos, 0) // page_size, axis=1)
+        if (used & (entry < 0)).any():
+            b, t = (int(i[0]) for i in np.nonzero(used & (entry < 0)))
+            c = int(pos[b, t]) // page_size
+            raise ValueError(
+                f"slots_for: positions[{b}, {t}]={int(pos[b, t])} falls in block_tables[{b}, {c}]="
+                f"{int(table[b, c])}, an unallocated page; accepted: table entries >= 0 for every "
+                "position written (negative positions are padding)"
+            )
     if capacity == 0:  # an empty table holds no position
         return jnp.full(positions.shape, -1, jnp.int32)
     return _slots_for(block_tables, positions, int(page_size))

@@ -116,8 +116,9 @@ def _lists(mask: Mask, q_len: int, kv_len: int, block_q: int, block_k: int) -> _
     return _Lists(*kv, max_n, *qq, max_m, info.tiles.astype(np.int32))
 
 
-def _blocks(block_q, block_k, q_len, kv_len):
-    return fk.effective_block(block_q, q_len, "block_q"), fk.effective_block(block_k, kv_len, "block_k")
+def _blocks(block_q, block_k, q_len, kv_len, name="sparse_attention"):
+    return (fk.effective_block(block_q, q_len, f"{name}: block_q"),
+            fk.effective_block(block_k, kv_len, f"{name}: block_k"))
 
 
 def sparse_attention_stats(mask: Mask, q_len: int, kv_len: int, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> SparseStats:
@@ -128,7 +129,7 @@ def sparse_attention_stats(mask: Mask, q_len: int, kv_len: int, block_q: int = D
         >>> s.visited, s.num_blocks
         (93, 1024)
     """
-    bq, bk = _blocks(block_q, block_k, q_len, kv_len)
+    bq, bk = _blocks(block_q, block_k, q_len, kv_len, "sparse_attention_stats")
     info = mask.block_info(q_len, kv_len, bq, bk)
     return SparseStats(
         num_blocks=info.num_blocks,
@@ -347,7 +348,7 @@ def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret):
         raise ValueError(f"{name}: mask must be a jmem.kernels.masks.Mask (e.g. Causal() & LocalWindow(256)); got {type(mask).__name__}")
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
     mask.check(T, S)
-    bq, bk = _blocks(block_q, block_k, T, S)
+    bq, bk = _blocks(block_q, block_k, T, S, name)
     interpret = fk.resolve_interpret(interpret)
     if not interpret:
         nbytes = tpu_vmem.sparse_bytes(q.shape, k.shape, q.dtype, bq, bk, _lists(mask, T, S, bq, bk).tiles.shape[0])
@@ -401,6 +402,8 @@ def sparse_attention(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAULT_BLOC
         >>> o = sparse_attention(q, k, v, Causal() & LocalWindow(256))
     """
     q, cfg = _config("sparse_attention", q, k, v, mask, sm_scale, block_q, block_k, interpret)
+    if q.size == 0:  # no batch rows or no heads: the kernel grid would be empty
+        return jnp.zeros(q.shape, q.dtype)
     return _sparse_jit(q, k, v, cfg)
 
 
@@ -412,4 +415,6 @@ def sparse_attention_visits(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAU
         equal to `sparse_attention_stats(...)`'s (visited, partial).
     """
     q, cfg = _config("sparse_attention_visits", q, k, v, mask, sm_scale, block_q, block_k, interpret)
+    if q.size == 0:
+        return jnp.zeros((q.shape[0], q.shape[2], 2), jnp.int32)
     return _visits_jit(q, k, v, cfg)
