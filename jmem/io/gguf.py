@@ -21,6 +21,7 @@ log = logging.getLogger("jmem.io")
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral")
 MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
 
 
 class GGUFError(ValueError):
@@ -71,17 +72,26 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file (memory-mapped; tensors stay raw).
 
     Raises:
-        GGUFError: not a GGUF file, truncated file, or a file the `gguf` parser rejects.
+        GGUFError: a missing file or a directory, not a GGUF file, a version other than 2 or 3, a
+            big-endian file, a truncated file, or a file the `gguf` parser rejects.
     """
     import gguf
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise GGUFError(f"{path} is a directory; accepted: a .gguf file")
     if not os.path.isfile(path):
         raise GGUFError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
-        magic = f.read(4)
+        magic, version_bytes = f.read(4), f.read(4)
     if magic != MAGIC:
         raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+    if len(version_bytes) == 4 and int.from_bytes(version_bytes, "little") not in SUPPORTED_VERSIONS:
+        if int.from_bytes(version_bytes, "big") in SUPPORTED_VERSIONS:  # jmem decodes blocks as little-endian
+            raise GGUFError(f"{path} is a big-endian GGUF file, which jmem does not read; accepted: little-endian "
+                            "GGUF files (gguf's gguf_convert_endian converts it)")
+        raise GGUFError(f"{path}: GGUF version {int.from_bytes(version_bytes, 'little')} is not supported; "
+                        f"accepted: versions {' and '.join(map(str, SUPPORTED_VERSIONS))}")
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the parser raises assorted errors on damaged files

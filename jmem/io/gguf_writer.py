@@ -4,7 +4,8 @@ The file follows llama.cpp's conventions, so `llama.cpp`, the `gguf` package and
 `jmem.load` read it: `llama.*` hyper-parameters, the `tokenizer.*` fields copied
 from the source model, matrices stored [out, in] under llama.cpp's tensor names,
 the rotary row permutation of `attn_q`/`attn_k` re-applied (the loader undoes
-it), 1-D norm weights in F32.
+it), 1-D norm weights in F32. The source's `general.*` fields (name, license, ...)
+are kept, as llama.cpp's quantize keeps them.
 
 Weights already packed as `GGMLWeight` are written byte for byte when their
 target type is their own type; other leaves are decoded to float and encoded
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,10 +25,12 @@ import numpy as np
 
 from jmem.io.ggml_mixed import MixedGGMLWeight
 from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
+from jmem.io.paths import undo_on_failure
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
 from jmem.quant.ggml_quantize import quantize
 from jmem.quant.ggml_weight import GGMLWeight
+from jmem.quant.qtensor import check_finite
 
 # Per-type `general.file_type` (llama.cpp's LlamaFileType) when one type dominates the matrices.
 _FILE_TYPES = {
@@ -36,6 +40,13 @@ _FILE_TYPES = {
     "Q6_K": "MOSTLY_Q6_K", "IQ4_NL": "MOSTLY_IQ4_NL",
 }
 _FLOAT_BY_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+# `general.*` fields that describe the written file itself: set here, never copied from the source.
+_GENERAL_SET_HERE = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
+# Integer value types, narrowest first, with their ranges [lo, hi).
+_INT_TYPES = (("UINT32", 0, 2**32), ("INT32", -2**31, 2**31), ("UINT64", 0, 2**64), ("INT64", -2**63, 2**63))
+# Fields whose type llama.cpp fixes: (kind of value, GGUF type of the value or of its items).
+_KNOWN_TYPES = {"tokenizer.ggml.token_type": ("int", "INT32"), "tokenizer.ggml.scores": ("float", "FLOAT32")}
+_F32_MAX = float(np.finfo(np.float32).max)
 
 QTypeSpec = str | Mapping[str, str] | Callable[[str, tuple[int, ...]], "str | None"] | None
 
@@ -43,9 +54,10 @@ QTypeSpec = str | Mapping[str, str] | Callable[[str, tuple[int, ...]], "str | No
 def byte_tokenizer_metadata() -> dict[str, Any]:
     """`tokenizer.*` fields of a byte-level BPE with no merges that matches `ByteTokenizer`.
 
-    Token i < 256 is byte i (in GPT-2's printable byte alphabet), then three control
-    tokens 256 BOS, 257 EOS, 258 PAD: the ids of `jmem.io.tokenizer.ByteTokenizer`,
-    for writing the random-init presets (vocab 259).
+    Token i < 256 is byte i (in GPT-2's printable byte alphabet), then 256 BOS, 257 EOS,
+    258 PAD: the ids of `jmem.io.tokenizer.ByteTokenizer`, for writing the random-init
+    presets (vocab 259). Those three are of GGUF's unused type (5), not control (3): like
+    ByteTokenizer's, no text encodes to them ("<|eos|>" in text stays bytes) and decode drops them.
     """
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     alphabet, extra = {}, 0
@@ -60,7 +72,7 @@ def byte_tokenizer_metadata() -> dict[str, Any]:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 3],
+        "tokenizer.ggml.token_type": [1] * 256 + [5, 5, 5],
         "tokenizer.ggml.bos_token_id": 256,
         "tokenizer.ggml.eos_token_id": 257,
         "tokenizer.ggml.padding_token_id": 258,
@@ -68,29 +80,50 @@ def byte_tokenizer_metadata() -> dict[str, Any]:
     }
 
 
-def _value_type(key: str, value):
-    """GGUF value type (and array item type) of a tokenizer field, as llama.cpp writes it."""
+def _kind(value) -> str | None:
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, (int, np.integer)):
+        return "int"
+    if isinstance(value, (float, np.floating)):
+        return "float"
+    return "str" if isinstance(value, str) else None
+
+
+def _typed_field(key: str, value, n_tokens: int):
+    """(value, GGUF value type, array item type or None) of a metadata field, as llama.cpp reads it.
+
+    Integers get the narrowest of u32, i32, u64, i64 that holds them, token ids (`*_token_id`) u32,
+    floats f32 (f64 beyond its range). Raises one ValueError naming the field for anything else.
+    """
     import gguf
 
     V = gguf.GGUFValueType
-    known = {"tokenizer.ggml.token_type": V.INT32, "tokenizer.ggml.scores": V.FLOAT32}
-    if isinstance(value, (list, tuple)):
-        if key in known:
-            return V.ARRAY, known[key]
-        first = value[0] if len(value) else ""
-        item = (V.BOOL if isinstance(first, bool) else V.INT32 if isinstance(first, (int, np.integer))
-                else V.FLOAT32 if isinstance(first, (float, np.floating)) else V.STRING)
-        return V.ARRAY, item
-    if isinstance(value, (bool, np.bool_)):
-        return V.BOOL, None
-    if isinstance(value, (int, np.integer)):
-        return (V.UINT32 if key.endswith("_token_id") else V.INT32), None
-    if isinstance(value, (float, np.floating)):
-        return V.FLOAT32, None
-    if isinstance(value, str):
-        return V.STRING, None
-    raise ValueError(f"tokenizer field {key} has a value of type {type(value).__name__}; "
-                     "accepted: str, bool, int, float or a list of them")
+    is_list = isinstance(value, (list, tuple))
+    items = list(value) if is_list else [value]
+    kinds = {_kind(v) for v in items}
+    shown = f"{key}={value!r}" if len(repr(value)) <= 60 else f"{key}={repr(value)[:57]}..."
+    kind, known = (kinds.pop() if len(kinds) == 1 else None), _KNOWN_TYPES.get(key)
+    if kind is None or (known and kind != known[0]):
+        what = f"a list of {known[0]}" if known else "str, bool, int, float, or a list of one of them"
+        raise ValueError(f"metadata {shown} is not a GGUF value; accepted: {what}")
+    if key.endswith("_token_id") and (is_list or kind != "int" or not 0 <= int(value) < n_tokens):
+        raise ValueError(f"metadata {shown} is not a token id; accepted: an integer from 0 to {n_tokens - 1}")
+    if kind == "int":
+        items = [int(v) for v in items]
+        names = [known[1]] if known else ["UINT32"] if key.endswith("_token_id") else [n for n, _, _ in _INT_TYPES]
+        fits = [n for n, lo, hi in _INT_TYPES if n in names and lo <= min(items) and max(items) < hi]
+        if not fits:
+            ranges = ", ".join(f"{n} [{lo}, {hi})" for n, lo, hi in _INT_TYPES if n in names)
+            raise ValueError(f"metadata {shown} is out of range; accepted: integers in {ranges}")
+        vtype = V[fits[0]]
+    elif kind == "float":
+        items = [float(v) for v in items]
+        vtype = V.FLOAT32 if known or all(abs(v) <= _F32_MAX or not math.isfinite(v) for v in items) else V.FLOAT64
+    else:
+        items = [bool(v) for v in items] if kind == "bool" else items
+        vtype = V.BOOL if kind == "bool" else V.STRING
+    return (items, V.ARRAY, vtype) if is_list else (items[0], vtype, None)
 
 
 def _lookup(params, path: str):
@@ -181,7 +214,7 @@ class _Matrix:
         dtype = np.dtype(getattr(self.leaf, "dtype", np.float32))
         return "BF16" if dtype.name == "bfloat16" else _FLOAT_BY_DTYPE.get(dtype, "F32")
 
-    def encode(self, target: str) -> tuple[np.ndarray, str]:
+    def encode(self, target: str, name: str) -> tuple[np.ndarray, str]:
         """(array for GGUFWriter, GGML type name): raw u8[out, row_bytes] or typed F32/F16."""
         if self.packed is not None and target == self.packed.qtype.name:
             raw = np.asarray(self._packed_raw())
@@ -189,6 +222,7 @@ class _Matrix:
                 raw = permute_rotary(raw, self.rotary_heads)
             return np.ascontiguousarray(raw), target
         w = self._float()
+        check_finite(w, name)
         w_OI = np.ascontiguousarray(w.T if self.kernel else w)
         if self.rotary_heads is not None:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
@@ -251,11 +285,12 @@ def _write_rope_scaling(w, config: LlamaConfig) -> np.ndarray | None:
 
 
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenizer_metadata: Mapping[str, Any],
-               qtype_by_tensor: QTypeSpec = None, name: str = "jmem-llama") -> dict[str, str]:
+               qtype_by_tensor: QTypeSpec = None, general_metadata: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Write a llama-architecture GGUF file.
 
     Args:
-        path: output file.
+        path: output file; its missing parent directories are created (and removed again if
+            the write fails).
         config: the model's `LlamaConfig` (hyper-parameters written as `llama.*`).
         params: the weights: a `Llama` module, its `nnx.State`, or a dict by state path
             (`embed.embedding` [vocab, dim], `layers.wq.kernel` [L, in, out], ...). Kernels
@@ -267,20 +302,25 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             names, first match wins; or `f(name, shape_out_in) -> type | None`. Matrices
             without a type keep their form (packed weights as they are, float arrays as
             F32/F16/BF16 by dtype). Norm weights are always F32.
-        name: `general.name`.
+        general_metadata: the source's fields to keep, e.g. `GGUFFile.metadata`: its `general.*`
+            keys (name, license, organization, ...) are written as llama.cpp's quantize keeps them,
+            except those that describe the written file (`general.architecture`, `file_type`,
+            `quantization_version`, `alignment`). `general.name` is "jmem-llama" when not given.
 
     Returns:
         The GGML type name written for each tensor, by tensor name.
 
     Raises:
         ValueError: an unsupported type, a row length that is not a whole number of
-            blocks, a weight whose shape does not match `config`, or a vocabulary size
-            that differs from the tokenizer's; raised before anything is written.
+            blocks, a weight whose shape does not match `config` or that holds NaN or inf,
+            a vocabulary size that differs from the tokenizer's, a metadata value GGUF cannot
+            hold (or a token id outside the vocabulary), or a path that is a directory or
+            cannot be written; raised before the file is opened, and nothing is left behind.
 
     Example:
         >>> lm = jmem.load("smollm2-135m")
         >>> write_gguf("out.gguf", lm.config, lm.model, qtype_by_tensor="Q8_0",
-        ...            tokenizer_metadata=lm.source.tokenizer_metadata())
+        ...            tokenizer_metadata=lm.source.tokenizer_metadata(), general_metadata=lm.source.metadata)
 
         SmolLM2's rows (576 wide) are not whole 256-weight k-quant super-blocks; for a k-quant
         pass a callable that falls back per tensor, e.g.
@@ -298,8 +338,11 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     if len(tok["tokenizer.ggml.tokens"]) != config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok['tokenizer.ggml.tokens'])} tokens but "
                          f"config.vocab_size={config.vocab_size}")
+    general = {"general.name": "jmem-llama", **{k: v for k, v in (general_metadata or {}).items()
+                                                if k.startswith("general.") and k not in _GENERAL_SET_HERE}}
     # GGUF has no empty arrays (the writer rejects them); an absent field reads the same.
-    typed = {k: (v, *_value_type(k, v)) for k, v in tok.items() if not (isinstance(v, (list, tuple)) and not v)}
+    typed = {k: _typed_field(k, v, config.vocab_size) for k, v in {**general, **tok}.items()
+             if not (isinstance(v, (list, tuple)) and not v)}
 
     # Plan every tensor (types and shapes) before any heavy work.
     plan = []
@@ -307,6 +350,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         if not isinstance(t, _Matrix):
             if t.shape != (config.dim,):
                 raise ValueError(f"{tname}: norm weight has shape {list(t.shape)}, config expects [{config.dim}]")
+            check_finite(t, tname)
             plan.append((tname, t, "F32"))
             continue
         shape = t.shape_OI()
@@ -320,40 +364,44 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
                              f"{fmt.block_size}; choose another type for this tensor")
         plan.append((tname, t, target))
 
-    w = gguf.GGUFWriter(os.fspath(path), "llama")
-    w.add_name(name)
-    w.add_context_length(config.max_seq_len)
-    w.add_embedding_length(config.dim)
-    w.add_block_count(config.n_layers)
-    w.add_feed_forward_length(config.ffn_dim)
-    w.add_head_count(config.n_heads)
-    w.add_head_count_kv(config.n_kv_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_rope_dimension_count(config.rope_dim or config.head_dim)
-    w.add_rope_freq_base(float(config.rope_base))
-    freq_factors = _write_rope_scaling(w, config)
-    w.add_layer_norm_rms_eps(float(config.norm_eps))
-    w.add_vocab_size(config.vocab_size)
-    counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
-    w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[counts.most_common(1)[0][0]]]))
-    if any(t not in ("F32", "F16", "BF16") for t in counts):
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, (value, vtype, sub) in typed.items():
-        w.add_key_value(key, list(value) if vtype == gguf.GGUFValueType.ARRAY else value, vtype, sub_type=sub)
+    with undo_on_failure(path, "path"):  # a directory or unwritable path is refused before any encoding
+        w = gguf.GGUFWriter(os.fspath(path), "llama")
+        for key, (value, vtype, sub) in typed.items():
+            if key.startswith("general."):
+                w.add_key_value(key, value, vtype, sub_type=sub)
+        w.add_context_length(config.max_seq_len)
+        w.add_embedding_length(config.dim)
+        w.add_block_count(config.n_layers)
+        w.add_feed_forward_length(config.ffn_dim)
+        w.add_head_count(config.n_heads)
+        w.add_head_count_kv(config.n_kv_heads)
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_rope_dimension_count(config.rope_dim or config.head_dim)
+        w.add_rope_freq_base(float(config.rope_base))
+        freq_factors = _write_rope_scaling(w, config)
+        w.add_layer_norm_rms_eps(float(config.norm_eps))
+        w.add_vocab_size(config.vocab_size)
+        counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
+        w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[counts.most_common(1)[0][0]]]))
+        if any(t not in ("F32", "F16", "BF16") for t in counts):
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, (value, vtype, sub) in typed.items():
+            if not key.startswith("general."):
+                w.add_key_value(key, value, vtype, sub_type=sub)
 
-    written: dict[str, str] = {}
-    if freq_factors is not None:
-        w.add_tensor("rope_freqs.weight", freq_factors)
-        written["rope_freqs.weight"] = "F32"
-    for tname, t, target in plan:
-        array, qtype = t.encode(target) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
-        raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
-        w.add_tensor(tname, array, raw_dtype=raw_dtype)
-        written[tname] = qtype
+        written: dict[str, str] = {}
+        if freq_factors is not None:
+            w.add_tensor("rope_freqs.weight", freq_factors)
+            written["rope_freqs.weight"] = "F32"
+        for tname, t, target in plan:  # every tensor is encoded (and checked) before the file is opened
+            array, qtype = t.encode(target, tname) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
+            raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(tname, array, raw_dtype=raw_dtype)
+            written[tname] = qtype
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     return written

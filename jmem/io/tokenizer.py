@@ -18,6 +18,7 @@ PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama3", "llama-bpe")
 IGNORE_MERGES = ("llama3", "llama-bpe")
 _CONTROL = 3  # GGUF token type of control (special) tokens
 _USER_DEFINED = 4
+_UNUSED = 5  # not matched in text as a whole; decode drops it (llama.cpp renders it as nothing)
 
 
 class TokenizerError(ValueError):
@@ -97,6 +98,7 @@ class GGUFTokenizer:
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         self.chat_template = metadata.get("tokenizer.chat_template")
         self.special_ids = {i for i, ty in enumerate(types) if ty == _CONTROL}
+        self._unused = {i for i, ty in enumerate(types) if ty == _UNUSED}
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -108,18 +110,22 @@ class GGUFTokenizer:
         """`encode` for text rendered by `apply_chat_template`: no BOS added when it already starts with one."""
         return _encode_chat(self, text)
 
+    def _text(self, token_id: int | None) -> str:
+        """A special token's text for chat templates; "" for one no text encodes to (unused type, as
+        `ByteTokenizer`'s), so the BOS is added as an id instead."""
+        return self.tokens[token_id] if token_id is not None and token_id not in self._unused else ""
+
     def bos_text(self) -> str:
-        return self.tokens[self.bos_id] if self.bos_id is not None else ""
+        return self._text(self.bos_id)
 
     def decode(self, ids, skip_special: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        return self._tok.decode([int(i) for i in ids if int(i) not in self._unused], skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model file has no chat template (tokenizer.chat_template)")
-        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
         return _render_chat(self.chat_template, messages, add_generation_prompt, bos_token=self.bos_text(),
-                            eos_token=eos)
+                            eos_token=self._text(self.eos_id))
 
 
 class ByteTokenizer:

@@ -6,8 +6,9 @@ tensor's rows falls back for that tensor as llama.cpp does (q4_k -> Q5_0, q6_k -
 Q8_0, ...; `jmem.quant.ggml.fitting_qtype`), one printed line per substitution:
 SmolLM2's width 576 needs it. The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
 type of their own: their quantized weights are dequantized and stored as
-`--store-type` (F16 by default), which keeps the method's accuracy in any
-llama.cpp-compatible reader.
+`--store-type` (F16 by default, with the same k-quant fallback), which keeps the
+method's accuracy in any llama.cpp-compatible reader. A .gguf source's `general.*`
+fields (name, license, ...) are kept, as llama.cpp's quantize keeps them.
 
 `--out DIR`: a jmem quantized model directory (`jmem.quant.saved`) that keeps every
 quantized leaf exactly (packed codes, scales, zero points), for `jmem.load(DIR)`.
@@ -58,7 +59,8 @@ class QuantizeArgs:
     calibration_windows: int = 16
     """512-token calibration windows used by gptq/awq."""
     store_type: str = "F16"
-    """GGUF type that stores the dequantized weights of non-GGUF methods in a .gguf --out (F32, F16, Q8_0, ...)."""
+    """GGUF type that stores the dequantized weights of non-GGUF methods in a .gguf --out (F32, F16, Q8_0, ...);
+    a k-quant falls back per tensor as the GGUF methods do."""
     force: bool = False
     """Overwrite an existing --out .gguf file (never the --model file itself)."""
 
@@ -176,6 +178,7 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
 
 def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dict[str, str]:
     import jmem
+    from jmem.io.gguf import GGUFFile
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.io.tokenizer import ByteTokenizer
     from jmem.quant import quantize
@@ -187,26 +190,31 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     lm = jmem.load(args.model)
     check_float_model(lm.model)
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
+
+    def write(params, qtype: str) -> dict[str, str]:
+        """`qtype` for every matrix, with llama.cpp's fallback where its block does not divide the rows."""
+        rows: dict[str, int] = {}
+
+        def qtype_of(name: str, shape_OI) -> str:
+            rows[name] = shape_OI[1]
+            return fitting_qtype(qtype, shape_OI[1]).name
+
+        types = write_gguf(args.out, lm.config, params, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of,
+                           general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None)
+        for line in fallback_lines(qtype, {n: (r, types[n]) for n, r in rows.items()}):
+            print(line)
+        return types
+
     if method in GGUF_METHODS:
         if kind == "gguf":
-            rows: dict[str, int] = {}
-
-            def qtype_of(name: str, shape_OI) -> str:
-                rows[name] = shape_OI[1]
-                return fitting_qtype(method, shape_OI[1]).name
-
-            types = write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of)
-            for line in fallback_lines(method, {n: (r, types[n]) for n, r in rows.items()}):
-                print(line)
-            return types
+            return write(lm.model, method)
         qmodel, _ = quantize_gguf_blocks(lm.model, method, log=print)
     else:
         qmodel = quantize(lm.model, method, bits=args.bits, group_size=args.group_size, calibration=docs,
                           tokenizer=lm.tokenizer, symmetric=args.symmetric, act_order=args.act_order,
                           max_seqs=args.calibration_windows, log=print)
         if kind == "gguf":
-            return write_gguf(args.out, lm.config, qmodel, tokenizer_metadata=tok_meta,
-                              qtype_by_tensor=args.store_type)
+            return write(qmodel, args.store_type)
     save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,
                    tokenizer_metadata=None if isinstance(lm.tokenizer, ByteTokenizer) else tok_meta,
                    quantization=quantization_spec(args, method, group_sizes(qmodel)))

@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from jmem.quant.ggml import FORMATS, IQ4_NL_VALUES, QK_K, resolve_qtype
+from jmem.quant.qtensor import check_finite
 
 
 
@@ -345,6 +346,10 @@ def quantize(x, qtype) -> np.ndarray:
         u8[..., n / block_size * type_size] little-endian blocks, decodable by
         `dequantize` and by `gguf.quants.dequantize` to the same values.
 
+    Raises:
+        ValueError: a row length that is not a whole number of blocks, or NaN/inf in `x`
+            for a block type (one would spread over its whole block).
+
     Example:
         >>> raw = quantize(np.random.randn(8, 256).astype(np.float32), "Q4_K")
         >>> raw.shape
@@ -365,6 +370,7 @@ def quantize(x, qtype) -> np.ndarray:
     if qt == T.BF16:
         bits = _to_bf16_bits(np.ascontiguousarray(x)).astype("<u2")
         return bits.view(np.uint8).reshape(*lead, 2 * n)
+    check_finite(x, "the weights x")
     blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
     out = _QUANT[qt](blocks)
     assert out.shape == (blocks.shape[0], fmt.type_size) and out.dtype == np.uint8

@@ -36,6 +36,39 @@ def test_missing(tmp_path):
         read_gguf(tmp_path / "absent.gguf")
 
 
+@pytest.mark.parametrize("version", [1, 99])
+def test_unsupported_version_is_named(tmp_path, version):
+    data = bytearray(_write(tmp_path / "m.gguf").read_bytes())
+    data[4:8] = version.to_bytes(4, "little")
+    (tmp_path / "v.gguf").write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=f"GGUF version {version} is not supported; accepted: versions 2 and 3"):
+        read_gguf(tmp_path / "v.gguf")
+
+
+def test_directory_is_named(tmp_path):
+    with pytest.raises(GGUFError, match="is a directory; accepted: a .gguf file"):
+        read_gguf(tmp_path)
+
+
+def test_big_endian_file_is_refused(tmp_path):
+    """gguf can write big-endian files; jmem decodes blocks as little-endian, so it refuses them by name."""
+    import gguf
+
+    import jmem
+
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for read in (read_gguf, jmem.load):
+        with pytest.raises(GGUFError, match="be.gguf is a big-endian GGUF file, which jmem does not read; "
+                                            "accepted: little-endian GGUF files"):
+            read(str(tmp_path / "be.gguf"))
+
+
 def test_truncated(tmp_path):
     p = _write(tmp_path / "m.gguf", tensors=[("token_embd.weight", np.ones((64, 8), np.float32), None)])
     data = p.read_bytes()

@@ -194,7 +194,7 @@ def test_packed_smollm2_rewrites_byte_for_byte(tmp_path):
         raws = [t.data if heads is None else unpermute_rotary(t.data, heads) for t in per_layer]
         params[f"layers.{ours}.kernel"] = GGMLWeight(np.stack(raws), per_layer[0].qtype)
     out = str(tmp_path / "smollm2-copy.gguf")
-    written = write_gguf(out, cfg, params, tokenizer_metadata=gf.tokenizer_metadata())
+    written = write_gguf(out, cfg, params, tokenizer_metadata=gf.tokenizer_metadata(), general_metadata=gf.metadata)
     assert written == {name: t.qtype for name, t in T.items()}
     source, copy = gguf.GGUFReader(src), gguf.GGUFReader(out)
     copied = {t.name: t for t in copy.tensors}
@@ -203,7 +203,7 @@ def test_packed_smollm2_rewrites_byte_for_byte(tmp_path):
         assert (c.tensor_type, list(c.shape)) == (t.tensor_type, list(t.shape)), t.name
         np.testing.assert_array_equal(np.asarray(c.data), np.asarray(t.data), err_msg=t.name)
     for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith(("tokenizer.", "general.")):  # license, name, languages, ... and file_type kept
             assert copy.fields[key].types == field.types, key
             assert copy.fields[key].contents() == field.contents(), key
 
@@ -246,3 +246,87 @@ def test_moe_config_is_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="write_gguf writes dense llama models; this config has moe_experts=4"):
         write_gguf(tmp_path / "m.gguf", cfg, {}, tokenizer_metadata=byte_tokenizer_metadata())
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_general_metadata_is_kept(tiny, tmp_path):
+    """The source's general.* fields are written as they were (llama.cpp's quantize keeps them); the fields that
+    describe the written file are the writer's own; other prefixes are not copied from general_metadata."""
+    cfg, model, _ = tiny
+    source = {"general.name": "Smollm2 135M", "general.license": "apache-2.0", "general.languages": ["en", "fr"],
+              "general.size_label": "135M", "general.architecture": "mistral", "general.file_type": 3,
+              "general.quantization_version": 2, "llama.context_length": 8192, "tokenizer.ggml.model": "bert"}
+    write_gguf(tmp_path / "a.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="Q8_0",
+               general_metadata=source)
+    f = read_back(tmp_path / "a.gguf")[0].fields
+    general = {k: v for k, v in source.items() if k.startswith("general.")}
+    assert {k: f[k].contents() for k in general} == {**general, "general.architecture": "llama",
+                                                    "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q8_0)}
+    assert f["general.languages"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    assert f["llama.context_length"].contents() == cfg.max_seq_len and f["tokenizer.ggml.model"].contents() == "gpt2"
+    write_gguf(tmp_path / "b.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    assert read_back(tmp_path / "b.gguf")[0].fields["general.name"].contents() == "jmem-llama"
+
+
+@pytest.mark.parametrize("value, vtype", [(7, "UINT32"), (-5, "INT32"), (2**33, "UINT64"), (-2**40, "INT64"),
+                                          (np.uint64(2**40), "UINT64"), (np.int8(3), "UINT32"), (0.5, "FLOAT32"),
+                                          (1e300, "FLOAT64"), (True, "BOOL"), ([1, 2**40], "ARRAY/UINT64"),
+                                          ([-1, 2], "ARRAY/INT32"), (["a", "b"], "ARRAY/STRING")])
+def test_metadata_value_types(tiny, tmp_path, value, vtype):
+    cfg, model, _ = tiny
+    key = "tokenizer.ggml.extra"
+    write_gguf(tmp_path / "m.gguf", cfg, model, tokenizer_metadata={**byte_tokenizer_metadata(), key: value})
+    field = read_back(tmp_path / "m.gguf")[0].fields[key]
+    assert "/".join(t.name for t in field.types) == vtype
+    assert field.contents() == (list(value) if isinstance(value, list) else value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tokenizer.ggml.padding_token_id": -1},
+     "padding_token_id=-1 is not a token id; accepted: an integer from 0 to 258"),
+    ({"tokenizer.ggml.eos_token_id": 259}, "eos_token_id=259 is not a token id; accepted: an integer from 0 to 258"),
+    ({"tokenizer.ggml.bos_token_id": "1"}, "bos_token_id='1' is not a token id"),
+    ({"tokenizer.ggml.count": 2**64}, r"count=18446744073709551616 is out of range; accepted: integers in UINT32 "
+                                      r"\[0, 4294967296\), INT32"),
+    ({"tokenizer.ggml.weird": [1, 2.5]}, r"weird=\[1, 2.5\] is not a GGUF value; accepted: str, bool, int, float, "
+                                         "or a list of one of them"),
+    ({"tokenizer.ggml.nested": [[1, 2], [3]]}, "nested=.* is not a GGUF value"),
+    ({"tokenizer.ggml.none": None}, "none=None is not a GGUF value"),
+    ({"tokenizer.ggml.token_type": [1] * 258 + [2**31]}, r"token_type=.* is out of range; accepted: integers in "
+                                                         r"INT32 \[-2147483648, 2147483648\)$"),
+    ({"tokenizer.ggml.scores": ["x"] * 259}, "scores=.* is not a GGUF value; accepted: a list of float"),
+])
+def test_bad_metadata_is_refused_before_writing(tiny, tmp_path, extra, message):
+    cfg, model, _ = tiny
+    with pytest.raises(ValueError, match="metadata tokenizer.ggml." + message):
+        write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata={**byte_tokenizer_metadata(), **extra})
+    with pytest.raises(ValueError, match="metadata general.license=None is not a GGUF value"):
+        write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   general_metadata={"general.license": None})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "F32"])
+def test_non_finite_weight_is_refused_before_writing(tmp_path, qtype):
+    """As GGMLWeight.from_float refuses them: a NaN would spread over its whole block (256 weights in Q4_K)."""
+    cfg = config(dim=256, ffn_dim=512, head_dim=64)
+    model = random_model(cfg, 0)
+    k = np.array(model.layers.w_up.kernel.get_value())
+    k[1, 5, 7] = np.nan
+    model.layers.w_up.kernel.set_value(k)
+    with pytest.raises(ValueError, match="blk.1.ffn_up.weight has 1 non-finite value"):
+        write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   qtype_by_tensor=qtype)
+    assert not list(tmp_path.iterdir())
+
+
+def test_output_path_is_checked_before_encoding(tiny, tmp_path, monkeypatch):
+    cfg, model, _ = tiny
+    monkeypatch.setattr("jmem.io.gguf_writer._Matrix.encode", lambda *a: pytest.fail("encoded before the path check"))
+    with pytest.raises(ValueError, match=f"path '{tmp_path}' is a directory; accepted: a file path"):
+        write_gguf(tmp_path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"cannot create directory .*/file' is a file\)"):
+        write_gguf(tmp_path / "file" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    monkeypatch.undo()
+    write_gguf(tmp_path / "new" / "sub" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    assert jmem.load(str(tmp_path / "new" / "sub" / "m.gguf")).config == cfg

@@ -95,7 +95,7 @@ BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['
 
 
 def test_encode_chat_adds_no_second_bos():
-    meta = {**byte_tokenizer_metadata(), "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": BOS_TEMPLATE}
+    meta = _with_tokens([], [], **{"tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": BOS_TEMPLATE})
     tok = GGUFTokenizer(meta)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = tok.encode_chat(text)
@@ -113,3 +113,21 @@ def test_missing_vocabulary_is_one_error():
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(TokenizerError, match="required key tokenizer.ggml.tokens is missing"):
         GGUFTokenizer(meta)
+
+
+@pytest.mark.parametrize("text", ["a<|eos|>b", "<|bos|>", "<|pad|> héllo", "👍🏽\r\n\x00", ""])
+def test_byte_tokenizer_metadata_tokenizes_as_byte_tokenizer(text):
+    """The GGUF tokenizer of `byte_tokenizer_metadata()` (the random-init presets written with write_gguf)
+    gives ByteTokenizer's ids: "<|eos|>" in user text stays bytes, and decode drops BOS/EOS/PAD."""
+    tok, byte = GGUFTokenizer(byte_tokenizer_metadata()), ByteTokenizer()
+    assert tok.encode(text) == byte.encode(text)
+    assert tok.encode(text, add_bos=True) == byte.encode(text, add_bos=True)
+    ids = [byte.bos_id, *byte.encode(text), byte.eos_id, byte.pad_id]
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special=skip) == byte.decode(ids, skip_special=skip) == text
+    # A template's {{ bos_token }} renders as nothing, as with ByteTokenizer; add_bos_token adds the id.
+    tok = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.ggml.add_bos_token": True,
+                         "tokenizer.chat_template": BOS_TEMPLATE})
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}])
+    assert rendered == f"<|user|>{text}<|assistant|>"
+    assert tok.encode_chat(rendered) == [byte.bos_id, *byte.encode(rendered)]

@@ -160,6 +160,16 @@ def test_bad_shapes_raise():
         ggml.dequantize(np.zeros((2, 20), np.uint8), "Q4_0")
 
 
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_K, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_quantize_refuses_non_finite_weights(qt, bad):
+    """One NaN/inf would spoil its whole block's scale (32 or 256 weights); refused as GGMLWeight.from_float does."""
+    x = np.ones((2, 256), np.float32)
+    x[1, 7] = bad
+    with pytest.raises(ValueError, match="the weights x has 1 non-finite value"):
+        quantize(x, qt)
+
+
 def test_format_table_matches_gguf():
     for qt, fmt in ggml.FORMATS.items():
         assert (fmt.block_size, fmt.type_size) == gguf.GGML_QUANT_SIZES[qt]

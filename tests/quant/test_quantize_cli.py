@@ -100,6 +100,40 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
 
 
+def test_store_type_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys):
+    """--store-type Q4_K takes the same llama.cpp fallback as --method q4_k (SmolLM2's 576-wide rows need it)."""
+    from jmem.io.gguf import read_gguf
+    from jmem.cli import main
+
+    out = tmp_path / "rtn-q4k.gguf"
+    main(["quantize", "--model", "tiny", "--method", "rtn", "--bits", "4", "--group-size", "32", "--store-type", "Q4_K",
+          "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Q4_K: row length 64 is not a multiple of its block size 256; stored as Q5_0 (llama.cpp's fallback)" in printed
+    assert {t.qtype for n, t in read_gguf(str(out)).tensors.items() if "norm" not in n} == {"Q5_0"}
+
+
+def test_gguf_source_keeps_its_general_metadata(tmp_path, capsys):
+    """As llama.cpp's quantize: the source's general.* fields survive; only general.file_type (and the
+    quantization version) say what changed."""
+    import gguf
+
+    from jmem.cli import main
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+
+    lm = jmem.load("tiny")
+    general = {"general.name": "Smollm2 135M 8k", "general.license": "apache-2.0", "general.languages": ["en"],
+               "general.organization": "HuggingFaceTB", "general.basename": "smollm2", "general.type": "model"}
+    src, out = tmp_path / "src.gguf", tmp_path / "q8.gguf"
+    write_gguf(src, lm.config, lm.model, tokenizer_metadata=byte_tokenizer_metadata(), general_metadata=general)
+    main(["quantize", "--model", str(src), "--method", "q8_0", "--out", str(out)])
+    capsys.readouterr()
+    before, after = ({k: f.contents() for k, f in gguf.GGUFReader(p).fields.items() if k.startswith("general.")}
+                     for p in (src, out))
+    assert after == {**before, "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q8_0),
+                     "general.quantization_version": gguf.GGML_QUANT_VERSION}
+
+
 @pytest.mark.slow
 def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
     from tests.helpers import smollm2
