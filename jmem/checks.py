@@ -1,5 +1,6 @@
 """Argument checks shared across the package: an integer is a Python or NumPy integer, never a bool
-(and never a float that happens to be whole), a number is an integer or a float; a bad one is one ValueError naming it.
+(and never a float that happens to be whole); a number is an integer or a float, never a bool; a bad
+one is one ValueError naming it.
 
 Example:
     >>> check_int("batch_size", 8, 1)

@@ -40,8 +40,7 @@ class SamplingParams:
     def __post_init__(self):
         if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and (not is_int(self.top_k)
-                                       or self.top_k < 1):
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 or None")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")

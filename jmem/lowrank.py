@@ -131,8 +131,7 @@ def check_rank(rank, n_in: int, n_out: int) -> None:
 
 def check_damp(damp) -> None:
     """One clear error unless `damp` is a finite number >= 0."""
-    if not is_number(damp) \
-            or not (math.isfinite(damp) and damp >= 0):
+    if not is_number(damp) or not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"damp={damp!r}; accepted: a finite number >= 0 (a fraction of the gram's mean diagonal)")
 
 

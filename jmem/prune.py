@@ -93,8 +93,7 @@ def check_spec(method: str, sparsity, pattern) -> PruneSpec:
     if method not in METHODS:
         raise ValueError(f"unknown pruning method {method!r}; accepted: {', '.join(METHODS)}")
     if sparsity is not None:
-        if not is_number(sparsity) \
-                or not 0.0 <= float(sparsity) < 1.0:
+        if not is_number(sparsity) or not 0.0 <= float(sparsity) < 1.0:
             raise ValueError(f"sparsity={sparsity!r}; accepted: a fraction of zeros in [0, 1)")
     if pattern is None:
         return PruneSpec(method, 0.5 if sparsity is None else float(sparsity))

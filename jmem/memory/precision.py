@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.checks import is_number
+
 _DTYPE_NAMES: dict[str, Any] = {
     "f32": jnp.float32,
     "fp32": jnp.float32,
@@ -220,9 +222,7 @@ class DynamicLossScale:
     @classmethod
     def create(cls, initial_scale: float = 2.0**15, *, growth_interval: int = 2000, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, min_scale: float = 1.0, max_scale: float = 2.0**24):
-        number = (int, float, np.integer, np.floating)
-        if isinstance(initial_scale, bool) or not isinstance(initial_scale, number) \
-                or not (math.isfinite(initial_scale) and initial_scale > 0):
+        if not is_number(initial_scale) or not (math.isfinite(initial_scale) and initial_scale > 0):
             raise ValueError(f"DynamicLossScale: initial_scale={initial_scale!r}; accepted: a finite number > 0")
         if growth_interval < 1 or growth_factor <= 1 or not 0 < backoff_factor < 1 or min_scale <= 0:
             raise ValueError(

@@ -7,7 +7,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-
 from jmem.checks import is_int, is_number
 
 
@@ -34,7 +33,7 @@ class ContextTooLong(RequestError):
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:
-    """Raise ContextTooLong (before any work) for a request that could never be scheduled."""
+    """RequestError for an empty prompt, ContextTooLong for a request that could never be scheduled."""
     if not prompt_tokens:
         raise RequestError("prompt is empty; need at least one token", "prompt")
     if prompt_tokens + max_tokens > limit:
