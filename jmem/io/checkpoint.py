@@ -119,7 +119,16 @@ class Checkpointer:
             return None
         if not (self.directory / str(step) / "meta").exists():
             raise CheckpointMismatchError(f"{self.directory / str(step)} is not a jmem checkpoint (no meta item)")
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise self._damaged(step, e) from e
+
+    def _damaged(self, step: int, e: Exception) -> CheckpointMismatchError:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return CheckpointMismatchError(f"checkpoint {self.directory / str(step)} is damaged or unreadable ({why}); "
+                                       f"accepted: a complete checkpoint: resume from another step or choose "
+                                       f"another --ckpt-dir")
 
     def check(self, meta: dict, *, resume: bool, upgrade=None) -> int | None:
         """Validate the directory for this run; returns the step to resume from.
@@ -138,9 +147,11 @@ class Checkpointer:
             return None  # nothing there (--resume on an empty directory starts from scratch)
         old = self.read_meta(step) or {}
         old = upgrade(old) if upgrade is not None else old
-        diff = [k for k in MUST_MATCH if old.get(k) != meta.get(k)]
+        # As stored (JSON: tuples come back as lists); no structure given: `save` fills it in, `restore` checks it.
+        run = {k: json.loads(json.dumps(meta[k])) for k in MUST_MATCH if k in meta and meta[k] is not None}
+        diff = [k for k in MUST_MATCH if old.get(k) != run.get(k) and (k != "structure" or k in run)]
         if diff:
-            detail = "; ".join(_describe(k, old.get(k), meta.get(k)) for k in diff)
+            detail = "; ".join(_describe(k, old.get(k), run.get(k)) for k in diff)
             raise CheckpointMismatchError(
                 f"checkpoint dir {self.directory} holds a different run ({detail}); "
                 f"choose another --ckpt-dir (nothing was written)"
@@ -187,15 +198,20 @@ class Checkpointer:
             sharding = getattr(x, "sharding", None)
             return jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=sharding)
 
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore({k: abstract(v) for k, v in flat_t.items()}))
-        )["state"]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore({k: abstract(v) for k, v in flat_t.items()})))["state"]
+        except Exception as e:
+            raise self._damaged(step, e) from e
         leaves = [_like(flat_t[k], restored[k]) for k in flat_t]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
 
     def _check_template(self, step: int, flat_t: dict[str, Any]) -> None:
         """One CheckpointMismatchError naming the first leaves whose path, shape or dtype differ."""
-        stored = dict(self.manager.item_metadata(step)["state"].items())
+        try:
+            stored = dict(self.manager.item_metadata(step)["state"].items())
+        except Exception as e:  # no state item (None) or unreadable metadata
+            raise self._damaged(step, e) from e
         problems = [f"{k} is in the template but not in the checkpoint" for k in flat_t if k not in stored]
         problems += [f"{k} is in the checkpoint but not in the template" for k in stored if k not in flat_t]
         for k, v in flat_t.items():

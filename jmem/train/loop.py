@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -35,7 +36,7 @@ from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.memory.measure import MemoryReport, measure_and_compile
 from jmem.train.checks import check_steps_left, rules_for
 from jmem.train.config import TrainConfig
-from jmem.train.setup import Run, build, state_settings_diff, upgrade_meta
+from jmem.train.setup import MEANING_SETTINGS, Run, build, state_settings_diff, upgrade_meta
 
 
 @dataclasses.dataclass
@@ -157,9 +158,23 @@ def _count(n: int) -> str:
 
 
 class _Logger:
-    def __init__(self, path: str | None, append: bool):
-        # A resumed run continues its log; a fresh run starts a new one.
-        self.f: TextIO | None = open(path, "a" if append else "w") if path else None
+    """JSON lines, `first` (the memory event) on top. A resumed run continues its log, cut back
+    to the resumed step (rewritten atomically), so it reads as one uninterrupted run's; a fresh
+    run starts a new one."""
+
+    def __init__(self, path: str | None, first: dict, resume_step: int = 0):
+        self.f: TextIO | None = None
+        if not path:
+            return
+        lines = []
+        if resume_step and os.path.isfile(path):
+            with open(path) as f:
+                lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if _keep_logged(ln, resume_step)]
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines([json.dumps(first) + "\n", *lines])
+        os.replace(tmp, path)
+        self.f = open(path, "a")
 
     def write(self, record: dict):
         if self.f:
@@ -169,6 +184,18 @@ class _Logger:
     def close(self):
         if self.f:
             self.f.close()
+
+
+def _keep_logged(line: str, resume_step: int) -> bool:
+    """A log line a run resumed at `resume_step` keeps: records up to that step and events other
+    than the memory one (the resumed run writes its own); not a line cut short by a kill."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return False
+    if not isinstance(rec, dict):
+        return False
+    return rec["step"] <= resume_step if isinstance(rec.get("step"), int) else rec.get("event") != "memory"
 
 
 def _evaluate(eval_fn, params, run: Run) -> float | None:
@@ -257,18 +284,18 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
 
-    log = _Logger(cfg.log, append=start > 0)
-    log.write({"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
+    log = _Logger(cfg.log, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
-               **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})})
+               **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})},
+                  start)
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     tokens = cfg.batch * cfg.seq
     interrupted = False
     bar = _progress(cfg, start, end, out)
-    try:
-        with _stop_on_signals() as stop:
+    with _stop_on_signals() as stop:  # also through the final save: a signal then lets it finish
+        try:
             for step in range(start, end):
                 batch = batch0 if step == start else place(batch=run.data.batch(step, cfg.batch, cfg.seed))
                 t0 = time.perf_counter()
@@ -299,11 +326,12 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                 if stop[0]:
                     interrupted = True
                     break
-    finally:
-        bar.close()
-    final = int(state.step)
-    if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
-        _save(ckpt, final, state, run.meta, offload)
+        finally:
+            bar.close()
+        final = int(state.step)
+        if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
+            _save(ckpt, final, state, run.meta, offload)
+        interrupted = interrupted or stop[0]
     if interrupted:
         print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
     elif final < cfg.steps:  # --stop-after
@@ -428,15 +456,17 @@ def _offloaded(run: Run, state, ckpt, start: int):
 
 
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
-    """A checkpoint; with disk offload, a copy of the optimizer-state files beside it (the previous
-    copy is removed: a resume continues from the latest step)."""
-    ckpt.save(step, state, meta)
+    """A checkpoint; with disk offload, a copy of the optimizer-state files beside it, written before
+    the step becomes the latest checkpoint (the previous copy is removed after: a resume continues
+    from the latest step)."""
     disk = getattr(offload, "disk", None)
+    root = ckpt.directory / _OFFLOAD_SNAPSHOT
+    if disk is not None:
+        disk.snapshot(str(root / str(step)))
+    ckpt.save(step, state, meta)
     if disk is not None:
         import shutil
 
-        root = ckpt.directory / _OFFLOAD_SNAPSHOT
-        disk.snapshot(str(root / str(step)))
         for old in root.iterdir():
             if old.name != str(step):
                 shutil.rmtree(old, ignore_errors=True)
@@ -444,15 +474,15 @@ def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
 
 def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:
     """Name the flags behind a state structure that differs from the checkpoint's (before
-    `Checkpointer.check`, whose last resort is the structure hash)."""
+    `Checkpointer.check`, whose last resort is the structure hash), and those of `MEANING_SETTINGS`
+    that differ under the same structure."""
     if ckpt.latest_step() is None:
         return
     old = upgrade_meta(ckpt.read_meta() or {})
-    if old.get("structure") == run.meta["structure"]:
-        return
     if any(old.get(k) != run.meta.get(k) for k in ("model", "optimizer", "precision")):
         return  # Checkpointer.check names those
-    diff = state_settings_diff(old, run.cfg)
+    same = old.get("structure") == run.meta["structure"]
+    diff = state_settings_diff(old, run.cfg, MEANING_SETTINGS if same else None)
     if diff:
         raise CheckpointMismatchError(
             f"checkpoint dir {ckpt.directory} holds a run with a different train state ({'; '.join(diff)}); "

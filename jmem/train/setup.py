@@ -181,6 +181,7 @@ STATE_SETTINGS = {
     "precision": _loss_scaling,  # fp16 compute adds the non-finite-skipping wrapper and a loss scale
     "lora_rank": lambda v: v,
     "lora_targets": lambda v: v,
+    "lora_alpha": lambda v: v,  # not the structure: the adapters' scale, what the saved adapters mean
     "quantize_base": lambda v: v,
     "galore_rank": lambda v: v,  # the moments' shapes
     "layerwise": lambda v: v,
@@ -191,21 +192,25 @@ STATE_SETTINGS = {
 """Flags that shape the train state (beyond the model, optimizer and param dtype, which
 `MUST_MATCH` compares), each with the part of its value that does."""
 
+MEANING_SETTINGS = ("lora_alpha",)
+"""`STATE_SETTINGS` that leave the structure as it is (compared also when the structure matches)."""
 
-def state_settings_diff(old_meta: dict, cfg: TrainConfig) -> list[str]:
-    """`--flag: checkpoint X vs run Y` for each `STATE_SETTINGS` flag whose state-shaping part
-    differs between a checkpoint's metadata and `cfg` (older checkpoints: their `config`)."""
+
+def state_settings_diff(old_meta: dict, cfg: TrainConfig, names=None) -> list[str]:
+    """`--flag: checkpoint X vs run Y` for each `STATE_SETTINGS` flag (of `names`, all when None)
+    whose state-shaping part differs between a checkpoint's metadata and `cfg` (older checkpoints:
+    their `config`)."""
     old = old_meta.get("settings") or old_meta.get("config") or {}
     out = []
     for name, part in STATE_SETTINGS.items():
-        if name not in old:
+        if name not in old or (names is not None and name not in names):
             continue
         mine = getattr(cfg, name)
         try:
             differs = part(old[name]) != part(mine)
         except ValueError:  # a setting this version cannot parse
             differs = old[name] != mine
-        if differs and (name != "lora_targets" or (old.get("lora_rank") and cfg.lora_rank)):
+        if differs and (name not in ("lora_targets", "lora_alpha") or (old.get("lora_rank") and cfg.lora_rank)):
             out.append(f"--{name.replace('_', '-')}: checkpoint {old[name]} vs run {mine}")
     return out
 

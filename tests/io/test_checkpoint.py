@@ -53,3 +53,38 @@ def test_restore_names_the_leaf_and_round_trips_scalars(tmp_path):
         with pytest.raises(CheckpointMismatchError, match=message):
             ck.restore(template)
     ck.close()
+
+
+def test_check_accepts_its_own_checkpoint_without_a_structure_or_with_tuples(tmp_path):
+    """The module docstring's flow: `save` fills in the structure the caller's meta lacks, and a
+    tuple comes back from JSON as a list; a new Checkpointer's check still resumes the step."""
+    meta = {"model": {"dims": (1, 2)}, "optimizer": "o", "precision": "p"}
+    state = {"w": np.ones(3, np.float32)}
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.check(meta, resume=True) is None
+    ckpt.save(1, state, meta)
+    assert Checkpointer(tmp_path).check(meta, resume=True) == 1
+    with pytest.raises(CheckpointMismatchError, match=r"model.dims: checkpoint \[1, 2\] vs run \[1, 3\]"):
+        Checkpointer(tmp_path).check({**meta, "model": {"dims": (1, 3)}}, resume=True)
+
+
+@pytest.mark.parametrize("damage", ["state emptied", "array file truncated", "meta not JSON"])
+def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
+    import shutil
+
+    state = {"w": np.arange(20000, dtype=np.float32)}
+    Checkpointer(tmp_path).save(2, state, META)
+    step = tmp_path / "2"
+    if damage == "state emptied":
+        for p in (step / "state").iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    elif damage == "array file truncated":
+        big = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        with big.open("r+b") as f:
+            f.truncate(100)
+    else:
+        (step / "meta" / "metadata").write_text("{bad json")
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=f"checkpoint {step} is damaged or unreadable .*; accepted: "):
+        ckpt.check(META, resume=True)
+        ckpt.restore(state)

@@ -73,3 +73,25 @@ def test_disk_offload_resumes_from_its_checkpoint(tmp_path):
     second = train(TrainConfig(**kw, ckpt_dir=ck, resume=True), out=out)
     assert "disk optimizer state files" in out.getvalue()
     assert {**first.losses, **second.losses} == whole.losses
+
+
+def test_disk_offload_snapshot_is_written_before_its_checkpoint(tmp_path, monkeypatch):
+    """A crash while the optimizer-state files are copied leaves the previous checkpoint the latest,
+    with its own copy, so --resume still works."""
+    from jmem.io.checkpoint import Checkpointer
+    from jmem.memory import disk_offload
+
+    orig = disk_offload.DiskOptimizer.snapshot
+
+    def snapshot(self, target):
+        if target.endswith("/2"):
+            raise RuntimeError("crash while copying")
+        return orig(self, target)
+
+    monkeypatch.setattr(disk_offload.DiskOptimizer, "snapshot", snapshot)
+    ck = tmp_path / "ck"
+    with pytest.raises(RuntimeError, match="crash while copying"):
+        train(TrainConfig(model="tiny", steps=2, batch=4, seq=16, progress=False, eval_batches=1, ckpt_every=1,
+                          offload_optimizer="disk", offload_dir=str(tmp_path / "state"), ckpt_dir=str(ck)),
+              out=io.StringIO())
+    assert Checkpointer(ck).latest_step() == 1 and (ck / "offload_optimizer" / "1" / "chunks.json").is_file()

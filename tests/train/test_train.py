@@ -86,6 +86,18 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     assert _files(d) == before
 
 
+def test_resume_with_another_lora_alpha_is_refused(tmp_path):
+    """The saved adapters mean another update under another scale (the structure is the same)."""
+    from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
+    from jmem.train.setup import build
+
+    cfg = dataclasses.replace(BASE, optimizer="adamw", lora_rank=4, lora_alpha=16.0, ckpt_dir=str(tmp_path / "ck"))
+    run = build(cfg)
+    Checkpointer(cfg.ckpt_dir).save(2, run.fns.init_state(run.model), run.meta)
+    with pytest.raises(CheckpointMismatchError, match="--lora-alpha: checkpoint 16.0 vs run 32.0"):
+        train(dataclasses.replace(cfg, resume=True, lora_alpha=32.0), out=io.StringIO())
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--remat", "everything"], "unknown remat policy 'everything'; accepted: none, full"),
     (["--optimizer", "lion"], "unknown optimizer 'lion'; accepted: adamw, adafactor, adam8bit, galore, sgd"),
@@ -116,6 +128,51 @@ def test_plot_format_matplotlib_cannot_write_is_one_line_before_any_work(name, e
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: " + expected.format(plot)), err
     assert ".png" in lines[0] and ".pdf" in lines[0] and ".txt" not in lines[0].split("accepted:")[1]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_signal_during_the_final_save_lets_it_finish_then_stops(tmp_path, monkeypatch):
+    from jmem.io.checkpoint import Checkpointer
+
+    orig = Checkpointer.save
+
+    def save(self, step, state, meta):
+        if step == 3:  # lands while the final checkpoint is written
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(self, step, state, meta)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the default handler (the process would die)")
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        out = io.StringIO()
+        r = train(dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"), ckpt_every=100, stop_after=3), out=out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert r.interrupted and r.final_step == 3 and "interrupted at step 3" in out.getvalue()
+    assert Checkpointer(tmp_path / "ck").latest_step() == 3
+
+
+def test_resumed_log_is_cut_back_to_the_checkpoint_step(tmp_path):
+    """A run killed between checkpoints logged steps past its last one; the resumed run's log
+    reads as one uninterrupted run's: one memory event, each step once."""
+    log = tmp_path / "log.jsonl"
+    ck = dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"), ckpt_every=2, log=str(log))
+
+    def kill_after_5(rec):
+        if rec["step"] == 5:
+            raise KeyboardInterrupt  # the process dies: no save after step 4's
+
+    with pytest.raises(KeyboardInterrupt):
+        train(ck, out=io.StringIO(), on_step=kill_after_5)
+    with log.open("a") as f:
+        f.write('{"step": 6, "lo')  # a record cut short by the kill
+    train(dataclasses.replace(ck, resume=True), out=io.StringIO())
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r.get("event") for r in recs].count("memory") == 1 and recs[0]["event"] == "memory"
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, 11))
+    assert [r["step"] for r in recs if "eval_loss" in r] == [10]
 
 
 @pytest.mark.parametrize("flag, sub", [("--ckpt-dir", "ck"), ("--log", "logs/log.jsonl"), ("--plot", "p/loss.png")])
