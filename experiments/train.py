@@ -43,6 +43,7 @@ import sys
 
 import tyro
 
+from jmem.io.checkpoint import CheckpointWriteError
 from jmem.train import TrainConfig, train
 
 
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:  # e.g. a full disk: the earlier checkpoints are intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 130 if result.interrupted else 0
 
 

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         parsed = tyro.extras.subcommand_cli_from_dict(commands, args=sys.argv[1:] if argv is None else argv,
                                                       prog="jmem")
-    except (ValueError, FileNotFoundError) as e:  # generate and info run inside tyro's call
+    except (ValueError, OSError) as e:  # generate and info run inside tyro's call
         print(f"jmem: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if isinstance(parsed, ServeArgs):

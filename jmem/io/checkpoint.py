@@ -24,14 +24,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import pathlib
+import shutil
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jmem.checks import check_int
 
 # Meta fields that must agree between a checkpoint and the run restoring it.
 MUST_MATCH = ("model", "optimizer", "precision", "structure")
@@ -39,6 +44,10 @@ MUST_MATCH = ("model", "optimizer", "precision", "structure")
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint directory belongs to a different model or setup."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the earlier steps are intact."""
 
 
 def flatten_state(state: Any) -> dict[str, Any]:
@@ -67,14 +76,18 @@ class Checkpointer:
 
     Args:
         directory: where step folders go (created on the first save).
-        max_to_keep: older jmem steps are deleted beyond this many (folders jmem did not
-            write are never deleted: `save` refuses a directory that holds any).
+        max_to_keep: older jmem steps are deleted beyond this many, an integer >= 1 or None to
+            keep all (folders jmem did not write are never deleted: `save` refuses a directory
+            that holds any).
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int | None = 3):
+        if max_to_keep is not None:
+            check_int("max_to_keep", max_to_keep, 1)
         self.directory = pathlib.Path(directory).expanduser().resolve()
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=False
+            max_to_keep=None if max_to_keep is None else int(max_to_keep), create=False,
+            enable_async_checkpointing=False, cleanup_tmp_directories=True,
         )
         self._manager: ocp.CheckpointManager | None = None
 
@@ -167,18 +180,40 @@ class Checkpointer:
         """Write `state` and `meta` as step `step` (blocking until on disk).
 
         Raises:
+            ValueError: `step` is not an integer >= 0 or `state` holds no leaves.
             CheckpointMismatchError: the directory holds numbered folders jmem did not write
                 (pruning old steps would delete them); nothing is written.
+            CheckpointWriteError: the write failed (e.g. no space left); its partial folder is
+                removed and the earlier steps are intact.
         """
+        check_int("step", step, 0)
+        flat = flatten_state(state)
+        if not flat:
+            raise ValueError(f"checkpoint: the state {type(state).__name__} holds no arrays; "
+                             f"accepted: a pytree with at least one leaf")
         self._refuse_foreign()
         meta = {**meta, "structure": meta.get("structure") or structure_fingerprint(state), "step": int(step)}
-        flat = flatten_state(state)
-        self.manager.save(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        try:
+            with _quiet_orbax_threads():
+                self.manager.save(
+                    int(step),
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
+                    force=True,
+                )
+                self.manager.wait_until_finished()
+        except Exception as e:
+            self._abandon(int(step))
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = ": ".join(line.split(": ")[-2:])[:200]  # the cause, without the storage layer's file path
+            latest = self.latest_step()
+            kept = f"the latest complete checkpoint is step {latest}" if latest is not None else "no step is saved"
+            raise CheckpointWriteError(f"checkpoint step {step} could not be written to {self.directory} "
+                                       f"({why}); {kept}") from e
+
+    def _abandon(self, step: int) -> None:
+        """Remove a failed save's partial folder and drop the manager (its step cache knows the step)."""
+        shutil.rmtree(self.directory / f"{step}.orbax-checkpoint-tmp", ignore_errors=True)
+        self.close()
 
     def restore(self, template: Any, step: int | None = None) -> Any:
         """The state saved at `step` (latest when None), in `template`'s structure.
@@ -233,6 +268,20 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+@contextlib.contextmanager
+def _quiet_orbax_threads():
+    """Hold back the tracebacks Orbax's writer threads log for a failed write: `save` raises one error."""
+    def drop(record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "raised an exception" in record.getMessage())
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _dtype_of(x: Any):

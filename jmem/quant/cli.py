@@ -222,10 +222,11 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
 
 
 def run_quantize(args: QuantizeArgs) -> None:
-    """`jmem quantize`: quantize, write, print what was written (one error line and exit 2 on bad input)."""
+    """`jmem quantize`: quantize, write, print what was written (one error line and exit 2 on bad input
+    or a failed read or write)."""
     try:
         types = quantize_to_file(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"jmem quantize: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     counts: dict[str, int] = {}

@@ -88,3 +88,56 @@ def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
     with pytest.raises(CheckpointMismatchError, match=f"checkpoint {step} is damaged or unreadable .*; accepted: "):
         ckpt.check(META, resume=True)
         ckpt.restore(state)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"max_to_keep": 0}, "max_to_keep=0; accepted: an integer >= 1"),
+                                           ({"max_to_keep": 2.0}, "max_to_keep=2.0; accepted: an integer >= 1")])
+def test_bad_max_to_keep_is_refused(kwargs, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        Checkpointer(tmp_path / "ck", **kwargs)
+
+
+def test_bad_step_or_empty_state_is_refused_before_any_write(tmp_path):
+    ck = Checkpointer(tmp_path / "ck", max_to_keep=None)
+    with pytest.raises(ValueError, match=r"step=-1; accepted: an integer >= 0"):
+        ck.save(-1, {"w": jnp.ones(3)}, META)
+    with pytest.raises(ValueError, match=r"holds no arrays; accepted: a pytree with at least one leaf"):
+        ck.save(1, {}, META)
+    assert ck.latest_step() is None
+    for step in range(5):  # None keeps every step
+        ck.save(np.int64(step), {"w": jnp.ones(3)}, META)
+    assert ck.latest_step() == 4 and ck._steps()[0] == [0, 1, 2, 3, 4]
+    ck.close()
+
+
+_FAILED_WRITE = """
+import resource, signal, sys
+import numpy as np
+from jmem.io.checkpoint import Checkpointer, CheckpointWriteError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+ck = Checkpointer(sys.argv[1])
+ck.save(1, {"w": np.ones(4, np.float32)}, {"model": "m"})
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+try:
+    ck.save(2, {"w": np.random.default_rng(0).random(1 << 19)}, {"model": "m"})
+except CheckpointWriteError as e:
+    print("ERROR:", e)
+"""
+
+
+def test_a_failed_write_is_one_error_and_leaves_the_earlier_steps(tmp_path):
+    import subprocess
+    import sys
+
+    d = tmp_path / "ck"
+    out = subprocess.run([sys.executable, "-c", _FAILED_WRITE, str(d)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"ERROR: checkpoint step 2 could not be written to {d} (" in out.stdout
+    assert "; the latest complete checkpoint is step 1" in out.stdout
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]  # the writer threads' logs are held back
+    assert sorted(p.name for p in d.iterdir()) == ["1"]  # the partial step is removed
+    ck = Checkpointer(d)
+    assert float(ck.restore({"w": np.zeros(4, np.float32)})["w"].sum()) == 4.0
+    ck.save(2, {"w": np.zeros(4, np.float32)}, {"model": "m"})  # a later save into the same directory works
+    assert ck.latest_step() == 2
+    ck.close()
