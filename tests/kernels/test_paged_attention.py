@@ -132,6 +132,8 @@ def test_bad_inputs_name_the_problem():
         paged_attention(q, kp, vp, lengths, table.at[1, 0].set(999))
     with pytest.raises(ValueError, match="lengths\\[1\\]=33 is outside \\[0, 32\\]"):
         paged_attention(q, kp, vp, lengths.at[1].set(33), table)
+    with pytest.raises(ValueError, match=r"block_tables int32\[2, 0\] has no page columns; accepted: pages_per_seq >= 1"):
+        paged_attention(q, kp, vp, lengths * 0, table[:, :0])
     for kw, message in [(dict(num_splits=0), r"num_splits=0; accepted: an integer in \[1, "),
                         (dict(pages_per_compute_block=0), "pages_per_compute_block=0; accepted: a power of two")]:
         with pytest.raises(ValueError, match=message):

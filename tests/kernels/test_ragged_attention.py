@@ -112,6 +112,8 @@ def test_ragged_bad_inputs():
         ragged_paged_attention(q, kp, vp, kvl, table.at[2, 1].set(-1), cu, n)
     with pytest.raises(ValueError, match="q_heads=3 must be a multiple of kv_heads=2"):
         ragged_paged_attention(q[:, :3], kp, vp, kvl, table, cu, n)
+    with pytest.raises(ValueError, match=r"with pages_per_seq >= 1; got \(6, 0\)"):
+        ragged_paged_attention(q, kp, vp, kvl * 0, table[:, :0], cu * 0, 0)
 
 
 def test_cu_q_lens_entries_past_num_seqs_are_ignored():

@@ -83,6 +83,9 @@ def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: in
     """
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"{name}: block_tables must be int32[batch, pages_per_seq]; got {block_tables.dtype}{list(block_tables.shape)}")
+    if block_tables.shape[1] == 0:
+        raise ValueError(f"{name}: block_tables {block_tables.dtype}{list(block_tables.shape)} has no page columns; "
+                         f"accepted: pages_per_seq >= 1")
     if lengths.ndim != 1 or lengths.shape[0] != block_tables.shape[0] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
             f"{name}: {lengths_name} must be int32[{block_tables.shape[0]}] (one per block-table row); "
