@@ -145,10 +145,14 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
 RESUME_DATA_FLAGS = ("data", "seq", "batch", "seed")
 """Flags a resumed run may change (the train state does not depend on them) that change its batches."""
 
+RESUME_UPDATE_FLAGS = ("steps", "lr", "warmup", "precision", "weight_decay", "clip", "galore_gap", "galore_scale",
+                       "lora_dropout")
+"""Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps)."""
 
-def _changed_data_flags(old_config: dict, cfg: TrainConfig) -> list[str]:
-    """`--flag X (checkpoint: Y)` for each of `RESUME_DATA_FLAGS` that differs from the checkpointed run's."""
-    return [f"--{name} {getattr(cfg, name)} (checkpoint: {old_config[name]})" for name in RESUME_DATA_FLAGS
+
+def _changed_flags(old_config: dict, cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
+    """`--flag X (checkpoint: Y)` for each of `names` that differs from the checkpointed run's."""
+    return [f"--{name.replace('_', '-')} {getattr(cfg, name)} (checkpoint: {old_config[name]})" for name in names
             if name in old_config and old_config[name] != getattr(cfg, name)]
 
 
@@ -242,9 +246,11 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
-            changed = _changed_data_flags((ckpt.read_meta(resume_step) or {}).get("config", {}), cfg)
-            if changed:
-                print(f"note: {', '.join(changed)}: the batches differ from an uninterrupted run's", file=out)
+            old_config = (ckpt.read_meta(resume_step) or {}).get("config", {})
+            for names, what in ((RESUME_DATA_FLAGS, "batches"), (RESUME_UPDATE_FLAGS, "updates")):
+                changed = _changed_flags(old_config, cfg, names)
+                if changed:
+                    print(f"note: {', '.join(changed)}: the {what} differ from an uninterrupted run's", file=out)
 
     offload = None
     if cfg.offload_optimizer != "none":  # ZeRO-Offload / -Infinity: two programs (jmem.memory.offload)

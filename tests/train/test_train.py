@@ -58,13 +58,16 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     assert np.mean([straight.losses[k] for k in (7, 8, 9)]) < np.mean([straight.losses[k] for k in (0, 1, 2)])
 
 
-def test_resume_names_the_data_flags_it_changes():
-    from jmem.train.loop import _changed_data_flags
+def test_resume_names_the_flags_it_changes():
+    from jmem.train.loop import RESUME_DATA_FLAGS, RESUME_UPDATE_FLAGS, _changed_flags
 
     saved = dataclasses.asdict(dataclasses.replace(BASE, data="a.txt"))
-    assert _changed_data_flags(saved, dataclasses.replace(BASE, data="a.txt")) == []
-    assert _changed_data_flags(saved, dataclasses.replace(BASE, data="b.txt", seed=BASE.seed + 1)) == [
+    assert _changed_flags(saved, dataclasses.replace(BASE, data="a.txt"), RESUME_DATA_FLAGS) == []
+    assert _changed_flags(saved, dataclasses.replace(BASE, data="b.txt", seed=BASE.seed + 1), RESUME_DATA_FLAGS) == [
         "--data b.txt (checkpoint: a.txt)", f"--seed {BASE.seed + 1} (checkpoint: {BASE.seed})"]
+    other = dataclasses.replace(BASE, data="b.txt", precision="f32", weight_decay=0.5)
+    assert _changed_flags(saved, other, RESUME_UPDATE_FLAGS) == [
+        f"--precision f32 (checkpoint: {BASE.precision})", f"--weight-decay 0.5 (checkpoint: {BASE.weight_decay})"]
 
 
 def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
