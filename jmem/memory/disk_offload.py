@@ -42,7 +42,12 @@ from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
 
 _META = "chunks.json"
-_CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # `DiskOptimizer._files`
+_CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # every name `_chunk_file` makes
+
+
+def _chunk_file(c: int, j: int) -> str:
+    """The file of chunk `c`'s `j`-th state array."""
+    return f"chunk{c:05d}_{j}.npy"
 
 
 class DiskState(NamedTuple):
@@ -130,7 +135,7 @@ class DiskOptimizer:
         return [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(st)]
 
     def _files(self, c: int) -> list[pathlib.Path]:
-        return [pathlib.Path(self.directory) / f"chunk{c:05d}_{j}.npy" for j in range(len(self._state_shapes[c]))]
+        return [pathlib.Path(self.directory) / _chunk_file(c, j) for j in range(len(self._state_shapes[c]))]
 
     def _chunk_update(self, grads, state, params):
         updates, state = self.tx.update(grads, state, params)
@@ -142,8 +147,9 @@ class DiskOptimizer:
         """Write a fresh state (`tx.init` of every chunk of the trainable params `train`) to the
         files; returns the handle with update count `count`."""
         leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
-        for stale in pathlib.Path(self.directory).glob("chunk*_*.npy"):  # an earlier run's, maybe more chunks
-            stale.unlink()
+        for stale in pathlib.Path(self.directory).iterdir():  # an earlier run's, maybe more chunks
+            if _CHUNK_FILE.fullmatch(stale.name):
+                stale.unlink()
         for c, chunk in enumerate(self.chunks):
             i, layer = chunk
             x = np.asarray(leaves[i])
