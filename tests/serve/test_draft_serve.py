@@ -46,12 +46,8 @@ def test_layer_dropped_draft_gives_the_targets_greedy_tokens(target):
     want = plain(target, ps, greedy())
     draft = student_from_teacher(target, [0, 1, 2])
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=draft)
-    engine.precompile()  # both models' largest steps: then no step of either waits for a compilation
     got = engine.generate(ps, greedy())
     runners = (engine.runner, engine.drafter.runner)
-    for runner in runners:
-        runner.finish_compilations()
-        assert runner.num_blocking_compilations == 0
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == "length"
         np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
@@ -141,6 +137,18 @@ def test_serve_flags_build_a_drafting_engine(capsys):
         assert exit_info.value.code == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: {msg}"), lines
+
+
+@pytest.mark.slow
+def test_precompiled_drafting_engine_never_waits_for_a_compilation(target):
+    engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL),
+                    draft_model=student_from_teacher(target, [0, 1, 2]))
+    engine.precompile()  # both models' largest steps: then no step of either waits for a compilation
+    got = engine.generate(prompts(0, 6), greedy())
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain(target, prompts(0, 6), greedy())]
+    for runner in (engine.runner, engine.drafter.runner):
+        runner.finish_compilations()
+        assert runner.num_blocking_compilations == 0
 
 
 @pytest.mark.slow
