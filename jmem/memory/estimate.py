@@ -288,10 +288,11 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         if not 1 <= trained_layers <= config.n_layers:
             raise ValueError(f"trained_layers={trained_layers!r}; accepted: 1..{config.n_layers} (the model's layers)")
         part = lambda x, n: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype)  # noqa: E731 - n of the stacked layers
-        active = jax.tree.map(lambda x: part(x, trained_layers), trainable["layers"])
-        still = jax.tree.map(lambda x: part(x, config.n_layers - trained_layers), trainable["layers"])
+        stacked = trainable["layers"] if not lora_rank else trainable  # every adapter is stacked over the layers
+        active = jax.tree.map(lambda x: part(x, trained_layers), stacked)
+        still = jax.tree.map(lambda x: part(x, config.n_layers - trained_layers), stacked)
         frozen = (frozen or 0) + tree_bytes(still)
-        trainable = {**trainable, "layers": active}
+        trainable = active if lora_rank else {**trainable, "layers": active}
     train_bytes = tree_bytes(trainable)
     params = train_bytes + (frozen or 0)
     n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))

@@ -181,6 +181,9 @@ def test_memory_of_the_layer_part_scales_with_the_active_layers(compiled, model)
     assert (est["grads"], est["optimizer"], est["frozen"]) == (one_layer + outer_bytes, opt["n1"], (L - 1) * one_layer)
     # Temporaries: one active layer of four saves at least the gradients of the three frozen ones.
     assert full.temp_bytes - n1.temp_bytes >= 0.95 * (L - 1) * one_layer
+    # With LoRA the trainable tree is the adapters, each stacked over the layers: 1 of L layers of them train.
+    lora = {n: estimate(model.config, B, T, optimizer="adamw", lora_rank=4, trained_layers=n) for n in (1, L)}
+    assert lora[L]["grads"] == L * lora[1]["grads"] and lora[1]["frozen"] - lora[L]["frozen"] == (L - 1) * lora[1]["grads"]
 
 
 @pytest.mark.slow
