@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
-from jmem.checks import check_int, is_int
+from jmem.checks import check_int, is_int, is_number
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -38,12 +38,14 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (0.0 <= self.temperature < float("inf")):
-            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
+        if not (is_number(self.temperature) and 0.0 <= self.temperature < float("inf")):  # NaN fails too
+            raise ValueError(f"temperature={self.temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 1 or None")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
+            raise ValueError(f"top_k={self.top_k!r}; accepted: an integer >= 1, or None (off)")
+        if self.top_p is not None and not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r}; accepted: a number in (0, 1], or None (off)")
+        if not is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r}; accepted: an integer")
 
     @property
     def greedy(self) -> bool:

@@ -69,21 +69,26 @@ class LM:
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 stop: list[str] | None = None) -> list[str]:
-        """Completions (without the prompt) for each prompt; temperature 0 is greedy."""
+                 stop: str | list[str] | None = None) -> list[str]:
+        """Completions (without the prompt) for each prompt; temperature 0 is greedy.
+
+        `stop`: one stop string or a list of them; each completion ends before the first one it reaches."""
         if isinstance(prompts, str):
             raise ValueError("generate expects a list of prompt strings, not a single string")
-        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("generate expects a list of prompt strings")
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"prompts={prompts!r}; accepted: a non-empty list of prompt strings")
         return self._complete([self.tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
     def _complete(self, encoded: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  stop: list[str] | None = None) -> list[str]:
+                  stop: str | list[str] | None = None) -> list[str]:
         params = SamplingParams(temperature, top_k, top_p, seed)
         tok = self.tokenizer
-        stop = [s for s in (stop or []) if s]
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop  # one string is one stop string
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"stop={stop!r}; accepted: a string or a list of strings")
+        stop = [s for s in stops if s]
         for i, ids in enumerate(encoded):
             if not ids:
                 raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")

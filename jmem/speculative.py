@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_int
+from jmem.checks import check_int, is_int
 from jmem.generate import check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
 from jmem.sampling import GREEDY_BELOW
@@ -42,12 +42,19 @@ from jmem.sampling import GREEDY_BELOW
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeStats:
-    """What the rounds did: proposals made and accepted, target passes, tokens emitted."""
+    """What the rounds did, summed over rows.
+
+    rounds: target passes after the prompt's (each verifies every row still generating);
+    row_passes: rows verified, summed over rounds; proposed / accepted: draft tokens the
+    target checked and kept; emitted: tokens the rounds added to the output (up to
+    max_new_tokens; an EOS that ends a row counts, as the token its pass produced).
+    """
 
     rounds: int
     proposed: int
     accepted: int
     emitted: int
+    row_passes: int
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,8 +63,9 @@ class SpeculativeStats:
 
     @property
     def tokens_per_target_pass(self) -> float:
-        """Emitted tokens per target forward after the prompt (1.0 without speculation)."""
-        return self.emitted / max(self.rounds, 1)
+        """Tokens a row gets per target pass after the prompt's: `emitted / row_passes`, the same
+        for one row as for many alike; 1.0 when no proposal is accepted, up to k + 1 when all are."""
+        return self.emitted / max(self.row_passes, 1)
 
 
 def _draw(logits_BV, key, temperature, greedy: bool):
@@ -144,7 +152,7 @@ def _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev_B, last_B, pos
     return out_BK1, n_B, new_prev_B, next_B, pos_B + n_B + 1, t_cache, d_cache
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray:
+def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> np.ndarray:
     tc, dc = target.config, draft.config
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
@@ -155,6 +163,8 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature) -> np.ndarray
                                                                  and temperature.ndim == 0)
     if not (scalar and not isinstance(temperature, bool) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
+    if not is_int(seed):
+        raise ValueError(f"seed={seed!r}; accepted: an integer")
     lengths = check_prompt_ids(prompts, tc.vocab_size)
     context = min(tc.max_seq_len, dc.max_seq_len)
     if int(lengths.max()) + max_new_tokens + k > context:
@@ -184,9 +194,9 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     Example:
         >>> out, stats = speculative_generate(target, draft, [[1, 2, 3]], 32, k=4)
     """
-    lengths = _check(target, draft, prompts, max_new_tokens, k, temperature)
+    lengths = _check(target, draft, prompts, max_new_tokens, k, temperature, seed)
     if max_new_tokens == 0:
-        return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0)
+        return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0, 0)
     B, T = len(prompts), -(-int(lengths.max()) // 16) * 16
     ids = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
@@ -206,14 +216,18 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     pos = len_j
     out = [[t] for t in np.asarray(last).tolist()]
     done = [False] * B
-    rounds = proposed = accepted = emitted = 0
+    rounds = proposed = accepted = emitted = row_passes = 0
 
-    def settle(i):
+    def settle(i) -> int:
+        """Cut row i at its EOS and at max_new_tokens; returns its tokens up to the cut, an EOS counted."""
         row = out[i]
-        if eos_id is not None and eos_id in row:
+        ended = eos_id is not None and eos_id in row
+        produced = min(row.index(eos_id) + 1 if ended else len(row), max_new_tokens)
+        if ended:
             out[i], done[i] = row[:row.index(eos_id)], True
         if len(out[i]) >= max_new_tokens:
             out[i], done[i] = out[i][:max_new_tokens], True
+        return produced
 
     for i in range(B):
         settle(i)
@@ -226,9 +240,10 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         for i in range(B):
             if done[i]:
                 continue
+            row_passes += 1
             proposed += k
             accepted += int(n[i])
-            emitted += int(n[i]) + 1
+            before = len(out[i])
             out[i].extend(toks[i, :n[i] + 1].tolist())
-            settle(i)
-    return out, SpeculativeStats(rounds, proposed, accepted, emitted)
+            emitted += settle(i) - before  # tokens past max_new_tokens were never emitted
+    return out, SpeculativeStats(rounds, proposed, accepted, emitted, row_passes)

@@ -44,6 +44,14 @@ def test_help_names_every_subcommand():
             sub.stdout
 
 
+def test_serve_help_names_every_model_source():
+    """--model takes what jmem.load takes: a preset, a .gguf file or a `jmem quantize --out DIR` directory."""
+    r = _jmem("serve", "--help")
+    text = " ".join(r.stdout.replace("│", " ").split())  # the help as one line, whatever the terminal's width
+    assert "Preset name (smollm2-135m, tiny, ...), a .gguf path or a model directory written by `jmem quantize " \
+        "--out DIR`" in text, text
+
+
 def test_serve_subcommand_runs_the_server_checks():
     r = _jmem("serve", "--model", "tiny", "--kv-cache-dtype", "fp4")
     assert r.returncode == 2 and r.stderr == ("jmem serve: error: --kv-cache-dtype='fp4'; accepted: auto, bf16, "

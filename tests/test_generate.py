@@ -1,5 +1,7 @@
 """Generation: sampling reproducible by seed, EOS and stop strings, argument errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,14 @@ def test_eos_and_stop_strings(lm):
     stop = text[4:6]
     stopped = lm.generate(["abc"], max_new_tokens=20, stop=[stop])[0]
     assert stopped == text[: text.find(stop)]
+    assert lm.generate(["abc"], max_new_tokens=20, stop=stop)[0] == stopped  # one string: one stop string
+    # Not its characters: the text starts with this string's first character but never holds the string.
+    assert lm.generate(["abc"], max_new_tokens=20, stop=text[0] + " is not in the text")[0] == text
+    assert lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=4, stop=text[0] + " nowhere") == \
+        lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=4)
+    for bad in ([3], 3, ["a", None]):
+        with pytest.raises(ValueError, match=re.escape(f"stop={bad!r}; accepted: a string or a list of strings")):
+            lm.generate(["abc"], max_new_tokens=2, stop=bad)
 
 
 def test_generation_params_drive_the_shared_sampler():
@@ -82,10 +92,34 @@ def test_bad_arguments(lm):
         generate_ids(lm.model, [[1, 2]], 2.5)
     with pytest.raises(ValueError, match="chunk=0; accepted: an integer >= 1"):
         generate_ids(lm.model, [[1, 2]], 2, chunk=0)
-    with pytest.raises(ValueError, match="top_k=2.5 must be an integer"):
+    with pytest.raises(ValueError, match=re.escape("top_k=2.5; accepted: an integer >= 1, or None (off)")):
         SamplingParams(top_k=2.5)
     with pytest.raises(ValueError, match="attention_impl='flash'; accepted: auto, pallas, xla, reference"):
         jmem.load("tiny", attention_impl="flash")
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(temperature="0.7"), "temperature='0.7'; accepted: a finite number >= 0 (0 is greedy)"),
+    (dict(temperature=float("nan")), "temperature=nan; accepted: a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature=inf; accepted: a finite number >= 0"),
+    (dict(temperature=True), "temperature=True; accepted: a finite number >= 0"),
+    (dict(top_p="0.5"), "top_p='0.5'; accepted: a number in (0, 1], or None (off)"),
+    (dict(top_p=float("nan")), "top_p=nan; accepted: a number in (0, 1]"),
+    (dict(top_k=5.0), "top_k=5.0; accepted: an integer >= 1, or None (off)"),
+    (dict(seed="a"), "seed='a'; accepted: an integer"),
+    (dict(seed=1.5), "seed=1.5; accepted: an integer"),
+    (dict(seed=True), "seed=True; accepted: an integer"),
+    (dict(max_new_tokens=4.0), "max_new_tokens=4.0; accepted: an integer >= 0"),
+])
+def test_wrong_typed_sampling_values_are_one_clear_error(lm, kwargs, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        lm.generate(["a"], **kwargs)
+
+
+def test_numpy_sampling_values_are_accepted(lm):
+    kw = dict(max_new_tokens=3, temperature=1.0, top_p=0.9, seed=3)
+    want = lm.generate(["a"], **kw)
+    assert lm.generate(["a"], **kw | dict(temperature=np.float32(1.0), top_p=np.float64(0.9), seed=np.int64(3))) == want
 
 
 def test_chat_feeds_one_bos(tmp_path, monkeypatch):
@@ -115,6 +149,8 @@ def test_chat_feeds_one_bos(tmp_path, monkeypatch):
 
 
 def test_empty_inputs_name_the_problem(lm):
+    with pytest.raises(ValueError, match=re.escape("prompts=[]; accepted: a non-empty list of prompt strings")):
+        lm.generate([], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 1 encodes to no tokens"):
         lm.generate(["hello", ""])
     with pytest.raises(ValueError, match="prompt 1 has no tokens"):

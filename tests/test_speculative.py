@@ -33,6 +33,31 @@ def test_greedy_equals_the_targets_greedy_generation(models):
     assert full.acceptance_rate == 1.0 and full.tokens_per_target_pass > 3.0
 
 
+def test_tokens_per_target_pass_is_per_row(models):
+    """Tokens kept in the output after the prefill over row-passes: the same for 1 row as for 4 alike,
+    k + 1 with the target drafting for itself (cut only by max_new_tokens), 1.0 when nothing is accepted."""
+    target, _ = models
+    one_out, one = speculative_generate(target, target, PROMPTS[:1], 8, k=4)
+    four_out, four = speculative_generate(target, target, PROMPTS[:1] * 4, 8, k=4)
+    assert four_out == one_out * 4 and len(one_out[0]) == 8
+    # The prefill gives token 1; round 1 keeps 5 (4 accepted + 1), round 2 keeps the last 2 of its 5.
+    assert (one.rounds, one.row_passes, one.emitted, one.accepted, one.proposed) == (2, 2, 7, 8, 8)
+    assert (four.rounds, four.row_passes, four.emitted, four.accepted, four.proposed) == (2, 8, 28, 32, 32)
+    assert one.tokens_per_target_pass == four.tokens_per_target_pass == 3.5
+    assert one.acceptance_rate == four.acceptance_rate == 1.0
+    long_out, long = speculative_generate(target, target, PROMPTS[:1] * 2, 41, k=4)  # 40 after the prefill: 8 x 5
+    assert long.tokens_per_target_pass == 5.0 and long.emitted == 80 and long.row_passes == 16
+    # A draft of zeros proposes token 0 every time, which the target's greedy continuation never holds.
+    graphdef, state = nnx.split(target)
+    zeros = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, state))
+    want = generate_ids(target, PROMPTS, 14)
+    assert not any(0 in row for row in want)
+    got, rejected = speculative_generate(target, zeros, PROMPTS, 14, k=3)
+    assert got == want
+    assert (rejected.accepted, rejected.rounds, rejected.row_passes, rejected.emitted) == (0, 13, 39, 39)
+    assert rejected.tokens_per_target_pass == 1.0 and rejected.acceptance_rate == 0.0
+
+
 def test_acceptance_rule_keeps_the_targets_distribution():
     """Proposals drawn from q, kept with min(1, p/q), the first rejection redrawn from
     max(0, p - q): the first emitted token is distributed as p (Leviathan et al. 2023, thm 1)."""
@@ -71,6 +96,7 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     assert c[0] == a[0][:a[0].index(eos)]
     for t in (np.float32(1.0), jnp.float32(1.0)):  # NumPy and JAX scalars are numbers too
         assert speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=t, seed=3)[0] == a
+    assert speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=np.int64(3))[0] == a
 
 
 @pytest.mark.parametrize("kwargs, expected", [
@@ -78,6 +104,9 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(temperature=True), "temperature=True; accepted: a finite number >= 0"),
     (dict(temperature=jnp.ones(2)), "accepted: a finite number >= 0"),
+    (dict(temperature=0.5, seed="x"), "seed='x'; accepted: an integer"),
+    (dict(temperature=0.5, seed=1.5), "seed=1.5; accepted: an integer"),
+    (dict(seed=True), "seed=True; accepted: an integer"),
     (dict(prompts=[[]]), "prompt 0 has no tokens"),
     (dict(prompts=[[1, 10_000]]), "prompt 0 holds 10000; accepted: integer token ids"),
     (dict(max_new_tokens=10_000), "exceeds the models' context"),
