@@ -31,7 +31,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,32 +40,43 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmem.checks import is_int
+from jmem.checks import is_int, is_number
 from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
 from jmem.train.loss import router_loss
 
 KINDS = ("forward", "reverse")
+BATCH_KEYS = ("inputs", "targets", "mask")
 
 
 def check_distill_args(temperature: float, alpha: float, kind: str) -> tuple[float, float]:
     """Validate the loss hyperparameters; returns them as floats.
 
     Raises:
-        ValueError: temperature not a finite number > 0, alpha outside [0, 1], or an
-            unknown `kind`.
+        ValueError: temperature not a finite number > 0, alpha not a number in [0, 1] (a
+            bool or a string is not a number), or an unknown `kind`.
     """
-    try:
-        temperature, alpha = float(temperature), float(alpha)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature={temperature!r} and alpha={alpha!r} must be numbers") from None
-    if not (np.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"distillation temperature={temperature}; accepted: a finite number > 0")
-    if not (0.0 <= alpha <= 1.0):
-        raise ValueError(f"distillation alpha={alpha}; accepted: a number in [0, 1] (weight of the KL term)")
+    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"distillation temperature={temperature!r}; accepted: a finite number > 0")
+    if not (is_number(alpha) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"distillation alpha={alpha!r}; accepted: a number in [0, 1] (weight of the KL term)")
     if kind not in KINDS:
         raise ValueError(f"distillation kind={kind!r}; accepted: {', '.join(KINDS)}")
-    return temperature, alpha
+    return float(temperature), float(alpha)
+
+
+def check_batch(batch) -> tuple[int, int]:
+    """The (B, T) of a distillation batch: one ValueError unless it holds "inputs", "targets" and
+    "mask", each [B, T] (shapes only: fine under jit)."""
+    accepted = "accepted: a dict with keys inputs, targets, mask, each [B, T] (one B, T)"
+    if not isinstance(batch, Mapping) or any(k not in batch for k in BATCH_KEYS):
+        what = f"keys={sorted(map(str, batch))}" if isinstance(batch, Mapping) else f"={type(batch).__name__}"
+        raise ValueError(f"distillation batch {what}; {accepted}")
+    shapes = {k: tuple(np.shape(batch[k])) for k in BATCH_KEYS}
+    if len(shapes["inputs"]) != 2 or len(set(shapes.values())) != 1:
+        got = ", ".join(f"{k}={list(v)}" for k, v in shapes.items())
+        raise ValueError(f"distillation batch shapes {got}; {accepted}")
+    return shapes["inputs"]
 
 
 def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature: float, kind: str = "forward",
@@ -142,8 +154,8 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
     if alpha > 0 and vs is not None and vt is not None and vs != vt:
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; distillation compares "
                          "distributions over the same token ids: accepted: equal vocabularies")
+    B, T = check_batch(batch)
     inputs, targets_BT, mask_BT = batch["inputs"], batch["targets"], batch["mask"]
-    B, T = inputs.shape
     chunk = _resolve_chunk(chunk, T, getattr(getattr(student, "config", None), "loss_chunk", 1024))
     need_kl, need_ce = alpha > 0, alpha < 1
     if need_kl and teacher is None:
@@ -215,7 +227,8 @@ def distill_loss_sum(student, teacher, batch: dict, *, temperature: float = 2.0,
 
     Raises:
         ValueError: vocab sizes differ, temperature <= 0, alpha outside [0, 1], unknown
-            kind, or a chunk that does not divide the sequence; before any computation.
+            kind, a chunk that does not divide the sequence, or a batch without inputs, targets
+            and mask of one [B, T] shape; before any computation.
 
     Example:
         >>> total, count = distill_loss_sum(student, teacher, batch, temperature=2.0, alpha=0.5, chunk=256)
@@ -244,13 +257,16 @@ def student_from_teacher(teacher: Llama, layers: Sequence[int]) -> Llama:
         A new `Llama` with `config.n_layers == len(layers)` and its own arrays.
 
     Raises:
-        ValueError: empty, out-of-range, non-integer or repeated indices.
+        ValueError: not a sequence; empty, out-of-range, non-integer or repeated indices.
 
     Example:
         >>> student = student_from_teacher(teacher, range(0, teacher.config.n_layers, 2))
     """
     n = teacher.config.n_layers
-    layers = list(layers)
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise ValueError(f"student layers={layers!r}; accepted: a sequence of distinct indices in [0, {n})") from None
     if not layers:
         raise ValueError(f"student layers is empty; accepted: distinct indices in [0, {n})")
     for i in layers:
@@ -338,6 +354,7 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
         return params, tx.init(trainable_split(params, adapters_only)[0])
 
     def step(params, opt_state, teacher_state, batch):
+        check_batch(batch)
         t = nnx.merge(teacher_graphdef, teacher_state)
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         train, frozen = trainable_split(params, adapters_only)

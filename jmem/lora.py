@@ -30,7 +30,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import is_int
+from jmem.checks import is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 
@@ -66,14 +66,14 @@ class LoRA:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"LoRA dtype={jnp.dtype(dtype).name}; accepted: a floating dtype (float32, bfloat16, "
                              "float16; or their names f32, bf16, f16)")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
+        if not (is_number(dropout) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"LoRA dropout={dropout!r}; accepted: a number in [0, 1)")
         *lead, n_in, n_out = base.shape
         if rank > min(n_in, n_out):
             raise ValueError(f"LoRA rank={rank} exceeds the {n_in} x {n_out} weight's smaller side; accepted: "
                              f"1..{min(n_in, n_out)}")
-        if not (np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"LoRA alpha={alpha!r} must be a finite number > 0")
+        if not (is_number(alpha) and np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"LoRA alpha={alpha!r}; accepted: a finite number > 0")
         a = jax.random.normal(key, (*lead, n_in, rank), jnp.float32) * n_in ** -0.5
         b = jnp.zeros((*lead, rank, n_out), dtype)
         return cls(base, a.astype(dtype), b, alpha, dropout, rslora)
@@ -168,13 +168,23 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
       seed: initialises A; dtype: adapter dtype (e.g. jnp.bfloat16 for QLoRA).
       inplace: modify `model` instead of a copy.
 
+    Raises:
+      ValueError: a bad rank, alpha, dropout, seed or dtype; targets empty, unknown, repeated or
+        already adapted.
+
     Example:
         >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
     """
-    if isinstance(targets, str):
-        targets = (targets,)
-    for name in targets:
+    accepted = f"names among {', '.join(LINEAR_TARGETS + ('head',))}"
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets:
+        raise ValueError(f"targets is empty; accepted: {accepted}")
+    for i, name in enumerate(targets):
         _kernel_var(model, name)  # validate every name before any work
+        if name in targets[:i]:
+            raise ValueError(f"target {name!r} is listed twice in targets={targets}; accepted: distinct {accepted}")
+    if not is_int(seed):
+        raise ValueError(f"LoRA seed={seed!r}; accepted: an integer")
     if not inplace:
         model = nnx.clone(model)
     keys = jax.random.split(jax.random.key(seed), len(targets))

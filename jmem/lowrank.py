@@ -68,6 +68,11 @@ class LowRank:
                 then minimise `||X (w - u v)||_F` instead of `||w - u v||_F`.
             damp: added to the gram's diagonal, as a fraction of its mean diagonal (keeps
                 channels the calibration never used from being singular); a finite number >= 0.
+
+        Raises:
+            ValueError: w not a float matrix, a bad rank or damp, or a gram that is not a finite
+                [..., in, in] matching w, has a mean diagonal <= 0 or is not positive definite
+                after damping.
         """
         shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
         if shape is None or len(shape) < 2 or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -81,9 +86,7 @@ class LowRank:
             u, s, vt = np.linalg.svd(w64, full_matrices=False)
             u_r = u[..., :rank] * s[..., None, :rank]
         else:
-            g = np.asarray(gram, np.float64)
-            g = g + damp * np.mean(np.diagonal(g, axis1=-2, axis2=-1), axis=-1)[..., None, None] * np.eye(n_in)
-            chol = np.linalg.cholesky(g)  # g = L L^T
+            chol = _gram_cholesky(gram, damp, tuple(w.shape))  # g = L L^T
             lt = np.swapaxes(chol, -1, -2)
             u, s, vt = np.linalg.svd(lt @ w64, full_matrices=False)
             u_r = np.linalg.solve(lt, u[..., :rank] * s[..., None, :rank])  # L^-T U_r S_r
@@ -120,6 +123,32 @@ class LowRank:
 
 
 jax.tree_util.register_pytree_with_keys_class(LowRank)
+
+
+def _gram_cholesky(gram, damp: float, w_shape: tuple) -> np.ndarray:
+    """L with `L L^T` = the damped gram; one ValueError for a gram of the wrong shape or not positive definite."""
+    *lead, n_in, _ = w_shape
+    shapes = f"[{n_in}, {n_in}]" + (f" or {[*lead, n_in, n_in]} (w's leading axes)" if lead else "")
+    accepted = f"accepted: a positive semi-definite input Gram X^T X of shape {shapes}, with a positive mean diagonal"
+    try:
+        g = np.asarray(gram, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"gram of type {type(gram).__name__}; {accepted}") from None
+    try:
+        fits = g.shape[-2:] == (n_in, n_in) and np.broadcast_shapes(g.shape[:-2], tuple(lead)) == tuple(lead)
+    except ValueError:
+        fits = False
+    if g.ndim < 2 or not fits:
+        raise ValueError(f"gram of shape {g.shape} for a w of shape {w_shape}; {accepted}")
+    mean_diag = np.mean(np.diagonal(g, axis1=-2, axis2=-1), axis=-1)
+    if not np.all(np.isfinite(g)):
+        raise ValueError(f"gram with {int(np.sum(~np.isfinite(g)))} non-finite entries; {accepted}")
+    if not np.all(mean_diag > 0):
+        raise ValueError(f"gram with mean diagonal {np.min(mean_diag):g}; {accepted}")
+    try:
+        return np.linalg.cholesky(g + damp * mean_diag[..., None, None] * np.eye(n_in))
+    except np.linalg.LinAlgError:
+        raise ValueError(f"gram not positive definite after damp={damp!r}; {accepted} (or a larger damp)") from None
 
 
 def check_rank(rank, n_in: int, n_out: int) -> None:

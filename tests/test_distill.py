@@ -5,6 +5,7 @@ bounded by the chunk, and layer-dropped students equal hand-built ones."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -256,6 +257,12 @@ def test_distill_step_trains_lora_on_a_quantized_student():
     (dict(kind="jsd"), "kind='jsd'"),
     (dict(chunk=3), "chunk=3 does not divide seq=8"),
     (dict(chunk=0), "chunk=0"),
+    (dict(temperature="2"), r"^distillation temperature='2'; accepted: a finite number > 0$"),
+    (dict(temperature=True), r"^distillation temperature=True; accepted"),
+    (dict(temperature=float("inf")), r"^distillation temperature=inf; accepted"),
+    (dict(alpha=True), r"^distillation alpha=True; accepted: a number in \[0, 1\]"),
+    (dict(alpha=float("nan")), r"^distillation alpha=nan; accepted"),
+    (dict(alpha=None), r"^distillation alpha=None; accepted"),
 ])
 def test_errors(kwargs, match):
     student = nnx.eval_shape(lambda: Llama(CFG, rngs=nnx.Rngs(0)))
@@ -273,9 +280,33 @@ def test_vocab_mismatch_and_layer_errors():
     with pytest.raises(ValueError, match="vocab_size=96 differs"):
         make_distill_fns(student, teacher, None)
     for layers, match in [([0, 2], r"out of range .* \[0, 2\)"), ([-1], "out of range"), ([1, 1], r"repeat \[1\]"),
-                          ([], "empty"), ([0.5], "not an integer")]:
+                          ([], "empty"), ([0.5], "not an integer"),
+                          (1, r"^student layers=1; accepted: a sequence of distinct indices in \[0, 2\)$")]:
         with pytest.raises(ValueError, match=match):
             student_from_teacher(student, layers)
+
+
+def test_bad_batch_is_one_clear_error():
+    """A batch without one of its keys, of mismatched or non-[B, T] shapes: one ValueError naming the keys
+    and shapes (was a KeyError, a broadcasting error or 'not enough values to unpack'), also under jit."""
+    student = nnx.eval_shape(lambda: Llama(CFG, rngs=nnx.Rngs(0)))
+    good = _batch(np.random.default_rng(0), 2, 8, CFG.vocab_size)
+    accepted = r"; accepted: a dict with keys inputs, targets, mask, each \[B, T\] \(one B, T\)"
+    no_mask = {k: v for k, v in good.items() if k != "mask"}
+    with pytest.raises(ValueError, match=r"^distillation batch keys=\['inputs', 'targets'\]" + accepted):
+        distill_loss_sum(student, student, no_mask)
+    with pytest.raises(ValueError, match=r"^distillation batch =list" + accepted):
+        distill_loss_sum(student, student, [good["inputs"]])
+    bad_targets = {**good, "targets": good["targets"][:, :4]}
+    with pytest.raises(ValueError, match=r"^distillation batch shapes inputs=\[2, 8\], targets=\[2, 4\], "
+                                         r"mask=\[2, 8\]" + accepted):
+        jax.jit(lambda b: distill_loss_sum(student, student, b))(bad_targets)
+    flat = {k: v[0] for k, v in good.items()}
+    with pytest.raises(ValueError, match=r"^distillation batch shapes inputs=\[8\], targets=\[8\]"):
+        distill_loss_sum(student, student, flat)
+    fns = make_distill_fns(student, student, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"^distillation batch keys="):
+        fns.step(None, None, None, no_mask)
 
 
 def test_script_refuses_a_save_student_path_through_a_file_before_loading(tmp_path, capsys):

@@ -136,9 +136,23 @@ def test_dropout_and_bad_inputs():
     side = min(base.layers.wv.kernel.get_value().shape[-2:])
     with pytest.raises(ValueError, match=f"rank={side + 1} exceeds .* smaller side; accepted: 1..{side}"):
         apply_lora(base, rank=side + 1, targets=("wv",))
-    for alpha in (-1.0, 0.0, float("nan")):
-        with pytest.raises(ValueError, match="alpha=.* must be a finite number > 0"):
+    for alpha in (-1.0, 0.0, float("nan"), float("inf"), "16", None, True):
+        with pytest.raises(ValueError, match=f"^LoRA alpha={alpha!r}; accepted: a finite number > 0$"):
             apply_lora(base, alpha=alpha)
+    for dropout in ("0.1", -0.1, 1.0, True, None):
+        with pytest.raises(ValueError, match=rf"^LoRA dropout={dropout!r}; accepted: a number in \[0, 1\)$"):
+            apply_lora(base, dropout=dropout)
+    for seed in (1.5, "0", True, None):
+        with pytest.raises(ValueError, match=f"^LoRA seed={seed!r}; accepted: an integer$"):
+            apply_lora(base, seed=seed)
+    with pytest.raises(ValueError, match="^targets is empty; accepted: names among wq, wk, wv, wo, w_gate, w_up, "
+                                         "w_down, head$"):
+        apply_lora(base, targets=())
+    with pytest.raises(ValueError, match=r"^target 'wq' is listed twice in targets=\('wq', 'wv', 'wq'\); "
+                                         "accepted: distinct names among wq"):
+        apply_lora(base, targets=("wq", "wv", "wq"))
+    adapted = apply_lora(base, alpha=np.float32(8), seed=np.int64(3), targets=["wq"])
+    assert adapted.layers.wq.kernel.get_value().alpha == 8
     with pytest.raises(ValueError, match="rank=True must be a positive integer"):
         apply_lora(base, rank=True)
     with pytest.raises(ValueError, match="LoRA dtype=int8; accepted: a floating dtype"):

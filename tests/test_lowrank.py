@@ -140,3 +140,31 @@ def test_bad_factor_inputs_are_one_clear_error():
         with pytest.raises(ValueError, match=r"^keep=.*; accepted: .* in \(0, 1\]"):
             rank_for(keep, 64, 48)
     assert rank_for(1, 64, 48) == rank_for(1.0, 64, 48) == 27 and rank_for(1e-9, 64, 48) == 1
+
+
+def test_bad_gram_is_one_clear_error():
+    """A gram of the wrong shape, all zero, negative or not positive definite: one ValueError naming what is
+    accepted (was a NumPy broadcasting error or LinAlgError)."""
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(20, 12)), jnp.float32)
+    accepted = r"; accepted: a positive semi-definite input Gram X\^T X of shape \[20, 20\], with a positive mean"
+    for gram, what in [(np.eye(5), r"gram of shape \(5, 5\) for a w of shape \(20, 12\)"),
+                       (np.ones(20), r"gram of shape \(20,\)"),
+                       (np.ones((3, 20, 20)), r"gram of shape \(3, 20, 20\)"),
+                       ("eye", "gram of type str"),
+                       (np.zeros((20, 20)), "gram with mean diagonal 0"), (-np.eye(20), "gram with mean diagonal -1"),
+                       (np.full((20, 20), np.nan), "gram with 400 non-finite entries")]:
+        with pytest.raises(ValueError, match="^" + what + ".*" + accepted):
+            LowRank.from_svd(w, 3, gram=gram)
+    indefinite = np.eye(20)
+    indefinite[0, 0] = -5.0
+    with pytest.raises(ValueError, match=r"^gram not positive definite after damp=0\.01" + accepted):
+        LowRank.from_svd(w, 3, gram=indefinite)
+    with pytest.raises(ValueError, match=r"after damp=0; .*\(or a larger damp\)$"):
+        LowRank.from_svd(w, 3, gram=np.diag([1.0] * 19 + [0.0]), damp=0)
+    stacked = jnp.stack([w, w])
+    with pytest.raises(ValueError, match=r"shape \[20, 20\] or \[2, 20, 20\] \(w's leading axes\)"):
+        LowRank.from_svd(stacked, 3, gram=np.ones((3, 20, 20)))
+    x = np.random.default_rng(1).normal(size=(64, 20))
+    one = LowRank.from_svd(stacked, 3, gram=x.T @ x)
+    per_layer = LowRank.from_svd(stacked, 3, gram=np.stack([x.T @ x] * 2))
+    np.testing.assert_allclose(one.dequantize(), per_layer.dequantize(), rtol=1e-5, atol=1e-5)

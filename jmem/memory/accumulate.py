@@ -21,11 +21,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jmem.checks import check_int, is_int
+
 
 def check_divisible(batch_size: int, num_microbatches: int) -> None:
     """Raise a clear ValueError unless `num_microbatches` divides `batch_size`."""
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"accum={num_microbatches!r}: the number of microbatches must be an integer >= 1")
+    check_int("accum", num_microbatches, 1)  # the number of microbatches
     if batch_size % num_microbatches:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         raise ValueError(
@@ -75,10 +76,10 @@ def accumulate_value_and_grad(
         has the structure and dtypes of `params`.
 
     Raises:
-        ValueError: k does not divide the batch size.
+        ValueError: k is not an integer >= 1 or does not divide the batch size.
     """
     grad_fn = jax.value_and_grad(fn, has_aux=has_aux)
-    if num_microbatches == 1:
+    if is_int(num_microbatches) and num_microbatches == 1:
         return grad_fn(params, batch)
     micro = split_microbatches(batch, num_microbatches)
 

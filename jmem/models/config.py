@@ -8,6 +8,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import is_number
+
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16}
 
@@ -117,9 +119,10 @@ class LlamaConfig:
             from jmem.models.moe import check_moe
 
             check_moe(self.moe_experts, self.moe_top_k, self.moe_capacity_factor)
-            if self.moe_aux_weight < 0 or self.moe_z_weight < 0:
-                raise ValueError(f"LlamaConfig.moe_aux_weight={self.moe_aux_weight} and moe_z_weight="
-                                 f"{self.moe_z_weight} must be >= 0")
+            for name in ("moe_aux_weight", "moe_z_weight"):
+                w = getattr(self, name)
+                if not (is_number(w) and math.isfinite(w) and w >= 0):
+                    raise ValueError(f"LlamaConfig.{name}={w!r}; accepted: a finite number >= 0")
 
     def _check_rope(self) -> None:
         if self.rope_scaling not in ROPE_SCALINGS:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmem.checks import check_int, is_int, is_number
 from jmem.models.dot import dot
 
 # Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
@@ -72,13 +73,13 @@ def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) 
 
 
 def check_moe(n_experts: int, top_k: int, capacity_factor: float) -> None:
-    """One clear error for bad MoE settings."""
-    if n_experts < 1:
-        raise ValueError(f"moe n_experts={n_experts} must be >= 1")
-    if not 1 <= top_k <= n_experts:
-        raise ValueError(f"moe top_k={top_k} must be in 1..n_experts={n_experts}")
-    if not capacity_factor > 0:
-        raise ValueError(f"moe capacity_factor={capacity_factor} must be > 0")
+    """One ValueError naming the first bad MoE setting: n_experts an integer >= 1, top_k an
+    integer in 1..n_experts, capacity_factor a finite number > 0 (a bool is neither)."""
+    check_int("moe n_experts", n_experts, 1)
+    if not (is_int(top_k) and 1 <= top_k <= n_experts):
+        raise ValueError(f"moe top_k={top_k!r}; accepted: an integer in 1..n_experts={n_experts}")
+    if not (is_number(capacity_factor) and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"moe capacity_factor={capacity_factor!r}; accepted: a finite number > 0")
 
 
 def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
@@ -228,6 +229,8 @@ class MoEMLP(nnx.Module):
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, *, top_k: int = 2, capacity_factor: float = 1.25,
                  stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        check_int("MoEMLP dim", dim, 1)
+        check_int("MoEMLP ffn_dim", ffn_dim, 1)
         check_moe(n_experts, top_k, capacity_factor)
         self.top_k, self.capacity_factor = top_k, capacity_factor
         init_in = jax.nn.initializers.normal(stddev=dim**-0.5)

@@ -110,6 +110,9 @@ RULES = {"stacked": stacked_rule, "last_two": last_two_rule, "optax": optax_rule
 
 
 def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> FactorRule:
+    """The rule named `rule` (or `rule` itself, a callable); one ValueError for an unknown name or a
+    `min_dim_size_to_factor` that is not an integer >= 1 (an axis size)."""
+    min_dim_size_to_factor = checks.integer("adafactor", "min_dim_size_to_factor", min_dim_size_to_factor, 1)
     if callable(rule):
         return rule
     if rule not in RULES:
@@ -171,9 +174,11 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
         state_dtype: floating dtype of the statistics (f32 recommended).
 
     Raises:
-        ValueError: an unknown rule name, or `state_dtype` not a floating dtype.
+        ValueError: an unknown rule name, `min_dim_size_to_factor` not an integer >= 1,
+            `decay_offset` not an integer >= 0, or `state_dtype` not a floating dtype.
     """
     checks.float_dtype("adafactor", "state_dtype", state_dtype)
+    decay_offset = checks.integer("adafactor", "decay_offset", decay_offset, 0)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
 
     def init(params):
@@ -302,7 +307,8 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     Raises:
         ValueError: a bad setting, before anything is built: learning_rate not None, a finite
             number >= 0 or a schedule, momentum outside [0, 1), clipping_threshold or decay_rate
-            not finite > 0, eps or weight_decay_rate not finite >= 0, state_dtype or
+            not finite > 0, eps or weight_decay_rate not finite >= 0, min_dim_size_to_factor
+            not an integer >= 1, decay_offset not an integer >= 0, state_dtype or
             momentum_dtype not a floating dtype, an unknown factor_rule name.
     """
     checks.learning_rate("adafactor", learning_rate, none_ok=True)
@@ -312,7 +318,8 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     checks.non_negative("adafactor", "eps", eps)
     checks.rate("adafactor", "weight_decay_rate", weight_decay_rate, none_ok=True)
     checks.float_dtype("adafactor", "momentum_dtype", momentum_dtype, none_ok=True)
-    get_rule(factor_rule, min_dim_size_to_factor)  # fail on a bad rule name before building the chain
+    checks.integer("adafactor", "decay_offset", decay_offset, 0)
+    get_rule(factor_rule, min_dim_size_to_factor)  # a bad rule name or min_dim_size_to_factor, before the chain
     kw = dict(min_dim_size_to_factor=min_dim_size_to_factor)
     lr = relative_step_size() if learning_rate is None else learning_rate
     tx = [scale_by_factored_rms(factor_rule, decay_rate=decay_rate, decay_offset=decay_offset, eps=eps,

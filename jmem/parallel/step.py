@@ -48,7 +48,7 @@ try:
 except ImportError:  # older JAX
     from jax.experimental.shard_map import shard_map
 
-from jmem.checks import is_int
+from jmem.checks import check_int
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
@@ -182,8 +182,7 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
         return accumulate_value_and_grad(fn, params, batch, num_microbatches, has_aux=has_aux,
                                          accum_dtype=accum_dtype)
     k = num_microbatches
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"accum={k!r}: the number of microbatches must be an integer >= 1")
+    check_int("accum", k, 1)
     size = jax.tree.leaves(batch)[0].shape[0]
     if size % (d * k):
         raise ShardingError(f"batch size {size} is not divisible by data-parallel groups {d} x microbatches {k}")
@@ -337,8 +336,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         >>> state = trainer.init(params); state, m = trainer.step(state, batch)
     """
     stage = check_stage(zero)
-    if not is_int(accum) or accum < 1:
-        raise ValueError(f"accum={accum!r}: the number of microbatches must be an integer >= 1")
+    check_int("accum", accum, 1)
     rules = Rules.parse(rules)
     heads = getattr(loss_fn, "jmem_heads", None)
     if heads is not None:

@@ -76,3 +76,31 @@ def test_split_is_contiguous_rows():
     s = split_microbatches({"x": x}, 3)["x"]
     assert s.shape == (3, 2, 2)
     np.testing.assert_array_equal(s[1], x[2:4])
+
+
+def test_accum_is_an_integer_numpy_ones_included_bools_not():
+    f = lambda p, b: jnp.sum(b["x"]) * p  # noqa: E731
+    batch = {"x": jnp.arange(8.0).reshape(4, 2)}
+    np.testing.assert_allclose(accumulate_value_and_grad(f, 2.0, batch, np.int64(2)),
+                               accumulate_value_and_grad(f, 2.0, batch, 2))
+    check_divisible(8, np.int32(4))
+    for bad in (True, False, 2.0, "2", None):
+        with pytest.raises(ValueError, match=rf"^accum={bad!r}; accepted: an integer >= 1"):
+            check_divisible(8, bad)
+        with pytest.raises(ValueError, match=rf"^accum={bad!r}; accepted: an integer >= 1"):
+            accumulate_value_and_grad(f, 2.0, batch, bad)
+
+
+def test_train_step_takes_a_numpy_accum():
+    """make_train_fns(accum=np.int64(2)) traces (it was refused as 'not an integer')."""
+    import optax
+
+    from jmem.train.step import make_train_fns
+
+    model = Llama(LlamaConfig.tiny(n_layers=1), rngs=nnx.Rngs(0))
+    fns = make_train_fns(model, optax.sgd(1e-3), accum=np.int64(2))
+    ids = jnp.zeros((4, 9), jnp.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": jnp.ones((4, 8), jnp.float32)}
+    state = jax.eval_shape(lambda: fns.init_state(model))
+    _, metrics = jax.eval_shape(fns.step, state, batch)
+    assert metrics["loss"].shape == ()

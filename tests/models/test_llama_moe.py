@@ -124,9 +124,14 @@ def test_dense_model_reports_no_router_stats():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (dict(moe_experts=4, moe_top_k=5), "top_k=5 must be in 1..n_experts=4"),
+    (dict(moe_experts=4, moe_top_k=5), "top_k=5; accepted: an integer in 1..n_experts=4"),
     (dict(moe_experts=-1), "moe_experts=-1 must be >= 0"),
-    (dict(moe_experts=2, moe_capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
+    (dict(moe_experts=2, moe_capacity_factor=0.0), "capacity_factor=0.0; accepted: a finite number > 0"),
+    (dict(moe_experts=2, moe_capacity_factor=float("inf")), "capacity_factor=inf; accepted: a finite number > 0"),
+    (dict(moe_experts=4, moe_top_k=True), "top_k=True; accepted: an integer in 1..n_experts=4"),
+    (dict(moe_experts=4, moe_aux_weight=float("nan")), "LlamaConfig.moe_aux_weight=nan; accepted: a finite number"),
+    (dict(moe_experts=4, moe_z_weight=-1.0), "LlamaConfig.moe_z_weight=-1.0; accepted: a finite number >= 0"),
+    (dict(moe_experts=4, moe_z_weight="0"), "LlamaConfig.moe_z_weight='0'; accepted: a finite number >= 0"),
 ])
 def test_bad_moe_config_is_one_clear_error(overrides, expected):
     with pytest.raises(ValueError, match=expected.replace(".", r"\.")):

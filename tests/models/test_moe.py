@@ -169,6 +169,43 @@ def test_z_loss_and_bad_settings():
         MoEMLP(8, 8, n_experts=4, capacity_factor=0.0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=1.5), r"^moe top_k=1\.5; accepted: an integer in 1\.\.n_experts=4$"),
+    (dict(top_k=True), r"^moe top_k=True; accepted: an integer in 1\.\.n_experts=4$"),
+    (dict(top_k=0), r"^moe top_k=0; accepted"),
+    (dict(capacity_factor=float("inf")), r"^moe capacity_factor=inf; accepted: a finite number > 0$"),
+    (dict(capacity_factor=float("nan")), r"^moe capacity_factor=nan; accepted"),
+    (dict(capacity_factor="1"), r"^moe capacity_factor='1'; accepted"),
+    (dict(capacity_factor=True), r"^moe capacity_factor=True; accepted"),
+])
+def test_bad_settings_are_one_clear_error_in_both_paths(kwargs, match):
+    """The same check for the pure function and the module (was a TypeError, an OverflowError, or accepted)."""
+    moe = MoEMLP(8, 6, 4, rngs=nnx.Rngs(0))
+    w = moe.weights()
+    x = jnp.ones((1, 4, 8))
+    with pytest.raises(ValueError, match=match):
+        moe_mlp(x, w["router"], w["gate"], w["up"], w["down"], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        MoEMLP(8, 6, 4, rngs=nnx.Rngs(0), **kwargs)
+    if "top_k" in kwargs:
+        with pytest.raises(ValueError, match=match):
+            moe_mlp_dropless(x, w["router"], w["gate"], w["up"], w["down"], **kwargs)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((8, 6, 2.5), r"^moe n_experts=2\.5; accepted: an integer >= 1$"),
+    ((8, 6, True), r"^moe n_experts=True; accepted: an integer >= 1$"),
+    ((8, 6, 0), r"^moe n_experts=0; accepted: an integer >= 1$"),
+    ((0, 6, 4), r"^MoEMLP dim=0; accepted: an integer >= 1$"),
+    ((8, 0, 4), r"^MoEMLP ffn_dim=0; accepted: an integer >= 1$"),
+    ((8, 6.0, 4), r"^MoEMLP ffn_dim=6\.0; accepted: an integer >= 1$"),
+])
+def test_bad_module_sizes_are_one_clear_error(args, match):
+    with pytest.raises(ValueError, match=match):
+        MoEMLP(*args, top_k=1, rngs=nnx.Rngs(0))
+    MoEMLP(np.int64(8), 6, np.int32(4), top_k=np.int64(2), rngs=nnx.Rngs(0))  # NumPy integers are integers
+
+
 def test_balancing_loss_moves_skewed_router_toward_uniform():
     X, E = 4, 16
     x = jax.random.normal(jax.random.key(3), (256, E)) + 1.0  # shared mean direction

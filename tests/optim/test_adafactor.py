@@ -104,6 +104,31 @@ def test_rules_and_bad_names():
         adafactor(0.01, factor_rule="biggest")
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_dim_size_to_factor="x"), "^adafactor min_dim_size_to_factor='x'; accepted: an integer >= 1$"),
+    (dict(min_dim_size_to_factor=-5), "^adafactor min_dim_size_to_factor=-5; accepted: an integer >= 1$"),
+    (dict(min_dim_size_to_factor=0), "^adafactor min_dim_size_to_factor=0; accepted"),
+    (dict(min_dim_size_to_factor=2.5), "^adafactor min_dim_size_to_factor=2.5; accepted"),
+    (dict(min_dim_size_to_factor=True), "^adafactor min_dim_size_to_factor=True; accepted"),
+    (dict(decay_offset="a"), "^adafactor decay_offset='a'; accepted: an integer >= 0$"),
+    (dict(decay_offset=-1), "^adafactor decay_offset=-1; accepted: an integer >= 0$"),
+    (dict(decay_offset=1.5), "^adafactor decay_offset=1.5; accepted"),
+    (dict(decay_offset=None), "^adafactor decay_offset=None; accepted"),
+])
+def test_bad_factoring_and_offset_settings_are_refused_at_build(kwargs, match):
+    """Refused when the optimizer is built (were a TypeError at init or update, or accepted)."""
+    with pytest.raises(ValueError, match=match):
+        adafactor(0.01, **kwargs)
+
+
+def test_numpy_integer_factoring_and_offset_settings_are_accepted():
+    params = {"w": jnp.ones((32, 20))}
+    a, _ = _run(adafactor(0.01, min_dim_size_to_factor=np.int64(16), decay_offset=np.int32(0)), params,
+                [params])
+    b, _ = _run(adafactor(0.01, min_dim_size_to_factor=16), params, [params])
+    np.testing.assert_array_equal(a["w"], b["w"])
+
+
 def test_relative_step_size_default_descends():
     params = {"w": jnp.full((8, 8), 0.5)}
     loss = lambda p: jnp.sum((p["w"] - 1.0) ** 2)  # noqa: E731
