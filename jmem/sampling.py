@@ -26,8 +26,8 @@ NUM_TOP_LOGPROBS = 20
 class SamplingArrays(NamedTuple):
     """Per-row settings, each `[batch]` (see `SamplingParams` for meaning and ranges).
 
-    `top_k <= 0` keeps every token; `step` is the number of tokens the row has
-    generated so far (folded into its seed); `logprobs` how many top log-probabilities
+    `top_k <= 0` keeps every token; `seed` is `u32[batch, 2]` (a 64-bit seed's low and high
+    words); `step` is the number of tokens the row has generated so far (folded into its seed); `logprobs` how many top log-probabilities
     the row wants (0: none; the top ones are computed only when some row does). Penalty
     history: `hist_ids
     i32[batch, H]` (prompt + output ids, -1 for padding) and `hist_is_output
@@ -59,7 +59,7 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
     Args:
         params_list: one `SamplingParams` per real row (`jmem.serve.request.SamplingParams`, or
             `jmem.generate.SamplingParams`, whose missing settings mean "off").
-        seeds, steps: per real row.
+        seeds, steps: per real row; a seed is an integer in [0, 2**64) (two 32-bit words of `seed`).
         histories: per real row `(prompt_ids, output_ids)` (only read when hist_len > 0).
         batch: padded batch size (rows past the real ones are greedy no-ops).
         hist_len: padded history length H (0 when no row uses penalties).
@@ -87,7 +87,8 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
         top_p=f("top_p", 1.0),
         top_k=np.array([value(p, "top_k", 0) for p in params_list] + [0] * (B - n), np.int32),
         min_p=f("min_p", 0.0),
-        seed=np.array(list(seeds) + [0] * (B - n), np.uint32),
+        seed=np.array([(int(x) & 0xFFFFFFFF, int(x) >> 32) for x in seeds] + [(0, 0)] * (B - n),
+                      np.uint32).reshape(B, 2),
         step=np.array(list(steps) + [0] * (B - n), np.int32),
         repetition_penalty=f("repetition_penalty", 1.0),
         presence_penalty=f("presence_penalty", 0.0),
@@ -193,8 +194,15 @@ def argmax_last(x):
 
 
 def row_keys(s: SamplingArrays):
-    """Each row's PRNG key, keyed by (seed, step): what `sample` draws with (and speculation's checks)."""
-    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
+    """Each row's PRNG key, keyed by (seed, step): what `sample` draws with (and speculation's checks).
+    A seed below 2**32 keys as `key(seed)`; a higher word, when not zero, is folded in."""
+    def key(seed_2, step):
+        low = jax.random.key(seed_2[0])
+        data = jnp.where(seed_2[1] == 0, jax.random.key_data(low),
+                         jax.random.key_data(jax.random.fold_in(low, seed_2[1])))
+        return jax.random.fold_in(jax.random.wrap_key_data(data), step)
+
+    return jax.vmap(key)(s.seed, s.step)
 
 
 def sample(logits_BV, s: SamplingArrays):

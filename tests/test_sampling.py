@@ -153,3 +153,14 @@ def test_argmax_last_equals_argmax_with_ties_infinities_and_nan():
     got = np.asarray(jax.jit(argmax_last)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, want)
     assert list(want[1:6]) == [3, 0, 7, 20, 30]
+
+
+def test_a_seed_is_64_bits_and_one_below_2_to_the_32_keys_as_before():
+    from jmem.sampling import row_keys
+
+    seeds = [0, 7, 2**32, 2**32 + 7, 2**64 - 1, 2**32 - 1]
+    keys = jax.random.key_data(row_keys(make_arrays([SamplingParams()] * 6, seeds=seeds, steps=[3] * 6)))
+    assert len({tuple(np.asarray(k).tolist()) for k in keys}) == 6  # no two seeds share a key
+    for i, seed in ((0, 0), (1, 7), (5, 2**32 - 1)):
+        want = jax.random.key_data(jax.random.fold_in(jax.random.key(np.uint32(seed)), 3))
+        np.testing.assert_array_equal(keys[i], want)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import hmac
 import json
 import logging
 import time
@@ -20,10 +19,10 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jmem.io.tokenizer import ByteTokenizer
+from jmem.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, JSONBodies, RequireAPIKey
 from jmem.serve.engine import Engine, RequestOutput
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, chat_dicts, check_text, choice_seed)
@@ -86,29 +85,6 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}={value[:80]} has the wrong type; accepted: {accepted}", param)
 
 
-# ---------------------------------------------------------------------------- auth (pure ASGI)
-class RequireAPIKey:
-    """401 on /v1 routes without `Authorization: Bearer KEY`.
-
-    A pure ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware wraps
-    `receive`, and a request behind it never sees its client disconnect.
-    """
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # The scheme is case-insensitive (RFC 9110 section 11.1): "bearer" is "Bearer".
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.expected):
-                body = APIError(401, "missing or invalid API key", code="invalid_api_key").body()
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 # ---------------------------------------------------------------------------- token bytes
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM) spell byte b as one printable character:
@@ -166,8 +142,10 @@ class TokenBytes:
 
 
 # ---------------------------------------------------------------------------- app
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the model id `model_name`.
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` under the model id `model_name`; POST bodies are JSON of at
+    most `max_request_bytes` (`jmem.serve.middleware.JSONBodies`).
 
     The engine's LoRA adapters (`Engine(..., lora_modules=)`) are models of their own, listed by
     `/v1/models` with `parent` = `model_name`; a request's `model` picks the adapter (vLLM's semantics).
@@ -180,8 +158,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     tok = engine.tokenizer
     token_bytes = TokenBytes(tok)
     created = int(time.time())
-    if api_key:
-        app.add_middleware(RequireAPIKey, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -531,6 +507,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     "finish_reason": finals[i].finish_reason} for i in range(body.n)]
         return {**base, "choices": choices, "usage": usage(len(ids), finals.values())}
 
+    posts = frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
+    app.add_middleware(JSONBodies, max_bytes=max_request_bytes, paths=posts)
+    if api_key:  # added last: runs first, so a request without the key is refused before its body is read
+        app.add_middleware(RequireAPIKey, api_key=api_key)
     return app
 
 

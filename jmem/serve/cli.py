@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import NoReturn
 
 import tyro
+
+from jmem.checks import check_int
 
 log = logging.getLogger("jmem.serve")
 
@@ -50,6 +54,10 @@ class ServeArgs:
     """Exact number of KV blocks (wins over both budgets; for tests)."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on /v1 routes."""
+    max_request_bytes: int = 32 * 2**20
+    """Largest request body; a larger one is answered 413 before it is parsed."""
+    shutdown_timeout: int = 30
+    """Seconds SIGTERM/Ctrl-C waits for running requests to finish before it ends them and exits."""
     param_dtype: str = "f32"
     """Dtype of unquantized parameters."""
     packed: bool = False
@@ -113,6 +121,9 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port={args.port}; accepted: 1..65535")
+    for flag, v, least in (("--max-request-bytes", args.max_request_bytes, 1),
+                           ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        check_int(flag, v, least)
     for flag, v, ok, accepted in (("--num-blocks", args.num_blocks, lambda v: v >= 1, "an integer >= 1"),
                                   ("--kv-cache-memory", args.kv_cache_memory, lambda v: v > 0, "a number of bytes > 0"),
                                   ("--memory-utilization", args.memory_utilization, lambda v: 0 < v <= 1,
@@ -240,6 +251,29 @@ def serve_main(argv: list[str] | None = None) -> None:
     run_serve(tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve"))
 
 
+def _Server(config, engine, shutdown_timeout: int):
+    """A uvicorn server whose shutdown (SIGTERM, Ctrl-C) lets running requests finish for
+    `shutdown_timeout` seconds, then aborts them: each ends as `finish_reason` "abort", its
+    response complete (no cancelled task, no 500)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                timer = threading.Timer(shutdown_timeout, engine.abort_all)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _exit_quietly(*_) -> None:
+    """SIGTERM after the graceful shutdown: exit 0 (a further SIGTERM, while exiting, ends the process)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(0)
+
+
 def run_serve(args: ServeArgs) -> None:
     """`jmem serve`: check the flags, bind, load, log capacity and address, serve until interrupted."""
     try:
@@ -277,13 +311,19 @@ def run_serve(args: ServeArgs) -> None:
     if args.warmup:
         engine.precompile()
     engine.start()
-    app = create_app(engine, name, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level))
+    app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
+                     args.shutdown_timeout)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
              name, host, sock.getsockname()[1], engine.num_kv_tokens)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
+    # found before it: SIGTERM then exits 0 and Ctrl-C 130, without a traceback.
+    signal.signal(signal.SIGTERM, _exit_quietly)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
     finally:
         engine.stop()
         sock.close()

@@ -114,7 +114,10 @@ class RequestStream:
 
     def put(self, item: RequestOutput) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+            try:
+                self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+            except RuntimeError:  # the loop is closed (the server shut down): no one reads the stream
+                pass
         else:
             self._q.put(item)
 
@@ -291,7 +294,7 @@ class Engine:
         self._check_ids("stop_token_ids", params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
-                      seed=seed % (1 << 32))
+                      seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
         stream = RequestStream(rid, loop)
         self._commands.put(("add", req, stream))
         return stream
@@ -324,6 +327,10 @@ class Engine:
         """Stop a request and free its blocks (thread-safe; unknown ids are ignored)."""
         self._commands.put(("abort", request_id, None))
 
+    def abort_all(self) -> None:
+        """Stop every queued or running request, as `abort` each (thread-safe)."""
+        self._commands.put(("abort_all", None, None))
+
     def _drain_commands(self, block: bool) -> None:
         while True:
             try:
@@ -339,6 +346,9 @@ class Engine:
                     continue
                 self._streams[a.request_id] = b
                 self._detok[a.request_id] = _Detok(self.tokenizer, a.params.stop)
+            elif cmd == "abort_all":
+                for rid in list(self._streams):
+                    self._commands.put(("abort", rid, None))
             elif cmd == "abort":
                 req = self.scheduler.finish(a, Status.FINISHED_ABORTED)
                 stream = self._streams.pop(a, None)
@@ -472,14 +482,15 @@ class Engine:
 
     def stop(self) -> None:
         """Stop the background loop; requests still queued or running end with finish_reason "abort"
-        and their blocks are freed (their streams get a final output, nothing waits forever)."""
+        and their blocks are freed (their streams get a final output, nothing waits forever); step
+        shapes queued for background compilation are dropped."""
         self._stop.set()
+        for runner in [self.runner] + ([] if self.drafter is None else [self.drafter.runner]):
+            runner.cancel_compilations()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        self._drain_commands(block=False)
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._commands.put(("abort", req.request_id, None))
+        self.abort_all()
         self._drain_commands(block=False)
 
     def _loop(self) -> None:

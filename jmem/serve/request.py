@@ -97,6 +97,8 @@ class SamplingParams:
             v = getattr(self, name)
             if (v is not None or name == "max_tokens") and not is_int(v):
                 raise RequestError(f"{name}={v!r}; accepted: an integer", name)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise RequestError(f"seed={self.seed}; accepted: an integer in [-2**63, 2**63)", "seed")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_number(v) or not math.isfinite(v):

@@ -277,6 +277,12 @@ class ModelRunner:
         concurrent.futures.wait(list(self._compiling.values()))
         self._collect_compiled()
 
+    def cancel_compilations(self) -> None:
+        """Drop the background compilations not started yet (a stopping server does not wait for them)."""
+        for shape, fut in list(self._compiling.items()):
+            if fut.cancel():
+                del self._compiling[shape]
+
     def _collect_compiled(self) -> None:
         for shape, fut in list(self._compiling.items()):
             if not fut.done():

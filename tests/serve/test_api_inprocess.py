@@ -135,3 +135,31 @@ def test_token_bytes_of_partial_characters(gguf_tokenizer):
     assert all("\ufffd" not in tb.text(i) for i in ids)
     byte_tb = TokenBytes(ByteTokenizer())
     assert b"".join(byte_tb(i) for i in ByteTokenizer().encode(text)) == text.encode()
+
+
+def test_bodies_must_be_json_and_not_too_large():
+    """A POST body that is not declared JSON is one 400 naming its Content-Type, one over the limit a 413,
+    both in OpenAI's shape before the body is parsed; a body sent in chunks is counted as it arrives."""
+    def echo(rid, ids):
+        return [RequestOutput(rid, "ok", [111], finished=True, finish_reason="stop", num_output_tokens=1)]
+
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo), "m", max_request_bytes=200))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    r = client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "Content-Type 'text/plain'; accepted: application/json (a JSON request body)")
+    r = client.post("/v1/completions", json={**body, "prompt": "x" * 300})
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body over "
+                                                                             "--max-request-bytes=200")
+
+    def chunks():  # no Content-Length: the limit holds as the body arrives
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(5):
+            yield b"x" * 60
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.post("/v1/nothing", content=b"x").status_code == 404  # a route that is not there stays a 404
+    assert client.get("/health").status_code == 200

@@ -216,7 +216,8 @@ def test_abort_frees_blocks_and_errors():
 def test_sampling_params_validation():
     SamplingParams().validate()
     for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2),
-                dict(logprobs=21), dict(top_k=-2), dict(top_k=2**31)):  # top_k: an int32 on the device
+                dict(logprobs=21), dict(top_k=-2), dict(top_k=2**31),  # top_k: an int32 on the device
+                dict(seed=2**63), dict(seed=-(2**63) - 1)):  # seed: 64 bits
         with pytest.raises(RequestError, match=next(iter(bad))) as e:
             SamplingParams(**bad).validate()
         assert e.value.param == next(iter(bad))

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -53,10 +54,30 @@ def stop_server(proc):
 def server():
     # 10 blocks of 16 tokens: far fewer than 200 concurrent requests need.
     proc, url = start_server("--model", "tiny", "--num-blocks", "10", "--block-size", "16", "--max-model-len", "128",
-                             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--api-key", KEY)
+                             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--api-key", KEY,
+                             "--shutdown-timeout", "0")
     yield url
+    # SIGTERM while a stream runs: with --shutdown-timeout 0 it is aborted at once and still ends with
+    # [DONE]; the server exits 0 without a traceback.
+    lines, started = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": "tiny", "prompt": "go", "max_tokens": 120, "n": 4, "stream": True,
+                                "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
     log = stop_server(proc)
+    reader.join(60)
+    assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
     assert "listening on http://127.0.0.1" in log and "KV cache: 10 blocks x 16 tokens = 160 tokens" in log
+    assert [line for line in lines if line][-1] == "data: [DONE]" and any('"finish_reason": "abort"' in line
+                                                                          for line in lines), lines[-5:]
 
 
 @pytest.fixture(scope="module")
@@ -396,6 +417,9 @@ def test_seed_per_choice_is_not_seed_plus_index(server, client):
     assert [c.text for c in two.choices] == [c.text for c in again.choices]
     assert two.choices[0].text == client.completions.create(seed=10, **kw).choices[0].text
     assert two.choices[1].text != client.completions.create(seed=11, **kw).choices[0].text
+    # A seed is 64 bits: seeds 2**32 apart, and -1 and 2**32 - 1, are different draws.
+    texts = [client.completions.create(seed=s, **kw).choices[0].text for s in (10, 10 + 2**32, -1, 2**32 - 1)]
+    assert len(set(texts)) == 4, texts
 
 
 def test_non_streaming_disconnect_aborts(server):
