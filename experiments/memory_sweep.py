@@ -47,9 +47,10 @@ class SweepConfig:
     seq: int = 1024
     """Sequence length."""
     remat: str = ",".join(POLICIES)
-    """Comma-separated remat policies."""
+    """Comma-separated remat policies; a per-name spec (query=device,mlp_up=offload) is one of them, and ';'
+    separates two such specs."""
     precision: str = "f32,bf16"
-    """Comma-separated precision policies."""
+    """Comma-separated precision policies; a p=..,c=..,o=.. spec is one of them, and ';' separates two such specs."""
     accum: str = "1,4"
     """Comma-separated accumulation counts."""
     optimizer: str = "adamw,adafactor,adam8bit"

@@ -18,6 +18,16 @@ from jmem.train.config import OPTIMIZERS, TrainConfig
 from jmem.train.plot import check_image_path
 
 
+def train_policy(precision: str) -> Policy:
+    """The precision policy `precision` names, for the train step: its output dtype is f32 (the step's
+    logits and loss are f32, as its cross-entropy reads them)."""
+    policy = Policy.parse(precision)
+    if policy.output != Policy.parse("f32").output:
+        raise ValueError(f"--precision={precision!r} asks for {policy.output} outputs; accepted: o=f32 (the train "
+                         f"step's logits and loss are f32, as its cross-entropy reads them)")
+    return policy
+
+
 def validate(cfg: TrainConfig) -> Policy:
     """Check every flag; returns the parsed precision policy.
 
@@ -42,7 +52,7 @@ def validate(cfg: TrainConfig) -> Policy:
                          f"accepted with: {', '.join(DECAYING)}")
     _validate_galore(cfg)
     validate_remat(cfg.remat)
-    policy = Policy.parse(cfg.precision)
+    policy = train_policy(cfg.precision)
     check_divisible(cfg.batch, cfg.accum)
     if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
         raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")

@@ -41,8 +41,24 @@ RECORD_KEYS = ("remat", "precision", "accum", "optimizer", "argument_bytes", "te
 
 
 def parse_list(text: str, name: str) -> list[str]:
-    """`"none, full"` -> ["none", "full"]; an empty list is an error."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
+    """`"none, full"` -> ["none", "full"]. Consecutive `key=value` parts are one spec (`"f32,p=bf16,
+    c=bf16,o=f32"` -> ["f32", "p=bf16,c=bf16,o=f32"]); `;` separates two such specs. An empty list is an
+    error."""
+    items = []
+    for group in text.split(";"):
+        spec = []  # the parts of the key=value spec being read
+        for part in (t.strip() for t in group.split(",")):
+            if not part:
+                continue
+            if "=" in part:
+                spec.append(part)
+                continue
+            if spec:
+                items.append(",".join(spec))
+                spec = []
+            items.append(part)
+        if spec:
+            items.append(",".join(spec))
     if not items:
         raise ValueError(f"--{name} is empty; give a comma-separated list")
     return items
@@ -84,13 +100,13 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     from jmem.memory.remat import POLICIES
     from jmem.parallel.mesh import resolve_shape
     from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
-    from jmem.train.checks import check_batch_split, rules_for
+    from jmem.train.checks import check_batch_split, rules_for, train_policy
 
     for r in remats:
         _named("--remat", r, validate_remat, r,
                accepted=f"{', '.join(POLICIES)}, or a spec 'name=remat|device|offload,...'")
     for p in precisions:
-        _named("--precision", p, Policy.parse, p, accepted=f"{', '.join(ALIASES)}, or 'p=DTYPE,c=DTYPE,o=DTYPE'")
+        _named("--precision", p, train_policy, p, accepted=f"{', '.join(ALIASES)}, or 'p=DTYPE,c=DTYPE,o=f32'")
     for a in accums:
         _named("--accum", a, check_divisible, batch, a, accepted=f"a positive integer that divides --batch={batch}")
     for o in optimizers:

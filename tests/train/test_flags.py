@@ -114,6 +114,8 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
      "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),
+    (["--precision", "p=f32,c=bf16,o=bf16"], "--precision='p=f32,c=bf16,o=bf16' asks for bfloat16 outputs; "
+                                             "accepted: o=f32"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)

@@ -4,13 +4,23 @@ import json
 
 import pytest
 
-from jmem.train.sweep import RECORD_KEYS
+from jmem.train.sweep import RECORD_KEYS, parse_list
 from tests.helpers import experiment
 
 
 def _main(argv, capsys):
     rc = experiment("memory_sweep").main(argv)
     return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("text, items", [
+    ("none, full", ["none", "full"]),
+    ("query=device,mlp_up=offload", ["query=device,mlp_up=offload"]),  # one per-name remat spec, not two
+    ("f32,p=bf16,c=bf16,o=f32,bf16", ["f32", "p=bf16,c=bf16,o=f32", "bf16"]),
+    ("query=device;key=offload,full", ["query=device", "key=offload", "full"]),
+])
+def test_lists_keep_key_value_specs_whole(text, items):
+    assert parse_list(text, "remat") == items
 
 
 def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
@@ -32,6 +42,7 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--remat", "none,bogus"], "unknown remat policy 'bogus'"),
     (["--precision", "f32,q8"], "precision 'q8'"),
     (["--accum", "3"], "--accum=3 does not divide batch=8"),
+    (["--precision", "f32,p=f32,c=bf16,o=bf16"], "--precision='p=f32,c=bf16,o=bf16' asks for bfloat16 outputs"),
     (["--optimizer", "adamw,lion"], "--optimizer=lion: unknown optimizer; accepted: adamw,"),
     (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
     (["--accum", "two"], "--accum 'two' is not a positive integer"),
