@@ -36,11 +36,23 @@ def check_divisible(batch_size: int, num_microbatches: int) -> None:
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-    """Reshape every leaf [B, ...] -> [k, B/k, ...] (contiguous rows per microbatch)."""
-    leaves = jax.tree_util.tree_leaves(batch)
+    """Reshape every leaf [B, ...] -> [k, B/k, ...] (contiguous rows per microbatch).
+
+    Raises:
+        ValueError: a leaf that is not an array with a leading batch dimension
+            (named by its path), leaves of different batch sizes, or k not dividing it.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("split_microbatches: the batch has no arrays")
-    sizes = {leaf.shape[0] for leaf in leaves}
+    for path, leaf in leaves:
+        if not getattr(leaf, "shape", ()):
+            where = f"batch{jax.tree_util.keystr(path)}"
+            what = (f"has shape {leaf.shape}" if hasattr(leaf, "shape")
+                    else f"is {leaf!r} ({type(leaf).__name__}, no shape)")
+            raise ValueError(f"split_microbatches: leaf {where} {what}; "
+                             "accepted: every leaf an array with a leading batch dimension")
+    sizes = {leaf.shape[0] for _, leaf in leaves}
     if len(sizes) != 1:
         raise ValueError(f"split_microbatches: batch leaves disagree on the leading (batch) size: {sorted(sizes)}")
     (size,) = sizes
@@ -76,7 +88,8 @@ def accumulate_value_and_grad(
         has the structure and dtypes of `params`.
 
     Raises:
-        ValueError: k is not an integer >= 1 or does not divide the batch size.
+        ValueError: k is not an integer >= 1 or does not divide the batch size;
+            with k > 1, a batch leaf that is not an array with a leading batch dimension.
     """
     grad_fn = jax.value_and_grad(fn, has_aux=has_aux)
     if is_int(num_microbatches) and num_microbatches == 1:

@@ -45,6 +45,7 @@ argument bytes: params, optimizer state and batch).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -253,13 +254,18 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     attention = attention or config.attention_impl
     if attention not in _ATTENTION_IMPLS:
         raise ValueError(f"attention={attention!r}; accepted: {', '.join(_ATTENTION_IMPLS)}")
-    for name, value, least in (("batch", batch, 1), ("seq", seq, 1), ("accum", accum, 1), ("lora_rank", lora_rank, 0),
-                               ("loss_chunk", 1 if loss_chunk is None else loss_chunk, 1)):
-        if not is_int(value) or value < least:
-            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}" +
-                             (", or None (whole sequence)" if name == "loss_chunk" else ""))
+    for name, value, least, or_none in (
+        ("batch", batch, 1, ""), ("seq", seq, 1, ""), ("accum", accum, 1, ""), ("lora_rank", lora_rank, 0, ""),
+        ("loss_chunk", loss_chunk, 1, ", or None (whole sequence)"),
+        ("trained_layers", trained_layers, 1, ", or None (every layer)"),
+    ):
+        if not (value is None and or_none) and (not is_int(value) or value < least):
+            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}{or_none}")
     if batch % accum:
         raise ValueError(f"accum={accum!r} does not divide batch={batch}; accepted: a divisor of batch")
+    if optimizer_kw is not None and not isinstance(optimizer_kw, Mapping):
+        raise ValueError(f"optimizer_kw={optimizer_kw!r}; accepted: a dict of the optimizer's keywords, or None")
+    lora_targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)  # one str: one name
     bad = [t for t in lora_targets if t not in LINEAR_NAMES]
     if bad:
         raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")

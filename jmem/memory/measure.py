@@ -185,9 +185,14 @@ def compile_for(fn, *args, target: str | None = None, **kwargs):
     `fn` may be a plain function (jitted here) or already `jax.jit`-ted (its
     static arguments and shardings are kept). Arguments may be arrays or
     `jax.ShapeDtypeStruct`s.
+
+    Raises:
+        ValueError: `fn` is not callable.
     """
+    if not callable(fn):  # a str has a `.lower` too
+        raise ValueError(f"fn={fn!r} ({type(fn).__name__}); accepted: a function or a jax.jit-ted function")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)  # tracing waits for `lower`
     if target is None:
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         return jitted.lower(*args, **kwargs).compile()
     mesh = target_mesh(target)
     if not any(_on_mesh(x, mesh) for x in jax.tree.leaves((args, kwargs))):
@@ -198,7 +203,6 @@ def compile_for(fn, *args, target: str | None = None, **kwargs):
         mesh = Mesh(np.array(target_devices(target)[:1]), ("data",))
     args, kwargs = jax.tree.map(lambda x: _to_target_struct(x, mesh), (args, kwargs))
     with compiling_for("tpu"):
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         return jitted.lower(*args, **kwargs).compile()
 
 

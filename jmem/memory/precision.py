@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmem.checks import is_number
+from jmem.checks import check_int, is_number
 
 _DTYPE_NAMES: dict[str, Any] = {
     "f32": jnp.float32,
@@ -222,13 +222,21 @@ class DynamicLossScale:
     @classmethod
     def create(cls, initial_scale: float = 2.0**15, *, growth_interval: int = 2000, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, min_scale: float = 1.0, max_scale: float = 2.0**24):
-        if not is_number(initial_scale) or not (math.isfinite(initial_scale) and initial_scale > 0):
-            raise ValueError(f"DynamicLossScale: initial_scale={initial_scale!r}; accepted: a finite number > 0")
-        if growth_interval < 1 or growth_factor <= 1 or not 0 < backoff_factor < 1 or min_scale <= 0:
-            raise ValueError(
-                f"DynamicLossScale: growth_interval={growth_interval} (>=1), growth_factor={growth_factor} (>1), "
-                f"backoff_factor={backoff_factor} (in (0,1)), min_scale={min_scale} (>0)"
-            )
+        check_int("DynamicLossScale: growth_interval", growth_interval, 1)
+        finite = lambda v: is_number(v) and math.isfinite(v)  # noqa: E731 - short-circuits before comparing
+        for name, value, ok, accepted in (
+            ("initial_scale", initial_scale, finite(initial_scale) and initial_scale > 0, "a finite number > 0"),
+            ("min_scale", min_scale, finite(min_scale) and min_scale > 0, "a finite number > 0"),
+            ("max_scale", max_scale, finite(max_scale) and max_scale > 0, "a finite number > 0"),
+            ("growth_factor", growth_factor, finite(growth_factor) and growth_factor > 1, "a finite number > 1"),
+            ("backoff_factor", backoff_factor, finite(backoff_factor) and 0 < backoff_factor < 1,
+             "a number in (0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"DynamicLossScale: {name}={value!r}; accepted: {accepted}")
+        if not min_scale <= initial_scale <= max_scale:
+            raise ValueError(f"DynamicLossScale: min_scale={min_scale!r}, initial_scale={initial_scale!r}, "
+                             f"max_scale={max_scale!r}; accepted: min_scale <= initial_scale <= max_scale")
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), growth_interval,
                    growth_factor, backoff_factor, min_scale, max_scale)
 

@@ -1,5 +1,7 @@
 """Gradient accumulation: k microbatches give the full-batch gradient."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,19 @@ def test_bad_accum_is_one_clear_error():
         split_microbatches({"x": np.zeros((6, 2))}, 4)
     with pytest.raises(ValueError, match="does not divide"):
         accumulate_value_and_grad(lambda p, b: jnp.sum(b["x"]) * p, 1.0, {"x": jnp.zeros((5, 2))}, 2)
+
+
+@pytest.mark.parametrize("batch, leaf", [
+    ({"x": jnp.ones((4, 2)), "n": 3}, "batch['n'] is 3 (int, no shape)"),
+    ({"x": jnp.ones(())}, "batch['x'] has shape ()"),
+    ((jnp.ones(4), [1.5]), "batch[1][0] is 1.5 (float, no shape)"),
+])
+def test_a_leaf_without_a_batch_dimension_is_one_clear_error(batch, leaf):
+    message = "^" + re.escape(f"split_microbatches: leaf {leaf}; accepted: every leaf an array with a leading batch")
+    with pytest.raises(ValueError, match=message):
+        split_microbatches(batch, 2)
+    with pytest.raises(ValueError, match=message):
+        accumulate_value_and_grad(lambda p, b: p * jnp.sum(jax.tree.leaves(b)[0]), 1.0, batch, 2)
 
 
 def test_split_is_contiguous_rows():

@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -117,11 +118,23 @@ def test_remat_and_accumulation_order_and_bad_input():
     (dict(accum=0), "accum=0; accepted: an integer >= 1"),
     (dict(lora_rank=-1), "lora_rank=-1; accepted: an integer >= 0"),
     (dict(lora_rank=4, quantize_base="rtn", base_group_size=7), "base_group_size: group_size=7"),
+    (dict(trained_layers=1.0), "trained_layers=1.0; accepted: an integer >= 1, or None (every layer)"),
+    (dict(trained_layers=True), "trained_layers=True; accepted: an integer >= 1, or None (every layer)"),
+    (dict(trained_layers=0), "trained_layers=0; accepted: an integer >= 1, or None (every layer)"),
+    (dict(trained_layers=5), "trained_layers=5; accepted: 1..4 (the model's layers)"),
+    (dict(optimizer_kw=[1]), "optimizer_kw=[1]; accepted: a dict of the optimizer's keywords, or None"),
+    (dict(lora_rank=4, lora_targets="wx"), "lora_targets ['wx']; accepted: wq, wk"),
 ])
 def test_bad_arguments_name_themselves(kw, message):
     args = {"batch": 8, "seq": 128, **kw}
     with pytest.raises(ValueError, match=re.escape(message)):
         estimate(CFG, args.pop("batch"), args.pop("seq"), **args)
+
+
+def test_one_lora_target_as_a_string_and_numpy_trained_layers():
+    assert estimate(CFG, 8, 128, lora_rank=4, lora_targets="wq") == estimate(CFG, 8, 128, lora_rank=4,
+                                                                             lora_targets=("wq",))
+    assert estimate(CFG, 8, 128, trained_layers=np.int64(2)) == estimate(CFG, 8, 128, trained_layers=2)
 
 
 def test_qlora_estimate_within_15_percent_of_measured_arguments():

@@ -1,6 +1,7 @@
 """Compiler-measured memory: exact bytes on small programs, donation, FLOPs, TPU targets."""
 
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,13 @@ def test_bytes_per_device_bad_input_is_one_clear_error():
         bytes_per_device(tree, {"a": s})
     with pytest.raises(ValueError, match=r"^bytes_per_device: shardings has a leaf 'x' \(str\); accepted"):
         bytes_per_device(tree, {"a": s, "b": "x"})
+
+
+@pytest.mark.parametrize("bad, shown", [("abc", "'abc' (str)"), (None, "None (NoneType)"), (3, "3 (int)")])
+def test_fn_that_is_not_callable_is_one_clear_error(bad, shown):
+    x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="^" + re.escape(f"fn={shown}; accepted: a function or a jax.jit-ted")):
+        measure(bad, x)
 
 
 @pytest.mark.parametrize("bad", ["tpu", "gpu:a100", "tpu:v5e", "tpu:v5e:2y2", "v5e:2x2"])

@@ -1,5 +1,7 @@
 """Precision policies, loss scaling, non-finite skipping and master weights."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,32 @@ def test_bad_cast_dtype_is_one_clear_error(bad):
 def test_bad_initial_loss_scale_is_one_clear_error(bad):
     with pytest.raises(ValueError, match=r"^DynamicLossScale: initial_scale=.*; accepted: a finite number > 0$"):
         DynamicLossScale.create(bad)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(growth_interval=2.5), "growth_interval=2.5; accepted: an integer >= 1"),
+    (dict(growth_interval="10"), "growth_interval='10'; accepted: an integer >= 1"),
+    (dict(growth_interval=True), "growth_interval=True; accepted: an integer >= 1"),
+    (dict(growth_interval=0), "growth_interval=0; accepted: an integer >= 1"),
+    (dict(max_scale="big"), "max_scale='big'; accepted: a finite number > 0"),
+    (dict(max_scale=float("inf")), "max_scale=inf; accepted: a finite number > 0"),
+    (dict(min_scale=0.0), "min_scale=0.0; accepted: a finite number > 0"),
+    (dict(growth_factor="2"), "growth_factor='2'; accepted: a finite number > 1"),
+    (dict(backoff_factor=1.0), "backoff_factor=1.0; accepted: a number in (0, 1)"),
+    (dict(max_scale=0.5), "min_scale=1.0, initial_scale=32768.0, max_scale=0.5; "
+                          "accepted: min_scale <= initial_scale <= max_scale"),
+    (dict(initial_scale=4.0, min_scale=8.0, max_scale=2.0), "min_scale=8.0, initial_scale=4.0, max_scale=2.0; "
+                                                            "accepted: min_scale <= initial_scale <= max_scale"),
+])
+def test_bad_loss_scale_settings_are_one_clear_error(kw, message):
+    with pytest.raises(ValueError, match="^DynamicLossScale: " + re.escape(message) + "$"):
+        DynamicLossScale.create(**kw)
+
+
+def test_loss_scale_settings_take_numpy_numbers_and_equal_bounds():
+    ls = DynamicLossScale.create(np.float32(4.0), growth_interval=np.int64(1), min_scale=4, max_scale=4.0)
+    assert float(ls.adjust(jnp.array(True)).scale_value) == 4.0
+    assert float(ls.adjust(jnp.array(False)).scale_value) == 4.0
 
 
 def test_dynamic_loss_scale_grows_and_backs_off():
