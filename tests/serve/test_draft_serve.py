@@ -2,11 +2,14 @@
 preemption and prefix hits; a draft equal to the target has every proposal kept (its paged cache follows the
 target's exactly); the memory budget counts the draft; bad drafts are refused with one clear error."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jmem.distill import student_from_teacher
+from jmem.generate import generate_ids
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.memory import bytes_per_device
 from jmem.models import Llama, LlamaConfig
@@ -37,20 +40,29 @@ def greedy(max_tokens=14):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
 
 
-def plain(target, ps, params):
-    return Engine(target, ByteTokenizer(), EngineConfig(**SMALL)).generate(ps, params)
+def reference(target, ps, max_tokens):
+    """Each prompt's greedy tokens and their log-probabilities without the engine: `generate_ids`'
+    contiguous cache, then one full forward over prompt + tokens."""
+    ids = generate_ids(target, ps, max_tokens)
+    seqs = [list(p) + list(r) for p, r in zip(ps, ids)]
+    batch = np.zeros((len(seqs), -(-max(map(len, seqs)) // 16) * 16), np.int32)
+    for i, seq in enumerate(seqs):
+        batch[i, :len(seq)] = seq  # causal: the padding after a row changes none of its logits
+    lp = np.asarray(jax.nn.log_softmax(target(jnp.asarray(batch))[0].astype(jnp.float32), axis=-1))
+    return [(list(r), [float(lp[i, len(p) - 1 + j, t]) for j, t in enumerate(r)])
+            for i, (p, r) in enumerate(zip(ps, ids))]
 
 
 def test_layer_dropped_draft_gives_the_targets_greedy_tokens(target):
     ps = prompts(0, 6)
-    want = plain(target, ps, greedy())
+    want = reference(target, ps, 14)
     draft = student_from_teacher(target, [0, 1, 2])
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=draft)
     got = engine.generate(ps, greedy())
     runners = (engine.runner, engine.drafter.runner)
-    for w, g in zip(want, got):
-        assert g.token_ids == w.token_ids and g.finish_reason == "length"
-        np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
+    for (tokens, lps), g in zip(want, got):
+        assert g.token_ids == tokens and g.finish_reason == "length"
+        np.testing.assert_allclose([lp for lp, _ in g.logprobs], lps, atol=1e-4)
     m = engine.metrics()
     assert m["step_compilations"] == sum(r.num_compilations for r in runners) > engine.runner.num_compilations
     assert 0 < m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"]
@@ -63,11 +75,11 @@ def test_draft_equal_to_the_target_has_every_proposal_kept(target):
     """The draft's cache holds exactly the target's tokens at every step (catching up on the last proposal
     after a fully kept round, restarting after preemption): its proposals are the target's argmax."""
     ps = prompts(1, 6)[:6]  # no shared prefix: a prefix hit is trusted to hold the draft's K/V as well
-    want = plain(target, ps, greedy(20))
+    want = [tokens for tokens, _ in reference(target, ps, 20)]
     copy = nnx.merge(*nnx.split(target))
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=copy)
     got = engine.generate(ps, greedy(20))
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.token_ids for g in got] == want
     m = engine.metrics()
     assert m["preemptions_total"] > 0
     assert m["spec_decode_num_draft_tokens_total"] > 0
@@ -145,7 +157,7 @@ def test_precompiled_drafting_engine_never_waits_for_a_compilation(target):
                     draft_model=student_from_teacher(target, [0, 1, 2]))
     engine.precompile()  # both models' largest steps: then no step of either waits for a compilation
     got = engine.generate(prompts(0, 6), greedy())
-    assert [g.token_ids for g in got] == [w.token_ids for w in plain(target, prompts(0, 6), greedy())]
+    assert [g.token_ids for g in got] == [tokens for tokens, _ in reference(target, prompts(0, 6), 14)]
     for runner in (engine.runner, engine.drafter.runner):
         runner.finish_compilations()
         assert runner.num_blocking_compilations == 0
@@ -155,10 +167,10 @@ def test_precompiled_drafting_engine_never_waits_for_a_compilation(target):
 def test_tensor_parallel_target_and_draft(target):
     """Both models split over two devices (each device holds its kv heads of both caches' blocks)."""
     ps = prompts(3, 3)
-    want = plain(target, ps, greedy(10))
+    want = [tokens for tokens, _ in reference(target, ps, 10)]
     cfg = EngineConfig(num_speculative_tokens=K, tensor_parallel_size=2, **SMALL)
     engine = Engine(target, ByteTokenizer(), cfg, draft_model=student_from_teacher(target, [0, 1, 2]))
     got = engine.generate(ps, greedy(10))
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.token_ids for g in got] == want
     assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
     assert engine.drafter.runner.cache.mesh is engine.runner.cache.mesh
