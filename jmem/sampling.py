@@ -27,8 +27,9 @@ class SamplingArrays(NamedTuple):
     """Per-row settings, each `[batch]` (see `SamplingParams` for meaning and ranges).
 
     `top_k <= 0` keeps every token; `seed` is `u32[batch, 2]` (a 64-bit seed's low and high
-    words); `step` is the number of tokens the row has generated so far (folded into its seed); `logprobs` how many top log-probabilities
-    the row wants (0: none; the top ones are computed only when some row does). Penalty
+    words); `step` is the number of tokens the row has generated so far (folded into its seed);
+    `logprobs` how many top log-probabilities the row wants (0: none; the top ones are computed
+    only when some row does). Penalty
     history: `hist_ids
     i32[batch, H]` (prompt + output ids, -1 for padding) and `hist_is_output
     bool[batch, H]`; H may be 0 when no row uses penalties.

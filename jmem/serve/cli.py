@@ -251,7 +251,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     run_serve(tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve"))
 
 
-def _Server(config, engine, shutdown_timeout: int):
+def _graceful_server(config, engine, shutdown_timeout: int):
     """A uvicorn server whose shutdown (SIGTERM, Ctrl-C) lets running requests finish for
     `shutdown_timeout` seconds, then aborts them: each ends as `finish_reason` "abort", its
     response complete (no cancelled task, no 500)."""
@@ -312,8 +312,8 @@ def run_serve(args: ServeArgs) -> None:
         engine.precompile()
     engine.start()
     app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
-                     args.shutdown_timeout)
+    server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
+                              args.shutdown_timeout)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
              name, host, sock.getsockname()[1], engine.num_kv_tokens)

@@ -485,11 +485,11 @@ class Engine:
         and their blocks are freed (their streams get a final output, nothing waits forever); step
         shapes queued for background compilation are dropped."""
         self._stop.set()
-        for runner in [self.runner] + ([] if self.drafter is None else [self.drafter.runner]):
-            runner.cancel_compilations()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        for runner in [self.runner] + ([] if self.drafter is None else [self.drafter.runner]):
+            runner.cancel_compilations()  # after the loop: only its thread reads the compilations otherwise
         self.abort_all()
         self._drain_commands(block=False)
 
