@@ -354,14 +354,21 @@ def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
     tiny = float(np.finfo(np.float16).tiny)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny)
+        scale = _f16_up(jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny))
         zero = None
     else:
         hi, lo = jnp.maximum(hi, 0.0), jnp.minimum(lo, 0.0)  # keep 0 exactly representable
-        scale = jnp.maximum((hi - lo) / (2 ** bits - 1), tiny)
-        scale = scale.astype(jnp.float16).astype(jnp.float32)
+        scale = _f16_up(jnp.maximum((hi - lo) / (2 ** bits - 1), tiny))
         zero = jnp.clip(jnp.round(-lo / scale), 0, 2 ** bits - 1)
-    return scale.astype(jnp.float16).astype(jnp.float32), zero
+    return scale, zero
+
+
+def _f16_up(scale):
+    """`scale` as the nearest f16 value at or above it (in f32): the grid then still spans the group's
+    range, so no weight lands more than half a step from its code (rounding down clipped the extremes)."""
+    s16 = scale.astype(jnp.float16)
+    s16 = jnp.where(s16.astype(jnp.float32) < scale, jnp.nextafter(s16, jnp.float16(jnp.inf)), s16)
+    return s16.astype(jnp.float32)
 
 
 def encode(w, scale, zero, bits: int) -> jax.Array:

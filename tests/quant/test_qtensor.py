@@ -77,14 +77,14 @@ def test_bytes_per_weight():
 
 def test_int_roundtrip_error_bounds():
     w = _w(2)
-    for bits, g, sym in [(8, None, True), (4, 128, True), (4, 32, False), (3, 64, True), (3, 128, False)]:
+    for bits, g, sym in [(8, None, True), (8, None, False), (4, 128, True), (4, 32, False), (3, 64, True),
+                         (3, 128, False), (2, None, False)]:
         q = IntTensor.quantize(w, bits, g, symmetric=sym)
         err = jnp.abs(q.dequantize() - w).reshape(L, -1, q.group_size, N_OUT)
         scale = q.scale.astype(jnp.float32)[:, :, None, :]
-        # Rounding moves a value at most half a step; a zero point rounded to an
-        # integer can push a group's extreme one half step more.
-        slack = 0.5 if sym else 1.0
-        assert bool(jnp.all(err <= slack * scale * 1.002 + 1e-7)), (bits, g, sym)
+        # Rounding moves a value at most half a step, the group's extremes too: the f16 scale is rounded
+        # up, so the grid (after the zero point's own rounding) still spans the group.
+        assert bool(jnp.all(err <= 0.5 * scale * (1 + 1e-6) + 1e-9)), (bits, g, sym, float(jnp.max(err / scale)))
         assert float(err.mean()) < 0.3 * float(scale.mean())
 
 
