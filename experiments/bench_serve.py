@@ -88,6 +88,8 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--temperature={cfg.temperature}; accepted: 0..2")
     if not 0 <= cfg.hf_requests <= cfg.num_requests:
         raise ValueError(f"--hf-requests={cfg.hf_requests}; accepted: 0..{cfg.num_requests} (--num-requests)")
+    if cfg.num_blocks is not None and cfg.num_blocks < 1:
+        raise ValueError(f"--num-blocks={cfg.num_blocks}; accepted: an integer >= 1, or unset (enough for the trace)")
 
 
 def make_trace(cfg: Config, tokenizer):

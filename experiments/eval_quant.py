@@ -146,10 +146,11 @@ def main(cfg: Config) -> list[dict]:
     methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
-    need = (cfg.windows + cfg.calib_windows) * WINDOW
-    check_windows_fit(int(tokens.size), cfg.windows, cfg.calib_windows, "--calib-windows", WINDOW)
+    n_calib = cfg.calib_windows if any(m in CALIBRATED for m in methods) else 0  # only gptq and awq calibrate
+    need = (cfg.windows + n_calib) * WINDOW
+    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calib-windows", WINDOW)
     windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
-    calib = tokens[cfg.windows * WINDOW: need].reshape(cfg.calib_windows, WINDOW)
+    calib = tokens[cfg.windows * WINDOW: need].reshape(n_calib, WINDOW)
     base = lm.model
     float_bytes = weight_bytes(base)
     print(f"{tokens.size} tokens; eval {windows.size}, calibration {calib.size} (disjoint); "

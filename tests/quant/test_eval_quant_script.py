@@ -43,3 +43,14 @@ def test_float_only_needs_no_calibration_windows(script, tmp_path):
     methods, got = script.validate(script.Config(text=str(text), methods="float,rtn4,q4_k", calib_windows=0,
                                                  out=str(tmp_path / "q.json")))
     assert methods == ["float", "rtn4", "q4_k"] and got == "hello world\n"
+
+
+def test_methods_without_calibration_need_no_calibration_text(script, tmp_path):
+    """float and int8 on a text of one evaluation window run with the default --calib-windows (only gptq and
+    awq reserve calibration windows)."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 14)  # 630 bytes: one 512-token window
+    out = tmp_path / "q.json"
+    assert script.cli(["--model", "tiny", "--text", str(text), "--windows", "1", "--batch", "1",
+                       "--methods", "float,int8", "--out", str(out)]) == 0
+    assert out.exists()

@@ -22,6 +22,8 @@ def _bench_serve():
     (dict(prompt_len=(10, 5)), "--prompt-len 10 5; accepted: LO HI with 1 <= LO <= HI"),
     (dict(output_len=(0, 4)), "--output-len 0 4"),
     (dict(hf_requests=65), "--hf-requests=65; accepted: 0..64"),
+    (dict(num_blocks=0), "--num-blocks=0; accepted: an integer >= 1, or unset"),
+    (dict(num_blocks=-1), "--num-blocks=-1; accepted: an integer >= 1, or unset"),
 ])
 def test_bad_flags_are_refused_before_loading(change, message):
     mod = _bench_serve()
