@@ -318,7 +318,6 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     checks.non_negative("adafactor", "eps", eps)
     checks.rate("adafactor", "weight_decay_rate", weight_decay_rate, none_ok=True)
     checks.float_dtype("adafactor", "momentum_dtype", momentum_dtype, none_ok=True)
-    checks.integer("adafactor", "decay_offset", decay_offset, 0)
     get_rule(factor_rule, min_dim_size_to_factor)  # a bad rule name or min_dim_size_to_factor, before the chain
     kw = dict(min_dim_size_to_factor=min_dim_size_to_factor)
     lr = relative_step_size() if learning_rate is None else learning_rate

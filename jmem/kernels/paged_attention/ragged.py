@@ -90,9 +90,8 @@ def _ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_s
 def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_pages: int, page_size: int):
     """Shapes and dtypes always; with concrete values, num_seqs, cu_q_lens, kv_lens and the tables."""
     name = "ragged_paged_attention"
-    if block_tables.ndim != 2 or block_tables.shape[1] == 0:
-        raise ValueError(f"{name}: block_tables must be int32[max_seqs, pages_per_seq] with pages_per_seq >= 1; "
-                         f"got {block_tables.shape}")
+    if block_tables.ndim != 2:
+        raise ValueError(f"{name}: block_tables must be int32[max_seqs, pages_per_seq]; got {block_tables.shape}")
     S_max = block_tables.shape[0]
     for what, x, size, label in (("cu_q_lens", cu_q_lens, S_max + 1, "max_seqs + 1"),
                                  ("kv_lens", kv_lens, S_max, "max_seqs")):
