@@ -252,13 +252,13 @@ def main(cfg: Config) -> list[dict]:
     """Run every row; a ValueError for bad flags before any benchmark (after unset sizes are filled in)."""
     cfg = cfg.resolved()
     cfg.validate()
-    if cfg.out:
+    if cfg.out is not None:
         prepare_output(cfg.out, "--out")  # before the benchmarks, not after them
     dev = jax.devices()[0]
     log(f"jax {jax.__version__} on {dev.platform} ({getattr(dev, 'device_kind', '?')}); config {cfg}")
     rows = run(cfg)
     print(markdown(rows), flush=True)
-    if cfg.out:
+    if cfg.out is not None:
         with open(cfg.out, "w") as f:
             json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), config=dataclasses.asdict(cfg), rows=rows), f, indent=1)
         log(f"wrote {cfg.out}")

@@ -126,7 +126,7 @@ def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
     if cfg.num_global > cfg.seq:
         raise ValueError(f"--num-global {cfg.num_global} is larger than --seq {cfg.seq}; accepted: 0..{cfg.seq}")
     text = "\n\n".join(load_documents(cfg.text, "--text"))
-    if cfg.out:
+    if cfg.out is not None:
         prepare_output(cfg.out, "--out")
     # The masks' own checks (and their tile layouts) before any model work.
     planned = {name: (mask, sparse_attention_stats(mask, cfg.seq, cfg.seq)) for name, mask in masks(cfg).items()}
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>16} {row['ppl']:9.3f} {stats.visited:>6}/{stats.num_blocks:<7} "
             f"{row['attn_temp_bytes_reference'] / 2**20:10.2f} MiB {row['attn_temp_bytes_kernel'] / 2**20:13.2f} MiB"
         )
-    if cfg.out:
+    if cfg.out is not None:
         with open(cfg.out, "w") as f:
             json.dump(dict(config=dataclasses.asdict(cfg), backend=jax.default_backend(), impl=impl, rows=rows), f, indent=2)
     return 0

@@ -25,10 +25,11 @@ def bench():
     (["--chunks", "-1"], "--chunks -1; accepted: an integer >= 1"),
     (["--impl", "foo"], "--impl 'foo'; accepted: auto, pallas, reference"),
     (["--seq", "64", "--num-global", "100"], "--num-global 100 is larger than --seq 64"),
+    (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
 ])
 def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(jmem, "load", refuse_load)
-    rc = sparse.main([*argv, "--out", str(tmp_path / "s.json")])
+    rc = sparse.main(argv if "--out" in argv else [*argv, "--out", str(tmp_path / "s.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
 
@@ -42,6 +43,7 @@ def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, ca
     # --quick sizes only the flags left unset, so an explicit bad value is still refused.
     (["--quick", "--samples", "0", "--kv-heads", "3"], "--samples 0; accepted: a positive integer"),
     (["--quick", "--kv-heads", "3"], "--q-heads 4 is not a multiple of --kv-heads 3"),
+    (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
 ])
 def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))
