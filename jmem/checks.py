@@ -27,3 +27,13 @@ def check_int(name: str, value, least: int) -> None:
     """ValueError `name=value; accepted: an integer >= least` unless `value` is such an integer."""
     if not is_int(value) or value < least:
         raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
+
+
+def stop_strings(stop) -> list[str]:
+    """`stop` as a list of stop strings: None is none and one string is one stop string (as OpenAI's
+    `stop`), not its characters; ValueError unless each is a non-empty string (an empty one would
+    end every output before its first token)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop={stop!r}; accepted: a non-empty string or a list of them")
+    return list(stops)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem.checks import stop_strings
 from jmem.generate import SamplingParams, generate_ids
 from jmem.models.config import PRESETS, LlamaConfig, get_config
 from jmem.models.llama import Llama
@@ -85,10 +86,7 @@ class LM:
                   stop: str | list[str] | None = None) -> list[str]:
         params = SamplingParams(temperature, top_k, top_p, seed)
         tok = self.tokenizer
-        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop  # one string is one stop string
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-            raise ValueError(f"stop={stop!r}; accepted: a string or a list of strings")
-        stop = [s for s in stops if s]
+        stop = stop_strings(stop)
         for i, ids in enumerate(encoded):
             if not ids:
                 raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")

@@ -47,8 +47,8 @@ def test_eos_and_stop_strings(lm):
     assert lm.generate(["abc"], max_new_tokens=20, stop=text[0] + " is not in the text")[0] == text
     assert lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=4, stop=text[0] + " nowhere") == \
         lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=4)
-    for bad in ([3], 3, ["a", None]):
-        with pytest.raises(ValueError, match=re.escape(f"stop={bad!r}; accepted: a string or a list of strings")):
+    for bad in ([3], 3, ["a", None], "", ["a", ""]):  # an empty stop string would end every output at once
+        with pytest.raises(ValueError, match=re.escape(f"stop={bad!r}; accepted: a non-empty string or a list of them")):
             lm.generate(["abc"], max_new_tokens=2, stop=bad)
 
 

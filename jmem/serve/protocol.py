@@ -129,7 +129,6 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Validated `SamplingParams` (call `check_supported` first); APIError(400) naming the first bad field."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         p = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -140,8 +139,8 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from jmem.checks import is_int, is_number
+from jmem.checks import is_int, is_number, stop_strings
 
 
 class RequestError(ValueError):
@@ -103,9 +103,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_number(v) or not math.isfinite(v):
                 raise RequestError(f"{name}={v!r}; accepted: a finite number", name)
-        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if not all(isinstance(t, str) and t for t in self.stop):
-            raise RequestError(f"stop={self.stop!r}; accepted: a non-empty string or a list of them", "stop")
+        try:
+            self.stop = stop_strings(self.stop)
+        except ValueError as e:
+            raise RequestError(str(e), "stop") from None
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if not all(is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids",
