@@ -39,8 +39,8 @@ class Mask:
 
     def check(self, q_len: int, kv_len: int) -> None:
         """Raise ValueError when the mask cannot describe a [q_len, kv_len] attention."""
-        if q_len < 1 or kv_len < 1:
-            raise ValueError(f"mask needs q_len >= 1 and kv_len >= 1; got q_len={q_len}, kv_len={kv_len}")
+        if not (is_int(q_len) and is_int(kv_len)) or q_len < 1 or kv_len < 1:
+            raise ValueError(f"mask needs integers q_len >= 1 and kv_len >= 1; got q_len={q_len!r}, kv_len={kv_len!r}")
 
     def mask(self, q_len: int, kv_len: int) -> np.ndarray:
         """Dense mask bool[q_len, kv_len]: True where query i sees key j.
@@ -55,14 +55,21 @@ class Mask:
         return np.broadcast_to(self._eval(i, j, q_len, kv_len), (q_len, kv_len)).copy()
 
     def __and__(self, other: Mask) -> Mask:
-        return And(self, other)
+        return And(self, _operand("&", other))
 
     def __or__(self, other: Mask) -> Mask:
-        return Or(self, other)
+        return Or(self, _operand("|", other))
 
     def block_info(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> BlockInfo:
         """Per-tile metadata for a [q_len, kv_len] attention cut into block_q x block_k tiles."""
         return _block_info(self, q_len, kv_len, block_q, block_k)
+
+
+def _operand(op: str, other) -> Mask:
+    if not isinstance(other, Mask):
+        raise ValueError(f"Mask {op} {type(other).__name__}: accepted: a jmem.kernels.masks.Mask (Causal, LocalWindow, "
+                         "Strided, BlockSparse, BigBird, or & / | of them); a dense bool array is BlockSparse(array, 1, 1)")
+    return other
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +124,13 @@ class BlockSparse(Mask):
     block_k: int = 128
 
     def __post_init__(self):
-        arr = np.asarray(self.layout, dtype=bool)
-        if arr.ndim != 2 or 0 in arr.shape:
-            raise ValueError(f"BlockSparse layout must be a non-empty 2-D bool array; got shape {arr.shape}")
+        try:
+            arr = np.asarray(self.layout, dtype=bool)
+        except (TypeError, ValueError):  # ragged rows
+            arr = None
+        if arr is None or arr.ndim != 2 or 0 in arr.shape:
+            got = "ragged rows" if arr is None else f"shape {arr.shape}"
+            raise ValueError(f"BlockSparse layout must be a non-empty 2-D bool array; got {got}")
         if not (is_int(self.block_q) and is_int(self.block_k)) or self.block_q < 1 or self.block_k < 1:
             raise ValueError(f"BlockSparse block sizes must be integers >= 1; got {self.block_q!r}, {self.block_k!r}")
         object.__setattr__(self, "layout", tuple(map(tuple, arr.tolist())))

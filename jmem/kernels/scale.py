@@ -45,4 +45,7 @@ def split_scale(name: str, q, sm_scale, head_dim: int):
         raise ValueError(f"{name}: sm_scale={sm_scale!r}; accepted: None or one real scalar") from e
     if value.size != 1 or not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
         raise ValueError(f"{name}: sm_scale={sm_scale!r} ({value.dtype}{list(value.shape)}); accepted: None or one real scalar")
-    return q, float(value.reshape(()))
+    scale = float(value.reshape(()))
+    if not np.isfinite(scale):  # every logit would be NaN or infinite
+        raise ValueError(f"{name}: sm_scale={sm_scale!r}; accepted: None or one finite real scalar")
+    return q, scale

@@ -77,6 +77,11 @@ def test_concrete_scalar_scales_are_floats():
         flash_attention(q, k, v, sm_scale=np.ones(2), interpret=True)
     with pytest.raises(ValueError, match=r"sparse_attention: sm_scale='big'"):
         sparse_attention(q, k, v, MASK, sm_scale="big", interpret=True)
+    for bad in (float("nan"), float("inf"), np.float32("-inf")):  # every logit NaN or infinite
+        with pytest.raises(ValueError, match=r"flash_attention: sm_scale=.*accepted: None or one finite real scalar"):
+            flash_attention(q, k, v, sm_scale=bad, interpret=True)
+        with pytest.raises(ValueError, match=r"sparse_attention: sm_scale=.*accepted: None or one finite real scalar"):
+            sparse_attention(q, k, v, MASK, sm_scale=bad, interpret=True)
 
 
 def test_integer_inputs_and_zero_kv_heads_are_refused():
@@ -88,6 +93,8 @@ def test_integer_inputs_and_zero_kv_heads_are_refused():
             call(as_int(q), k, v)
         with pytest.raises(ValueError, match=f"{name}: v has dtype int32; accepted: a floating dtype"):
             call(q, k, as_int(v))
+        with pytest.raises(ValueError, match=f"{name}: q float32, k bfloat16, v bfloat16; accepted: one floating dtype"):
+            call(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     qd, _, _, kp, vp, lengths, table = decode_case(7, 2, 16, 4, 2, 16, 8, jnp.float32)
     with pytest.raises(ValueError, match="paged_attention: q has dtype int32; accepted: a floating dtype"):
         paged_attention(as_int(qd), kp, vp, lengths, table, interpret=True)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jmem.kernels.masks import EMPTY, FULL, PARTIAL, BigBird, BlockSparse, Causal, LocalWindow, Strided
+from jmem.kernels.sparse_attention import sparse_attention_stats
 
 
 def _brute(pred, q_len, kv_len):
@@ -91,3 +92,13 @@ def test_bad_masks_raise():
         BlockSparse(np.ones((2, 2), bool), block_q=4, block_k=4).mask(12, 8)
     with pytest.raises(ValueError, match="num_global=9 is larger than the sequence kv_len=8"):
         (Causal() & BigBird(9, 1, 0)).block_info(8, 8, 16, 16)
+    for other in (3, None, np.ones((4, 4), bool)):  # refused at the operator, not deep inside the kernel
+        with pytest.raises(ValueError, match=f"Mask & {type(other).__name__}: accepted: a jmem.kernels.masks.Mask"):
+            Causal() & other
+        with pytest.raises(ValueError, match=f"Mask \\| {type(other).__name__}: accepted"):
+            LocalWindow(2) | other
+    with pytest.raises(ValueError, match="BlockSparse layout must be a non-empty 2-D bool array; got ragged rows"):
+        BlockSparse([[1, 0], [1]], 16, 16)
+    for q_len in (-3, 2.5, 0):
+        with pytest.raises(ValueError, match=f"mask needs integers q_len >= 1 and kv_len >= 1; got q_len={q_len}"):
+            sparse_attention_stats(Causal(), q_len, 16)

@@ -63,6 +63,9 @@ def check_qkv(name: str, q, k, v) -> None:
     if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[3] == 0:
         raise ValueError(f"{name}: q_len, kv_len and head_dim must be >= 1; got q {q.shape}, k {k.shape}")
     check_float(name, q=q, k=k, v=v)
+    if not q.dtype == k.dtype == v.dtype:  # the kernels' dots take one operand dtype
+        raise ValueError(f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype}; accepted: one floating dtype for all three "
+                         "(cast k and v to q's)")
 
 
 def check_float(name: str, **arrays) -> None:

@@ -121,6 +121,12 @@ def _blocks(block_q, block_k, q_len, kv_len, name="sparse_attention"):
             fk.effective_block(block_k, kv_len, f"{name}: block_k"))
 
 
+def _check_mask(name: str, mask, q_len, kv_len) -> None:
+    if not isinstance(mask, Mask):
+        raise ValueError(f"{name}: mask must be a jmem.kernels.masks.Mask (e.g. Causal() & LocalWindow(256)); got {type(mask).__name__}")
+    mask.check(q_len, kv_len)
+
+
 def sparse_attention_stats(mask: Mask, q_len: int, kv_len: int, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> SparseStats:
     """Tile counts `sparse_attention` will use for this mask and shape.
 
@@ -129,6 +135,7 @@ def sparse_attention_stats(mask: Mask, q_len: int, kv_len: int, block_q: int = D
         >>> s.visited, s.num_blocks
         (93, 1024)
     """
+    _check_mask("sparse_attention_stats", mask, q_len, kv_len)  # before the block sizes are fitted to the lengths
     bq, bk = _blocks(block_q, block_k, q_len, kv_len, "sparse_attention_stats")
     info = mask.block_info(q_len, kv_len, bq, bk)
     return SparseStats(
@@ -344,10 +351,8 @@ _sparse_bhtd.defvjp(_sparse_bhtd_fwd, _sparse_bhtd_bwd)
 def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret):
     """(q, cfg): validated inputs, q with a traced sm_scale folded in (`jmem.kernels.scale`)."""
     fk.check_qkv(name, q, k, v)
-    if not isinstance(mask, Mask):
-        raise ValueError(f"{name}: mask must be a jmem.kernels.masks.Mask (e.g. Causal() & LocalWindow(256)); got {type(mask).__name__}")
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
-    mask.check(T, S)
+    _check_mask(name, mask, T, S)
     bq, bk = _blocks(block_q, block_k, T, S, name)
     interpret = fk.resolve_interpret(interpret)
     if not interpret:
