@@ -157,7 +157,8 @@ class BigBird(Mask):
     Args:
         num_global: the first num_global tokens see everything and are seen by everyone.
         window: query i sees key j when |i - j| < window.
-        num_random: random key blocks per query block (drawn without replacement).
+        num_random: random key blocks per query block (drawn without replacement; at most the
+            number of key blocks, ceil(kv_len / block): a larger value draws all of them).
         seed: seed of the random draw; the draw depends only on (seed, q_len, kv_len, block).
         block: tokens per random block.
     """
