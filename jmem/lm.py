@@ -91,16 +91,19 @@ class LM:
             if not ids:
                 raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")
 
-        def stop_at(_row, ids):
+        def reached(ids) -> bool:
             text = tok.decode(ids)
-            hits = [text.find(s) for s in stop if s in text]
-            if not hits:
+            return any(s in text for s in stop)
+
+        def stop_at(_row, ids):
+            if not reached(ids):
                 return None
-            cut = min(hits)  # shortest id prefix whose text still reaches the stop string
-            for n in range(len(ids) + 1):
-                if len(tok.decode(ids[:n])) >= cut:
-                    return n
-            return len(ids)
+            # The shortest id prefix whose text holds a whole stop string (the text is cut at it below);
+            # the stop was not reached before the last chunk, so the search from the end is short.
+            n = len(ids)
+            while n > 1 and reached(ids[: n - 1]):
+                n -= 1
+            return n
 
         new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
                            stop=stop_at if stop else None)

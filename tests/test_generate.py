@@ -1,5 +1,6 @@
 """Generation: sampling reproducible by seed, EOS and stop strings, argument errors."""
 
+import copy
 import re
 
 import jax
@@ -50,6 +51,25 @@ def test_eos_and_stop_strings(lm):
     for bad in ([3], 3, ["a", None], "", ["a", ""]):  # an empty stop string would end every output at once
         with pytest.raises(ValueError, match=re.escape(f"stop={bad!r}; accepted: a non-empty string or a list of them")):
             lm.generate(["abc"], max_new_tokens=2, stop=bad)
+
+
+class _ThreeCharTokens:
+    """Each token decodes to three characters, so a stop string can start inside a token."""
+
+    def __init__(self, tok):
+        self.eos_id = tok.eos_id
+
+    def decode(self, ids):
+        return "".join(f"{i:03d}" for i in ids)
+
+
+def test_stop_string_starting_inside_a_token(lm):
+    multi = copy.copy(lm)
+    multi.tokenizer = _ThreeCharTokens(lm.tokenizer)
+    prompt = [lm.tokenizer.encode("abc")]
+    text = multi._complete(prompt, max_new_tokens=12)[0]
+    for stop in (text[4:8], text[7:9], text[:2]):  # from the middle of a token into the next ones
+        assert multi._complete(prompt, max_new_tokens=12, stop=stop)[0] == text[: text.find(stop)], stop
 
 
 def test_generation_params_drive_the_shared_sampler():
