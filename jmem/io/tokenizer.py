@@ -33,9 +33,11 @@ def _raise_exception(message):
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"chat messages {messages!r}; accepted: a list of {{'role': str, 'content': str}} dicts")
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"chat message {m!r} must be a dict with 'role' and 'content'")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"chat message {m!r}; accepted: a dict with a string 'role' and a string 'content'")
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                 **extra)

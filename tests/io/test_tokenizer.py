@@ -88,6 +88,14 @@ def test_chat_template_raise_exception_is_a_value_error():
     broken = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.chat_template": "{{ messages[0].content | nofilter }}"})
     with pytest.raises(ValueError, match="chat template failed"):
         broken.apply_chat_template([{"role": "user", "content": "hi"}])
+    # Not a TypeError from inside the template, nor the text "None" rendered into the prompt.
+    for bad in ([{"role": "user", "content": None}], [{"role": "user", "content": 3}], [{"role": 1, "content": "hi"}],
+                [{"role": "user"}], ["hi"]):
+        for t in (tok, ByteTokenizer()):
+            with pytest.raises(ValueError, match=r"chat message .*; accepted: a dict with a string 'role' and a string"):
+                t.apply_chat_template(bad)
+    with pytest.raises(ValueError, match="chat messages 'hi'; accepted: a list of"):
+        tok.apply_chat_template("hi")
 
 
 BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
