@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 import time
@@ -150,11 +151,24 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     The engine's LoRA adapters (`Engine(..., lora_modules=)`) are models of their own, listed by
     `/v1/models` with `parent` = `model_name`; a request's `model` picks the adapter (vLLM's semantics).
 
+    The server's startup starts the engine's background loop when it is not running yet (a request
+    would otherwise wait forever), and its shutdown stops a loop it started.
+
     Example:
         >>> app = create_app(engine, "smollm2-135m")
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
     """
-    app = FastAPI(title="jmem", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        started = engine.start()
+        try:
+            yield
+        finally:
+            if started:
+                engine.stop()
+
+    app = FastAPI(title="jmem", docs_url=None, redoc_url=None, lifespan=lifespan)
     tok = engine.tokenizer
     token_bytes = TokenBytes(tok)
     created = int(time.time())

@@ -472,13 +472,14 @@ class Engine:
         return results
 
     # ------------------------------------------------------------------ background loop
-    def start(self) -> None:
-        """Run the step loop on a daemon thread."""
+    def start(self) -> bool:
+        """Run the step loop on a daemon thread; False when it was running already."""
         if self._thread is not None:
-            return
+            return False
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="jmem-engine", daemon=True)
         self._thread.start()
+        return True
 
     def stop(self) -> None:
         """Stop the background loop; requests still queued or running end with finish_reason "abort"

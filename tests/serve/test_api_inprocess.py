@@ -163,3 +163,24 @@ def test_bodies_must_be_json_and_not_too_large():
     assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert client.post("/v1/nothing", content=b"x").status_code == 404  # a route that is not there stays a 404
     assert client.get("/health").status_code == 200
+
+
+def test_the_server_starts_an_engine_not_started_yet():
+    """`create_app` over an engine nobody started (as its docstring example): the server's startup runs the
+    loop, so a request is answered instead of waiting forever, and its shutdown stops that loop again."""
+    from flax import nnx
+
+    from jmem.models import Llama, LlamaConfig
+    from jmem.serve.engine import Engine, EngineConfig
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=8, max_num_seqs=2, max_num_batched_tokens=16,
+                                                         max_model_len=32))
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert engine.start()  # the app stopped the loop it started: this starts a new one
+    with TestClient(create_app(engine, "m")):
+        pass
+    assert not engine.start()  # a loop started by its owner is left running
+    engine.stop()
