@@ -45,6 +45,13 @@ def _render_chat(template: str, messages: list[dict[str, str]], add_generation_p
         raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
+def _non_negative(ids) -> list[int]:
+    ids = [int(i) for i in ids]
+    if ids and min(ids) < 0:
+        raise ValueError(f"decode: token id {min(ids)}; accepted: ids >= 0")
+    return ids
+
+
 def _encode_chat(tok, text: str) -> list[int]:
     # A template that writes `{{ bos_token }}` itself already starts the text with BOS; adding
     # another would feed the model two (HF encodes rendered chats without special tokens).
@@ -121,7 +128,9 @@ class GGUFTokenizer:
         return self._text(self.bos_id)
 
     def decode(self, ids, skip_special: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids if int(i) not in self._unused], skip_special_tokens=skip_special)
+        """Text of `ids`; ids past the vocabulary (a model's padded rows) decode to nothing."""
+        ids = _non_negative(ids)
+        return self._tok.decode([i for i in ids if i not in self._unused], skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -156,7 +165,7 @@ class ByteTokenizer:
         return ""  # BOS is id 256, which no text encodes to
 
     def decode(self, ids, skip_special: bool = True) -> str:
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in _non_negative(ids) if i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return _render_chat(self.chat_template, messages, add_generation_prompt)

@@ -73,6 +73,11 @@ def test_user_defined_tokens_stay_in_decoded_text():
     with_control = [tok.bos_id, *ids, tok.eos_id]
     assert tok.decode(with_control) == "<think>ok</think>"
     assert tok.decode(with_control, skip_special=False) == "<|bos|><think>ok</think><|eos|>"
+    # Ids past the vocabulary (a model's padded embedding rows) decode to nothing; a negative id is refused.
+    assert tok.decode([*ids, tok.vocab_size + 5]) == "<think>ok</think>"
+    for t in (tok, ByteTokenizer()):
+        with pytest.raises(ValueError, match="decode: token id -1; accepted: ids >= 0"):
+            t.decode([97, -1])
 
 
 ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
