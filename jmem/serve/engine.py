@@ -144,19 +144,22 @@ class RequestStream:
 class _Detok:
     """Incremental text of one request, with stop strings and held-back partial characters."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, params: SamplingParams):
         self.tok = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = params.stop
+        self.skip_special = params.skip_special_tokens
+        self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0
         self.num_ids = 0  # output tokens already emitted
 
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the output."""
-        text = self.tok.decode(ids)
-        hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
-        if hits:  # the output ends before the earliest stop string, whichever is listed first
-            text = text[: min(hits)]
+        text = self.tok.decode(ids, skip_special=self.skip_special)
+        hits = [(i, len(s)) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if hits:  # the output ends at the earliest stop string, whichever is listed first
+            at, length = min(hits)
+            text = text[: at + length if self.include_stop else at]
             out = text[self.sent :]
             self.sent = len(text)
             return out, True
@@ -345,7 +348,7 @@ class Engine:
                     b.put(RequestOutput(a.request_id, "", [], finished=True, finish_reason="error", error=str(e)))
                     continue
                 self._streams[a.request_id] = b
-                self._detok[a.request_id] = _Detok(self.tokenizer, a.params.stop)
+                self._detok[a.request_id] = _Detok(self.tokenizer, a.params)
             elif cmd == "abort_all":
                 for rid in list(self._streams):
                     self._commands.put(("abort", rid, None))
@@ -409,8 +412,10 @@ class Engine:
         first, deltas, hit_stop, finished = detok.num_ids, [], False, done
         for m in range(first + 1, len(ids) + 1):
             finished = done and m == len(ids)
-            # A stop token id (or EOS, unless ignored) ends the output without appearing in the text.
-            stopped_by_token = finished and req.status is Status.FINISHED_STOPPED and (
+            # A stop token id (or EOS, unless ignored) ends the output without appearing in the text
+            # (unless include_stop_str_in_output: then its text is there when it has one).
+            stopped_by_token = (finished and req.status is Status.FINISHED_STOPPED
+                                and not req.params.include_stop_str_in_output) and (
                 ids[-1] in req.params.stop_token_ids or (ids[-1] in req.eos_token_ids and not req.params.ignore_eos))
             delta, hit_stop = detok.update(ids[: m - 1] if stopped_by_token else ids[:m], finished)
             deltas.append(delta)

@@ -75,8 +75,7 @@ class StreamOptions(BaseModel):
 
 NOT_IMPLEMENTED = {
     # vLLM's extras that change the output
-    "min_tokens": (0,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "min_tokens": (0,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
@@ -110,6 +109,8 @@ class _Sampling(BaseModel):
     repetition_penalty: StrictNumber | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
 
     def check_supported(self) -> None:
         """APIError(400) for a known parameter this server accepts but does not implement."""
@@ -143,6 +144,8 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         try:
             p.validate()

@@ -70,6 +70,9 @@ class SamplingParams:
         stop_token_ids: token ids that end the output (besides the model's EOS).
         ignore_eos: keep going past EOS.
         logprobs: number of top log-probabilities to return per token (None: none), at most 20.
+        skip_special_tokens: leave control tokens (`<|im_end|>` ...) out of the text.
+        include_stop_str_in_output: end the text after the stop string (or the stop token's text)
+            rather than before it.
     """
 
     max_tokens: int = 16
@@ -85,6 +88,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     MAX_LOGPROBS = 20
 
@@ -99,6 +104,9 @@ class SamplingParams:
                 raise RequestError(f"{name}={v!r}; accepted: an integer", name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise RequestError(f"seed={self.seed}; accepted: an integer in [-2**63, 2**63)", "seed")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name}={getattr(self, name)!r}; accepted: true or false", name)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_number(v) or not math.isfinite(v):

@@ -195,14 +195,18 @@ def test_capacity_fp8_twice_bf16():
 
 def test_stop_strings_cut_at_the_earliest_match():
     """Two stop strings completed by one token: the text ends before the earlier one, whatever the list's order."""
-    class Pieces:  # a token id is its text
-        def decode(self, ids):
-            return "".join(ids)
+    class Pieces:  # a token id is its text; "<s>" is a control token
+        def decode(self, ids, skip_special=True):
+            return "".join(i for i in ids if not (skip_special and i == "<s>"))
 
     for stop in (["is", "Par"], ["Par", "is"]):
-        d = _Detok(Pieces(), stop)
+        d = _Detok(Pieces(), SamplingParams(stop=stop))
         assert d.update([" The"], False) == (" T", False)  # the last 2 characters held back for a stop string
         assert d.update([" The", " capital", " Paris"], False) == ("he capital ", True)
+        d = _Detok(Pieces(), SamplingParams(stop=stop, include_stop_str_in_output=True))
+        assert d.update([" The", " capital", " Paris"], False) == (" The capital Par", True)
+    assert _Detok(Pieces(), SamplingParams()).update(["<s>", "a"], True) == ("a", False)
+    assert _Detok(Pieces(), SamplingParams(skip_special_tokens=False)).update(["<s>", "a"], True) == ("<s>a", False)
 
 
 def test_stop_strings_penalties_and_abort(model):

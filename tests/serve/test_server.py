@@ -143,6 +143,9 @@ def test_streaming_n2_stop_logprobs(server, client):
     if "\ufffd" not in stop:
         text, r = greedy_text(client, "stream me", max_tokens=10, stop=[stop], extra_body={"ignore_eos": True})
         assert text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+        text, r = greedy_text(client, "stream me", max_tokens=10, stop=[stop],
+                              extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        assert text == full[: full.find(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
     # Logprobs: one entry per token, top list of the requested size.
     text, r = greedy_text(client, "stream me", max_tokens=3, logprobs=2, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
@@ -349,7 +352,7 @@ def test_error_param_names_the_field_openai_style(server, path, body, param):
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/chat/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
     ("/v1/chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
 ])
@@ -367,7 +370,7 @@ def test_unimplemented_parameters_are_400(server, path, extra, param):
 def test_harmless_and_neutral_parameters_are_accepted(server):
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "user": "u1",
             "metadata": {"k": "v"}, "response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {},
-            "store": False, "min_tokens": 0, "modalities": ["text"], "skip_special_tokens": True, "audio": None}
+            "store": False, "min_tokens": 0, "modalities": ["text"], "skip_special_tokens": False, "audio": None}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
     cmpl = {"model": "tiny", "max_tokens": 2, "prompt": "x", "n": 2, "best_of": 2, "suffix": "", "whatever": [1]}
     assert post(server, "/v1/completions", cmpl).status_code == 200
