@@ -29,13 +29,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.checks import is_int
 from jmem.parallel.mesh import make_mesh
-from jmem.parallel.rules import ShardingError, check_heads
+from jmem.parallel.rules import ShardingError
 
 TENSOR = "tensor"
 
@@ -67,13 +68,14 @@ def check_tensor_parallel(config, tp: int, n_devices: int | None = None) -> None
                                   f"{jax.default_backend()} devices; accepted: 1..{n}")
     if tp == 1:
         return
-    try:
-        check_heads(config.n_heads, config.n_kv_heads, None, {TENSOR: tp}, what=f"tensor_parallel_size={tp}: ")
-    except ShardingError as e:
-        raise TensorParallelError(str(e)) from None
-    if config.ffn_dim % tp:
-        raise TensorParallelError(f"tensor_parallel_size={tp}: ffn_dim={config.ffn_dim} is not divisible by "
-                                  f"{tp}; accepted: sizes dividing {config.ffn_dim}")
+    # Whole query and key/value heads and MLP columns on every device (the serving rules shard all three).
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "ffn_dim": config.ffn_dim}
+    bad = next((f"{name}={v}" for name, v in sizes.items() if v % tp), None)
+    if bad is not None:
+        g = math.gcd(*sizes.values())
+        accepted = ", ".join(str(d) for d in range(1, min(g, n) + 1) if g % d == 0)
+        raise TensorParallelError(f"tensor_parallel_size={tp}: {bad} is not divisible by {tp}; accepted: {accepted} "
+                                  f"(dividing {', '.join(f'{k}={v}' for k, v in sizes.items())}, at most {n} devices)")
 
 
 def tensor_mesh(tp: int, devices=None) -> Mesh:
