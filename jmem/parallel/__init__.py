@@ -11,7 +11,8 @@ Example:
     ...                                            parallel.make_mesh("data=2,tensor=4"), rules="length=tensor")
 """
 
-from jmem.parallel.distributed import DistributedError, ProcessInfo, initialize, local_value, to_global
+from jmem.parallel.distributed import (DistributedError, ProcessInfo, check_same_settings, initialize, local_value,
+                                      to_global)
 from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
 from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
@@ -39,4 +40,4 @@ __all__ = [
 ]
 __all__ += ["SCHEDULES", "busiest_stage_matmul_flops", "pipeline_1f1b", "pipeline_1f1b_lm_loss_fn",
             "pipeline_1f1b_lm_value_and_grad", "schedule_lm_loss_fn"]
-__all__ += ["check_heads", "check_tick_collectives"]
+__all__ += ["check_heads", "check_same_settings", "check_tick_collectives"]

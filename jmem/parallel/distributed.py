@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import numpy as np
@@ -53,6 +54,9 @@ def check_args(coordinator: str | None, num_processes: int | None, process_id: i
         if missing:
             raise DistributedError(f"explicit multi-host start needs {', '.join(missing)} as well "
                                    f"(give coordinator, num_processes and process_id, or none of them)")
+    if coordinator is None and num_processes not in (None, 1) and not _auto_env():
+        raise DistributedError(f"num_processes={num_processes} needs coordinator and process_id as well, or a "
+                               "cluster JAX detects them on (SLURM, a TPU pod, Open MPI)")
     if coordinator is not None:
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -95,12 +99,37 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     kwargs = {"initialization_timeout": initialization_timeout}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
-    if coordinator is None:
-        jax.distributed.initialize(**kwargs)
+    if coordinator is None:  # detected from the cluster; a count given explicitly wins
+        jax.distributed.initialize(**kwargs, **({} if num_processes is None else {"num_processes": num_processes}))
     else:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, **kwargs)
     return _info()
+
+
+def check_same_settings(settings: dict[str, object], what: str = "settings") -> None:
+    """Raise DistributedError naming each of `settings` whose value differs between the processes
+    (compared by a digest of its repr, gathered from every process); a no-op with one process.
+
+    Processes that run with different flags would otherwise compile different programs and wait
+    on each other's collectives forever, or train silently on different batches.
+
+    Example:
+        >>> check_same_settings({"--seed": 0, "--zero": 3})  # the same call on every process
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(settings)
+    digests = np.array([int.from_bytes(hashlib.sha256(repr(settings[n]).encode()).digest()[:4], "little")
+                        for n in names], np.uint32)
+    gathered = np.asarray(multihost_utils.process_allgather(digests)).reshape(jax.process_count(), len(names))
+    differ = [n for j, n in enumerate(names) if (gathered[:, j] != gathered[0, j]).any()]
+    if differ:
+        raise DistributedError(f"{what} differ between processes: {', '.join(differ)}; accepted: the same on every "
+                               f"process (this is process {jax.process_index()}: "
+                               + ", ".join(f"{n} {settings[n]!r}" for n in differ) + ")")
 
 
 def _auto_env() -> bool:

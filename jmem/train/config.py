@@ -63,9 +63,9 @@ class TrainConfig:
     """Held-out batches per evaluation."""
     log: str | None = None
     """Write one JSON line per step (and per evaluation) to this file: a new (or empty) file, or with
-    --resume the resumed run's log, which is continued."""
+    --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job)."""
     plot: str | None = None
-    """Write a PNG of the loss curve and the memory table to this file."""
+    """Write a PNG of the loss curve and the memory table to this file (by process 0 alone)."""
     loss_chunk: int | None = None
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
     progress: bool = True

@@ -6,7 +6,8 @@ prints the measured and estimated memory, then runs the steps.
 
 Checkpoints: every `ckpt_every` steps, at the end, after `stop_after` steps,
 and when SIGINT/SIGTERM arrives (the signal only sets a flag; the loop saves
-after the step in flight, so a checkpoint is never half a step). Batches are a
+after the step in flight, so a checkpoint is never half a step; all processes of
+a job stop after the same step; a second signal ends the process at once). Batches are a
 function of the step number, so a resumed run repeats the uninterrupted run's
 losses exactly.
 
@@ -24,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, TextIO
@@ -52,9 +54,16 @@ class TrainResult:
     skipped_steps: int
 
 
+FORCE_EXIT_AFTER_S = 5.0  # a second signal's grace before the process ends itself
+
+
 @contextlib.contextmanager
 def _stop_on_signals():
-    """Yields a one-item list that becomes [True] on SIGINT/SIGTERM."""
+    """Yields a one-item list that becomes [True] on SIGINT/SIGTERM.
+
+    A second signal stops at once: Ctrl-C raises KeyboardInterrupt; and when the main thread
+    cannot run Python (a step waiting forever on a collective), a watcher thread, woken through
+    `signal.set_wakeup_fd`, ends the process FORCE_EXIT_AFTER_S later with status 128 + signal."""
     flag = [False]
 
     def handler(signum, frame):
@@ -68,11 +77,48 @@ def _stop_on_signals():
             old[sig] = signal.signal(sig, handler)
         except ValueError:  # not the main thread: no signal handling
             pass
+    watcher = _SecondSignalWatcher() if old else None
     try:
         yield flag
     finally:
+        if watcher is not None:
+            watcher.close()
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+class _SecondSignalWatcher:
+    """Counts SIGINT/SIGTERM from a thread (the wakeup fd carries each signal's number) and ends the
+    process when a second one is not acted on within FORCE_EXIT_AFTER_S."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="jmem-second-signal", daemon=True).start()
+
+    def _watch(self):
+        seen = 0
+        try:
+            while not self._done.is_set():
+                data = os.read(self._read, 64)
+                if not data:  # close(): the write end is gone
+                    return
+                seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in data)
+                if seen >= 2:
+                    if not self._done.wait(FORCE_EXIT_AFTER_S):
+                        print(f"second {signal.Signals(data[-1]).name}: the step in flight did not finish; exiting "
+                              "without a checkpoint", file=sys.stderr, flush=True)
+                        os._exit(128 + data[-1])
+                    return
+        finally:
+            os.close(self._read)
+
+    def close(self):
+        self._done.set()
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._write)  # the thread's read returns empty
 
 
 def estimate_bytes(run: Run) -> dict[str, int]:
@@ -290,7 +336,8 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
 
-    log = _Logger(cfg.log, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
+    # One log and one plot per job, by process 0 (the others hold the same replicated values).
+    log = _Logger(cfg.log if jax.process_index() == 0 else None, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
                **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})},
                   start)
@@ -327,9 +374,10 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                         evals[done] = ev
                         log.write({"step": done, "eval_loss": ev})
                         bar.note(f"step {done}: eval loss {ev:.4f}")
-                if ckpt is not None and (done % cfg.ckpt_every == 0 or stop[0]):
+                stopping = _agreed(stop[0])
+                if ckpt is not None and (done % cfg.ckpt_every == 0 or stopping):
                     _save(ckpt, done, state, run.meta, offload)
-                if stop[0]:
+                if stopping:
                     interrupted = True
                     break
         finally:
@@ -356,7 +404,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     if ckpt is not None:
         ckpt.close()
     result = TrainResult(losses, evals, report, estimate, final, interrupted, skipped)
-    if cfg.plot:
+    if cfg.plot and jax.process_index() == 0:
         from jmem.train.plot import plot_run
 
         plot_run(result, cfg.plot, title=f"{cfg.model} remat={cfg.remat} {run.policy} {cfg.optimizer}")
@@ -383,6 +431,16 @@ def _host(x):
 
 def _multiprocess() -> bool:
     return jax.process_count() > 1
+
+
+def _agreed(flag: bool) -> bool:
+    """`flag` of any process: a signal that reached one process stops all of them after the same
+    step (one stopping alone would leave the others waiting on its collectives)."""
+    if not _multiprocess():
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array(flag))).any())
 
 
 # Jitted (step, eval, state shardings, batch sharding) per live TrainFns: an entry goes with

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import optax
@@ -264,6 +265,18 @@ def _program_key(cfg: TrainConfig) -> TrainConfig:
                                coordinator=None, process_id=None, offload_dir=None)
 
 
+def _digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+# Flags that may differ between the processes of one job: each process's own index, and its own
+# output files and local offload folder; --data by the tokens it holds (below), not by its path.
+_PER_PROCESS = ("process_id", "log", "plot", "progress", "offload_dir", "data")
+
+
 def build(cfg: TrainConfig) -> Run:
     """Validate, join a multi-host job when asked, make the mesh, then build model,
     data, optimizer and the train functions."""
@@ -272,11 +285,16 @@ def build(cfg: TrainConfig) -> Run:
         from jmem import parallel as par
 
         par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+        # Before the first collective: processes on different flags would wait on each other forever.
+        par.check_same_settings({f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
+                                 if k not in _PER_PROCESS}, "flags")
     mesh = mesh_for(cfg)
     mc, model, tok, tx, fns = _cached_fns(_program_key(cfg), mesh)
     vocab = getattr(tok, "vocab_size", None)
     if vocab is not None and vocab > mc.vocab_size:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
     data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
+    if cfg.distributed:  # the same path may hold a different text on another host
+        par.check_same_settings({"--data (its tokens)": _digest(data.train, data.valid)}, "training texts")
     abstract = jax.eval_shape(lambda: fns.init_state(model))
     return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract), mesh)

@@ -178,5 +178,9 @@ def test_initialize_checks_and_single_process(monkeypatch):
         par.initialize("127.0.0.1:1234", 2, 2)
     with pytest.raises(par.DistributedError, match="process_id=1 needs coordinator and num_processes as well"):
         par.initialize(None, None, 1)  # refused, not ignored
+    with pytest.raises(par.DistributedError, match="num_processes=2 needs coordinator and process_id as well, or a "
+                       "cluster JAX detects them on"):
+        par.initialize(None, 2)  # refused, not left to JAX's "coordinator_address should be defined"
+    par.check_same_settings({"--seed": 0})  # one process: nothing to compare
     info = par.initialize()  # no cluster in the environment: single process, nothing joined
     assert (info.process_id, info.num_processes, info.global_devices) == (0, 1, 8)

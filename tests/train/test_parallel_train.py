@@ -105,30 +105,41 @@ def test_memory_sweep_mesh_and_zero_lists_write_per_device_bytes(tmp_path, capsy
     assert "| data=8 | 3 | - | full | f32 | 1 | adamw |" in md.read_text()
 
 
+TWO_PROCESS_BASE = [sys.executable, str(ROOT / "experiments" / "train.py"), "--model", "tiny", "--steps", "3",
+                    "--batch", "8", "--seq", "32", "--lr", "1e-2", "--warmup", "0", "--precision", "f32",
+                    "--eval-batches", "1", "--mesh", "fsdp=-1", "--zero", "3", "--no-progress"]
+
+
+def _device_env(n):
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+
+
+def _two_processes(per_process) -> tuple[list[int], list[str]]:
+    """Run train.py as 2 processes x 2 CPU devices (gloo); `per_process(i)` are process i's extra flags."""
+    from tests.helpers import free_port
+
+    coord = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(TWO_PROCESS_BASE + [*per_process(i), "--coordinator", coord, "--num-processes", "2",
+                                                  "--process-id", str(i)],
+                              env=_device_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
 @pytest.mark.slow
 def test_script_two_processes_zero3_match_one_process(tmp_path):
     """`--coordinator/--num-processes/--process-id`: 2 CPU processes x 2 devices (gloo) train
-    like one process with 4 devices and the same global batch."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = [sys.executable, str(ROOT / "experiments" / "train.py"), "--model", "tiny", "--steps", "3", "--batch", "8",
-            "--seq", "32", "--lr", "1e-2", "--warmup", "0", "--precision", "f32", "--eval-batches", "1",
-            "--mesh", "fsdp=-1", "--zero", "3", "--no-progress"]
-
-    def env(n):
-        return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
-
-    procs = [subprocess.Popen(base + ["--log", str(tmp_path / f"p{i}.jsonl"), "--coordinator", f"127.0.0.1:{port}",
-                                      "--num-processes", "2", "--process-id", str(i)],
-                              env=env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    one = subprocess.run(base + ["--log", str(tmp_path / "one.jsonl")], env=env(4), cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    like one process with 4 devices and the same global batch; process 0 alone writes --log."""
+    codes, outs = _two_processes(lambda i: ["--log", str(tmp_path / f"p{i}.jsonl")])
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    one = subprocess.run(TWO_PROCESS_BASE + ["--log", str(tmp_path / "one.jsonl")], env=_device_env(4), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
 
     def losses(name):
@@ -136,5 +147,47 @@ def test_script_two_processes_zero3_match_one_process(tmp_path):
 
     ref = losses("one.jsonl")
     assert len(ref) == 3 and "mesh fsdp=4 (2 process(es))" in outs[0]
-    for name in ("p0.jsonl", "p1.jsonl"):
-        np.testing.assert_allclose(losses(name), ref, rtol=1e-5)
+    np.testing.assert_allclose(losses("p0.jsonl"), ref, rtol=1e-5)
+    assert not (tmp_path / "p1.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_script_two_processes_on_different_flags_stop_with_one_error():
+    """Processes started with different flags (here --seed) would train on different batches, or wait
+    on each other forever (--zero): each stops before its first step with one error naming the flag."""
+    codes, outs = _two_processes(lambda i: ["--seed", str(i)])
+    assert codes == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    for i, out in enumerate(outs):
+        assert f"error: flags differ between processes: --seed; accepted: the same on every process (this is " \
+               f"process {i}: --seed {i})" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
+    """SIGTERM reaching process 1 alone: both processes save one checkpoint of the same step and
+    stop (one stopping alone would leave the other waiting on its collectives)."""
+    import signal
+    import time
+
+    from jmem.io.checkpoint import Checkpointer
+    from tests.helpers import free_port
+
+    coord, log = f"127.0.0.1:{free_port()}", tmp_path / "log.jsonl"
+    args = TWO_PROCESS_BASE + ["--steps", "5000"]  # the last --steps wins: still running when signalled
+    procs = [subprocess.Popen(args + ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "10000", "--log", str(log),
+                                      "--coordinator", coord, "--num-processes", "2", "--process-id", str(i)],
+                              env=_device_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and (not log.exists() or log.read_text().count('"loss"') < 3):
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    steps = [int(o.split("interrupted at step ")[1].split(";")[0]) for o in outs if "interrupted at step " in o]
+    assert len(steps) == 2 and steps[0] == steps[1], outs[0][-2000:] + outs[1][-2000:]
+    assert Checkpointer(tmp_path / "ck").latest_step() == steps[0]

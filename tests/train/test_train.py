@@ -157,6 +157,34 @@ def test_signal_during_the_final_save_lets_it_finish_then_stops(tmp_path, monkey
     assert Checkpointer(tmp_path / "ck").latest_step() == 3
 
 
+STUCK_STEP = """
+import os, sys
+from jmem.train import loop
+loop.FORCE_EXIT_AFTER_S = 1.0
+r, w = os.pipe()
+with loop._stop_on_signals() as stop:
+    print("ready", flush=True)
+    os.read(r, 1)  # a step that never returns to Python (as one waiting on a lost collective)
+"""
+
+
+def test_a_second_signal_ends_a_step_that_never_finishes():
+    """The first SIGTERM only asks the loop to stop after the step in flight; when that step never
+    ends, a second one still ends the process (status 128 + 15) rather than being ignored."""
+    p = subprocess.Popen([sys.executable, "-c", STUCK_STEP], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=2)  # the first one waits for the step
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM and "second SIGTERM: the step in flight did not finish" in out, out
+
+
 def test_resumed_log_is_cut_back_to_the_checkpoint_step(tmp_path):
     """A run killed between checkpoints logged steps past its last one; the resumed run's log
     reads as one uninterrupted run's: one memory event, each step once."""
