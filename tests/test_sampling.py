@@ -12,16 +12,20 @@ V = 50
 
 
 def ref_mask(logits, p: SamplingParams):
-    """One row, written the slow obvious way (a sort, then a walk down it)."""
+    """One row, written the slow obvious way (a sort, then walks down it), in vLLM's order: top-k and
+    min-p, then top-p over the renormalised distribution they leave."""
     x = logits / p.temperature
     order = np.argsort(-x, kind="stable")
     probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    first = np.zeros(x.shape[0], bool)
+    for rank, i in enumerate(order):
+        first[i] = rank == 0 or ((p.top_k <= 0 or rank < p.top_k) and probs[i] >= p.min_p * probs[order[0]])
+    left = np.where(first, probs, 0.0) / probs[first].sum()
     keep = np.zeros(x.shape[0], bool)
     mass = 0.0
     for rank, i in enumerate(order):
-        ok = (p.top_k <= 0 or rank < p.top_k) and mass < p.top_p and probs[i] >= p.min_p * probs[order[0]]
-        keep[i] = ok or rank == 0
-        mass += probs[i]
+        keep[i] = first[i] and (mass < p.top_p or rank == 0)
+        mass += left[i]
     return np.where(keep, x, -np.inf)
 
 
