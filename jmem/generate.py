@@ -146,8 +146,9 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     cache = ContiguousKVCache.create(cfg, B, _bucket(total, 64), per_layer=layers is not None)
     logits, cache = _prefill(graphdef, state, layers, jnp.asarray(ids), jnp.asarray(lengths), cache)
     pos = jnp.asarray(lengths)
-    # Row i draws from seed (params.seed, i), step by step: the same rows give the same draws.
-    seeds = [(params.seed * 1_000_003 + i) % 2**32 for i in range(B)]
+    # Row i draws from seed (params.seed, i), step by step: the same rows give the same draws
+    # (a 64-bit sampler seed: seeds 2**32 apart draw differently).
+    seeds = [(int(params.seed) * 1_000_003 + i) % 2**64 for i in range(B)]
     arrays = jax.tree.map(jnp.asarray, sampling.make_arrays([params] * B, seeds, [0] * B))
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * B

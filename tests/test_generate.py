@@ -24,6 +24,7 @@ def test_sampling_reproducible_by_seed(lm):
     b = lm.generate(["hello", "x"], seed=3, **kw)
     c = lm.generate(["hello", "x"], seed=4, **kw)
     assert a == b and a != c
+    assert lm.generate(["hello", "x"], seed=3 + 2**32, **kw) != a  # the whole seed counts, not its low 32 bits
 
 
 def test_greedy_batch_equals_single(lm):
