@@ -142,7 +142,14 @@ class RequestStream:
 
 
 class _Detok:
-    """Incremental text of one request, with stop strings and held-back partial characters."""
+    """Incremental text of one request, with stop strings and held-back partial characters.
+
+    Each update decodes only the ids after the last settled point (a tail of at most
+    SETTLE_AFTER ids ending on a whole character), not the whole output again: with a
+    byte-level vocabulary the text of a sequence is the text of its pieces joined when
+    the earlier piece ends on a character boundary."""
+
+    SETTLE_AFTER = 16
 
     def __init__(self, tokenizer, params: SamplingParams):
         self.tok = tokenizer
@@ -152,10 +159,20 @@ class _Detok:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0
         self.num_ids = 0  # output tokens already emitted
+        self._settled_ids, self._settled_text = 0, ""  # decode(ids[:settled_ids]), whole characters
+
+    def _text(self, ids: list[int]) -> str:
+        if len(ids) < self._settled_ids:
+            self._settled_ids, self._settled_text = 0, ""
+        tail = self.tok.decode(ids[self._settled_ids :], skip_special=self.skip_special)
+        text = self._settled_text + tail
+        if len(ids) - self._settled_ids >= self.SETTLE_AFTER and not tail.endswith("\ufffd"):
+            self._settled_ids, self._settled_text = len(ids), text
+        return text
 
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the output."""
-        text = self.tok.decode(ids, skip_special=self.skip_special)
+        text = self._text(ids)
         hits = [(i, len(s)) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
         if hits:  # the output ends at the earliest stop string, whichever is listed first
             at, length = min(hits)

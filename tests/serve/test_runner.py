@@ -209,6 +209,32 @@ def test_stop_strings_cut_at_the_earliest_match():
     assert _Detok(Pieces(), SamplingParams(skip_special_tokens=False)).update(["<s>", "a"], True) == ("<s>a", False)
 
 
+def test_streamed_text_decodes_each_id_a_bounded_number_of_times():
+    """Byte tokens (multi-byte characters split across them, an invalid byte, a stop string late in
+    the output): the deltas join to the text of the whole output, and each update decodes a bounded
+    tail, not the whole output again."""
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special=True):
+            Counting.decoded += len(ids)
+            return super().decode(ids, skip_special)
+
+    text = "naïve café — 東京 🙂 " * 12
+    ids = list(text.encode()) + [0xE6] + list("end STOP tail".encode())  # 0xE6: a character never finished
+    want = ByteTokenizer().decode(ids)
+    want = want[: want.find("STOP")]
+    d = _Detok(Counting(), SamplingParams(stop=["STOP"]))
+    deltas = []
+    for m in range(1, len(ids) + 1):
+        delta, hit = d.update(ids[:m], m == len(ids))
+        deltas.append(delta)
+        if hit:
+            break
+    assert hit and "".join(deltas) == want
+    assert Counting.decoded < 3 * _Detok.SETTLE_AFTER * len(ids)  # the whole output each time: len(ids)**2 / 2
+
+
 def test_stop_strings_penalties_and_abort(model):
     tok = ByteTokenizer()
     engine = Engine(model, tok, EngineConfig(num_blocks=16, **SMALL))
