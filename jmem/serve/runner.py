@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jmem.sampling import make_arrays, row_keys, sample
+from jmem.sampling import make_arrays, sample
 from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
 from jmem.serve.paged_decode import chunk_pages
@@ -396,12 +396,11 @@ class ModelRunner:
         cache = self.cache.replace(layout=layout)
         outs = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(slots),
                         jnp.asarray(last), sarr, jnp.asarray(draft))
-        toks, lp, top_lp, top_ids, accept, resid, resid_lp, draft_lp, cache = outs
+        toks, lp, top_lp, top_ids, accept, cache = outs
         self.cache = cache.replace(layout=None)
         toks, lp = np.asarray(toks), np.asarray(lp)
-        speculating = any(s.draft_token_ids for s in seqs)
-        if speculating:
-            accept, resid, resid_lp, draft_lp = map(np.asarray, (accept, resid, resid_lp, draft_lp))
+        if any(s.draft_token_ids for s in seqs):
+            accept = np.asarray(accept)
         want_top = any(p.logprobs for p in params)
         top_lp, top_ids = (np.asarray(top_lp), np.asarray(top_ids)) if want_top else (None, None)
         result = StepResult({}, {})
@@ -418,11 +417,11 @@ class ModelRunner:
                 continue
             rid = req.request_id
             kept, kept_lps, final = [], [], None
-            for j, x in enumerate(d):  # left to right: stop at the first rejection, which takes the residual
+            for j, x in enumerate(d):  # left to right: the first rejection emits the token drawn there
                 if not accept[row + j]:
-                    final = (int(resid[row + j]), record(req, row + j, resid_lp[row + j]))
+                    final = (int(toks[row + j]), record(req, row + j, lp[row + j]))
                     break
-                kept.append(x), kept_lps.append(record(req, row + j, draft_lp[row + j]))
+                kept.append(x), kept_lps.append(record(req, row + j, lp[row + j]))
             if final is None:  # all kept (or none proposed): the bonus token at the row after them
                 final = (int(toks[row + len(d)]), record(req, row + len(d), lp[row + len(d)]))
             result.tokens[rid], result.logprobs[rid] = final
@@ -512,9 +511,5 @@ def _step_fn(graphdef, state, cache, ids_T, pos_T, slots_T, last_S, sarr, draft_
         # device alike, rather than run each sampling reduction (softmax, top-k, top-p) as collectives.
         logits_SV = jax.lax.with_sharding_constraint(logits_SV, jax.sharding.NamedSharding(cache.mesh, P()))
     toks, lp, top_lp, top_ids = sample(logits_SV, sarr)
-    # Rows with a proposal at the next position: keep it or draw the correction (all NO_DRAFT: unused).
-    # A step without proposals (every step when speculation is off) skips the verification's work.
-    accept, resid, resid_lp, draft_lp = jax.lax.cond(
-        jnp.any(draft_S >= 0), lambda: verify_rows(logits_SV, sarr, toks, draft_S, row_keys(sarr)),
-        lambda: (jnp.zeros(toks.shape, bool), toks, lp, lp))
-    return toks, lp, top_lp, top_ids, accept, resid, resid_lp, draft_lp, cache
+    # Rows with a proposal at the next position keep it when it is the token drawn there.
+    return toks, lp, top_lp, top_ids, verify_rows(toks, draft_S), cache
