@@ -183,7 +183,9 @@ class Scheduler:
             if not self.config.static_batching and self.kv.prefix_in_flight(req, len(hit_blocks)):
                 break  # this step writes its next prefix block: admitted next step, it shares it
             req.num_computed_tokens = n_hit
-            req.num_cached_tokens = n_hit
+            first = req.num_preemptions == 0  # a recompute's hits are mostly its own blocks: not counted
+            if first:
+                req.num_cached_tokens = n_hit
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.chunked_prefill:
                 req.num_computed_tokens = 0
@@ -194,7 +196,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.kv.count_prefix_lookup(req.num_tokens, len(hit_blocks) * self.kv.block_size)
+            if first:
+                self.kv.count_prefix_lookup(req.num_tokens, len(hit_blocks) * self.kv.block_size)
             req.status = Status.RUNNING
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, blocks))

@@ -174,6 +174,9 @@ def test_small_pool_loses_nothing(chunked):
     for rid, (prompt, params) in reqs.items():
         assert done[rid].output_token_ids == expected_output(prompt, params, eos), rid
     assert sched.num_preemptions > 0, "pool was meant to be too small: preemption untested"
+    # Prefix-cache figures describe first admissions: a recompute's lookup (mostly its own blocks) is not one.
+    assert all(r.num_cached_tokens <= len(reqs[rid][0]) for rid, r in done.items())
+    assert kv.prefix_queries == sum(len(p) for p, _ in reqs.values())
     assert kv.pool.num_used == 0 and not kv.req_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
 
