@@ -152,6 +152,10 @@ def _kernel_var(model, name: str):
         return model.head.kernel
     if name not in LINEAR_TARGETS:
         raise ValueError(f"unknown LoRA target {name!r}; accepted: {', '.join(LINEAR_TARGETS + ('head',))}")
+    if not hasattr(model.layers, name):  # a mixture-of-experts MLP has no w_gate/w_up/w_down linear
+        present = [t for t in LINEAR_TARGETS if hasattr(model.layers, t)] + (["head"] if hasattr(model, "head") else [])
+        raise ValueError(f"LoRA target {name!r} is not a linear layer of this model (its MLP is a mixture of "
+                         f"experts); accepted: {', '.join(present)}")
     return getattr(model.layers, name).kernel
 
 

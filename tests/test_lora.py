@@ -130,6 +130,12 @@ def test_dropout_and_bad_inputs():
     np.testing.assert_array_equal(dot(x, model.layers.wq.kernel.get_value()[0]), eval_y)
     with pytest.raises(ValueError, match="unknown LoRA target 'wz'"):
         apply_lora(model, targets=("wz",))
+    from jmem.models.config import PRESETS
+
+    moe = Llama(PRESETS["tiny-moe"](), rngs=nnx.Rngs(0))  # not an AttributeError from inside the model
+    with pytest.raises(ValueError, match="LoRA target 'w_up' is not a linear layer of this model .*mixture of experts"
+                                         r"\); accepted: wq, wk, wv, wo"):
+        apply_lora(moe, targets=("wq", "w_up"))
     with pytest.raises(ValueError, match="rank=0"):
         apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=0)
     base = Llama(CFG, rngs=nnx.Rngs(0))

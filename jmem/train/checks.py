@@ -275,6 +275,11 @@ def _validate_lora(cfg: TrainConfig) -> None:
             shown = ",".join(bad) if bad and all(bad) else repr(cfg.lora_targets)
             raise ValueError(f"--lora-targets {shown}; accepted: distinct names among {', '.join(LORA_TARGETS)}, "
                              "comma-separated")
+        mlp = [t for t in names if t in ("w_gate", "w_up", "w_down")]
+        if mlp and cfg.model in PRESETS and PRESETS[cfg.model]().moe_experts:
+            raise ValueError(f"--lora-targets {','.join(mlp)} with --model {cfg.model}: its MLP is a mixture of experts, "
+                             "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo, head "
+                             "(e.g. --lora-targets wq,wk,wv,wo)")
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:

@@ -86,6 +86,8 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--mesh", "stage=2,data=4"], "has a stage axis but --pipeline-stages is 1"),
     (["--process-id", "1"], "process_id=1 needs coordinator and num_processes as well"),
     (["--num-processes", "2"], "num_processes=2 needs coordinator and process_id as well"),
+    (["--model", "tiny-moe", "--lora-rank", "4"], "--lora-targets w_gate,w_up,w_down with --model tiny-moe: its MLP "
+                                                  "is a mixture of experts, which takes no LoRA adapters"),
     (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
     (["--rules", "embed=fsdp+fsdp"], "rule embed=fsdp+fsdp names mesh axis 'fsdp' twice"),
     # tiny has 4 query and 2 key/value heads: a tensor axis must keep whole heads on every device.
