@@ -307,6 +307,11 @@ def _validate_parallel(cfg: TrainConfig) -> None:
         if mesh.get("stage", cfg.pipeline_stages) not in (cfg.pipeline_stages, -1):
             raise ValueError(f"--mesh {cfg.mesh!r} has stage={mesh['stage']} but --pipeline-stages="
                              f"{cfg.pipeline_stages}; give the mesh stage={cfg.pipeline_stages} or leave it out")
+        if cfg.pipeline_schedule == "1f1b" and "offload" in cfg.remat:
+            # 1F1B keeps each microbatch's residuals in a device ring buffer between its forward and
+            # backward ticks; a residual offloaded to host memory cannot be written into it.
+            raise ValueError(f"--remat {cfg.remat} with --pipeline-schedule 1f1b is not supported; accepted: "
+                             "--pipeline-schedule gpipe with it, or a --remat policy that keeps residuals on the device")
         if (cfg.batch // cfg.accum) % cfg.microbatches:
             raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
                              f"step ({cfg.batch // cfg.accum})")

@@ -86,6 +86,8 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--mesh", "stage=2,data=4"], "has a stage axis but --pipeline-stages is 1"),
     (["--process-id", "1"], "process_id=1 needs coordinator and num_processes as well"),
     (["--num-processes", "2"], "num_processes=2 needs coordinator and process_id as well"),
+    (["--remat", "offload", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
+      "--mesh", "stage=2,data=4"], "--remat offload with --pipeline-schedule 1f1b is not supported"),
     (["--model", "tiny-moe", "--lora-rank", "4"], "--lora-targets w_gate,w_up,w_down with --model tiny-moe: its MLP "
                                                   "is a mixture of experts, which takes no LoRA adapters"),
     (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
