@@ -337,7 +337,8 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
-    log = _Logger(cfg.log if jax.process_index() == 0 else None, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
+    log_path = cfg.log if jax.process_index() == 0 else None
+    log = _Logger(log_path, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
                **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})},
                   start)
