@@ -83,7 +83,11 @@ class LayerwiseError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerwiseFns(TrainFns):
-    """`TrainFns` plus the schedule: `active_layers(step)` gives the layers a step trains."""
+    """`TrainFns` plus the schedule: `active_layers(step)` gives the layers a step trains.
+
+    `trainable(params) -> (trained, frozen)` splits at step 0's layers: the trained part has
+    the same shapes in every period (which layers it holds changes with `active_layers`).
+    """
 
     active_layers: Callable[[int], np.ndarray]
     n_layers: int
@@ -351,5 +355,6 @@ def make_layerwise_fns(
         return s, c
 
     return LayerwiseFns(init_state=init_state, step=step, eval_loss=eval_loss, merge=merge,
+                        trainable=lambda params: split(params, layers_at(0)),
                         active_layers=lambda step_: np.asarray(layers_at(int(step_))), n_layers=n_layers,
                         n_active=n_active, period=period, schedule=schedule)

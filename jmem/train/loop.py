@@ -316,9 +316,10 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
     n_params = run.model_config.num_params  # the model's, whatever its leaves store (packed quantized bases, adapters)
-    n_trained = n_params  # layer-wise training (no `trainable`) trains a slice of the layers per step
-    if run.fns.trainable is not None:
-        n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(run.fns.trainable(state.params)[0]))
+    n_trained = n_params
+    if run.fns.trainable is not None:  # adapters, or layer-wise training's slice of the layers
+        trained = jax.eval_shape(lambda p: run.fns.trainable(p)[0], state.params)
+        n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
     shown = f"{_count(n_params)} params" + (f" ({_count(n_trained)} trained)" if n_trained != n_params else "")
     print(f"model {cfg.model}: {shown}, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "

@@ -20,6 +20,7 @@ from jmem.models.config import LlamaConfig
 from jmem.models.llama import Llama
 from jmem.train.layerwise import LayerwiseError, active_layers, make_layerwise_fns
 from jmem.train import TrainConfig, train
+from jmem.train.loop import _count
 from jmem.train.step import make_train_fns
 from tests.helpers import experiment
 
@@ -333,3 +334,19 @@ def test_on_a_zero3_tensor_mesh_matches_one_device():
     ref = train(cfg, out=io.StringIO()).losses
     got = train(dataclasses.replace(cfg, mesh="data=2,fsdp=2,tensor=2", zero=3), out=io.StringIO()).losses
     np.testing.assert_allclose([got[k] for k in range(4)], [ref[k] for k in range(4)], rtol=1e-5)
+
+
+def test_the_run_header_counts_the_active_layers_gradients_only():
+    """One active layer of tiny's two on a replicated data mesh: the header's trained parameters and
+    per-device gradient MiB are embed, norm, head and one layer (were every parameter)."""
+    cfg = TrainConfig(model="tiny", steps=1, batch=8, seq=32, precision="f32", progress=False, eval_every=0,
+                      layerwise=1, mesh="data=-1")
+    out = io.StringIO()
+    train(cfg, out=out)
+    mc = LlamaConfig.tiny()
+    layer = jax.tree.leaves(nnx.state(Llama(mc, rngs=nnx.Rngs(0)).layers, nnx.Param))
+    per_layer = sum(x.size for x in layer) // mc.n_layers
+    trained = mc.num_params - (mc.n_layers - 1) * per_layer
+    text = out.getvalue()
+    assert f"{_count(mc.num_params)} params ({_count(trained)} trained)" in text, text
+    assert f"param {mc.num_params * 4 / 2**20:.2f}, grad {trained * 4 / 2**20:.2f}," in text, text
