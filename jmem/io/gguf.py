@@ -93,19 +93,52 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise GGUFError(f"{path}: GGUF version {int.from_bytes(version_bytes, 'little')} is not supported; "
                         f"accepted: versions {' and '.join(map(str, SUPPORTED_VERSIONS))}")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _checked_reader(gguf, path)
+    except GGUFError:
+        raise
     except Exception as e:  # the parser raises assorted errors on damaged files
         raise GGUFError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); the file is truncated or damaged") from None
-    size = os.path.getsize(path)
-    tensors = {}
-    for t in reader.tensors:
-        end = t.data_offset + t.n_bytes
-        if end > size:
-            raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes")
-        tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), t.data)
+    tensors = {t.name: GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), t.data)
+               for t in reader.tensors}
     metadata = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     version = int(reader.fields["GGUF.version"].parts[-1][0])
     return GGUFFile(path, version, metadata, tensors)
+
+
+def _checked_reader(gguf, path: str):
+    """`gguf.GGUFReader(path)` that first checks each tensor's type, alignment and extent, so a
+    damaged file or one from a newer llama.cpp gets an error naming the tensor (the parser's own
+    errors name neither, and a misaligned offset it reads silently)."""
+    size = os.path.getsize(path)
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                name, type_id, offset = bytes(name).decode("utf-8", errors="replace"), int(raw_type[0]), int(offset[0])
+                try:
+                    qtype = gguf.GGMLQuantizationType(type_id)
+                except ValueError:
+                    raise GGUFError(f"{path}: tensor {name} has type id {type_id}, which the installed gguf package "
+                                    f"({_gguf_version()}) does not know; accepted: the types of "
+                                    f"gguf.GGMLQuantizationType (a newer gguf package may know it)") from None
+                if offset % self.alignment:
+                    raise GGUFError(f"{path}: tensor {name} starts at offset {offset}, not a multiple of the file's "
+                                    f"alignment {self.alignment}; the file is damaged")
+                block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+                end = start_offs + offset + int(np.prod(dims)) * block_bytes // block
+                if end > size:
+                    raise GGUFError(f"{path} is truncated: tensor {name} ends at byte {end} but the file has "
+                                    f"{size} bytes")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(path, "r")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return f"gguf {version('gguf')}"
 
 
 def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:

@@ -1,5 +1,7 @@
 """GGUF reading: errors, rotary permutation, loading a written file."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -73,8 +75,27 @@ def test_truncated(tmp_path):
     p = _write(tmp_path / "m.gguf", tensors=[("token_embd.weight", np.ones((64, 8), np.float32), None)])
     data = p.read_bytes()
     (tmp_path / "t.gguf").write_bytes(data[: len(data) - 100])
-    with pytest.raises(GGUFError, match="truncated"):
+    with pytest.raises(GGUFError, match=f"t.gguf is truncated: tensor token_embd.weight ends at byte {len(data)} "
+                                        f"but the file has {len(data) - 100} bytes"):
         read_gguf(tmp_path / "t.gguf")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("type", 99, "tensor w has type id 99, which the installed gguf package (gguf "),
+    ("offset", 4, "tensor w starts at offset 4, not a multiple of the file's alignment 32; the file is damaged"),
+    ("offset", 4096, "is truncated: tensor w ends at byte "),
+])
+def test_damaged_tensor_info_is_named(tmp_path, field, value, message):
+    """A tensor's type id, data offset or extent that the file cannot hold: one error naming the
+    tensor (an unknown type read as 'truncated or damaged', a misaligned offset read the wrong bytes)."""
+    data = bytearray(_write(tmp_path / "m.gguf", tensors=[("w", np.arange(64, dtype=np.float32).reshape(2, 32), None),
+                                                          ("z", np.zeros(64, np.float32), None)]).read_bytes())
+    info = data.index(b"\x01\x00\x00\x00\x00\x00\x00\x00w") + 9  # name "w", then n_dims u32, dims 2 x u64
+    at = info + 4 + 16 + (0 if field == "type" else 4)  # then type u32, offset u64
+    data[at:at + (4 if field == "type" else 8)] = value.to_bytes(4 if field == "type" else 8, "little")
+    (tmp_path / "d.gguf").write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=re.escape(message)):
+        read_gguf(tmp_path / "d.gguf")
 
 
 def test_unsupported_architecture(tmp_path):
