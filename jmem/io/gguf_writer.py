@@ -28,7 +28,7 @@ from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
 from jmem.io.paths import undo_on_failure
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
-from jmem.quant.ggml_quantize import quantize
+from jmem.quant.ggml_quantize import check_f16_range, quantize
 from jmem.quant.ggml_weight import GGMLWeight
 from jmem.quant.qtensor import check_finite
 
@@ -123,7 +123,18 @@ def _typed_field(key: str, value, n_tokens: int):
     else:
         items = [bool(v) for v in items] if kind == "bool" else items
         vtype = V.BOOL if kind == "bool" else V.STRING
+        if kind == "str" and not all(_is_utf8(v) for v in items):
+            raise ValueError(f"metadata {shown} is not UTF-8 text (it holds a lone surrogate); accepted: str that "
+                             "encodes as UTF-8")
     return (items, V.ARRAY, vtype) if is_list else (items[0], vtype, None)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _lookup(params, path: str):
@@ -228,6 +239,7 @@ class _Matrix:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
         if target == "F32":
             return w_OI, target
+        check_f16_range(w_OI, name, target)
         if target == "F16":
             return w_OI.astype(np.float16), target
         return quantize(w_OI, target), target
@@ -338,6 +350,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     if len(tok["tokenizer.ggml.tokens"]) != config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok['tokenizer.ggml.tokens'])} tokens but "
                          f"config.vocab_size={config.vocab_size}")
+    bad_keys = [k for k in [*(general_metadata or {}), *tok] if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"metadata key {bad_keys[0]!r} is not a str; accepted: str keys such as 'general.name'")
     general = {"general.name": "jmem-llama", **{k: v for k, v in (general_metadata or {}).items()
                                                 if k.startswith("general.") and k not in _GENERAL_SET_HERE}}
     # GGUF has no empty arrays (the writer rejects them); an absent field reads the same.

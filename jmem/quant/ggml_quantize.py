@@ -19,6 +19,22 @@ from jmem.quant.qtensor import check_finite
 
 
 
+F16_MAX = 65504.0
+
+
+def check_f16_range(x: np.ndarray, name: str, qtype: str) -> None:
+    """Refuse finite values beyond f16's range for F16 and the block types (whose scales are f16):
+    they would be written as inf/NaN. One ValueError naming `name`, the count and the largest."""
+    with np.errstate(invalid="ignore"):
+        over = np.abs(x) > F16_MAX
+    n = int(np.count_nonzero(over & np.isfinite(x)))
+    if n:
+        big = float(np.abs(x[over & np.isfinite(x)]).max())
+        raise ValueError(f"{name} hold {n} value(s) beyond the f16 range (largest |value| {big:.6g}), which {qtype} "
+                         f"cannot store (its values or block scales are f16); accepted: |value| <= {F16_MAX:g}, "
+                         "or F32/BF16")
+
+
 def _f16_bytes(v):
     """f32[N] -> u8[N, 2], little-endian f16."""
     return np.asarray(v, np.float32).astype("<f2").reshape(-1, 1).view(np.uint8)
@@ -365,11 +381,12 @@ def quantize(x, qtype) -> np.ndarray:
         raise ValueError(f"row length {n} is not a multiple of the {qt.name} block size {fmt.block_size}")
     if qt == T.F32:
         return np.ascontiguousarray(x.astype("<f4")).view(np.uint8).reshape(*lead, 4 * n)
-    if qt == T.F16:
-        return np.ascontiguousarray(x.astype("<f2")).view(np.uint8).reshape(*lead, 2 * n)
     if qt == T.BF16:
         bits = _to_bf16_bits(np.ascontiguousarray(x)).astype("<u2")
         return bits.view(np.uint8).reshape(*lead, 2 * n)
+    check_f16_range(x, "the weights x", qt.name)
+    if qt == T.F16:
+        return np.ascontiguousarray(x.astype("<f2")).view(np.uint8).reshape(*lead, 2 * n)
     check_finite(x, "the weights x")
     blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
     out = _QUANT[qt](blocks)

@@ -1,11 +1,14 @@
 """write_gguf: llama-architecture GGUF files that gguf reads back bit-exactly and jmem.load runs."""
 
+import re
+
 import gguf
 import numpy as np
 import pytest
 from flax import nnx
 
 import jmem
+from jmem.io.gguf import dequantize_tensor, read_gguf
 from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
 from jmem.lm import set_weights
 from jmem.models.config import LlamaConfig
@@ -294,6 +297,8 @@ def test_metadata_value_types(tiny, tmp_path, value, vtype):
     ({"tokenizer.ggml.token_type": [1] * 258 + [2**31]}, r"token_type=.* is out of range; accepted: integers in "
                                                          r"INT32 \[-2147483648, 2147483648\)$"),
     ({"tokenizer.ggml.scores": ["x"] * 259}, "scores=.* is not a GGUF value; accepted: a list of float"),
+    ({"tokenizer.ggml.pre": "a\ud800b"},
+     re.escape("pre='a\\ud800b' is not UTF-8 text (it holds a lone surrogate); accepted: ")),
 ])
 def test_bad_metadata_is_refused_before_writing(tiny, tmp_path, extra, message):
     cfg, model, _ = tiny
@@ -302,6 +307,9 @@ def test_bad_metadata_is_refused_before_writing(tiny, tmp_path, extra, message):
     with pytest.raises(ValueError, match="metadata general.license=None is not a GGUF value"):
         write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
                    general_metadata={"general.license": None})
+    with pytest.raises(ValueError, match="metadata key 1 is not a str; accepted: str keys such as 'general.name'"):
+        write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   general_metadata={1: "x"})
     assert not list(tmp_path.iterdir())
 
 
@@ -317,6 +325,24 @@ def test_non_finite_weight_is_refused_before_writing(tmp_path, qtype):
         write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
                    qtype_by_tensor=qtype)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1", "Q8_0", "F16"])
+def test_weight_beyond_the_f16_range_is_refused_before_writing(tmp_path, qtype):
+    """A finite 1e6 in F16 or a block type (f16 scales) was written as inf/NaN; F32 keeps it."""
+    cfg = config(dim=256, ffn_dim=512, head_dim=64)
+    model = random_model(cfg, 0)
+    k = np.array(model.layers.w_up.kernel.get_value())
+    k[1, 5, 7] = -1e6
+    model.layers.w_up.kernel.set_value(k)
+    with pytest.raises(ValueError, match=re.escape(
+            f"blk.1.ffn_up.weight hold 1 value(s) beyond the f16 range (largest |value| 1e+06), which {qtype} cannot "
+            "store (its values or block scales are f16); accepted: |value| <= 65504, or F32/BF16")):
+        write_gguf(tmp_path / "new" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   qtype_by_tensor=qtype)
+    assert not list(tmp_path.iterdir())
+    write_gguf(tmp_path / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="F32")
+    assert np.asarray(dequantize_tensor(read_gguf(tmp_path / "m.gguf").tensors["blk.1.ffn_up.weight"]))[7, 5] == -1e6
 
 
 def test_output_path_is_checked_before_encoding(tiny, tmp_path, monkeypatch):

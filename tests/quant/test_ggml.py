@@ -170,6 +170,19 @@ def test_quantize_refuses_non_finite_weights(qt, bad):
         quantize(x, qt)
 
 
+@pytest.mark.parametrize("qt", [T.F16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q2_K, T.Q6_K, T.IQ4_NL], ids=lambda t: t.name)
+def test_quantize_keeps_the_f16_range_and_refuses_beyond_it(qt):
+    """Values up to f16's largest (65504) decode finite in every format; one finite value beyond it would
+    be written as inf/NaN (the value, or its block's f16 scale): refused."""
+    x = np.random.default_rng(0).normal(size=(2, 256)).astype(np.float32)
+    x[0, ::2], x[0, 1::2] = 65504, -65504
+    assert np.isfinite(np.asarray(ggml.dequantize(quantize(x, qt), qt))).all()
+    x[1, 3] = 1e6
+    with pytest.raises(ValueError, match=f"hold 1 value.s. beyond the f16 range .largest .value. 1e.06., which "
+                                         f"{qt.name} cannot store"):
+        quantize(x, qt)
+
+
 def test_format_table_matches_gguf():
     for qt, fmt in ggml.FORMATS.items():
         assert (fmt.block_size, fmt.type_size) == gguf.GGML_QUANT_SIZES[qt]
