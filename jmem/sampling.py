@@ -6,7 +6,8 @@ of greedy and random rows. Stop strings and stop token ids are checked on the
 host (they need the detokenized text or a Python set); here only the next token
 and its log-probabilities are chosen.
 
-Order (as in vLLM): penalties on the raw logits, then temperature, then the
+Order (as in vLLM): logit biases and banned tokens (OpenAI's `logit_bias`, vLLM's
+`min_tokens`) on the raw logits, then penalties, then temperature, then the
 top-k / top-p / min-p masks, then a Gumbel-max draw keyed by (seed, step) so a
 seeded request gives the same tokens whatever else is in the batch. Returned
 log-probabilities are of the raw model distribution.
@@ -32,7 +33,9 @@ class SamplingArrays(NamedTuple):
     only when some row does). Penalty
     history: `hist_ids
     i32[batch, H]` (prompt + output ids, -1 for padding) and `hist_is_output
-    bool[batch, H]`; H may be 0 when no row uses penalties.
+    bool[batch, H]`; H may be 0 when no row uses penalties. Biases: `bias_ids i32[batch, K]`
+    (-1 for padding) and `bias_values f32[batch, K]` added to those tokens' raw logits (-inf
+    bans one); K may be 0 when no row has any.
     """
 
     temperature: jax.Array
@@ -47,6 +50,8 @@ class SamplingArrays(NamedTuple):
     logprobs: jax.Array
     hist_ids: jax.Array
     hist_is_output: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
 
 
 GREEDY_BELOW = 1e-5
@@ -54,7 +59,8 @@ GREEDY_BELOW = 1e-5
 (1e-30 turned every row into NaN, whose argmax is token 0)."""
 
 
-def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = None, hist_len: int = 0) -> SamplingArrays:
+def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = None, hist_len: int = 0,
+                biases=None, bias_len: int = 0) -> SamplingArrays:
     """Host side: pack per-request `SamplingParams` into padded numpy arrays.
 
     Args:
@@ -64,6 +70,9 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
         histories: per real row `(prompt_ids, output_ids)` (only read when hist_len > 0).
         batch: padded batch size (rows past the real ones are greedy no-ops).
         hist_len: padded history length H (0 when no row uses penalties).
+        biases: per real row `{token id: value added to its logit}` (-inf bans it; only read when
+            bias_len > 0).
+        bias_len: padded bias width K (0 when no row has biases), at least each row's entries.
     """
     n = len(params_list)
     B = batch or n
@@ -82,6 +91,12 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
             hist_ids[i, : len(toks)] = toks
             n_out = min(len(out), len(toks))
             hist_out[i, len(toks) - n_out : len(toks)] = True
+    bias_ids = np.full((B, bias_len), -1, np.int32)
+    bias_values = np.zeros((B, bias_len), np.float32)
+    if bias_len:
+        for i, row in enumerate(biases or ()):
+            bias_ids[i, : len(row)] = list(row)
+            bias_values[i, : len(row)] = list(row.values())
     temperature = f("temperature", 0.0)
     return SamplingArrays(
         temperature=np.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature),
@@ -97,7 +112,16 @@ def make_arrays(params_list, seeds, steps, histories=None, batch: int | None = N
         logprobs=np.array([value(p, "logprobs", 0) for p in params_list] + [0] * (B - n), np.int32),
         hist_ids=hist_ids,
         hist_is_output=hist_out,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
     )
+
+
+def apply_biases(logits_BV, s: SamplingArrays):
+    """Add each row's biases to its tokens' logits (padding ids, -1, are dropped)."""
+    B, V = logits_BV.shape
+    ids = jnp.where(s.bias_ids >= 0, s.bias_ids, V)
+    return logits_BV.at[jnp.arange(B)[:, None], ids].add(s.bias_values, mode="drop")
 
 
 def apply_penalties(logits_BV, s: SamplingArrays):
@@ -235,6 +259,8 @@ def sample(logits_BV, s: SamplingArrays):
         jnp.any(s.logprobs > 0), lambda lp: tuple(jax.lax.top_k(lp, k)),
         lambda lp: (jnp.zeros(lp.shape[:-1] + (k,), lp.dtype), jnp.zeros(lp.shape[:-1] + (k,), jnp.int32)),
         logprobs_BV)
+    if s.bias_ids.shape[1]:
+        logits_BV = apply_biases(logits_BV, s)
     if s.hist_ids.shape[1]:
         logits_BV = apply_penalties(logits_BV, s)
     # jnp.argmax here, argmax_last in the draw: measured on XLA's CPU backend, argmax_last's reductions

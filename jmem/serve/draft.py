@@ -66,6 +66,9 @@ class _DraftView:
     def prompt_token_ids(self) -> list[int]:
         return self.all_token_ids
 
+    def logit_biases(self, step: int) -> dict[int, float]:
+        return {}  # the draft proposes greedily; the verifying step applies the request's biases
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

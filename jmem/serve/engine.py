@@ -159,6 +159,7 @@ class _Detok:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0
         self.num_ids = 0  # output tokens already emitted
+        self.unchecked = 0  # characters no stop string may end within (those before min_tokens)
         self._settled_ids, self._settled_text = 0, ""  # decode(ids[:settled_ids]), whole characters
 
     def _text(self, ids: list[int]) -> str:
@@ -170,10 +171,15 @@ class _Detok:
             self._settled_ids, self._settled_text = len(ids), text
         return text
 
-    def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
-        """New text to emit and whether a stop string ended the output."""
+    def update(self, ids: list[int], finished: bool, check_stop: bool = True) -> tuple[str, bool]:
+        """New text to emit and whether a stop string ended the output (looked for only when
+        `check_stop`, and then only strings that end past the text of the updates without it: as
+        vLLM's `min_tokens`)."""
         text = self._text(ids)
-        hits = [(i, len(s)) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if not check_stop:
+            self.unchecked = len(text)
+        hits = [(i, len(s)) for s in (self.stop if check_stop else ())
+                if (i := text.find(s, max(0, self.sent - len(s), self.unchecked - len(s) + 1))) >= 0]
         if hits:  # the output ends at the earliest stop string, whichever is listed first
             at, length = min(hits)
             text = text[: at + length if self.include_stop else at]
@@ -312,6 +318,7 @@ class Engine:
         check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids)
+        self._check_ids("logit_bias", list(params.logit_bias or ()))
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
                       seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
@@ -434,7 +441,8 @@ class Engine:
             stopped_by_token = (finished and req.status is Status.FINISHED_STOPPED
                                 and not req.params.include_stop_str_in_output) and (
                 ids[-1] in req.params.stop_token_ids or (ids[-1] in req.eos_token_ids and not req.params.ignore_eos))
-            delta, hit_stop = detok.update(ids[: m - 1] if stopped_by_token else ids[:m], finished)
+            delta, hit_stop = detok.update(ids[: m - 1] if stopped_by_token else ids[:m], finished,
+                                           check_stop=m >= req.params.min_tokens)
             deltas.append(delta)
             if hit_stop:
                 if m < len(ids):  # the tokens after the stop were never part of the output

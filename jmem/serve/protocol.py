@@ -1,12 +1,12 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to `SamplingParams`.
 
 Field names, defaults and ranges follow the OpenAI API, plus vLLM's extras
-(top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos). Unknown fields
+(top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, ...). Unknown fields
 are ignored (as OpenAI does with `user`, `metadata`, ...); known fields are
 strictly typed (no "5" for 5, no true for 1, no 4.0 for 4; a float field takes
 a JSON int) and a wrong type is a 400 naming the field. Known parameters the
-server does not implement (tools, response_format other than text, logit_bias,
-suffix, best_of > n, and `NOT_IMPLEMENTED`: vLLM's min_tokens, guided decoding, ...)
+server does not implement (tools, response_format other than text, suffix,
+best_of > n, and `NOT_IMPLEMENTED`: vLLM's guided decoding, ...)
 are a 400 rather than silently ignored.
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from jmem.serve.request import SamplingParams
+from jmem.serve.request import RequestError, SamplingParams
 
 # A float field that takes JSON numbers (ints included) but not strings or booleans.
 StrictNumber = Annotated[float, Strict()]
@@ -75,7 +75,7 @@ class StreamOptions(BaseModel):
 
 NOT_IMPLEMENTED = {
     # vLLM's extras that change the output
-    "min_tokens": (0,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
@@ -101,7 +101,7 @@ class _Sampling(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: StrictNumber | None = None
     frequency_penalty: StrictNumber | None = None
-    logit_bias: dict | None = None  # not implemented: only unset or {} is accepted
+    logit_bias: dict | None = None  # token id (a string in JSON) -> -100..100
     user: StrictStr | None = None
     # vLLM extensions
     top_k: StrictInt | None = None
@@ -111,6 +111,7 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    min_tokens: StrictInt | None = None
 
     def check_supported(self) -> None:
         """APIError(400) for a known parameter this server accepts but does not implement."""
@@ -118,8 +119,6 @@ class _Sampling(BaseModel):
             raise APIError(400, f"n={self.n} is out of range; accepted: 1..16", "n")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise _unsupported("best_of", self.best_of, f"unset, 1 or equal to n ({self.n})")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", self.logit_bias, "unset or {}")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         for name, value in (self.model_extra or {}).items():
@@ -146,12 +145,31 @@ class _Sampling(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=_token_keys(self.logit_bias),
         )
         try:
             p.validate()
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split("=", 1)[0]) from None
+        except RequestError as e:
+            raise APIError(400, str(e), e.param) from None
         return p
+
+
+def _token_keys(bias: dict | None) -> dict | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings, with int keys."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id; accepted: token ids as strings "
+                           "(e.g. '50256') mapping to numbers in -100..100", "logit_bias") from None
+        if isinstance(value, bool):  # JSON true would pass as 1
+            raise APIError(400, f"logit_bias[{key}]={value!r}; accepted: a number in -100..100", "logit_bias")
+        out[tok] = value
+    return out
 
 
 class CompletionRequest(_Sampling):

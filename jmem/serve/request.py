@@ -73,6 +73,10 @@ class SamplingParams:
         skip_special_tokens: leave control tokens (`<|im_end|>` ...) out of the text.
         include_stop_str_in_output: end the text after the stop string (or the stop token's text)
             rather than before it.
+        min_tokens: tokens to generate before EOS, a stop token id or a stop string may end the
+            output (vLLM's; EOS and stop token ids are banned until then); 0..max_tokens.
+        logit_bias: token id -> value in -100..100 added to its logit before sampling (OpenAI's;
+            -100 in effect bans a token, 100 forces it).
     """
 
     max_tokens: int = 16
@@ -90,17 +94,20 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     def validate(self) -> None:
         """Raise RequestError (a ValueError) naming the first bad field and its accepted range or type.
 
         `stop` and `stop_token_ids` are normalised in place: None is none, and one string is
         one stop string (as OpenAI's `stop`), not its characters."""
-        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
             v = getattr(self, name)
-            if (v is not None or name == "max_tokens") and not is_int(v):
+            if (v is not None or name in ("max_tokens", "min_tokens")) and not is_int(v):
                 raise RequestError(f"{name}={v!r}; accepted: an integer", name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise RequestError(f"seed={self.seed}; accepted: an integer in [-2**63, 2**63)", "seed")
@@ -119,8 +126,10 @@ class SamplingParams:
         if not all(is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids",
                                "stop_token_ids")
+        self._check_logit_bias()
         checks = [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"0..max_tokens ({self.max_tokens})"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
             ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
             ("top_k", -1 <= self.top_k < 1 << 31, "-1, 0 (all) or a positive count below 2**31"),
@@ -133,6 +142,19 @@ class SamplingParams:
         for name, ok, accepted in checks:
             if not ok:
                 raise RequestError(f"{name}={getattr(self, name)!r} is out of range; accepted: {accepted}", name)
+
+    def _check_logit_bias(self) -> None:
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict):
+            raise RequestError(f"logit_bias={bias!r}; accepted: a map of token ids to numbers", "logit_bias")
+        for tok, value in bias.items():
+            if not is_int(tok):
+                raise RequestError(f"logit_bias key {tok!r} is not a token id; accepted: integer token ids",
+                                   "logit_bias")
+            if not is_number(value) or not -self.MAX_LOGIT_BIAS <= value <= self.MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias[{tok}]={value!r} is out of range; accepted: a number in "
+                                   f"-{self.MAX_LOGIT_BIAS:g}..{self.MAX_LOGIT_BIAS:g}", "logit_bias")
+        self.logit_bias = {int(t): float(v) for t, v in bias.items()}
 
     @property
     def uses_penalties(self) -> bool:
@@ -179,10 +201,22 @@ class Request:
     def max_total_tokens(self) -> int:
         return len(self.prompt_token_ids) + self.params.max_tokens
 
+    def logit_biases(self, step: int) -> dict[int, float]:
+        """Token id -> value added to its logit when sampling output token `step` (0-based):
+        `logit_bias`, and -inf on EOS and the stop token ids while `step < min_tokens`."""
+        p = self.params
+        biases = dict(p.logit_bias or {})
+        if step < p.min_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+            biases.update(dict.fromkeys(banned, -math.inf))
+        return biases
+
     def check_stop_token(self) -> Status | None:
         """Status to finish with after the latest output token, or None to go on."""
         tok = self.output_token_ids[-1]
-        if tok in self.params.stop_token_ids or (not self.params.ignore_eos and tok in self.eos_token_ids):
+        stops = len(self.output_token_ids) >= self.params.min_tokens and (
+            tok in self.params.stop_token_ids or (not self.params.ignore_eos and tok in self.eos_token_ids))
+        if stops:
             return Status.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.params.max_tokens:
             return Status.FINISHED_LENGTH

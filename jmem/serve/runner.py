@@ -94,7 +94,8 @@ class StepShape(NamedTuple):
 
     tokens: flat tokens T; tiles, pages_per_tile: prefill tiles N and their pages M;
     pages_per_seq: block-table width; decode_rows, decode_chunks: Rd, Nc; sample_rows: sequences whose
-    logits are computed and sampled (the head's rows); hist_len: penalty history H.
+    logits are computed and sampled (the head's rows); hist_len: penalty history H; bias_len: logit
+    biases per row K (`logit_bias`, and the tokens `min_tokens` bans).
     """
 
     tokens: int
@@ -105,16 +106,19 @@ class StepShape(NamedTuple):
     decode_chunks: int
     sample_rows: int
     hist_len: int
+    bias_len: int = 0
 
     def holds(self, other: StepShape) -> bool:
-        """Whether a step of shape `other` can run padded to this one (penalties on in both or neither)."""
-        return all(a >= b for a, b in zip(self, other)) and (self.hist_len == 0) == (other.hist_len == 0)
+        """Whether a step of shape `other` can run padded to this one (penalties, and biases, on in both
+        or neither)."""
+        return (all(a >= b for a, b in zip(self, other)) and (self.hist_len == 0) == (other.hist_len == 0)
+                and (self.bias_len == 0) == (other.bias_len == 0))
 
     def cost(self) -> tuple:
         """Order among shapes that hold a step: fewest tokens (the dense layers) first, then sampled rows
         (the head), then attention work."""
         return (self.tokens, self.sample_rows, self.tiles * self.pages_per_tile, self.decode_rows + self.decode_chunks,
-                self.hist_len)
+                self.hist_len, self.bias_len)
 
 
 @dataclass
@@ -243,6 +247,8 @@ class ModelRunner:
         H = 0
         if any(p.uses_penalties for p in params):
             H = _bucket(max(s.request.num_tokens + len(s.draft_token_ids) for s in seqs), 64)
+        K = max((len(s.request.logit_biases(len(s.request.output_token_ids))) for s in seqs if s.samples), default=0)
+        K = _bucket(K, 8) if K else 0  # the first sampled position bans the most (min_tokens ends later)
         if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
             N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
@@ -251,7 +257,7 @@ class ModelRunner:
         rows = sum(1 + len(s.draft_token_ids) for s in seqs)  # a verified position per proposal
         sample_rows = min(_bucket(rows, 1), self.max_num_seqs) if rows <= self.max_num_seqs else _bucket(rows, 1)
         return StepShape(_fine_bucket(sum(s.num_tokens for s in seqs), 16), N, M, self._table_width(pages(seqs)),
-                         Rd, Nc, sample_rows, H)
+                         Rd, Nc, sample_rows, H, K)
 
     def _shape_to_run(self, need: StepShape) -> StepShape:
         """`need` when compiled (or when compiling it now is the only way); else, after `precompile`,
@@ -308,7 +314,8 @@ class ModelRunner:
         comes from the cache): `.as_text()` is the partitioned HLO whose collectives
         `jmem.serve.tensor_parallel.step_collectives` counts, `.memory_analysis()` one device's bytes."""
         layout = self._layout([], shape)
-        sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len)
+        sarr = make_arrays([], seeds=[], steps=[], batch=shape.sample_rows, hist_len=shape.hist_len,
+                           bias_len=shape.bias_len)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
         rows = jax.ShapeDtypeStruct((shape.sample_rows,), jnp.int32)
         return _step_fn.lower(self.graphdef, self._abstract_state,
@@ -374,7 +381,7 @@ class ModelRunner:
         draft = np.full(shape.sample_rows, NO_DRAFT, np.int32)
         # One sampled row per verified position: a sequence's last real token, then each proposal. Row j
         # of a sequence sees the proposals before it as outputs (penalties) and draws at step out + j.
-        row_params, seeds, steps, hists = [], [], [], []
+        row_params, seeds, steps, hists, biases = [], [], [], [], []
         t = r = 0
         for s in seqs:
             d = s.draft_token_ids
@@ -388,11 +395,12 @@ class ModelRunner:
                 draft[r + j] = d[j] if j < len(d) else NO_DRAFT
                 row_params.append(s.request.params), seeds.append(s.request.seed)
                 steps.append(len(out_ids) + j), hists.append((s.request.prompt_token_ids, out_ids + d[:j]))
+                biases.append(s.request.logit_biases(len(out_ids) + j) if shape.bias_len and s.samples else {})
             t += s.num_tokens
             r += len(d) + 1
         layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
-        sarr = make_arrays(row_params, seeds=seeds, steps=steps, histories=hists,
-                           batch=shape.sample_rows, hist_len=shape.hist_len)
+        sarr = make_arrays(row_params, seeds=seeds, steps=steps, histories=hists, batch=shape.sample_rows,
+                           hist_len=shape.hist_len, biases=biases, bias_len=shape.bias_len)
         cache = self.cache.replace(layout=layout)
         outs = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(slots),
                         jnp.asarray(last), sarr, jnp.asarray(draft))

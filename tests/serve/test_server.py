@@ -329,6 +329,11 @@ def test_float_fields_take_json_ints(server):
      "messages[1].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens"),
 ])
 def test_error_param_names_the_field_openai_style(server, path, body, param):
     body = {"model": "tiny", "max_tokens": 2, **body}
@@ -346,11 +351,9 @@ def test_error_param_names_the_field_openai_style(server, path, body, param):
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"logit_bias": {"50": 5}}, "logit_bias"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
@@ -365,6 +368,27 @@ def test_unimplemented_parameters_are_400(server, path, extra, param):
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert any(w in err["message"] for w in ("accepted:", "needs logprobs", "only allowed when stream",
                                             "+ max_completion_tokens (100000)"))
+
+
+def test_logit_bias_and_min_tokens(server, client):
+    """OpenAI's logit_bias (string token ids) forces or bans tokens; vLLM's min_tokens holds off the
+    stop tokens and stop strings until that many tokens are out."""
+    [x] = httpx.post(server + "/tokenize", json={"prompt": "x"}).json()["tokens"]
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=5, temperature=0, logit_bias={str(x): 100})
+    assert r.choices[0].text == "xxxxx"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0.7, seed=3, logit_bias={str(x): 100})
+    assert chat.choices[0].message.content == "xxx"
+    free, _ = greedy_text(client, "hi", max_tokens=6, extra_body={"ignore_eos": True})
+    banned, _ = greedy_text(client, "hi", max_tokens=6, logit_bias={str(x): -100}, extra_body={"ignore_eos": True})
+    assert "x" not in banned
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=0, stop=["xx"],
+                                  logit_bias={str(x): 100}, extra_body={"min_tokens": 4})
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == ("xx", 4, "stop")
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=0, logit_bias={str(x): 100},
+                                  extra_body={"min_tokens": 3, "stop_token_ids": [x]})
+    # x is banned for 3 tokens (the ban wins over the bias), then forced: it stops the 4th, out of the text.
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (4, "stop") and "x" not in r.choices[0].text
 
 
 def test_harmless_and_neutral_parameters_are_accepted(server):
