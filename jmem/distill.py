@@ -43,7 +43,7 @@ from flax import nnx
 from jmem.checks import is_int, is_number
 from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
-from jmem.train.loss import router_loss
+from jmem.train.loss import masked_nll, router_loss
 
 KINDS = ("forward", "reverse")
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -99,17 +99,16 @@ def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature:
     zero = jnp.zeros((), jnp.float32)
     kl = ce = zero
     if need_ce:
-        lse_BT = jax.nn.logsumexp(s_BTV, axis=-1)
-        tgt_BT = jnp.take_along_axis(s_BTV, targets_BT[..., None], axis=-1)[..., 0]
-        ce = jnp.sum((lse_BT - tgt_BT) * mask_BT)
+        ce = jnp.sum(masked_nll(jax.nn.logsumexp(s_BTV, axis=-1), s_BTV, targets_BT, mask_BT))
     if need_kl:
         logp_s = jax.nn.log_softmax(s_BTV / temperature, axis=-1)
         logp_t = jax.nn.log_softmax(t_BTV.astype(jnp.float32) / temperature, axis=-1)
-        if kind == "forward":
-            kl_BT = jnp.sum(jnp.exp(logp_t) * (logp_t - logp_s), axis=-1)
+        if kind == "forward":  # a token the teacher rules out (-inf logit) adds 0, not 0 * -inf
+            p_t = jnp.exp(logp_t)
+            kl_BT = jnp.sum(jnp.where(p_t > 0, p_t * (logp_t - logp_s), 0.0), axis=-1)
         else:
             kl_BT = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), axis=-1)
-        kl = jnp.sum(kl_BT * mask_BT)
+        kl = jnp.sum(jnp.where(mask_BT != 0, kl_BT * mask_BT, 0.0))
     return kl, ce
 
 

@@ -28,7 +28,7 @@ def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
 
     Args:
         logits_BTV: f32[batch, seq, vocab].
-        targets_BT: i32[batch, seq].
+        targets_BT: i32[batch, seq]; where the mask is 0 any value (e.g. an ignore index of -100).
         mask_BT: f32[batch, seq], 1 where the token counts.
 
     Returns:
@@ -36,9 +36,17 @@ def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
     """
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    tgt_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     mask_BT = mask_BT.astype(jnp.float32)
-    return jnp.sum((lse_BT - tgt_BT) * mask_BT), jnp.sum(mask_BT)
+    return jnp.sum(masked_nll(lse_BT, logits_BTV, targets_BT, mask_BT)), jnp.sum(mask_BT)
+
+
+def masked_nll(lse_BT, logits_BTV, targets_BT, mask_BT):
+    """`(lse - logit of the target) * mask` per position, 0 where the mask is 0 whatever the target
+    there (out of range, it would read NaN, and NaN * 0 is NaN)."""
+    counted_BT = mask_BT != 0
+    safe_BT = jnp.where(counted_BT, targets_BT, 0)
+    tgt_BT = jnp.take_along_axis(logits_BTV, safe_BT[..., None], axis=-1)[..., 0]
+    return jnp.where(counted_BT, (lse_BT - tgt_BT) * mask_BT, 0.0)
 
 
 def chunked_cross_entropy(

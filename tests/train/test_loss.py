@@ -36,6 +36,26 @@ def test_chunked_matches_full(chunk):
     np.testing.assert_allclose(v1, ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("ignored", [0, -100, 40])  # in range, the usual ignore index, the vocabulary size
+def test_masked_positions_count_nothing_whatever_their_target(ignored):
+    """A target outside the vocabulary where the mask is 0 read NaN (and NaN * 0 is NaN): the loss and
+    its gradient are those of the counted positions, as with an in-range target there."""
+    rng = np.random.default_rng(3)
+    B, T, E, V = 2, 8, 16, 40
+    h = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(E, V)) * 0.3, jnp.float32)
+    tgt = rng.integers(0, V, (B, T))
+    mask = np.ones((B, T), np.float32)
+    mask[1, 3:] = 0
+    ref = jax.value_and_grad(lambda w: cross_entropy_sum(h @ w, jnp.asarray(tgt), jnp.asarray(mask))[0])(w)
+    tgt[1, 3:] = ignored
+    for fn in (lambda w: cross_entropy_sum(h @ w, jnp.asarray(tgt), jnp.asarray(mask))[0],
+               lambda w: chunked_cross_entropy(h, jnp.asarray(tgt), jnp.asarray(mask), lambda x: x @ w, 4)[0]):
+        value, grad = jax.value_and_grad(fn)(w)
+        np.testing.assert_allclose(value, ref[0], rtol=1e-6)
+        np.testing.assert_allclose(grad, ref[1], rtol=1e-5, atol=1e-7)
+
+
 def test_chunking_bounds_logits_memory():
     """Full logits f32[B, T, V] are never materialised: temp memory of the
     chunked gradient is far below one copy of the logits."""
