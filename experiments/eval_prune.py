@@ -25,7 +25,7 @@ import jmem
 from jmem.data import load_documents
 from jmem.experiment import check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
-from jmem.prune import METHODS, check_spec, prune, sparsity_report
+from jmem.prune import METHODS, check_fits, check_spec, prune, sparsity_report
 from jmem.quant import weight_bytes
 from jmem.train.loss import window_perplexity
 
@@ -104,9 +104,17 @@ def _every_tenth_layer(line: str) -> None:
 
 
 def main(cfg: Config) -> list[dict]:
-    """Prune and evaluate every method of `cfg`; the flags are checked before the model loads."""
+    """Prune and evaluate every method of `cfg`; the flags are checked before the model loads, and the
+    N:M patterns against its dimensions before any method runs."""
     methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
+    for name in methods:
+        if name != "float":
+            method, sparsity, pattern = parse_method(name, cfg.sparsity)
+            try:
+                check_fits(lm.model, check_spec(method, sparsity, pattern))
+            except ValueError as e:
+                raise ValueError(f"--methods {name!r}: {e}") from None
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
     n_calib = cfg.calibration if any(m.startswith("wanda") for m in methods) else 0
     need = (cfg.windows + n_calib) * WINDOW

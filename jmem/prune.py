@@ -130,10 +130,15 @@ def _pick(scores, k: int, largest: bool):
     return jnp.swapaxes(picked, -1, -2)
 
 
+def pruned_count(sparsity: float, n_in: int) -> int:
+    """`floor(sparsity * n_in)`, as the decimal numbers read (0.29 * 100 is 28.999999999999996 in floats)."""
+    return math.floor(round(sparsity * n_in, 9))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
     """bool[..., in, out]: False for the `floor(sparsity * in)` lowest scores of each output column."""
-    k = int(sparsity * scores_IO.shape[-2])
+    k = pruned_count(sparsity, scores_IO.shape[-2])
     if k == 0:
         return jnp.ones(scores_IO.shape, bool)
     return ~_pick(scores_IO, k, largest=False)
@@ -143,6 +148,9 @@ def unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
 def nm_mask(scores_IO, n: int, m: int) -> jax.Array:
     """bool[..., in, out]: True for the N highest scores of every M consecutive inputs of each output column."""
     *lead, n_in, n_out = scores_IO.shape
+    if not 0 < n <= m or n_in % m:
+        raise ValueError(f"nm_mask: {n}:{m} on an input dimension of {n_in}; accepted: 0 < N <= M and M dividing "
+                         f"the input dimension (axis -2 of scores [..., in, out])")
     s = scores_IO.reshape(*lead, n_in // m, m, n_out)
     return _pick(s, n, largest=True).reshape(*lead, n_in, n_out)
 
@@ -378,6 +386,20 @@ def _check_model(model, targets) -> dict:
     return weights
 
 
+def check_fits(model, spec: PruneSpec, targets=LINEARS) -> dict:
+    """Refuse targets `prune` cannot prune in `model` (absent, quantized, or an input dimension M does
+    not divide) with one ValueError; the block's weights otherwise. Cheap: no scores, no copies."""
+    weights = _check_model(model, targets)
+    if spec.m is not None:
+        for t in targets:
+            n_in = weights[t].shape[-2]
+            if n_in % spec.m:
+                raise ValueError(f"pattern={spec.pattern!r}: {t} has input dimension {n_in}, not a multiple of "
+                                 f"M={spec.m}; accepted: a pattern whose M divides every target's input dimension, "
+                                 "or targets without it")
+    return weights
+
+
 def prune(model, method: str = "magnitude", sparsity: float | None = None, pattern: str | None = None,
           calibration=None, *, targets=LINEARS, tokenizer=None, seq_len: int = 512, max_seqs: int = 32,
           pack: bool = True, inplace: bool = False, log=None):
@@ -417,14 +439,7 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
     """
     spec = check_spec(method, sparsity, pattern)
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    weights = _check_model(model, targets)
-    if spec.m is not None:
-        for t in targets:
-            n_in = weights[t].shape[-2]
-            if n_in % spec.m:
-                raise ValueError(f"pattern={spec.pattern!r}: {t} has input dimension {n_in}, not a multiple of "
-                                 f"M={spec.m}; accepted: a pattern whose M divides every target's input dimension, "
-                                 "or targets without it")
+    weights = check_fits(model, spec, targets)
     ids = None
     if method == "wanda":
         if calibration is None:
@@ -446,7 +461,7 @@ def _store(w, mask, spec: PruneSpec, pack: bool):
     """The pruned kernel in its storage form: packed where that saves bytes, else dense with zeros."""
     if pack and spec.n is not None:
         return NMSparse.from_mask(w, mask, spec.n, spec.m)
-    kept = w.shape[-2] - int(spec.sparsity * w.shape[-2])
+    kept = w.shape[-2] - pruned_count(spec.sparsity, w.shape[-2])
     # The bitmask costs 1 bit per weight: packing pays only when the dropped values outweigh it.
     if pack and w.shape[-2] % PACK_ROWS == 0 and (w.shape[-2] - kept) * jnp.dtype(w.dtype).itemsize * 8 > w.shape[-2]:
         return BitmaskSparse.from_mask(w, mask)

@@ -97,6 +97,20 @@ def test_unstructured_mask_removes_the_smallest_of_each_column():
         np.testing.assert_array_equal(mask, _np_mask_unstructured(a, sparsity))
 
 
+@pytest.mark.parametrize("sparsity, n_in, removed", [(0.29, 100, 29), (0.7, 700, 490), (0.57, 1400, 798),
+                                                     (0.5, 24, 12), (0.3, 24, 7)])
+def test_unstructured_mask_removes_floor_of_sparsity_times_inputs(sparsity, n_in, removed):
+    """floor(0.29 * 100) is 29, though 0.29 * 100 is 28.999999999999996 in floats (the mask kept one more)."""
+    s = jnp.asarray(np.abs(np.random.default_rng(0).standard_normal((n_in, 3))), jnp.float32)
+    assert np.all((~np.asarray(unstructured_mask(s, sparsity))).sum(axis=0) == removed)
+
+
+def test_nm_mask_refuses_a_group_size_not_dividing_the_inputs():
+    with pytest.raises(ValueError, match=r"nm_mask: 2:4 on an input dimension of 6; accepted: 0 < N <= M and M "
+                                         r"dividing the input dimension"):
+        nm_mask(jnp.ones((6, 2)), 2, 4)
+
+
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 8)])
 def test_nm_mask_keeps_top_n_of_every_group(n, m):
     rng = np.random.default_rng(2)
@@ -277,6 +291,19 @@ def test_eval_script_checks_flags_before_loading(argv, match, capsys):
     assert _eval_script().cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(match), err
+
+
+def test_eval_script_checks_patterns_against_the_model_before_any_method_runs(tmp_path, capsys):
+    """tiny's 64-wide inputs hold no 2:3 groups: refused after the model loads, before float and magnitude
+    run (it failed after evaluating them), naming --methods; nothing written."""
+    out = tmp_path / "p.json"
+    argv = ["--model", "tiny", "--windows", "1", "--methods", "float,magnitude,magnitude-2:3", "--out", str(out)]
+    assert _eval_script().cli(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip() == ("error: --methods 'magnitude-2:3': pattern='2:3': wq has input dimension 64, not a "
+                               "multiple of M=3; accepted: a pattern whose M divides every target's input "
+                               "dimension, or targets without it")
+    assert "ppl" not in cap.out and not out.exists()
 
 
 @pytest.mark.slow
