@@ -34,6 +34,7 @@ from flax import nnx
 
 from jmem.checks import is_int, is_number
 from jmem.models.dot import dot
+from jmem.quant.qtensor import check_finite
 from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import stack_records
 
@@ -70,7 +71,7 @@ class LowRank:
                 channels the calibration never used from being singular); a finite number >= 0.
 
         Raises:
-            ValueError: w not a float matrix, a bad rank or damp, or a gram that is not a finite
+            ValueError: w not a float matrix or holding NaN/inf, a bad rank or damp, or a gram that is not a finite
                 [..., in, in] matching w, has a mean diagonal <= 0 or is not positive definite
                 after damping.
         """
@@ -82,6 +83,7 @@ class LowRank:
         n_in, n_out = w.shape[-2:]
         check_rank(rank, n_in, n_out)
         w64 = np.asarray(w, np.float64)
+        check_finite(w64, "the weight w", lead="layer")
         if gram is None:
             u, s, vt = np.linalg.svd(w64, full_matrices=False)
             u_r = u[..., :rank] * s[..., None, :rank]

@@ -133,6 +133,10 @@ def test_bad_factor_inputs_are_one_clear_error():
     for bad in (jnp.ones(8), [[1.0, 2.0]], jnp.ones((8, 6), jnp.int32)):
         with pytest.raises(ValueError, match=r"^w of .*; accepted: a float \[\.\.\., in, out\] matrix"):
             LowRank.from_svd(bad, 1)
+    stacked = np.ones((3, 8, 6), np.float32)
+    stacked[1, 2, 3] = np.nan  # numpy's SVD raised LinAlgError("SVD did not converge")
+    with pytest.raises(ValueError, match=r"^the weight w has 1 non-finite value\(s\) \(layer 1\); accepted: finite"):
+        LowRank.from_svd(jnp.asarray(stacked), 2)
     for damp in (-1.0, float("nan"), float("inf"), "0.1"):
         with pytest.raises(ValueError, match=r"^damp=.*; accepted: a finite number >= 0"):
             LowRank.from_svd(w, 2, gram=jnp.eye(8), damp=damp)
