@@ -107,7 +107,8 @@ def main(cfg: Config) -> list[dict]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: exit status 2 with one `error: ...` line for bad input."""
+    """The command line: exit status 2 for bad input (one `error: ...` line for a bad value; tyro's
+    message for a flag it cannot parse)."""
     return run_experiment(Config, main, argv, description=__doc__)
 
 

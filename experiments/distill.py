@@ -128,7 +128,8 @@ def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) ->
         if i == 0 or (i + 1) % 5 == 0 or i + 1 == cfg.steps:
             print(f"  step {i + 1:3d}/{cfg.steps}: objective {losses[-1][0]:.3f}  train CE {losses[-1][1]:.3f}",
                   flush=True)
-    step_s = (time.perf_counter() - t0) / max(cfg.steps - 1, 1)
+    # The first step compiles: with one step there is no step time to report.
+    step_s = (time.perf_counter() - t0) / (cfg.steps - 1) if cfg.steps > 1 else None
     return {"eval_ce": eval_fn(params), "first_ce": losses[0][1], "last_ce": losses[-1][1], "step_s": step_s}, params
 
 
@@ -202,12 +203,14 @@ def markdown(cfg: Config, student_blocks: int, r: dict) -> str:
                         ("plain CE", "plain CE (alpha=0)")):
         x = r[name]
         lines.append(f"| {label} | {r['student_init_ce']:.3f} | {x['eval_ce']:.3f} | "
-                     f"{x['first_ce']:.3f} -> {x['last_ce']:.3f} | {x['step_s']:.2f} |")
+                     f"{x['first_ce']:.3f} -> {x['last_ce']:.3f} | "
+                     + ("n/a (one step: compile)" if x["step_s"] is None else f"{x['step_s']:.2f}") + " |")
     return "\n".join(lines)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: exit status 2 with one `error: ...` line for bad input."""
+    """The command line: exit status 2 for bad input (one `error: ...` line for a bad value; tyro's
+    message for a flag it cannot parse)."""
     return run_experiment(Config, main, argv, description=__doc__)
 
 

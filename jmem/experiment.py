@@ -1,5 +1,7 @@
 """The command line of the experiment scripts: typed flags from a dataclass (tyro), and bad input
-as one `error: ...` line on stderr with exit status 2, never a traceback.
+with exit status 2, never a traceback: a value the checks refuse as one `error: ...` line on
+stderr, a flag tyro cannot parse (unknown, or of the wrong type) with tyro's own message, which
+names the flag and shows its help line.
 
 Example:
     >>> def cli(argv=None) -> int:

@@ -358,6 +358,18 @@ def test_script_refuses_a_save_student_path_through_a_file_before_loading(tmp_pa
     assert cap.out == "" and list(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "keep"
 
 
+def test_script_table_reports_no_step_time_for_one_step():
+    """The first step compiles: --steps 1 measured nothing and printed s/step 0.00."""
+    from tests.helpers import experiment
+
+    script = experiment("distill")
+    run = {"eval_ce": 4.0, "first_ce": 5.0, "last_ce": 4.5}
+    r = {"teacher_ce": 3.0, "student_init_ce": 5.5, "distill": {**run, "step_s": None},
+         "plain CE": {**run, "step_s": 0.25}}
+    table = script.markdown(script.Config(steps=1), 1, r).splitlines()
+    assert table[3].endswith("| 5.000 -> 4.500 | n/a (one step: compile) |") and table[4].endswith("| 0.25 |")
+
+
 def test_script_failing_after_validation_leaves_no_save_student_directory(tmp_path, capsys):
     from tests.helpers import experiment
 
