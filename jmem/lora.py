@@ -22,6 +22,7 @@ it differentiates per step and microbatch; a custom jitted step calls
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -341,14 +342,47 @@ def save_adapters(model, path) -> None:
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
+def read_adapters(path) -> tuple[dict, dict]:
+    """(per-target metadata, arrays) of a file written by `save_adapters`, checked: one ValueError
+    naming the file and what is wrong (missing, a directory, not such a file, metadata without a
+    positive integer rank, a finite alpha and a boolean rslora, arrays absent or of another rank)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: an .npz file written by "
+                         "jmem.lora.save_adapters (a PEFT adapter directory is not read)")
+    if not os.path.isfile(path):
+        raise ValueError(f"LoRA adapter file {path!r} does not exist")
+    try:
+        with np.load(path) as f:
+            meta = json.loads(bytes(f["__meta__"]).decode())
+            arrays = {k: f[k] for k in f.files if k != "__meta__"}
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
+        raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({e})") from None
+    if not isinstance(meta, dict) or not meta:
+        raise ValueError(f"adapter {path!r}: metadata {str(meta)[:60]!r} is not a map of targets; accepted: a file "
+                         "written by jmem.lora.save_adapters")
+    for name, m in meta.items():
+        fields = m if isinstance(m, dict) else {}
+        rank, alpha, rslora = fields.get("rank"), fields.get("alpha"), fields.get("rslora")
+        if not (is_int(rank) and rank >= 1 and is_number(alpha) and np.isfinite(alpha)
+                and isinstance(rslora, bool)):
+            raise ValueError(f"adapter {path!r}: metadata of {name!r} is {str(m)[:80]}; accepted: a positive "
+                             "integer rank, a finite alpha and a boolean rslora (as save_adapters writes)")
+        a, b = arrays.get(f"{name}.lora_a"), arrays.get(f"{name}.lora_b")
+        if a is None or b is None:
+            raise ValueError(f"adapter {path!r} lacks the arrays of target {name!r}")
+        if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != rank or b.shape[-2] != rank:
+            raise ValueError(f"adapter {path!r}: {name} A {a.shape} and B {b.shape} are not of its rank {rank}; "
+                             "accepted: A [..., in, rank] and B [..., rank, out]")
+    return meta, arrays
+
+
 def load_adapters(model, path, *, inplace: bool = False):
     """Attach adapters saved by `save_adapters` to a model with the same base shapes.
 
     Kernels that already carry an adapter have it replaced; others are wrapped.
     """
-    with np.load(path) as f:
-        meta = json.loads(bytes(f["__meta__"]).decode())
-        arrays = {k: f[k] for k in f.files if k != "__meta__"}
+    meta, arrays = read_adapters(path)
     if not inplace:
         model = nnx.clone(model)
     for name, m in meta.items():
@@ -357,6 +391,7 @@ def load_adapters(model, path, *, inplace: bool = False):
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
         if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
             raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
-        dtype = jnp.dtype(m["dtype"])
-        var.set_value(LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m["dropout"], m["rslora"]))
+        dtype = jnp.dtype(m.get("dtype", "float32"))
+        var.set_value(LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m.get("dropout", 0.0),
+                           m["rslora"]))
     return model

@@ -28,7 +28,6 @@ checks that they fit the model, and wraps its kernels.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.lora import LINEAR_TARGETS, LoRA
+from jmem.lora import LINEAR_TARGETS, LoRA, read_adapters
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import dot, partition_specs
@@ -192,21 +191,11 @@ class AdapterInfo:
 
 def read_adapter_meta(path) -> dict:
     """The per-target metadata of an adapter file (`save_adapters`); ValueError naming the file if unreadable."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"LoRA adapter file {path!r} does not exist")
-    try:
-        with np.load(path) as f:
-            meta = json.loads(bytes(f["__meta__"]).decode())
-            files = set(f.files)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
-        raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({e})") from None
-    for name, m in meta.items():
+    meta, _ = read_adapters(path)
+    for name in meta:
         if name not in LINEAR_TARGETS:
-            raise ValueError(f"adapter {path!r} targets {name!r}; served adapters may target: "
+            raise ValueError(f"adapter {os.fspath(path)!r} targets {name!r}; served adapters may target: "
                              f"{', '.join(LINEAR_TARGETS)}")
-        if {f"{name}.lora_a", f"{name}.lora_b"} - files:
-            raise ValueError(f"adapter {path!r} lacks the arrays of target {name!r}")
     return meta
 
 
@@ -269,8 +258,7 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     infos, arrays = {}, {t: ([], []) for t in targets}
     for slot, (name, path) in enumerate(modules.items()):
         meta = metas[name]
-        with np.load(os.fspath(path)) as f:
-            stored = {k: f[k] for k in f.files if k != "__meta__"}
+        _, stored = read_adapters(path)
         for t in targets:
             base = bases[t]
             *lead, n_in, n_out = base.shape
