@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -73,8 +74,8 @@ class ServeArgs:
     log_level: str = "info"
     """uvicorn / jmem log level: critical, error, warning, info, debug, trace."""
     lora_modules: tuple[str, ...] = ()
-    """LoRA adapters served beside the base model, as NAME=PATH (files written by jmem.lora.save_adapters);
-    a request's `model` field picks one by NAME."""
+    """LoRA adapters served beside the base model, as NAME=PATH or vLLM's '{"name": NAME, "path": PATH}'
+    (files written by jmem.lora.save_adapters); a request's `model` field picks one by NAME."""
     max_loras: int | None = None
     """Adapter slots stacked on the device (one per --lora-modules entry when unset)."""
     max_lora_rank: int = 16
@@ -163,6 +164,29 @@ def check_tensor_parallel_args(args: ServeArgs) -> None:
         raise ValueError(f"--tensor-parallel-size={tp}: {msg}") from None
 
 
+def _lora_module(item: str) -> tuple[str, str]:
+    """(name, path) of one `--lora-modules` entry: NAME=PATH, or vLLM's JSON form
+    `{"name": NAME, "path": PATH}` (its optional "base_model_name" is not checked: files carry no model name)."""
+    accepted = 'NAME=PATH or {"name": NAME, "path": PATH}'
+    if item.lstrip().startswith("{"):
+        try:
+            entry = json.loads(item)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules entry {item!r} is not valid JSON ({e}); accepted: {accepted}") from None
+        name, path = entry.get("name"), entry.get("path")
+        unknown = set(entry) - {"name", "path", "base_model_name"}
+        if not isinstance(name, str) or not isinstance(path, str) or unknown:
+            raise ValueError(f"--lora-modules entry {item!r}; accepted: {accepted}")
+    else:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules entry {item!r}; accepted: {accepted}")
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError(f"--lora-modules entry {item!r}; accepted: {accepted}")
+    return name, path
+
+
 def lora_modules(args: ServeArgs) -> dict[str, str]:
     """`--lora-modules` as {name: path}, each file read and its rank checked (the model is not loaded)."""
     from jmem.serve.lora import IMPLS, check_adapter_files
@@ -173,10 +197,7 @@ def lora_modules(args: ServeArgs) -> dict[str, str]:
         raise ValueError(f"--lora-impl={args.lora_impl!r}; accepted: {', '.join(IMPLS)}")
     modules: dict[str, str] = {}
     for item in args.lora_modules:
-        name, sep, path = item.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules entry {item!r}; accepted: NAME=PATH")
+        name, path = _lora_module(item)
         if name == args.model:
             raise ValueError(f"--lora-modules name {name!r} is the base model's name; accepted: another name")
         if name in modules:

@@ -2,6 +2,7 @@
 
 import concurrent.futures as cf
 import importlib.util
+import json
 import pathlib
 
 import jax
@@ -190,6 +191,26 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not an npz")
     with pytest.raises(ValueError, match="not a LoRA adapter file"):
         stack_adapters(model, {"x": str(tmp_path / "junk.npz")})
+    with pytest.raises(ValueError, match=f"LoRA adapter path '{tmp_path}' is a directory; accepted: an .npz file "
+                                         "written by jmem.lora.save_adapters"):
+        stack_adapters(model, {"x": str(tmp_path)})
+    # Hand-edited metadata: one line naming the file (were KeyError, AttributeError, TypeError tracebacks, and
+    # "index can't contain negative values" for a rank the arrays do not have).
+    with np.load(adapters["a"]) as f:
+        arrays = {k: f[k] for k in f.files if k != "__meta__"}
+        meta = json.loads(bytes(f["__meta__"]).decode())
+    for i, (bad_meta, message) in enumerate([
+            ({t: {k: v for k, v in m.items() if k != "rslora"} for t, m in meta.items()}, "accepted: a positive "
+             "integer rank, a finite alpha and a boolean rslora"),
+            ([1, 2], r"metadata '\[1, 2\]' is not a map of targets"),
+            ({t: {**m, "rank": "4"} for t, m in meta.items()}, "accepted: a positive integer rank"),
+            ({t: {**m, "rank": 2} for t, m in meta.items()}, r"wq A \(2, 64, 4\) and B \(2, 4, 64\) are not of its rank "
+             r"2; accepted: A \[..., in, rank\] and B \[..., rank, out\]")]):
+        path = tmp_path / f"bad{i}.npz"
+        np.savez(path, __meta__=np.frombuffer(json.dumps(bad_meta).encode(), np.uint8), **arrays)
+        for load in (lambda p: stack_adapters(model, {"x": str(p)}), lambda p: load_adapters(model, p)):
+            with pytest.raises(ValueError, match=f"adapter '{path}'.*{message}"):
+                load(path)
     with pytest.raises(ValueError, match=r"rank 8 on wq, above --max-lora-rank=4"):
         stack_adapters(model, adapters, max_lora_rank=4)
     with pytest.raises(ValueError, match=r"--max-loras=1 is fewer than the 2 LoRA modules"):
@@ -279,10 +300,15 @@ def port():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lora-modules", "a"], "--lora-modules entry 'a'; accepted: NAME=PATH"),
+    (["--lora-modules", "a"], "--lora-modules entry 'a'; accepted: NAME=PATH or {\"name\": NAME, \"path\": PATH}"),
+    (["--lora-modules", '{"name": "a"}'], "--lora-modules entry '{\"name\": \"a\"}'; accepted: NAME=PATH or {"),
+    (["--lora-modules", '{"name": "a", "path": 3}'], "accepted: NAME=PATH or {"),
+    (["--lora-modules", '{"name": "a"'], "--lora-modules entry '{\"name\": \"a\"' is not valid JSON"),
+    (["--lora-modules", '{"name": "a", "path": "a.npz", "rank": 4}'], "accepted: NAME=PATH or {"),
     (["--lora-modules", "tiny=x.npz"], "name 'tiny' is the base model's name"),
     (["--lora-modules", "a={a}", "a={b}"], "name 'a' is given twice"),
     (["--lora-modules", "a=/nonexistent.npz"], "LoRA adapter file '/nonexistent.npz' does not exist"),
+    (["--lora-modules", "a={folder}"], "is a directory; accepted: an .npz file written by jmem.lora.save_adapters"),
     (["--lora-modules", "a={a}", "b={b}", "--max-lora-rank", "4"], "rank 8 on wq, above --max-lora-rank=4"),
     (["--lora-modules", "a={a}", "b={b}", "--max-loras", "1"], "--max-loras=1; accepted: >= 2"),
     (["--lora-modules", "a={a}", "--lora-impl", "gather"], "--lora-impl='gather'; accepted: onehot, ragged"),
@@ -291,8 +317,16 @@ def port():
 def test_bad_lora_flags_fail_with_one_line(flags, message, adapters, port, capsys):
     from jmem.serve.cli import serve_main
 
-    flags = [f.format(**adapters, small=adapters["a"]) for f in flags]
+    flags = [f if f.startswith("{") else f.format(**adapters, small=adapters["a"],
+                                                  folder=pathlib.Path(adapters["a"]).parent) for f in flags]
     with pytest.raises(SystemExit) as e:
         serve_main(["--model", "tiny", "--port", port, *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("jmem serve: error: ") and message in err[0], err
+
+
+def test_lora_modules_take_vllms_json_form(adapters):
+    from jmem.serve.cli import ServeArgs, lora_modules
+
+    entries = (f'{{"name": "a", "path": "{adapters["a"]}", "base_model_name": "tiny"}}', f"b={adapters['b']}")
+    assert lora_modules(ServeArgs(model="tiny", lora_modules=entries)) == adapters
