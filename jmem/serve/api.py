@@ -292,13 +292,27 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         for tid, entry in lps:
             tokens.append(token_bytes.text(tid)), offsets.append(at[0])
             at[0] += len(at[1].decode(token_bytes(tid)))
-            lp, top = entry if entry is not None else (None, None)
+            lp, top = entry[:2] if entry is not None else (None, None)
             token_lps.append(lp)
             tops.append(None if top is None else {token_bytes.text(i): l for i, l in top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def vllm_prompt_logprobs(scored, k):
+        """vLLM's `prompt_logprobs` of one scored prompt: None for the first token, then per token
+        `{id: {"logprob", "rank", "decoded_token"}}` for the token itself and the `k` most likely."""
+        out = []
+        for tid, entry in scored:
+            if entry is None:
+                out.append(None)
+                continue
+            lp, top, rank = entry
+            ranked = {tid: (lp, rank), **{i: (l, r) for r, (i, l) in enumerate(top[:k], 1) if i != tid}}
+            out.append({str(i): {"logprob": l, "rank": r, "decoded_token": token_bytes.text(i)}
+                        for i, (l, r) in ranked.items()})
+        return out
+
     async def prompt_logprobs(prompts, k, adapter=None):
-        """Per prompt, its tokens paired with their log-probabilities (echo with logprobs)."""
+        """Per prompt, its tokens paired with their log-probabilities (echo with logprobs, prompt_logprobs)."""
         out = []
         for ids in prompts:
             try:
@@ -425,12 +439,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
-        # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests)
-        scored = await prompt_logprobs(prompts, body.logprobs, adapter) if body.echo and body.logprobs is not None \
-            else [[] for _ in prompts]
+        # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests); so does
+        # vLLM's prompt_logprobs. One pass for both, with the larger top-k.
+        echo_k = body.logprobs if body.echo and body.logprobs is not None else None
+        want = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
+        scored = await prompt_logprobs(prompts, max(want), adapter) if want else [[] for _ in prompts]
+        echo_scored = [[(t, e if e is None else (e[0], e[1][:echo_k])) for t, e in sc] for sc in scored]
+        extra = [{"prompt_logprobs": vllm_prompt_logprobs(sc, body.prompt_logprobs)}
+                 if body.prompt_logprobs is not None else {} for sc in scored]
         if echo_only:
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
-                        "logprobs": completion_logprobs(scored[k]) if body.logprobs is not None else None}
+                        "logprobs": completion_logprobs(echo_scored[k]) if body.logprobs is not None else None,
+                        **extra[k]}
                        for k, ids in enumerate(prompts) for j in range(n)]
             base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
             prompt_usage = usage(sum(len(ids) for ids in prompts), [])
@@ -459,7 +479,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                         "finish_reason": o.finish_reason if o.finished else None}
 
             opening = [{"index": i, "text": e, "finish_reason": None,
-                        "logprobs": completion_logprobs(scored[i // n]) if body.logprobs is not None else None}
+                        "logprobs": completion_logprobs(echo_scored[i // n]) if body.logprobs is not None else None}
                        for i, e in enumerate(echo_of) if e]
             return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
 
@@ -468,8 +488,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
-                    "logprobs": completion_logprobs(scored[i // n] + lps[i]) if body.logprobs is not None else None,
-                    "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
+                    "logprobs": completion_logprobs(echo_scored[i // n] + lps[i]) if body.logprobs is not None
+                    else None, "finish_reason": finals[i].finish_reason, **extra[i // n]} for i in range(len(streams))]
         return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 
     @app.post("/v1/chat/completions")
@@ -493,6 +513,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        extra = {} if body.prompt_logprobs is None else {
+            "prompt_logprobs": vllm_prompt_logprobs((await prompt_logprobs([ids], body.prompt_logprobs, adapter))[0],
+                                                    body.prompt_logprobs)}
         # Only an explicit max_tokens can overflow the context here (the prompt alone was checked).
         streams = submit([ids], params, body.n, rid, adapter, prompt_param=param, max_tokens_param=param)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}
@@ -519,7 +542,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                     "logprobs": chat_logprobs(lps[i]) if body.logprobs else None,
                     "finish_reason": finals[i].finish_reason} for i in range(body.n)]
-        return {**base, "choices": choices, "usage": usage(len(ids), finals.values())}
+        return {**base, "choices": choices, "usage": usage(len(ids), finals.values()), **extra}
 
     posts = frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
     app.add_middleware(JSONBodies, max_bytes=max_request_bytes, paths=posts)

@@ -338,7 +338,7 @@ class Engine:
 
     def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
         """Each prompt token's log-probability given the tokens before it, with the top `k`
-        (0..20): `[None, (lp, [(id, lp), ...]), ...]` (see `ModelRunner.prompt_logprobs`).
+        (0..20) and its rank: `[None, (lp, [(id, lp), ...], rank), ...]` (see `ModelRunner.prompt_logprobs`).
         Safe to call from any thread; it does not touch the paged cache or the schedule."""
         if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty; accepted: at least one token", "prompt")

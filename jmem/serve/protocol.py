@@ -75,7 +75,7 @@ class StreamOptions(BaseModel):
 
 NOT_IMPLEMENTED = {
     # vLLM's extras that change the output
-    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
@@ -112,6 +112,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     min_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
 
     def check_supported(self) -> None:
         """APIError(400) for a known parameter this server accepts but does not implement."""
@@ -119,6 +120,13 @@ class _Sampling(BaseModel):
             raise APIError(400, f"n={self.n} is out of range; accepted: 1..16", "n")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise _unsupported("best_of", self.best_of, f"unset, 1 or equal to n ({self.n})")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= SamplingParams.MAX_LOGPROBS:
+                raise APIError(400, f"prompt_logprobs={self.prompt_logprobs} is out of range; accepted: "
+                               f"0..{SamplingParams.MAX_LOGPROBS}", "prompt_logprobs")
+            if self.stream:
+                raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM); accepted: "
+                               "unset, or stream false", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         for name, value in (self.model_extra or {}).items():

@@ -334,8 +334,8 @@ class ModelRunner:
 
     def prompt_logprobs(self, ids: list[int], k: int, adapter_id: str | None = None) -> list:
         """Log-probability of each prompt token given the ones before it, with the `k` most likely
-        tokens at each position: `[None, (lp, [(id, lp), ...]), ...]`, one entry per token (the first
-        has no context). One forward pass over the prompt, outside the paged cache (what `echo`
+        tokens at each position and the token's rank among all (1: the most likely):
+        `[None, (lp, [(id, lp), ...], rank), ...]`, one entry per token (the first has no context). One forward pass over the prompt, outside the paged cache (what `echo`
         with `logprobs` scores, as for lm-eval-harness's loglikelihood requests); the length is
         padded to a bucket, and causal attention keeps the padding out of the real positions.
         """
@@ -343,11 +343,11 @@ class ModelRunner:
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids
         slots = np.full(padded.shape, self.slot_of(adapter_id), np.int32)
-        lp, top_lp, top_ids = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1),
-                                                  jnp.asarray(slots), self.mesh is not None)
-        lp, top_lp, top_ids = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
-        return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])])
-                         for t in range(T - 1)]
+        lp, top_lp, top_ids, rank = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1),
+                                                        jnp.asarray(slots), self.mesh is not None)
+        lp, top_lp, top_ids, rank = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids), np.asarray(rank)
+        return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])],
+                          int(rank[t])) for t in range(T - 1)]
 
     @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str,
@@ -482,7 +482,8 @@ def _split_matmuls(split: bool):
 # One jitted function for every runner: engines over the same model share compiled steps.
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
 def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T, split: bool):
-    """Position t: log p(ids[t + 1] | ids[:t + 1]) and the top `k` (log-prob, id), f32, with LoRA slot
+    """Position t: log p(ids[t + 1] | ids[:t + 1]), the top `k` (log-prob, id), f32, and the rank of
+    ids[t + 1] (1 + the tokens more likely), with LoRA slot
     `slots_T[t]`. The head runs over chunks of positions: the whole [T, vocab] logits never exist at once.
     `split`: the state is split over devices (`_split_matmuls`)."""
     with _split_matmuls(split):
@@ -498,11 +499,14 @@ def _prompt_logprobs(model, ids_T, k: int):
         h_CE, tgt_C = xs
         lsm_CV = jax.nn.log_softmax(model.logits_from_hidden(h_CE[None])[0].astype(jnp.float32), axis=-1)
         top_lp, top_ids = jax.lax.top_k(lsm_CV, k)
-        return None, (jnp.take_along_axis(lsm_CV, tgt_C[:, None], axis=-1)[:, 0], top_lp, top_ids)
+        lp_C = jnp.take_along_axis(lsm_CV, tgt_C[:, None], axis=-1)[:, 0]
+        rank_C = 1 + jnp.sum(lsm_CV > lp_C[:, None], axis=-1, dtype=jnp.int32)
+        return None, (lp_C, top_lp, top_ids, rank_C)
 
     T, E = h_TE.shape
-    _, (lp, top_lp, top_ids) = jax.lax.scan(chunk, None, (h_TE.reshape(T // C, C, E), targets_T.reshape(T // C, C)))
-    return lp.reshape(T), top_lp.reshape(T, k), top_ids.reshape(T, k)
+    _, (lp, top_lp, top_ids, rank) = jax.lax.scan(chunk, None, (h_TE.reshape(T // C, C, E),
+                                                                targets_T.reshape(T // C, C)))
+    return lp.reshape(T), top_lp.reshape(T, k), top_ids.reshape(T, k), rank.reshape(T)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

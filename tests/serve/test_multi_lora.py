@@ -171,12 +171,12 @@ def test_prefix_cache_is_keyed_on_the_adapter(engine, expected):
 def test_prompt_logprobs_use_the_adapter(model, adapters, engine):
     """Echo scoring (`prompt_logprobs`) under an adapter equals the merged model's full forward."""
     prompt = PROMPTS[4]
-    got = [lp for lp, _ in engine.prompt_logprobs(prompt, 0, adapter="b")[1:]]
+    got = [lp for lp, _, _ in engine.prompt_logprobs(prompt, 0, adapter="b")[1:]]
     logits = merge(load_adapters(model, adapters["b"]))(jnp.asarray([prompt]))[0][0]
     lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     want = [lsm[t, prompt[t + 1]] for t in range(len(prompt) - 1)]
     np.testing.assert_allclose(got, want, atol=1e-4)
-    base = [lp for lp, _ in engine.prompt_logprobs(prompt, 0)[1:]]
+    base = [lp for lp, _, _ in engine.prompt_logprobs(prompt, 0)[1:]]
     assert np.max(np.abs(np.subtract(base, want))) > 1e-2
 
 

@@ -131,8 +131,9 @@ def test_prompt_logprobs_equal_the_full_forward(model):
     lsm = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids]))[0][0], -1))
     assert got[0] is None and len(got) == len(ids)
     for t in range(1, len(ids)):
-        lp, top = got[t]
+        lp, top, rank = got[t]
         np.testing.assert_allclose(lp, lsm[t - 1, ids[t]], atol=1e-4)
+        assert rank == 1 + np.sum(lsm[t - 1] > lsm[t - 1, ids[t]])  # ties with the token count as below it
         want_ids = np.argsort(-lsm[t - 1])[:3]
         assert [i for i, _ in top] == list(want_ids)
         np.testing.assert_allclose([v for _, v in top], lsm[t - 1, want_ids], atol=1e-4)

@@ -370,6 +370,38 @@ def test_unimplemented_parameters_are_400(server, path, extra, param):
                                             "+ max_completion_tokens (100000)"))
 
 
+def test_prompt_logprobs_as_vllm(server, client):
+    """vLLM's prompt_logprobs: per prompt token (the first None) a map of token ids to logprob, rank and
+    decoded text, holding the token itself and the k most likely; equal to echo's scores. Chat puts
+    it at the top level. Not with stream (as vLLM), and k in 0..20."""
+    ids = list(b"scoring pr")
+    echo = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=2, echo=True).choices[0]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    for c in r.choices:
+        assert c.model_extra["prompt_logprobs"] == r.choices[0].model_extra["prompt_logprobs"]
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for t in range(1, len(ids)):
+        own = pl[t][str(ids[t])]
+        assert own["logprob"] == pytest.approx(echo.logprobs.token_logprobs[t], abs=1e-6)
+        assert own["decoded_token"] == echo.logprobs.tokens[t]
+        top = sorted((e for e in pl[t].values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2] and len(pl[t]) == 2 + (own["rank"] > 2)
+        assert {e["decoded_token"]: e["logprob"] for e in top} == pytest.approx(echo.logprobs.top_logprobs[t])
+        assert (own in top) == (own["rank"] <= 2)  # the token itself is one of the k when it ranks there
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    n_chat = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["count"]
+    cpl = chat.model_extra["prompt_logprobs"]
+    assert cpl[0] is None and len(cpl) == n_chat and all(len(e) == 1 for e in cpl[1:])
+    for bad, message in [({"prompt_logprobs": 21}, "prompt_logprobs=21 is out of range; accepted: 0..20"),
+                         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not available with stream")]:
+        resp = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+        assert message in resp.json()["error"]["message"]
+
+
 def test_logit_bias_and_min_tokens(server, client):
     """OpenAI's logit_bias (string token ids) forces or bans tokens; vLLM's min_tokens holds off the
     stop tokens and stop strings until that many tokens are out."""

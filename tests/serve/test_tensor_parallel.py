@@ -58,8 +58,8 @@ def test_tp2_outputs_equal_tp1(runs):
         for (_, top_a), (_, top_b) in zip(a.logprobs, b.logprobs):
             assert [i for i, _ in top_a] == [i for i, _ in top_b]
     assert ref_prompt[0] is None and got_prompt[0] is None and len(got_prompt) == len(PROMPTS[4])
-    for (lp_a, top_a), (lp_b, top_b) in zip(ref_prompt[1:], got_prompt[1:]):
-        assert abs(lp_a - lp_b) < 2e-5
+    for (lp_a, top_a, rank_a), (lp_b, top_b, rank_b) in zip(ref_prompt[1:], got_prompt[1:]):
+        assert abs(lp_a - lp_b) < 2e-5 and rank_a == rank_b
         assert [i for i, _ in top_a] == [i for i, _ in top_b]
 
 
