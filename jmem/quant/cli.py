@@ -47,7 +47,7 @@ class QuantizeArgs:
     """rtn, int8, nf4, fp8, gptq, awq, or a GGUF block type (q4_0, q4_k, q6_k, q8_0, ...)."""
     bits: int | None = None
     """Bits for rtn/gptq/awq (2, 3, 4, 8); the method's own width when unset."""
-    group_size: int | None = 64
+    group_size: int | None = 128
     """Input rows per scale for rtn/gptq/awq (a multiple of 8; -1 for per channel). A matrix whose input dimension
     it does not divide gets the largest multiple of 32 below it that does (printed, and recorded in the output)."""
     symmetric: bool = True

@@ -191,3 +191,13 @@ def test_substituted_group_size_is_recorded_as_used(requested, recorded, shown, 
     assert used == (recorded if isinstance(recorded, dict) else dict.fromkeys(used, recorded))
     main(["info", str(out)])
     assert shown in capsys.readouterr().out
+
+
+def test_default_group_size_is_the_librarys():
+    """`jmem quantize` without --group-size groups as `jmem.quant.quantize` and eval_quant.py do (128)."""
+    import inspect
+
+    from jmem.quant.api import quantize
+    from jmem.quant.cli import QuantizeArgs
+
+    assert QuantizeArgs(out="x.gguf").group_size == inspect.signature(quantize).parameters["group_size"].default == 128
