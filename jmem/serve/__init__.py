@@ -11,3 +11,7 @@ Layers, bottom up (import the module you need; the first three import no JAX):
     engine.Engine               scheduler + runner + detokenizer, background loop, streams
     api.create_app              FastAPI app; cli.run_serve is `jmem serve`
 """
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+"""Largest request body (`jmem serve --max-request-bytes`): far above a long context's prompt, small
+enough that one body cannot hold the event loop for seconds while it is parsed."""

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.serve.engine import Engine, RequestOutput
-from jmem.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, JSONBodies, RequireAPIKey
+from jmem.serve import DEFAULT_MAX_REQUEST_BYTES
+from jmem.serve.middleware import JSONBodies, RequireAPIKey
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, chat_dicts, check_text, choice_seed)
 from jmem.serve.request import ContextTooLong

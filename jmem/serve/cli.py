@@ -23,6 +23,7 @@ from typing import NoReturn
 import tyro
 
 from jmem.checks import check_int
+from jmem.serve import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("jmem.serve")
 
@@ -55,7 +56,7 @@ class ServeArgs:
     """Exact number of KV blocks (wins over both budgets; for tests)."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on /v1 routes."""
-    max_request_bytes: int = 32 * 2**20
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body; a larger one is answered 413 before it is parsed."""
     shutdown_timeout: int = 30
     """Seconds SIGTERM/Ctrl-C waits for running requests to finish before it ends them and exits."""

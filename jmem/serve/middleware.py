@@ -15,11 +15,8 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
+from jmem.serve import DEFAULT_MAX_REQUEST_BYTES
 from jmem.serve.protocol import APIError
-
-DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-"""Largest request body (`jmem serve --max-request-bytes`): far above a long context's prompt, small
-enough that one body cannot hold the event loop for seconds while it is parsed."""
 
 
 async def _answer(error: APIError, scope, receive, send) -> None:
