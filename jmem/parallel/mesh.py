@@ -32,7 +32,12 @@ AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "tensor")
 """Mesh axis names, outermost first."""
 
 DATA_AXES: tuple[str, ...] = ("data", "fsdp")
-"""The data-parallel axes: the batch is split over them and ZeRO shards over them."""
+"""The data-parallel axes: the batch is split over them and no parameter is split over them by rule."""
+
+ZERO_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+"""The axes ZeRO shards model state over: those the batch is split over (under the default rules),
+`expert` included (as DeepSpeed-MoE shards dense weights over its expert-parallel group too). A leaf
+already split over one of them by rule (an expert weight over `expert`) is not split over it again."""
 
 
 class MeshError(ValueError):

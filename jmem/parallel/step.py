@@ -356,9 +356,12 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
 
     init_jit = jax.jit(init_fn, in_shardings=(zs.params,), out_shardings=state_sh)
 
-    # Params split over a data axis (ZeRO-3, or a rule such as embed=fsdp): gather them where used.
+    # Params split over a data axis (a rule such as embed=fsdp), or split beyond their model-parallel
+    # layout (ZeRO-3, `expert` included): gather them where used.
+    model_sh = tree_shardings(abs_params, mesh, rules, logical_axes, zero=False)
     dp_split = any(a in DATA_AXES and mesh.shape[a] > 1 for sh in jax.tree.leaves(zs.params)
-                   for e in sh.spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+                   for e in sh.spec if e is not None for a in ((e,) if isinstance(e, str) else e)) or any(
+        z.spec != m.spec for z, m in zip(jax.tree.leaves(zs.params), jax.tree.leaves(model_sh)))
     gather = dp_split and getattr(loss_fn, "jmem_weight_leaves", False)
 
     def objective(p, mb):

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.checks import is_int
 from jmem.memory.measure import bytes_per_device
-from jmem.parallel.mesh import DATA_AXES
+from jmem.parallel.mesh import ZERO_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -69,7 +69,7 @@ def _spec_entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
 
 
 def leaf_spec(name: str, shape, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool,
-              data_axes=DATA_AXES) -> P:
+              data_axes=ZERO_AXES) -> P:
     """PartitionSpec of one array: the rules' model-parallel spec, plus the data axes when `zero`."""
     shape = tuple(shape)
     axes = lookup_axes(name, table)
@@ -146,7 +146,7 @@ def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping,
 
 
 def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *, zero: bool,
-                   data_axes=DATA_AXES, strict_packing: bool = False):
+                   data_axes=ZERO_AXES, strict_packing: bool = False):
     """NamedShardings for every array leaf of `tree` (see `leaf_spec`); packed weight leaves split
     their children as they say (`_packed_shardings`; `strict_packing`: refuse a split that would cut
     a packing unit instead of keeping those rows whole)."""
@@ -175,7 +175,7 @@ class ZeroShardings:
 
 
 def zero_shardings(params, opt_state, mesh: Mesh, *, stage: int, rules=None,
-                   logical_axes: Mapping | None = None, data_axes=DATA_AXES) -> ZeroShardings:
+                   logical_axes: Mapping | None = None, data_axes=ZERO_AXES) -> ZeroShardings:
     """Shardings of the three model-state trees for a ZeRO `stage` (0-3).
 
     Args:

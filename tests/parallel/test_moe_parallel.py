@@ -77,6 +77,12 @@ def test_moe_accumulation_on_a_mesh_equals_one_device_and_zero3_gathers_experts_
     held = sum(par.bytes_per_device([state.params["layers"]["moe"][n]], [sh[n]])
                for n in ("expert_gate", "expert_up", "expert_down"))
     assert held == experts // 8
+    # The dense weights too: over fsdp and expert, the whole data-parallel group (as DeepSpeed-MoE);
+    # they were split over fsdp alone, four copies of each shard.
+    dense = compiled.input_shardings[0][0].params["layers"]
+    for name in ("wq", "wk", "wv", "wo"):
+        leaf, leaf_sh = state.params["layers"][name]["kernel"], dense[name]["kernel"]
+        assert par.bytes_per_device([leaf], [leaf_sh]) * 8 == leaf.size * 4, (name, leaf_sh.spec)
 
 
 @pytest.mark.slow
