@@ -85,6 +85,9 @@ def _blocks(x, block_size: int):
     return jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
     """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales.
 
@@ -188,6 +191,8 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
                 m, v = mu, nu
             m = b1 * m + (1 - b1) * g32
             v = b2 * v + (1 - b2) * g32 * g32
+            if big(g):  # a finite gradient above ~1.8e19 squares to inf: one inf block scale made 0 * inf
+                v = jnp.minimum(v, F32_MAX)  # = NaN of the block's every other moment
             outs.append(((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype))
             if big(g):
                 mus.append(quantize(m, signed=True, code=code, block_size=block_size))
