@@ -20,6 +20,14 @@ OPTIMIZERS = {
 }
 
 
+# optax's own constructors check nothing: a b2 of 2 or a negative eps silently trains wrong.
+_OPTAX_CHECKS = {
+    "adamw": {"b1": checks.decay, "b2": checks.decay, "eps": checks.non_negative, "eps_root": checks.non_negative,
+              "weight_decay": checks.rate},
+    "sgd": {"momentum": lambda who, name, v: checks.decay(who, name, v, none_ok=True)},
+}
+
+
 class UnknownOptimizerError(ValueError):
     """An optimizer name that `make_optimizer` does not know."""
 
@@ -36,8 +44,10 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
 
     Raises:
         UnknownOptimizerError: unknown name (the message lists valid names).
-        ValueError: a keyword the chosen optimizer does not accept, or a bad `lr` (None for
-            another optimizer than adafactor: optax would take it as 1 and climb the gradient).
+        ValueError: a keyword the chosen optimizer does not accept, a bad `lr` (None for
+            another optimizer than adafactor: optax would take it as 1 and climb the gradient), or
+            a value out of range (adamw's b1, b2 in [0, 1), eps, eps_root, weight_decay >= 0;
+            sgd's momentum in [0, 1)).
 
     Example:
         >>> tx = make_optimizer("adafactor", 1e-2, momentum=0.9)
@@ -53,4 +63,7 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
         if bad:
             accepted = ", ".join(p for p in params if p != "learning_rate")
             raise ValueError(f"optimizer {key!r} does not accept {', '.join(bad)}; accepted: {accepted}")
+    for arg, check in _OPTAX_CHECKS.get(key, {}).items():
+        if arg in kw:
+            check(key, arg, kw[arg])
     return ctor(lr, **kw)

@@ -1,5 +1,7 @@
 """8-bit Adam: nearest-code quantization, tracking AdamW, state bytes."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -100,3 +102,12 @@ def test_make_optimizer_names_and_errors():
         make_optimizer("adam9bit", 1e-3)
     with pytest.raises(ValueError, match="does not accept momentumm"):
         make_optimizer("adafactor", 1e-3, momentumm=0.9)
+    # optax's constructors check nothing: the factory does (sgd momentum 2 diverged, adamw eps -1 climbed).
+    for name, kw, message in [("adamw", {"b2": 2.0}, "adamw b2=2.0; accepted: a value in [0, 1)"),
+                              ("adamw", {"b1": -1.0}, "adamw b1=-1.0; accepted: a value in [0, 1)"),
+                              ("adamw", {"eps": -1.0}, "adamw eps=-1.0; accepted: a finite number >= 0"),
+                              ("adamw", {"weight_decay": -1.0}, "adamw weight_decay=-1.0; accepted: a finite"),
+                              ("sgd", {"momentum": 2.0}, "sgd momentum=2.0; accepted: None or a value in [0, 1)")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make_optimizer(name, 1e-2, **kw)
+    make_optimizer("sgd", 1e-2, momentum=None), make_optimizer("adamw", 1e-2, b1=0.0, weight_decay=0.1)
