@@ -283,7 +283,9 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     The chain is `scale_by_factored_rms -> clip_by_block_rms -> learning rate
     -> scale_by_param_block_rms -> [ema momentum] -> [weight decay] -> -1`,
     the same order as `optax.adafactor`, so with `factor_rule="optax"` (or on
-    2-D parameters with any rule) it computes the same updates.
+    2-D parameters outside the stacked `layers`, whose leading axis the "stacked"
+    rule treats as a batch axis) it computes the same updates; with `momentum`,
+    give both the same momentum dtype (bf16 here by default, f32 in optax).
 
     Args:
         learning_rate: a number >= 0 or a schedule; None uses the paper's relative step
