@@ -161,7 +161,7 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         raise ValueError(f"alpha={alpha} needs a teacher; accepted: a teacher model, or alpha=0 (plain cross-entropy)")
 
     if getattr(getattr(student, "config", None), "moe_experts", 0) and hasattr(student, "hidden_and_router_stats"):
-        hs_BTE, stats = student.hidden_and_router_stats(inputs)
+        hs_BTE, stats = student.hidden_and_router_stats(inputs, token_mask_BT=batch.get("input_mask"))
     else:
         (hs_BTE, _), stats = student.hidden(inputs), None
     if need_kl:

@@ -123,6 +123,8 @@ class LlamaConfig:
                 w = getattr(self, name)
                 if not (is_number(w) and math.isfinite(w) and w >= 0):
                     raise ValueError(f"LlamaConfig.{name}={w!r}; accepted: a finite number >= 0")
+            if not isinstance(self.moe_dropless, bool):
+                raise ValueError(f"LlamaConfig.moe_dropless={self.moe_dropless!r}; accepted: True or False")
 
     def _check_rope(self) -> None:
         if self.rope_scaling not in ROPE_SCALINGS:

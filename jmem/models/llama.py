@@ -159,8 +159,10 @@ def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_laye
     return x_BTE, new_layer
 
 
-def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None):
-    """`block` that also returns the layer's router statistics.
+def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None,
+                    token_mask_BT=None):
+    """`block` that also returns the layer's router statistics (`token_mask_BT`: 0 for padding,
+    which an MoE layer neither routes into expert places nor counts; see `moe_mlp`).
 
     Returns:
         (x, new cache layer arrays or None, `MoEStats` of this layer or None for a dense MLP)
@@ -192,7 +194,8 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     if "moe" in w:
         m = w["moe"]
         y, stats = moe_mlp(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.moe_top_k,
-                           capacity_factor=cfg.moe_capacity_factor, dropless=cfg.moe_dropless or cache is not None)
+                           capacity_factor=cfg.moe_capacity_factor, dropless=cfg.moe_dropless or cache is not None,
+                           token_mask_BT=token_mask_BT)
         return x_BTE + checkpoint_name(y, "mlp_out"), new_layer, stats
     if "w_gate_up" in w:
         gate, up = jnp.split(dot(h, w["w_gate_up"]), 2, axis=-1)
@@ -230,27 +233,30 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.head = Linear(config.dim, config.vocab_size, dtype=dt, rngs=rngs)
 
-    def hidden(self, ids_BT, positions=None, cache=None, layers=None):
+    def hidden(self, ids_BT, positions=None, cache=None, layers=None, dropless: bool = False):
         """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache.
 
         `layers`: per-layer block weights from `unstack_layers(model)`; the blocks then run as
         an unrolled loop over them (inference; no remat) instead of a scan over the stacked
         weights. Pair it with a cache in per-layer form (`jmem.models.cache`).
+        `dropless`: an MoE model routes every token to its experts whatever its capacity factor
+        (as with a cache), so a row's output does not depend on the rows batched with it.
         """
-        h, cache, _ = self._run(ids_BT, positions, cache, layers)
+        h, cache, _ = self._run(ids_BT, positions, cache, layers, dropless=dropless)
         return h, cache
 
-    def hidden_and_router_stats(self, ids_BT, positions=None):
+    def hidden_and_router_stats(self, ids_BT, positions=None, token_mask_BT=None):
         """`(hidden states, MoEStats)`: the router statistics averaged over layers
-        (`dropped` summed); None for a dense model."""
-        h, _, stats = self._run(ids_BT, positions, None)
+        (`dropped` summed); None for a dense model. `token_mask_BT` (0 for padding, e.g. a
+        batch's loss mask) keeps padding out of expert places and statistics."""
+        h, _, stats = self._run(ids_BT, positions, None, token_mask_BT=token_mask_BT)
         if stats is None:
             return h, None
         return h, MoEStats(jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.sum(stats.dropped),
                            jnp.mean(stats.load, axis=0))
 
-    def _run(self, ids_BT, positions, cache, per_layer=None):
-        cfg = self.config
+    def _run(self, ids_BT, positions, cache, per_layer=None, token_mask_BT=None, dropless: bool = False):
+        cfg = self.config.replace(moe_dropless=True) if dropless and self.config.moe_experts else self.config
         B, T = ids_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -263,7 +269,7 @@ class Llama(nnx.Module):
         def body(x, xs):
             w, layer = xs
             w = fetch_layer(w)  # parameter offload: this layer's slice from host to device memory
-            x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer)
+            x, new_layer, stats = block_and_stats(cfg, w, x, positions, cache, layer, token_mask_BT)
             return constrain(x, ACTIVATION_AXES), (new_layer, stats)
 
         layers = None if cache is None else cache.layer_arrays()

@@ -69,6 +69,7 @@ class MoEStats(NamedTuple):
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
     """Places per expert: ceil(capacity_factor * n_tokens * top_k / n_experts), at least 1."""
+    check_moe(n_experts, top_k, capacity_factor)
     return max(1, math.ceil(capacity_factor * n_tokens * top_k / n_experts))
 
 
@@ -82,7 +83,7 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float) -> None:
         raise ValueError(f"moe capacity_factor={capacity_factor!r}; accepted: a finite number > 0")
 
 
-def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
+def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True, valid_N=None):
     """Top-k routing with capacity: each (token, choice) gets a place in an `[experts * cap]` buffer.
 
     Args:
@@ -90,26 +91,36 @@ def route(logits_NX, top_k: int, cap: int, *, normalize: bool = True):
         top_k: experts per token.
         cap: places per expert.
         normalize: rescale the k gates of a token to sum to 1 (top-k > 1).
+        valid_N: optional bool[tokens]; a token marked False (padding) takes no place and
+            counts in no statistic (its choices are neither placed nor "dropped").
 
     Returns:
         (slot_NK i32[tokens, top_k]: expert * cap + place, or experts * cap for a choice past
          capacity (dropped); gate_NK f32[tokens, top_k]; MoEStats)
     """
     N, X = logits_NX.shape
+    check_moe(X, top_k, 1.0)
+    if not (is_int(cap) and cap >= 1):
+        raise ValueError(f"moe route cap={cap!r}; accepted: an integer >= 1 (places per expert)")
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
+    valid_Q = jnp.ones((N * top_k,), bool) if valid_N is None else jnp.repeat(valid_N.astype(bool), top_k)
     # Priority: token order, each token's choices in rank order.
-    flat_QX = jax.nn.one_hot(idx_NK, X, dtype=jnp.float32).reshape(N * top_k, X)
+    flat_QX = jax.nn.one_hot(idx_NK, X, dtype=jnp.float32).reshape(N * top_k, X) * valid_Q[:, None]
     pos_Q = jnp.sum((jnp.cumsum(flat_QX, axis=0) - 1.0) * flat_QX, axis=-1).astype(jnp.int32)
-    keep_Q = pos_Q < cap
+    keep_Q = (pos_Q < cap) & valid_Q
     slot_NK = jnp.where(keep_Q, idx_NK.reshape(-1) * cap + pos_Q, X * cap).reshape(N, top_k)
-    dropped = (top_k * N - jnp.sum(keep_Q)).astype(jnp.int32)
-    return slot_NK, gate_NK, _stats(logits_NX, probs_NX, flat_QX, dropped)
+    dropped = (jnp.sum(valid_Q) - jnp.sum(keep_Q)).astype(jnp.int32)
+    return slot_NK, gate_NK, _stats(logits_NX, probs_NX, flat_QX, dropped, valid_N)
 
 
-def _stats(logits_NX, probs_NX, flat_QX, dropped) -> MoEStats:
-    load_X = jnp.mean(flat_QX, axis=0)
-    aux = logits_NX.shape[-1] * jnp.sum(load_X * jnp.mean(probs_NX, axis=0))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
+def _stats(logits_NX, probs_NX, flat_QX, dropped, valid_N=None) -> MoEStats:
+    """Statistics over the valid tokens (all when `valid_N` is None; `flat_QX` has the invalid
+    tokens' rows zeroed already)."""
+    w_N = jnp.ones(logits_NX.shape[:1], jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w_N), 1.0)
+    load_X = jnp.sum(flat_QX, axis=0) / (n * (flat_QX.shape[0] // logits_NX.shape[0]))
+    aux = logits_NX.shape[-1] * jnp.sum(load_X * (jnp.sum(probs_NX * w_N[:, None], axis=0) / n))
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)) * w_N) / n
     return MoEStats(aux, z, dropped, load_X)
 
 
@@ -121,6 +132,23 @@ def _top_k_gates(logits_NX, top_k: int, normalize: bool):
     return probs_NX, gate_NK, idx_NK
 
 
+def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE) -> tuple[int, int, int]:
+    """(B, T, E), or one ValueError naming the first shape that does not fit the others."""
+    if len(x_BTE.shape) != 3:
+        raise ValueError(f"moe input of shape {tuple(x_BTE.shape)}; accepted: [batch, seq, embed]")
+    B, T, E = x_BTE.shape
+    X = router_EX.shape[-1]
+    want = {"router": (router_EX.shape, (E, X)), "gate": (gate_XEF.shape, (X, E, None)),
+            "up": (up_XEF.shape, (X, E, None)), "down": (down_XFE.shape, (X, None, E))}
+    F = gate_XEF.shape[-1] if len(gate_XEF.shape) == 3 else None
+    for name, (shape, expected) in want.items():
+        expected = tuple(F if d is None else d for d in expected)
+        if tuple(shape) != expected:
+            raise ValueError(f"moe {name} weight of shape {tuple(shape)}; accepted: {list(expected)} for "
+                             f"{X} experts (the router's), embed {E} (the input's) and ffn {F} (gate's)")
+    return B, T, E
+
+
 def _array(w):
     """An expert weight as an array. A weight leaf that is not one (ZeRO-3's
     `jmem.parallel.GatheredWeight`) gives it through `__jmem_array__`, so it is gathered
@@ -130,7 +158,7 @@ def _array(w):
 
 
 def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, capacity_factor: float = 1.25,
-            normalize: bool = True, expert_constraint=None, dropless: bool = False):
+            normalize: bool = True, expert_constraint=None, dropless: bool = False, token_mask_BT=None):
     """The MoE SwiGLU MLP as a pure function (usable inside a layer scan on one layer's weights).
 
     Args:
@@ -144,21 +172,25 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
             inputs/outputs (e.g. `jmem.parallel.constrain(x, ("exp", None, None), rules, mesh)`).
         dropless: no capacity (`capacity_factor` and `expert_constraint` unused): grouped
             matmuls over the assignments sorted by expert (`moe_mlp_dropless`).
+        token_mask_BT: optional [batch, seq], 0 for padding: padding takes no expert place
+            (real tokens of other rows are not dropped for it) and counts in no statistic.
 
     Returns:
         (y [batch, seq, embed] in x's dtype, MoEStats)
     """
-    B, T, E = x_BTE.shape
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
     gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
+    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE)
     if dropless:
-        return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize)
+        return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize,
+                                token_mask_BT=token_mask_BT)
     cap = capacity(B * T, X, top_k, capacity_factor)
     x_NE = x_BTE.swapaxes(0, 1).reshape(T * B, E)  # position-major: the routing priority
+    valid_N = None if token_mask_BT is None else (token_mask_BT.swapaxes(0, 1).reshape(T * B) != 0)
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     dt = x_NE.dtype
-    slot_NK, gate_NK, stats = route(logits_NX, top_k, cap, normalize=normalize)
+    slot_NK, gate_NK, stats = route(logits_NX, top_k, cap, normalize=normalize, valid_N=valid_N)
     fix = expert_constraint or (lambda v: v)
     # Tokens scattered to their places and gathered back: no [tokens, experts, capacity] one-hot
     # dispatch, whose size grows with the square of the tokens.
@@ -172,8 +204,10 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
 
 
-def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, normalize: bool = True):
-    """`moe_mlp` without capacity: every token gets its `top_k` experts.
+def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, normalize: bool = True,
+                     token_mask_BT=None):
+    """`moe_mlp` without capacity: every token gets its `top_k` experts (`token_mask_BT`: as for
+    `moe_mlp`, padding counts in no statistic).
 
     The `tokens * top_k` assignments are sorted by expert; `jax.lax.ragged_dot` runs each
     expert's contiguous rows through its weights (one grouped matmul per projection, FLOPs
@@ -183,10 +217,10 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     Example:
         >>> y, stats = moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=2)
     """
-    B, T, E = x_BTE.shape
     X = router_EX.shape[-1]
     check_moe(X, top_k, 1.0)
     gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
+    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE)
     x_NE = x_BTE.reshape(B * T, E)
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
@@ -199,8 +233,11 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     out_QE = jax.lax.ragged_dot(jax.nn.silu(g_QF) * u_QF, down_XFE.astype(x_NE.dtype), sizes_X)
     out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
+    valid_N = None if token_mask_BT is None else token_mask_BT.reshape(B * T) != 0
     flat_QX = jax.nn.one_hot(expert_Q, X, dtype=jnp.float32)
-    return y_NE.reshape(B, T, E), _stats(logits_NX, probs_NX, flat_QX, jnp.zeros((), jnp.int32))
+    if valid_N is not None:
+        flat_QX = flat_QX * jnp.repeat(valid_N, top_k)[:, None]
+    return y_NE.reshape(B, T, E), _stats(logits_NX, probs_NX, flat_QX, jnp.zeros((), jnp.int32), valid_N)
 
 
 def moe_loss(stats: MoEStats, aux_weight: float = 0.01, z_weight: float = 1e-3):

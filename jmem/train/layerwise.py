@@ -243,7 +243,7 @@ def make_layerwise_fns(
         out[LAYERS] = jax.tree.map(lambda x: x[idx], train[LAYERS])
         return out, frozen
 
-    def hidden(m, stored_layers, delta, slot_L, ids_BT, dropout_key=None):
+    def hidden(m, stored_layers, delta, slot_L, ids_BT, dropout_key=None, token_mask_BT=None):
         """`Llama.hidden_and_router_stats` with `delta[slot_L[i]]` added to each active layer i;
         adapters with dropout drop with a key per layer from `dropout_key`."""
         B, T = ids_BT.shape
@@ -262,7 +262,7 @@ def make_layerwise_fns(
             w = block_weights(mixed)
             if dropout_key is not None:
                 w = with_dropout(w, jax.random.fold_in(dropout_key, layer))
-            x, _, stats = block_and_stats(cfg, w, x, positions)
+            x, _, stats = block_and_stats(cfg, w, x, positions, token_mask_BT=token_mask_BT)
             return constrain(x, ACTIVATION_AXES), stats
 
         if cfg.remat != "none":
@@ -314,7 +314,7 @@ def make_layerwise_fns(
             if dropout_key is not None:  # LoRA dropout: a key per step and microbatch (its first row)
                 key = jax.random.fold_in(dropout_key, mb["lora_row"][0])
                 set_dropout_key(m, key)  # adapters outside the layer stack (the head)
-            h, stats = hidden(m, stored[LAYERS], t[LAYERS], slot_L, mb["inputs"], key)
+            h, stats = hidden(m, stored[LAYERS], t[LAYERS], slot_L, mb["inputs"], key, mb.get("input_mask"))
             s, c = chunked_cross_entropy(h, mb["targets"], mb["mask"], m.logits_from_hidden,
                                          cfg.loss_chunk if loss_chunk is None else loss_chunk)
             extra, total = {}, s

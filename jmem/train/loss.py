@@ -109,7 +109,8 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
     Args:
         model: as for `lm_loss_sum`; a model with `hidden_and_router_stats`
             (`jmem.models.llama.Llama`) also reports its MoE router statistics.
-        batch: {"inputs": i32[B, T], "targets": i32[B, T], "mask": [B, T]}.
+        batch: {"inputs": i32[B, T], "targets": i32[B, T], "mask": [B, T]}, and optionally
+            "input_mask" [B, T] (0 for padding inputs) for an MoE model's routing.
         chunk: sequence chunk for the cross-entropy (`model.config.loss_chunk` when None).
 
     Returns:
@@ -119,7 +120,9 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
-        h_BTE, stats = model.hidden_and_router_stats(batch["inputs"])
+        # Padding inputs (the optional "input_mask"; the loss mask may also zero real tokens, such as
+        # a prompt's) take no expert place and count in no router statistic.
+        h_BTE, stats = model.hidden_and_router_stats(batch["inputs"], token_mask_BT=batch.get("input_mask"))
     else:
         (h_BTE, _), stats = model.hidden(batch["inputs"]), None
     s, c = chunked_cross_entropy(h_BTE, batch["targets"], batch["mask"], model.logits_from_hidden, chunk)
@@ -144,7 +147,8 @@ def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
     Args:
         model: anything with `hidden(ids) -> (h, cache)` and
             `logits_from_hidden(h) -> f32 logits` (`jmem.models.llama.Llama`).
-        batch: {"inputs": i32[B, T], "targets": i32[B, T], "mask": [B, T]}.
+        batch: {"inputs": i32[B, T], "targets": i32[B, T], "mask": [B, T]}, and optionally
+            "input_mask" [B, T] (0 for padding inputs) for an MoE model's routing.
         chunk: sequence chunk for the cross-entropy; `model.config.loss_chunk`
             when None.
 
@@ -160,8 +164,10 @@ def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
 def window_perplexity(model, windows_NT, batch: int) -> float:
     """exp(mean next-token cross-entropy) over token windows `[n, T]`, `batch` windows per forward.
 
-    Each window's first token is context only; the cross-entropy is `lm_loss_terms`'s (chunked
-    over the sequence: no full f32 logits; no MoE router losses).
+    Each window's first token is context only; the cross-entropy is chunked over the sequence (no
+    full f32 logits; no MoE router losses). An MoE model routes dropless (every token to its
+    experts, as in generation): with a capacity, a window's score would depend on the windows
+    batched with it.
 
     Example:
         >>> window_perplexity(model, np.asarray(ids_NT), batch=4)
@@ -176,8 +182,13 @@ def window_perplexity(model, windows_NT, batch: int) -> float:
     @jax.jit
     def nll_sum(state, ids):
         ids = ids.astype(jnp.int32)
-        s, _, _ = lm_loss_terms(nnx.merge(graphdef, state), {
-            "inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": jnp.ones(ids[:, 1:].shape, jnp.float32)})
+        m = nnx.merge(graphdef, state)
+        cfg = getattr(m, "config", None)
+        moe = {"dropless": True} if getattr(cfg, "moe_experts", 0) else {}
+        h_BTE = m.hidden(ids[:, :-1], **moe)[0]
+        chunk = getattr(cfg, "loss_chunk", 1024)
+        s, _ = chunked_cross_entropy(h_BTE, ids[:, 1:], jnp.ones(ids[:, 1:].shape, jnp.float32),
+                                     m.logits_from_hidden, chunk)
         return s
 
     windows_NT = np.asarray(windows_NT)

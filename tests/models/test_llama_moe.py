@@ -87,6 +87,30 @@ def test_router_losses_are_added_to_the_training_loss(model):
     assert float(jnp.max(jnp.abs(g1 - g0))) > 1e-4
 
 
+@pytest.mark.parametrize("dropless", [False, True])
+def test_padding_inputs_change_no_loss_term_with_an_input_mask(dropless):
+    """A batch's "input_mask" keeps padding out of routing: what the padding holds changes neither the
+    cross-entropy of the real tokens (it took expert places and dropped other rows' tokens) nor the
+    router losses (it was averaged in). The loss mask alone is not used for it: it may zero real tokens."""
+    model = Llama(LlamaConfig.tiny_moe(moe_dropless=dropless, moe_capacity_factor=0.5), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 259, size=(4, 17))
+    lengths = [5, 9, 17, 17]  # rows 0 and 1 right-padded
+    input_mask = np.array([[t < n for t in range(16)] for n in lengths], np.float32)
+    mask = np.array([[t + 1 < n for t in range(16)] for n in lengths], np.float32)
+    other = ids.copy()
+    other[0, 5:], other[1, 9:] = rng.integers(0, 259, size=12), rng.integers(0, 259, size=8)
+    terms = []
+    for x in (ids, other):
+        batch = {"inputs": jnp.asarray(x[:, :-1]), "targets": jnp.asarray(x[:, 1:]), "mask": jnp.asarray(mask),
+                 "input_mask": jnp.asarray(input_mask)}
+        ce, count, stats = lm_loss_terms(model, batch)
+        terms.append((float(ce), float(count), float(stats.aux_loss), float(stats.z_loss), int(stats.dropped)))
+    np.testing.assert_allclose(terms[1], terms[0], rtol=1e-6)
+    if not dropless:
+        assert terms[0][4] > 0  # places are short: which tokens take them matters
+
+
 def test_cached_generation_routes_without_dropping():
     """With places short, the full forward drops tokens; generation with a KV cache must not
     (a token's output would depend on how many tokens one call routes): prefill + one-token

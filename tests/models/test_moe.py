@@ -60,6 +60,32 @@ def test_moe_matches_per_token_reference(top_k, cf):
         assert dropped > 0
 
 
+@pytest.mark.parametrize("top_k,cf,dropless", [(1, 0.5, False), (2, 0.75, False), (2, 1.0, True)])
+def test_padding_takes_no_place_and_counts_in_no_statistic(top_k, cf, dropless):
+    """With `token_mask_BT`, padded tokens route nowhere (output 0): the real tokens get what the
+    per-token reference gives them alone, with the capacity of the whole batch, and the statistics are
+    theirs (padding took places and dropped real tokens of other rows, and entered the losses)."""
+    moe = MoEMLP(16, 24, n_experts=4, top_k=top_k, capacity_factor=cf, rngs=nnx.Rngs(top_k))
+    x = jax.random.normal(jax.random.key(3), (3, 10, 16), jnp.float32)
+    mask = np.ones((3, 10), np.float32)
+    mask[0, 4:], mask[2, 7:] = 0, 0
+    w = moe.weights()
+    y, stats = moe_mlp(x, w["router"], w["gate"], w["up"], w["down"], top_k=top_k, capacity_factor=cf,
+                       dropless=dropless, token_mask_BT=jnp.asarray(mask))
+    by_position = lambda a: np.asarray(a).swapaxes(0, 1).reshape(30, -1)  # noqa: E731 - the routing priority
+    real = by_position(mask)[:, 0] > 0
+    cap = 10**6 if dropless else capacity(30, 4, top_k, cf)
+    y_ref, dropped, load, aux = reference(by_position(x)[real], w["router"], w["gate"], w["up"], w["down"], top_k, cap)
+    np.testing.assert_allclose(by_position(y)[real], y_ref, rtol=2e-5, atol=2e-5)
+    assert not np.asarray(by_position(y)[~real]).any() or dropless
+    assert int(stats.dropped) == dropped and (dropped > 0) == (cf < 1 and not dropless)
+    np.testing.assert_allclose(np.asarray(stats.load), load, rtol=1e-6)
+    np.testing.assert_allclose(float(stats.aux_loss), aux, rtol=1e-5)
+    logits = by_position(x)[real] @ np.asarray(w["router"], np.float64)
+    z = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    np.testing.assert_allclose(float(stats.z_loss), z, rtol=1e-5)
+
+
 def one_hot_moe(x_BTE, w, top_k, cf):
     """GShard's dispatch and combine as one-hot einsums over [tokens, experts, capacity] (the plain
     reference of the scatter/gather in `moe_mlp`; memory grows with the square of the tokens)."""
@@ -190,6 +216,30 @@ def test_bad_settings_are_one_clear_error_in_both_paths(kwargs, match):
     if "top_k" in kwargs:
         with pytest.raises(ValueError, match=match):
             moe_mlp_dropless(x, w["router"], w["gate"], w["up"], w["down"], **kwargs)
+
+
+def test_mismatched_shapes_and_helper_arguments_are_one_clear_error():
+    """Raw einsum / ragged_dot / top_k errors (or silence: route with cap 0 dropped everything) before."""
+    w = MoEMLP(8, 6, 4, rngs=nnx.Rngs(0)).weights()
+    x = jnp.ones((1, 4, 8))
+    three = {k: v[:3] for k, v in w.items() if k != "router"}  # 3 experts' weights, a 4-expert router
+    for fn in (moe_mlp, moe_mlp_dropless):
+        with pytest.raises(ValueError, match=r"^moe gate weight of shape \(3, 8, 6\); accepted: \[4, 8, 6\] for 4 "
+                                             r"experts \(the router's\)"):
+            fn(x, w["router"], three["gate"], three["up"], three["down"])
+        with pytest.raises(ValueError, match=r"^moe input of shape \(4, 8\); accepted: \[batch, seq, embed\]"):
+            fn(x[0], w["router"], w["gate"], w["up"], w["down"])
+    logits = jnp.zeros((6, 4))
+    with pytest.raises(ValueError, match=r"^moe top_k=5; accepted: an integer in 1\.\.n_experts=4$"):
+        route(logits, 5, 2)
+    with pytest.raises(ValueError, match=r"^moe route cap=0; accepted: an integer >= 1"):
+        route(logits, 2, 0)
+    with pytest.raises(ValueError, match=r"^moe capacity_factor=0\.0; accepted: a finite number > 0$"):
+        capacity(10, 4, 2, 0.0)
+    with pytest.raises(ValueError, match=r"^LlamaConfig\.moe_dropless='no'; accepted: True or False$"):
+        from jmem.models import LlamaConfig
+
+        LlamaConfig.tiny_moe(moe_dropless="no")
 
 
 @pytest.mark.parametrize("args, match", [

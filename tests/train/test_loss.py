@@ -91,3 +91,19 @@ def test_window_perplexity_is_the_full_logits_perplexity():
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(logp, windows[:, 1:, None], axis=-1).mean()
     assert window_perplexity(model, windows, batch=2) == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_window_perplexity_of_an_moe_model_does_not_depend_on_the_batch():
+    """Capacity routing made a window's score depend on the windows batched with it; scoring routes
+    dropless, as generation does, and equals the dropless model's."""
+    from flax import nnx
+
+    from jmem.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny_moe(moe_capacity_factor=0.5)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    dropless = Llama(cfg.replace(moe_dropless=True), rngs=nnx.Rngs(0))
+    windows = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 33)).astype(np.int32)
+    ppl = [window_perplexity(model, windows, batch=b) for b in (1, 2, 4)]
+    assert ppl == pytest.approx([ppl[0]] * 3, rel=1e-5)
+    assert ppl[0] == pytest.approx(window_perplexity(dropless, windows, batch=4), rel=1e-6)
