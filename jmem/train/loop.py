@@ -175,8 +175,10 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
     if report.host_total_bytes:
         rows.append(("measured", "host memory (offloaded)", report.host_total_bytes))
     if offload is not None:
-        rows += [("measured", f"{where} {what.strip()}", b) for where, what, b in offload.rows()
-                 if where != "device" and (b or "optimizer" in what)]
+        # The state files hold the whole optimizer state, not one device's share.
+        rows += [("measured", "disk optimizer state, all devices" if where == "disk" and devices > 1
+                  else f"{where} {what.strip()}", b)
+                 for where, what, b in offload.rows() if where != "device" and (b or "optimizer" in what)]
     rows += [("estimated", k, v) for k, v in estimate.items() if v or k == "total"]
     title = f"memory of one train step [{report.target}]" + (f", per device of {devices}" if devices > 1 else "")
     lines = [title + " " * max(1, 49 - len(title)) + "MiB"]

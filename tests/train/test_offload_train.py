@@ -51,6 +51,15 @@ def test_offloaded_run_prints_device_host_and_disk_bytes(tmp_path):
     assert memory["host: offloaded layer params"] > memory["device: arguments (params on device, batch)"] / 2
 
 
+def test_disk_row_under_a_per_device_header_says_it_is_the_whole_state(tmp_path):
+    """On a mesh the table's header reads "per device"; the state files hold every device's state."""
+    out = io.StringIO()
+    train(TrainConfig(model="tiny", steps=1, batch=8, seq=16, progress=False, eval_batches=1, mesh="data=-1", zero=1,
+                      offload_optimizer="disk", offload_dir=str(tmp_path / "state")), out=out)
+    text = out.getvalue()
+    assert ", per device of " in text and "disk optimizer state, all devices" in text, text
+
+
 @pytest.mark.slow
 def test_host_offloaded_run_repeats_the_on_device_losses():
     base = TrainConfig(model="tiny", steps=2, batch=4, seq=16, progress=False, eval_batches=1)
