@@ -330,9 +330,12 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     `batch` is `{"inputs", "targets", "mask"}` of `[batch, seq]`. The result equals
     `jax.value_and_grad` of the unpipelined summed cross-entropy.
 
-    Raises (at trace time):
-        ShardingError: the mesh would split an attention head (`jmem.parallel.rules.check_heads`,
-            under the rules of the enclosing `activation_sharding`, else the defaults).
+    Raises:
+        PipelineError: an MoE model, microbatches not a positive integer, or a remat policy that
+            offloads residuals to host memory.
+        ShardingError (at trace time): the mesh would split an attention head
+            (`jmem.parallel.rules.check_heads`, under the rules of the enclosing
+            `activation_sharding`, else the defaults).
     """
     from flax import nnx
 
@@ -346,6 +349,11 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
         raise PipelineError("the 1f1b pipeline schedule supports dense models only; accepted: dense models")
     if not is_int(n_microbatches) or n_microbatches < 1:
         raise PipelineError(f"microbatches={n_microbatches!r} must be an integer >= 1")
+    if "offload" in str(cfg.remat):
+        # Each microbatch's residuals wait in a device ring buffer between its forward and backward
+        # ticks; one offloaded to host memory cannot be written into it (JAX fails on the memory space).
+        raise PipelineError(f"the 1f1b pipeline schedule keeps residuals on the device, so remat={cfg.remat!r} "
+                            "cannot offload them; accepted: a remat policy without offload, or the gpipe schedule")
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     treedef = jax.tree.structure(param_state)
     chunk = cfg.loss_chunk if chunk is None else chunk

@@ -233,3 +233,13 @@ def test_train_script_1f1b_matches_gpipe(tmp_path, capsys):
     got, want = losses("1f1b"), losses("gpipe")
     assert len(got) == len(want) == 2
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["offload", "query=offload,mlp_up=device"])
+def test_an_offloading_remat_policy_is_refused_by_name(remat):
+    """The library call failed inside JAX on a memory space (train.py refused the flags already)."""
+    offloading = Llama(LlamaConfig.tiny(n_layers=2, remat=remat), rngs=nnx.Rngs(0))
+    mesh = par.make_mesh("stage=2", devices=jax.devices()[:2])
+    with pytest.raises(par.PipelineError, match=f"remat={remat!r} cannot offload them; accepted: a remat policy "
+                                                "without offload, or the gpipe schedule"):
+        par.pipeline_1f1b_lm_value_and_grad(offloading, n_stages=2, n_microbatches=2, mesh=mesh)
