@@ -160,3 +160,15 @@ def test_dense_model_reports_no_router_stats():
 def test_bad_moe_config_is_one_clear_error(overrides, expected):
     with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
         LlamaConfig.tiny(**overrides)
+
+
+def test_eager_calls_refuse_ids_outside_the_vocabulary():
+    """The embedding lookup clamped them (an id of 300 read row 258, -5 row 0): a wrong forward."""
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    for ids, message in [(np.array([[1, 300]]), r"token ids hold 300; accepted: 0..258 \(the model's vocabulary\)"),
+                         (np.array([[-5, 1]]), "token ids hold -5; accepted: 0..258"),
+                         (np.array([[1.0, 2.0]]), r"token ids of shape \(1, 2\) and dtype float64; accepted: integers"),
+                         (np.array([1, 2]), r"token ids of shape \(2,\) and dtype int64; accepted: integers")]:
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+    assert model(jnp.array([[0, 258]]))[0].shape == (1, 2, 259)
