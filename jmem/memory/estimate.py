@@ -237,7 +237,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             layers are frozen. None: every layer.
 
     Returns:
-        dict of bytes: params, grads, optimizer, activations (kept across
+        dict of bytes: params, grads, optimizer, update (adam8bit's moments
+        dequantized during its update), activations (kept across
         layers on device), activations_host (offloaded), workspace (one
         layer's recompute/cotangents), logits, batch, total (device). With
         adapters also trainable (adapter bytes, a part of params) and
@@ -322,10 +323,13 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     # Embedding output and final norm (input, f32 normalised, output) outside the scan.
     activations += tokens * config.dim * (3 * c + 4)
     logits = 2 * micro * min(seq, loss_chunk or seq) * config.vocab_size * 4
-    batch_bytes = 2 * batch * seq * 4  # token ids and targets
-    total = params + grads + optimizer_bytes + activations + workspace + logits + batch_bytes
+    batch_bytes = 3 * batch * seq * 4  # token ids, targets and the f32 loss mask
+    # adam8bit's update holds its moments dequantized to f32 (two per parameter) beside the gradients;
+    # the other optimizers' elementwise updates fuse into the parameters' own buffers.
+    update = 2 * 4 * n_train if optimizer == "adam8bit" else 0
+    total = params + grads + optimizer_bytes + activations + workspace + logits + batch_bytes + update
     out = {
-        "params": params, "grads": grads, "optimizer": optimizer_bytes, "activations": activations,
+        "params": params, "grads": grads, "optimizer": optimizer_bytes, "update": update, "activations": activations,
         "activations_host": config.n_layers * host * tokens, "workspace": workspace, "logits": logits,
         "batch": batch_bytes, "total": total,
     }

@@ -82,10 +82,14 @@ class QuantizedMoment(NamedTuple):
 def _blocks(x, block_size: int):
     flat = x.reshape(-1).astype(jnp.float32)
     n_blocks = -(-flat.size // block_size)
-    return jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
+    if n_blocks * block_size != flat.size:  # a pad copies; a whole number of blocks is a free reshape
+        flat = jnp.pad(flat, (0, n_blocks * block_size - flat.size))
+    return flat.reshape(n_blocks, block_size)
 
 
 F32_MAX = float(np.finfo(np.float32).max)
+CHUNK_ELEMENTS = 1 << 20
+"""Moment values an 8-bit update dequantizes at once (8 MiB of f32 per moment)."""
 
 
 def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
@@ -103,10 +107,20 @@ def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -
         idx = jnp.round(y_NB * 127.0) + 127.0 if signed else jnp.round(y_NB * 255.0)
     else:
         table = dynamic_code(signed)
-        midpoints = jnp.asarray((table[1:] + table[:-1]) / 2)
-        # Binary search (8 steps) keeps memory O(n), unlike comparing against all 256.
-        idx = jnp.searchsorted(midpoints, y_NB, side="left", method="scan")
+        idx = _count_below(y_NB, jnp.asarray((table[1:] + table[:-1]) / 2))
     return QuantizedMoment(idx.astype(jnp.uint8), scale_N.astype(jnp.float32))
+
+
+def _count_below(y, midpoints):
+    """`jnp.searchsorted(midpoints, y, side="left")` for 255 sorted midpoints: a branchless binary
+    search, eight elementwise steps that XLA fuses into one pass. (searchsorted's "scan" method held
+    six times the input in temporaries: an 8-bit optimizer's update needed more memory than AdamW's.)"""
+    idx = jnp.zeros(y.shape, jnp.uint8)  # 0..255: the code itself
+    step = (midpoints.shape[0] + 1) // 2
+    while step:
+        idx = jnp.where(midpoints[idx + step - 1] < y, idx + step, idx)
+        step //= 2
+    return idx
 
 
 def dequantize(q: QuantizedMoment, shape, *, signed: bool, code: str = "dynamic") -> jax.Array:
@@ -179,26 +193,38 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
         c1 = 1 - b1 ** count.astype(jnp.float32)
         c2 = 1 - b2 ** count.astype(jnp.float32)
         outs, mus, nus = [], [], []
+        def moments(g32, m, v):
+            return b1 * m + (1 - b1) * g32, b2 * v + (1 - b2) * g32 * g32
+
+        def step(m, v):
+            return (m / c1) / (jnp.sqrt(v / c2) + eps)
+
+        def block_update(args):
+            """One block: dequantize its moments, update them, requantize (under `lax.map`)."""
+            g_B, mu_B, mu_s, nu_B, nu_s = args
+            m = dequantize(QuantizedMoment(mu_B[None], mu_s[None]), g_B.shape, signed=True, code=code)
+            v = dequantize(QuantizedMoment(nu_B[None], nu_s[None]), g_B.shape, signed=False, code=code)
+            m, v = moments(g_B, m, v * v if code == "linear" else v)
+            # A finite gradient above ~1.8e19 squares to inf: an inf block scale would make every other
+            # moment of the block 0 * inf = NaN.
+            v = jnp.minimum(v, F32_MAX)
+            qm = quantize(m, signed=True, code=code, block_size=block_size)
+            qv = quantize(jnp.sqrt(v) if code == "linear" else v, signed=False, code=code, block_size=block_size)
+            return step(m, v), qm.codes[0], qm.scales[0], qv.codes[0], qv.scales[0]
+
         for g, mu, nu in zip(treedef.flatten_up_to(updates), treedef.flatten_up_to(state.mu),
                              treedef.flatten_up_to(state.nu)):
-            g32 = g.astype(jnp.float32)
             if big(g):
-                m = dequantize(mu, g.shape, signed=True, code=code)
-                v = dequantize(nu, g.shape, signed=False, code=code)
-                if code == "linear":
-                    v = v * v
+                # Block by block, CHUNK_BLOCKS at a time: the f32 moments exist for one chunk at once,
+                # not for the whole leaf (XLA kept them for several leaves together: 8x the parameters).
+                u_NB, mu_codes, mu_scales, nu_codes, nu_scales = jax.lax.map(
+                    block_update, (_blocks(g, block_size), mu.codes, mu.scales, nu.codes, nu.scales),
+                    batch_size=max(1, CHUNK_ELEMENTS // block_size))
+                outs.append(u_NB.reshape(-1)[: g.size].reshape(g.shape).astype(g.dtype))
+                mus.append(QuantizedMoment(mu_codes, mu_scales)), nus.append(QuantizedMoment(nu_codes, nu_scales))
             else:
-                m, v = mu, nu
-            m = b1 * m + (1 - b1) * g32
-            v = b2 * v + (1 - b2) * g32 * g32
-            if big(g):  # a finite gradient above ~1.8e19 squares to inf: one inf block scale made 0 * inf
-                v = jnp.minimum(v, F32_MAX)  # = NaN of the block's every other moment
-            outs.append(((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype))
-            if big(g):
-                mus.append(quantize(m, signed=True, code=code, block_size=block_size))
-                nus.append(quantize(jnp.sqrt(v) if code == "linear" else v, signed=False, code=code,
-                                    block_size=block_size))
-            else:
+                m, v = moments(g.astype(jnp.float32), mu, nu)
+                outs.append(step(m, v).astype(g.dtype))
                 mus.append(m), nus.append(v)
         un = treedef.unflatten
         return un(outs), ScaleByAdam8bitState(count, un(mus), un(nus))
