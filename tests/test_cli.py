@@ -56,6 +56,9 @@ def test_serve_subcommand_runs_the_server_checks():
     r = _jmem("serve", "--model", "tiny", "--kv-cache-dtype", "fp4")
     assert r.returncode == 2 and r.stderr == ("jmem serve: error: --kv-cache-dtype='fp4'; accepted: auto, bf16, "
                                               "fp8_e4m3, int8\n"), r.stderr
+    r = _jmem("serve", "--model", "tiny", "--compute-dtype", "f8")  # named the dtype, not the flag
+    assert r.returncode == 2 and r.stderr.startswith("jmem serve: error: --compute-dtype='f8': dtype 'f8' is not "
+                                                     "supported; accepted: f32"), r.stderr
 
 
 def test_info_smollm2():

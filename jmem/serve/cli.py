@@ -106,7 +106,7 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
     from jmem.lm import PACKAGED_MODELS
-    from jmem.models.config import PRESETS
+    from jmem.models.config import PRESETS, as_dtype
     from jmem.serve.paged_cache import KV_DTYPES
 
     if args.log_level.lower() not in LOG_LEVELS:
@@ -115,6 +115,11 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--packed keeps a GGUF file's blocks packed; model {args.model!r} is not a GGUF file "
                          f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or "
                          f"{', '.join(PACKAGED_MODELS)}")
+    for flag, value in (("--param-dtype", args.param_dtype), ("--compute-dtype", args.compute_dtype)):
+        try:
+            as_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"{flag}={value!r}: {e}") from None
     if args.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
     if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
