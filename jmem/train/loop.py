@@ -132,9 +132,24 @@ def estimate_bytes(run: Run) -> dict[str, int]:
         lora = dict(lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
                     quantize_base=cfg.quantize_base, base_group_size=None, lora_dtype="f32")
     kw = {"rank": cfg.galore_rank} if cfg.optimizer == "galore" else None
-    return estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
-                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32),
-                    trained_layers=cfg.layerwise or None, **lora)
+    est = estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
+                   loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32),
+                   trained_layers=cfg.layerwise or None, **lora)
+    # Offloaded parts leave the device total (the measured rows show where they went).
+    off = {}
+    if cfg.offload_optimizer != "none":
+        off["optimizer"], off["update"] = est["optimizer"], est["update"]
+    if cfg.offload_params != "none":
+        from jmem.memory.estimate import param_shapes
+        from jmem.memory.measure import tree_bytes
+
+        off["params"] = tree_bytes(param_shapes(mc, run.policy.param)["layers"])
+    for key, b in off.items():
+        est[key] -= b
+        est["total"] -= b
+    if off:
+        est["off device"] = sum(off.values())
+    return est
 
 
 def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple[str, float]:

@@ -42,7 +42,12 @@ def test_offloaded_run_prints_device_host_and_disk_bytes(tmp_path):
                 "host largest chunk in memory"):
         assert row in text
     assert result.final_step == 1
-    memory = json.loads(log.read_text().splitlines()[0])["offload"]
+    event = json.loads(log.read_text().splitlines()[0])
+    # The estimate's device rows leave out what is offloaded (they kept the optimizer state and layers).
+    est = event["estimate"]
+    assert est["optimizer"] == 0 and est["off device"] > 0
+    assert est["total"] == sum(v for k, v in est.items() if k not in ("total", "off device", "activations_host"))
+    memory = event["offload"]
     # The disk row is the bytes stored in the state files; none of the state is in host memory.
     stored = sum(np.load(f, mmap_mode="r").nbytes for f in (tmp_path / "state").glob("*.npy"))
     assert memory["disk: optimizer state files"] == stored > 0
