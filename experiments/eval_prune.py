@@ -108,6 +108,10 @@ def main(cfg: Config) -> list[dict]:
     N:M patterns against its dimensions before any method runs."""
     methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
+    tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
+    n_calib = cfg.calibration if any(m.startswith("wanda") for m in methods) else 0
+    need = (cfg.windows + n_calib) * WINDOW
+    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration", WINDOW)
     for name in methods:
         if name != "float":
             method, sparsity, pattern = parse_method(name, cfg.sparsity)
@@ -115,10 +119,6 @@ def main(cfg: Config) -> list[dict]:
                 check_fits(lm.model, check_spec(method, sparsity, pattern))
             except ValueError as e:
                 raise ValueError(f"--methods {name!r}: {e}") from None
-    tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
-    n_calib = cfg.calibration if any(m.startswith("wanda") for m in methods) else 0
-    need = (cfg.windows + n_calib) * WINDOW
-    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration", WINDOW)
     windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
     calib = tokens[cfg.windows * WINDOW: need].reshape(n_calib, WINDOW) if n_calib else None
     base = lm.model

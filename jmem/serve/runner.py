@@ -335,8 +335,9 @@ class ModelRunner:
     def prompt_logprobs(self, ids: list[int], k: int, adapter_id: str | None = None) -> list:
         """Log-probability of each prompt token given the ones before it, with the `k` most likely
         tokens at each position and the token's rank among all (1: the most likely):
-        `[None, (lp, [(id, lp), ...], rank), ...]`, one entry per token (the first has no context). One forward pass over the prompt, outside the paged cache (what `echo`
-        with `logprobs` scores, as for lm-eval-harness's loglikelihood requests); the length is
+        `[None, (lp, [(id, lp), ...], rank), ...]`, one entry per token (the first has no context).
+        One forward pass over the prompt, outside the paged cache (what `echo` with `logprobs`
+        scores, as for lm-eval-harness's loglikelihood requests); the length is
         padded to a bucket, and causal attention keeps the padding out of the real positions.
         """
         T = len(ids)

@@ -505,13 +505,14 @@ def test_concurrent_greedy_equals_alone(server, client):
 
 def test_200_requests_on_10_blocks(server, client):
     prompts = [f"q{i} " + "z" * (i % 20) for i in range(200)]
+    compiled_before = metrics(server)["jmem_step_compilations"]  # earlier tests' shapes (logit biases, ...)
     with cf.ThreadPoolExecutor(200) as ex:
         results = list(ex.map(lambda p: greedy_text(client, p, max_tokens=6, extra_body={"ignore_eos": True})[1],
                               prompts))
     assert all(r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length" for r in results)
     m = wait_idle(server)
     assert m["jmem_kv_cache_blocks_in_use"] == 0
-    assert m["jmem_step_compilations"] <= 8
+    assert m["jmem_step_compilations"] - compiled_before <= 8
 
 
 def smollm2_installed() -> bool:
