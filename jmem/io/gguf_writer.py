@@ -233,16 +233,16 @@ class _Matrix:
                 raw = permute_rotary(raw, self.rotary_heads)
             return np.ascontiguousarray(raw), target
         w = self._float()
-        check_finite(w, name)
         w_OI = np.ascontiguousarray(w.T if self.kernel else w)
         if self.rotary_heads is not None:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
+        if target not in ("F32", "F16"):
+            return quantize(w_OI, target, name=name), target  # checks finiteness and the f16 range
+        check_finite(w_OI, name)
         if target == "F32":
             return w_OI, target
         check_f16_range(w_OI, name, target)
-        if target == "F16":
-            return w_OI.astype(np.float16), target
-        return quantize(w_OI, target), target
+        return w_OI.astype(np.float16), target
 
 
 def _expected_shape_OI(config: LlamaConfig, kind: str) -> tuple[int, int]:

@@ -256,8 +256,9 @@ class Llama(nnx.Module):
 
     def hidden_and_router_stats(self, ids_BT, positions=None, token_mask_BT=None):
         """`(hidden states, MoEStats)`: the router statistics averaged over layers
-        (`dropped` summed); None for a dense model. `token_mask_BT` (0 for padding, e.g. a
-        batch's loss mask) keeps padding out of expert places and statistics."""
+        (`dropped` summed); None for a dense model. `token_mask_BT` (0 for padding inputs, a
+        batch's "input_mask"; not its loss mask, which may zero real tokens) keeps padding out of
+        expert places and statistics."""
         h, _, stats = self._run(ids_BT, positions, None, token_mask_BT=token_mask_BT)
         if stats is None:
             return h, None

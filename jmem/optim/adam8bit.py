@@ -193,6 +193,7 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
         c1 = 1 - b1 ** count.astype(jnp.float32)
         c2 = 1 - b2 ** count.astype(jnp.float32)
         outs, mus, nus = [], [], []
+
         def moments(g32, m, v):
             return b1 * m + (1 - b1) * g32, b2 * v + (1 - b2) * g32 * g32
 
@@ -215,7 +216,7 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
         for g, mu, nu in zip(treedef.flatten_up_to(updates), treedef.flatten_up_to(state.mu),
                              treedef.flatten_up_to(state.nu)):
             if big(g):
-                # Block by block, CHUNK_BLOCKS at a time: the f32 moments exist for one chunk at once,
+                # Block by block, CHUNK_ELEMENTS values at a time: the f32 moments exist for one chunk,
                 # not for the whole leaf (XLA kept them for several leaves together: 8x the parameters).
                 u_NB, mu_codes, mu_scales, nu_codes, nu_scales = jax.lax.map(
                     block_update, (_blocks(g, block_size), mu.codes, mu.scales, nu.codes, nu.scales),

@@ -351,20 +351,22 @@ def _to_bf16_bits(x):
     return np.where(nan, quiet, rounded).astype(np.uint16)
 
 
-def quantize(x, qtype) -> np.ndarray:
+def quantize(x, qtype, *, name: str = "the weights x") -> np.ndarray:
     """Encode float rows to GGML raw bytes (numpy, offline).
 
     Args:
         x: f32[..., n] (numpy or jax); `n` a multiple of the type's block size.
         qtype: a supported type: `GGMLQuantizationType`, its value or name.
+        name: how errors call `x` (e.g. the tensor's GGUF name).
 
     Returns:
         u8[..., n / block_size * type_size] little-endian blocks, decodable by
         `dequantize` and by `gguf.quants.dequantize` to the same values.
 
     Raises:
-        ValueError: a row length that is not a whole number of blocks, or NaN/inf in `x`
-            for a block type (one would spread over its whole block).
+        ValueError: a row length that is not a whole number of blocks, NaN/inf in `x` for a
+            block type (one would spread over its whole block), or finite values beyond the f16
+            range for F16 and the block types (written as inf/NaN).
 
     Example:
         >>> raw = quantize(np.random.randn(8, 256).astype(np.float32), "Q4_K")
@@ -384,10 +386,10 @@ def quantize(x, qtype) -> np.ndarray:
     if qt == T.BF16:
         bits = _to_bf16_bits(np.ascontiguousarray(x)).astype("<u2")
         return bits.view(np.uint8).reshape(*lead, 2 * n)
-    check_f16_range(x, "the weights x", qt.name)
+    check_f16_range(x, name, qt.name)
     if qt == T.F16:
         return np.ascontiguousarray(x.astype("<f2")).view(np.uint8).reshape(*lead, 2 * n)
-    check_finite(x, "the weights x")
+    check_finite(x, name)
     blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
     out = _QUANT[qt](blocks)
     assert out.shape == (blocks.shape[0], fmt.type_size) and out.dtype == np.uint8

@@ -312,14 +312,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                         for i, (l, r) in ranked.items()})
         return out
 
-    async def prompt_logprobs(prompts, k, adapter=None):
+    async def prompt_logprobs(prompts, k, adapter=None, param="prompt"):
         """Per prompt, its tokens paired with their log-probabilities (echo with logprobs, prompt_logprobs)."""
         out = []
         for ids in prompts:
             try:
                 out.append(list(zip(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, k, **lora(adapter)))))
             except ValueError as e:
-                raise APIError(400, str(e), "prompt") from None
+                raise APIError(400, str(e), param) from None
         return out
 
     def chat_logprobs(lps):
@@ -515,8 +515,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         extra = {} if body.prompt_logprobs is None else {
-            "prompt_logprobs": vllm_prompt_logprobs((await prompt_logprobs([ids], body.prompt_logprobs, adapter))[0],
-                                                    body.prompt_logprobs)}
+            "prompt_logprobs": vllm_prompt_logprobs(
+                (await prompt_logprobs([ids], body.prompt_logprobs, adapter, param="messages"))[0], body.prompt_logprobs)}
         # Only an explicit max_tokens can overflow the context here (the prompt alone was checked).
         streams = submit([ids], params, body.n, rid, adapter, prompt_param=param, max_tokens_param=param)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}

@@ -234,8 +234,9 @@ class ModelRunner:
         # The block table only feeds the kernel path; the plain-jnp path keeps one width, one shape less to compile.
         return self._page_bucket(pages if self._kernel else self.max_pages_per_seq)
 
-    def _shape_needed(self, seqs, params) -> StepShape:
-        """The bucketed shape of a step over `seqs` (scheduled sequences)."""
+    def _shape_needed(self, seqs, params, biases) -> StepShape:
+        """The bucketed shape of a step over `seqs` (scheduled sequences) whose sampled rows add
+        `biases` (`Request.logit_biases` per row) to their logits."""
         pages = lambda group: max(-(-(s.start + s.num_tokens) // self.block_size) for s in group)
         # Prefill tiles; a step of decodes only keeps one empty tile of one page (the
         # smallest shape), not a padded bucket, since decode steps are most steps.
@@ -247,8 +248,8 @@ class ModelRunner:
         H = 0
         if any(p.uses_penalties for p in params):
             H = _bucket(max(s.request.num_tokens + len(s.draft_token_ids) for s in seqs), 64)
-        K = max((len(s.request.logit_biases(len(s.request.output_token_ids))) for s in seqs if s.samples), default=0)
-        K = _bucket(K, 8) if K else 0  # the first sampled position bans the most (min_tokens ends later)
+        K = max(map(len, biases), default=0)
+        K = _bucket(K, 8) if K else 0
         if self._kernel:  # the kernel reads the block tables, not the prefill tiles and decode rows
             N = M = Rd = Nc = 1
         # Tokens take the finer buckets: the dense layers, most of a step's work, run on all T of them.
@@ -373,7 +374,10 @@ class ModelRunner:
         if not seqs:
             return StepResult({}, {})
         params = [s.request.params for s in seqs]
-        shape = self._shape_to_run(self._shape_needed(seqs, params))
+        # Each verified position's biases, at its own step (min_tokens bans end at a position).
+        biases = [s.request.logit_biases(len(s.request.output_token_ids) + j) if s.samples else {}
+                  for s in seqs for j in range(len(s.draft_token_ids) + 1)]
+        shape = self._shape_to_run(self._shape_needed(seqs, params, biases))
         T = shape.tokens
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
@@ -382,7 +386,7 @@ class ModelRunner:
         draft = np.full(shape.sample_rows, NO_DRAFT, np.int32)
         # One sampled row per verified position: a sequence's last real token, then each proposal. Row j
         # of a sequence sees the proposals before it as outputs (penalties) and draws at step out + j.
-        row_params, seeds, steps, hists, biases = [], [], [], [], []
+        row_params, seeds, steps, hists = [], [], [], []
         t = r = 0
         for s in seqs:
             d = s.draft_token_ids
@@ -396,7 +400,6 @@ class ModelRunner:
                 draft[r + j] = d[j] if j < len(d) else NO_DRAFT
                 row_params.append(s.request.params), seeds.append(s.request.seed)
                 steps.append(len(out_ids) + j), hists.append((s.request.prompt_token_ids, out_ids + d[:j]))
-                biases.append(s.request.logit_biases(len(out_ids) + j) if shape.bias_len and s.samples else {})
             t += s.num_tokens
             r += len(d) + 1
         layout = self._layout([(s.start, s.num_tokens, s.block_ids) for s in seqs], shape)
