@@ -189,27 +189,21 @@ class AdapterInfo:
         return max(self.ranks.values())
 
 
-def read_adapter_meta(path) -> dict:
-    """The per-target metadata of an adapter file (`save_adapters`); ValueError naming the file if unreadable."""
-    meta, _ = read_adapters(path)
-    for name in meta:
-        if name not in LINEAR_TARGETS:
-            raise ValueError(f"adapter {os.fspath(path)!r} targets {name!r}; served adapters may target: "
-                             f"{', '.join(LINEAR_TARGETS)}")
-    return meta
-
-
-def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str, dict]:
-    """Metadata of every adapter file, checked for readability and rank before any model loads."""
-    metas = {}
+def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str, tuple[dict, dict]]:
+    """{name: (per-target metadata, arrays)} of every adapter file (`jmem.lora.read_adapters`), checked
+    for readability, servable targets and rank; one ValueError naming the file and what is wrong."""
+    read = {}
     for name, path in modules.items():
-        meta = read_adapter_meta(path)
+        meta, stored = read_adapters(path)
         for target, m in meta.items():
+            if target not in LINEAR_TARGETS:
+                raise ValueError(f"adapter {os.fspath(path)!r} targets {target!r}; served adapters may target: "
+                                 f"{', '.join(LINEAR_TARGETS)}")
             if m["rank"] > max_lora_rank:
                 raise ValueError(f"adapter {name!r} has rank {m['rank']} on {target}, above --max-lora-rank="
                                  f"{max_lora_rank}; accepted: ranks up to --max-lora-rank")
-        metas[name] = meta
-    return metas
+        read[name] = meta, stored
+    return read
 
 
 def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = None, max_lora_rank: int = 16,
@@ -242,7 +236,8 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     if slots < len(modules):
         raise ValueError(f"--max-loras={max_loras} is fewer than the {len(modules)} LoRA modules given; "
                          f"accepted: >= {len(modules)}")
-    metas = check_adapter_files(modules, max_lora_rank)
+    read = check_adapter_files(modules, max_lora_rank)
+    metas = {name: meta for name, (meta, _) in read.items()}
     layers = model.layers
     targets = sorted({t for m in metas.values() for t in m}, key=LINEAR_TARGETS.index)
     bases = {}
@@ -257,8 +252,7 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     R = max(m["rank"] for meta in metas.values() for m in meta.values())
     infos, arrays = {}, {t: ([], []) for t in targets}
     for slot, (name, path) in enumerate(modules.items()):
-        meta = metas[name]
-        _, stored = read_adapters(path)
+        meta, stored = read[name]
         for t in targets:
             base = bases[t]
             *lead, n_in, n_out = base.shape
@@ -302,4 +296,4 @@ def adapter_bytes(tree) -> int:
 
 
 __all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "with_slots", "has_multi_lora", "adapter_bytes",
-           "read_adapter_meta", "check_adapter_files", "BASE_SLOT", "IMPLS"]
+           "check_adapter_files", "BASE_SLOT", "IMPLS"]
