@@ -176,6 +176,11 @@ class _Detok:
         `check_stop`, and then only strings that end past the text of the updates without it: as
         vLLM's `min_tokens`)."""
         text = self._text(ids)
+        if not finished:  # an unfinished UTF-8 sequence at the end is no text yet (nor part of a stop string)
+            end = len(text)
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            text = text[:end]
         if not check_stop:
             self.unchecked = len(text)
         hits = [(i, len(s)) for s in (self.stop if check_stop else ())
@@ -186,11 +191,7 @@ class _Detok:
             out = text[self.sent :]
             self.sent = len(text)
             return out, True
-        end = len(text)
-        if not finished:
-            end -= self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-                end -= 1
+        end = len(text) - (0 if finished else self.hold)
         out = text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return out, False

@@ -236,6 +236,29 @@ def test_streamed_text_decodes_each_id_a_bounded_number_of_times():
     assert Counting.decoded < 3 * _Detok.SETTLE_AFTER * len(ids)  # the whole output each time: len(ids)**2 / 2
 
 
+def test_stop_strings_with_characters_split_across_tokens():
+    """A multi-byte character that finishes a stop string: no character of the stop string is sent
+    before it (the held-back characters are whole ones); a stop string holding U+FFFD does not
+    match a character still being built."""
+    tok = ByteTokenizer()
+
+    def stream(ids, stop):
+        d, out = _Detok(tok, SamplingParams(stop=stop)), ""
+        for m in range(1, len(ids) + 1):
+            delta, hit = d.update(ids[:m], m == len(ids))
+            out += delta
+            if hit:
+                return out, True
+        return out, False
+
+    text = "xé é café"
+    for stop in (["é é"], ["é c"], [" ca"]):
+        want = text[: text.find(stop[0])]
+        assert stream(list(text.encode()), stop) == (want, True), stop
+    assert stream(list("xéa".encode()), ["\ufffd"]) == ("xéa", False)
+    assert stream(list("xé".encode())[:-1], ["\ufffd"]) == ("x", True)  # an invalid byte at the end is U+FFFD
+
+
 def test_stop_strings_penalties_and_abort(model):
     tok = ByteTokenizer()
     engine = Engine(model, tok, EngineConfig(num_blocks=16, **SMALL))
