@@ -64,15 +64,15 @@ def counting_batches(vocab_size: int, steps: int, batch: int, seq: int, seed: in
     return out
 
 
-def train_sharded(loss_fn, params, mesh, batches, **kw):
-    """Adam steps of `jmem.parallel.make_sharded_train_step` over `batches`: (losses, compiled HLO text,
-    trainer with its `compiled` step, final state)."""
+def train_sharded(loss_fn, params, mesh, batches, tx=None, **kw):
+    """Steps of `jmem.parallel.make_sharded_train_step` with `tx` (default Adam) over `batches`:
+    (losses, compiled HLO text, trainer with its `compiled` step, final state)."""
     import numpy as np
     import optax
 
     from jmem import parallel as par
 
-    trainer = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, mesh, **kw)
+    trainer = par.make_sharded_train_step(loss_fn, optax.adam(1e-2) if tx is None else tx, params, mesh, **kw)
     state = trainer.init(params)
     trainer.compiled = trainer.compile(state, batches[0])
     losses = []

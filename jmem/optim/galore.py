@@ -128,12 +128,20 @@ def _basis(g_BMN, side: str, rank: int, svd_batch_size: int | None):
         u_KMK, _, vh_KKN = jnp.linalg.svd(g_KMN, full_matrices=False)
         return u_KMK[..., :rank] if side == "left" else jnp.swapaxes(vh_KKN[..., :rank, :], -1, -2)
 
-    if svd_batch_size is None or not lead:
-        b = one_batch(g)
-    else:  # bound the SVD's workspace: `svd_batch_size` matrices per call
+    def mapped(batch_size):
         flat = g.reshape((-1,) + g.shape[-2:])
-        b = jax.lax.map(one_batch, flat, batch_size=svd_batch_size)
-        b = b.reshape(lead + b.shape[-2:])
+        b = jax.lax.map(one_batch, flat, batch_size=batch_size)
+        return b.reshape(lead + b.shape[-2:])
+
+    # Off the CPU a stack of matrices is one batched SVD (`svd_batch_size` bounds its workspace). On
+    # the CPU it is one matrix per call: LAPACK's batch runs on the thread pool that also runs each
+    # device's program, and inside the refresh's `lax.cond` on a multi-device mesh every device's
+    # program waited on batch tasks that no free thread could run.
+    if not lead:
+        b = one_batch(g)
+    else:
+        b = jax.lax.platform_dependent(cpu=lambda: mapped(None),
+                                       default=lambda: one_batch(g) if svd_batch_size is None else mapped(svd_batch_size))
     idx = jnp.argmax(jnp.abs(b), axis=-2, keepdims=True)
     sign = jnp.sign(jnp.take_along_axis(b, idx, axis=-2))
     return b * jnp.where(sign == 0, 1.0, sign)

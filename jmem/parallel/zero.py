@@ -69,12 +69,18 @@ def _spec_entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
 
 
 def leaf_spec(name: str, shape, mesh: Mesh, rules: Rules, table: Mapping, *, zero: bool,
-              data_axes=ZERO_AXES) -> P:
-    """PartitionSpec of one array: the rules' model-parallel spec, plus the data axes when `zero`."""
+              data_axes=ZERO_AXES, param_shape=None) -> P:
+    """PartitionSpec of one array: the rules' model-parallel spec, plus the data axes when `zero`.
+
+    `param_shape`: the shape of the parameter whose axes the array takes (an optimizer state leaf);
+    a dim of another size is not that parameter's dim and keeps no logical axis (GaLore's rank-r
+    basis and moments: `[L, E, r]` beside the kernel `[L, E, F]`)."""
     shape = tuple(shape)
     axes = lookup_axes(name, table)
     if axes is None or len(axes) != len(shape):
         axes = (None,) * len(shape)
+    elif param_shape is not None and len(param_shape) == len(shape):
+        axes = tuple(a if n == m else None for a, n, m in zip(axes, shape, param_shape))
     entries = _spec_entries(rules.spec(axes, shape, mesh, name=name), len(shape))
     return _with_data_axes(entries, shape, axes, mesh, zero, data_axes)
 
@@ -146,12 +152,22 @@ def _packed_shardings(name: str, leaf, mesh: Mesh, rules: Rules, table: Mapping,
 
 
 def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *, zero: bool,
-                   data_axes=ZERO_AXES, strict_packing: bool = False):
+                   data_axes=ZERO_AXES, strict_packing: bool = False, params=None):
     """NamedShardings for every array leaf of `tree` (see `leaf_spec`); packed weight leaves split
     their children as they say (`_packed_shardings`; `strict_packing`: refuse a split that would cut
-    a packing unit instead of keeping those rows whole)."""
+    a packing unit instead of keeping those rows whole). `params`: for an optimizer state, the
+    parameter tree: a leaf whose path ends with a parameter's keeps that parameter's axes only on
+    dims of the parameter's size."""
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
+    param_shapes = {} if params is None else {
+        path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_packed)
+        if hasattr(x, "shape")}
+
+    def shape_of_param(name: str):
+        keys = name.split(".")
+        return next((param_shapes[k] for k in (".".join(keys[i:]) for i in range(len(keys))) if k in param_shapes),
+                    None)
 
     def one(path, x):
         name = path_str(path)
@@ -159,7 +175,7 @@ def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = 
             return _packed_shardings(name, x, mesh, rules, table, zero=zero, data_axes=data_axes,
                                      strict=strict_packing)
         return NamedSharding(mesh, leaf_spec(name, getattr(x, "shape", ()), mesh, rules, table, zero=zero,
-                                             data_axes=data_axes))
+                                             data_axes=data_axes, param_shape=shape_of_param(name)))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_packed)
 
@@ -199,7 +215,7 @@ def zero_shardings(params, opt_state, mesh: Mesh, *, stage: int, rules=None,
     return ZeroShardings(
         params=tree_shardings(params, zero=stage >= 3, **kw),
         grads=tree_shardings(params, zero=stage >= 2, **kw),
-        opt_state=tree_shardings(opt_state, zero=stage >= 1, **kw),
+        opt_state=tree_shardings(opt_state, zero=stage >= 1, params=params, **kw),
         stage=stage,
     )
 

@@ -91,11 +91,6 @@ def _validate_galore(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= {least}")
     if not (math.isfinite(cfg.galore_scale) and cfg.galore_scale > 0):
         raise ValueError(f"--galore-scale={cfg.galore_scale} must be a finite number > 0")
-    if cfg.distributed:
-        # The SVD refresh inside a multi-device XLA:CPU program hung at its first run: refused
-        # until a mesh run is verified.
-        raise ValueError("--optimizer galore runs on one device; accepted: without --mesh, --zero, "
-                         "--pipeline-stages and --num-processes")
 
 
 def _validate_floats(cfg: TrainConfig) -> None:

@@ -56,6 +56,28 @@ def test_zero3_data_fsdp_tensor_accum_matches_single_device(tiny):
     assert trainer.bytes_per_device()["params"] < full / 4  # data x fsdp = 4, plus tensor on heads/mlp
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_galore_on_a_tensor_parallel_mesh_matches_single_device(tiny, zero):
+    """GaLore's SVD refresh runs in a multi-device program (it deadlocked on the CPU), and its rank-3
+    basis and moments keep their parameter's axes only on the dims they share with it (the rank dim
+    took the kernel's `mlp` axis: 3 is not divisible by tensor=2)."""
+    from jmem.optim import galore
+
+    _, loss_fn, params, batches, _ = tiny
+    tx = lambda: galore(1e-2, rank=3, update_proj_gap=2, weight_decay=0.0)  # noqa: E731
+    one, _, _, one_state = _train(loss_fn, params, par.make_mesh(devices=jax.devices()[:1]), batches, tx=tx())
+    losses, _, trainer, state = _train(loss_fn, params, par.make_mesh("data=4,tensor=2"), batches, tx=tx(),
+                                       zero=zero)
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for a, b in zip(jax.tree.leaves(one_state.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    in_state = trainer.compiled.input_shardings[0][0]
+    basis = in_state.opt_state[0].basis["layers"]["w_gate"]["kernel"]  # [L, E, r]: E takes embed's axes, r none
+    mu = in_state.opt_state[0].mu["layers"]["w_gate"]["kernel"]  # [L, r, F]: F keeps mlp=tensor
+    assert basis.spec[2] is None and "tensor" in str(mu.spec[2])
+
+
 def test_expert_axis_carrying_the_batch_gets_its_own_accumulators(tiny):
     """The default rules split the batch over `expert` too: with accumulation, a dense model's gradient
     is still reduced once per step (never inside the microbatch or layer loops); at ZeRO 2 an all-reduce
