@@ -112,7 +112,8 @@ RULES = {"stacked": stacked_rule, "last_two": last_two_rule, "optax": optax_rule
 def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> FactorRule:
     """The rule named `rule` (or `rule` itself, a callable); one ValueError for an unknown name or a
     `min_dim_size_to_factor` that is not an integer >= 1 (an axis size)."""
-    min_dim_size_to_factor = checks.integer("adafactor", "min_dim_size_to_factor", min_dim_size_to_factor, 1)
+    min_dim_size_to_factor = checks.integer("adafactor", "min_dim_size_to_factor", min_dim_size_to_factor, 1,
+                                            shapes=True)
     if callable(rule):
         return rule
     if rule not in RULES:

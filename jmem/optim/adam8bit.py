@@ -99,7 +99,7 @@ def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -
         ValueError: `code` not in CODES, or `block_size` not an integer >= 1.
     """
     checks.one_of("quantize", "code", code, CODES)
-    block_size = checks.integer("quantize", "block_size", block_size, 1)
+    block_size = checks.integer("quantize", "block_size", block_size, 1, shapes=True)
     x_NB = _blocks(x, block_size)
     scale_N = jnp.max(jnp.abs(x_NB), axis=1)
     y_NB = x_NB / jnp.where(scale_N == 0, 1.0, scale_N)[:, None]  # in [-1, 1]
@@ -168,8 +168,8 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
     checks.decay("adam8bit", "b1", b1)
     checks.decay("adam8bit", "b2", b2)
     checks.non_negative("adam8bit", "eps", eps)
-    block_size = checks.integer("adam8bit", "block_size", block_size, 1)
-    min_8bit_size = checks.integer("adam8bit", "min_8bit_size", min_8bit_size, 0)
+    block_size = checks.integer("adam8bit", "block_size", block_size, 1, shapes=True)
+    min_8bit_size = checks.integer("adam8bit", "min_8bit_size", min_8bit_size, 0, shapes=True)
 
     def big(x) -> bool:
         return x.size >= min_8bit_size

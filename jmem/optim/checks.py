@@ -5,7 +5,9 @@ value and what is accepted (`adam8bit b2=1.0; accepted: a value in [0, 1)`).
 Numbers may be Python, NumPy or concrete 0-d JAX scalars (booleans are not
 numbers). JAX tracers are skipped: `optax.inject_hyperparams` passes
 hyperparameters as arrays, traced inside a jitted update, and they were
-checked as concrete arrays when the optimizer's state was initialised.
+checked as concrete arrays when the optimizer's state was initialised; one
+that sets array shapes (a rank, a block size) is refused traced, naming
+`static_args`.
 """
 
 from __future__ import annotations
@@ -51,8 +53,14 @@ def number(who: str, name: str, v, ok, accepted: str, *, none_ok: bool = False):
     return v
 
 
-def integer(who: str, name: str, v, minimum: int, *, none_ok: bool = False):
-    """Checks that `v` is an integer (not a bool) >= `minimum`; returns it as a Python int (or `v` if traced/None)."""
+def integer(who: str, name: str, v, minimum: int, *, none_ok: bool = False, shapes: bool = False):
+    """Checks that `v` is an integer (not a bool) >= `minimum`; returns it as a Python int (or `v` if traced/None).
+
+    `shapes`: the value sets array shapes (a rank, a block size), so a traced one is refused with
+    the `static_args` hint (optax.inject_hyperparams traces hyperparameters inside a jitted update)."""
+    if _traced(v) and shapes:
+        fail(who, name, v, f"a Python integer (it sets array shapes); with optax.inject_hyperparams, list {name!r} "
+                           "in static_args")
     if _traced(v) or (v is None and none_ok):
         return v
     x = _scalar(v, ("i",))

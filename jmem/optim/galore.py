@@ -215,7 +215,7 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
     Raises:
         ValueError: a bad setting (see `galore`), before anything is built.
     """
-    rank = checks.integer("galore", "rank", rank, 1)
+    rank = checks.integer("galore", "rank", rank, 1, shapes=True)
     update_proj_gap = checks.integer("galore", "update_proj_gap", update_proj_gap, 1)
     checks.positive("galore", "scale", scale)
     checks.decay("galore", "b1", b1)
@@ -224,9 +224,9 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
     checks.non_negative("galore", "eps_root", eps_root)
     checks.float_dtype("galore", "basis_dtype", basis_dtype)
     checks.one_of("galore", "moments", moments, MOMENTS)
-    block_size = checks.integer("galore", "block_size", block_size, 1)
-    min_8bit_size = checks.integer("galore", "min_8bit_size", min_8bit_size, 0)
-    svd_batch_size = checks.integer("galore", "svd_batch_size", svd_batch_size, 1, none_ok=True)
+    block_size = checks.integer("galore", "block_size", block_size, 1, shapes=True)
+    min_8bit_size = checks.integer("galore", "min_8bit_size", min_8bit_size, 0, shapes=True)
+    svd_batch_size = checks.integer("galore", "svd_batch_size", svd_batch_size, 1, none_ok=True, shapes=True)
     rule = default_rule(exclude) if rule is None else rule
 
     def eight(shape) -> bool:

@@ -121,3 +121,19 @@ def test_numpy_and_jax_scalars_pass_and_inject_hyperparams_tracers_are_skipped()
         state = tx.init(params)  # hyperparameters are concrete 0-d arrays here
         u, state = jax.jit(tx.update)(params, state, params)  # and tracers here
         assert float(jnp.vdot(u["w"], params["w"])) < 0  # a descent direction (grads = params)
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: optax.inject_hyperparams(galore, static_args=("basis_dtype",))(1e-3, rank=2), "galore rank"),
+    (lambda: optax.inject_hyperparams(adam8bit)(1e-3), "adam8bit block_size"),
+    (lambda: optax.inject_hyperparams(adafactor, static_args=("state_dtype", "momentum_dtype"))(1e-3),
+     "adafactor min_dim_size_to_factor"),
+])
+def test_a_traced_hyperparameter_that_sets_shapes_names_static_args(make, name):
+    """Under optax.inject_hyperparams a rank or block size is traced inside a jitted update: one
+    ValueError names it and static_args (not a TracerBoolConversionError from deep inside)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 128).reshape(8, 16)}
+    tx = make()
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=f"{name}=.*list '{name.split()[1]}' in static_args"):
+        jax.jit(tx.update)(params, state, params)
