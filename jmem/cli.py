@@ -39,12 +39,15 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     lm = jmem.load(model)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if draft is not None:
+        from jmem.io.tokenizer import check_same_tokens
         from jmem.speculative import speculative_generate
 
         tok = lm.tokenizer
         ids = tok.encode_chat(tok.apply_chat_template([{"role": "user", "content": prompt}])) if chat \
             else tok.encode(prompt)
-        out, stats = speculative_generate(lm.model, jmem.load(draft).model, [ids], max_new_tokens, k=draft_k,
+        draft_lm = jmem.load(draft)
+        check_same_tokens(tok, draft_lm.tokenizer, f"--draft {draft!r}")
+        out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=draft_k,
                                           temperature=temperature, seed=seed, eos_id=tok.eos_id)
         print(tok.decode(out[0]))
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "

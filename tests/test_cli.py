@@ -188,3 +188,21 @@ def test_quantize_refuses_to_overwrite(tmp_path, capsys):
                                  capsys)
     assert code == 0, err
     assert "Q8_0" in out and other.read_bytes()[:4] == b"GGUF"
+
+
+def test_generate_refuses_a_draft_with_other_tokens(tmp_path, capsys):
+    from jmem.cli import main
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models.config import LlamaConfig
+    from tests.helpers import random_model
+
+    target = _tiny_gguf(tmp_path / "t.gguf")
+    meta = byte_tokenizer_metadata()
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[97], tokens[98] = tokens[98], tokens[97]
+    cfg = LlamaConfig.tiny(n_layers=1)
+    draft = str(tmp_path / "d.gguf")
+    write_gguf(draft, cfg, random_model(cfg, 0), tokenizer_metadata={**meta, "tokenizer.ggml.tokens": tokens})
+    code, _, err = _in_process(main, ["generate", "--model", target, "--draft", draft, "--prompt", "hi"], capsys)
+    assert code == 2 and err == (f"jmem: error: --draft {draft!r}'s token 97 is 'b', the model's 'a'; accepted: "
+                                 "a draft with the model's tokenizer\n"), err

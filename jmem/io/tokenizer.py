@@ -59,6 +59,23 @@ def _encode_chat(tok, text: str) -> list[int]:
     return tok.encode(text, add_bos=False if bos and text.startswith(bos) else None)
 
 
+def check_same_tokens(tok, draft_tok, what: str = "the draft model") -> None:
+    """ValueError naming the first token where `draft_tok` (of `what`) and `tok` differ: a draft
+    that maps ids to other text proposes tokens its target rejects (the output stays the target's,
+    the speed-up is lost). A tokenizer without a token list (`ByteTokenizer`) is not compared here
+    (the vocabulary sizes are, by the speculative decoders)."""
+    a, b = getattr(tok, "tokens", None), getattr(draft_tok, "tokens", None)
+    if a is None or b is None:
+        return
+    if len(a) != len(b):
+        raise ValueError(f"{what}'s vocabulary has {len(b)} tokens, the model's {len(a)}; accepted: a draft with "
+                         "the model's tokenizer")
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is not None:
+        raise ValueError(f"{what}'s token {i} is {b[i]!r}, the model's {a[i]!r}; accepted: a draft with the model's "
+                         "tokenizer")
+
+
 class GGUFTokenizer:
     """A byte-level BPE tokenizer from GGUF `tokenizer.*` metadata.
 

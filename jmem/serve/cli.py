@@ -263,8 +263,8 @@ def build_engine(args: ServeArgs):
                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                        tensor_parallel_size=args.tensor_parallel_size,
                        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max)
-    draft = load_draft(lm.model, args.speculative_model, args.speculative_layers, param_dtype=args.param_dtype,
-                       compute_dtype=args.compute_dtype, packed=args.packed)
+    draft = load_draft(lm.model, args.speculative_model, args.speculative_layers, tokenizer=lm.tokenizer,
+                       param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
     return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args), draft_model=draft), args.model
 
 

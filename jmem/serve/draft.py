@@ -84,11 +84,12 @@ def check_draft(target_config, draft_config, max_model_len: int) -> None:
                          f"max_model_len={max_model_len}; accepted: a draft with at least that context")
 
 
-def load_draft(target, model: str | None = None, layers: Sequence[int] = (), **load_kwargs):
+def load_draft(target, model: str | None = None, layers: Sequence[int] = (), *, tokenizer=None, **load_kwargs):
     """The draft named by serving flags: `model` (a preset or model file, `jmem.load(model, **load_kwargs)`),
     or a copy of the target's `layers` (`jmem.distill.student_from_teacher`: self-speculative layer
     dropping); None when neither is given (both: refused by `check_speculative_args` before loading).
-    ValueError naming the flag for bad layers."""
+    ValueError naming the flag for bad layers, or for a `model` whose tokens differ from `tokenizer`'s
+    (the target's; `jmem.io.tokenizer.check_same_tokens`)."""
     if layers:
         from jmem.distill import student_from_teacher
 
@@ -98,8 +99,12 @@ def load_draft(target, model: str | None = None, layers: Sequence[int] = (), **l
             raise ValueError(f"--speculative-layers: {str(e).replace('student layer', 'layer')}") from None
     if model is not None:
         import jmem
+        from jmem.io.tokenizer import check_same_tokens
 
-        return jmem.load(model, **load_kwargs).model
+        draft = jmem.load(model, **load_kwargs)
+        if tokenizer is not None:
+            check_same_tokens(tokenizer, draft.tokenizer, f"--speculative-model {model!r}")
+        return draft.model
     return None
 
 

@@ -36,7 +36,7 @@ def test_chat_template():
 import pytest  # noqa: E402
 
 from jmem.io.gguf_writer import byte_tokenizer_metadata  # noqa: E402
-from jmem.io.tokenizer import GGUFTokenizer, TokenizerError  # noqa: E402
+from jmem.io.tokenizer import GGUFTokenizer, TokenizerError, check_same_tokens  # noqa: E402
 
 
 def _with_tokens(extra: list[str], types: list[int], **fields):
@@ -144,3 +144,20 @@ def test_byte_tokenizer_metadata_tokenizes_as_byte_tokenizer(text):
     rendered = tok.apply_chat_template([{"role": "user", "content": text}])
     assert rendered == f"<|user|>{text}<|assistant|>"
     assert tok.encode_chat(rendered) == [byte.bos_id, *byte.encode(rendered)]
+
+
+def test_a_draft_with_other_tokens_is_refused_naming_the_first_difference():
+    """Same vocabulary size, another vocabulary: the draft's proposals would be other tokens' ids."""
+    meta = byte_tokenizer_metadata()
+    tok = GGUFTokenizer(meta)
+    check_same_tokens(tok, GGUFTokenizer(meta))
+    check_same_tokens(tok, ByteTokenizer())  # no token list: the vocabulary size is compared elsewhere
+    swapped = list(meta["tokenizer.ggml.tokens"])
+    swapped[97], swapped[98] = swapped[98], swapped[97]
+    with pytest.raises(ValueError, match=r"^--draft 'd.gguf''s token 97 is 'b', the model's 'a'; accepted: a draft "
+                                         r"with the model's tokenizer$"):
+        check_same_tokens(tok, GGUFTokenizer({**meta, "tokenizer.ggml.tokens": swapped}), "--draft 'd.gguf'")
+    longer = GGUFTokenizer({**meta, "tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"], "x"],
+                            "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], 1]})
+    with pytest.raises(ValueError, match="vocabulary has 260 tokens, the model's 259"):
+        check_same_tokens(tok, longer)

@@ -151,6 +151,29 @@ def test_serve_flags_build_a_drafting_engine(capsys):
         assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: {msg}"), lines
 
 
+def test_a_draft_file_with_other_tokens_is_refused(tmp_path, capsys):
+    """Same vocabulary size, two tokens swapped: one line naming the flag and the first difference."""
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.serve.cli import serve_main
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=1)
+    meta = byte_tokenizer_metadata()
+    swapped = list(meta["tokenizer.ggml.tokens"])
+    swapped[97], swapped[98] = swapped[98], swapped[97]
+    for name, tokens in (("t.gguf", meta["tokenizer.ggml.tokens"]), ("d.gguf", swapped)):
+        write_gguf(tmp_path / name, cfg, random_model(cfg, 0),
+                   tokenizer_metadata={**meta, "tokenizer.ggml.tokens": tokens})
+    draft = str(tmp_path / "d.gguf")
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--model", str(tmp_path / "t.gguf"), "--port", str(free_port()), "--num-blocks", "16",
+                    "--num-speculative-tokens", "2", "--speculative-model", draft])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"jmem serve: error: --speculative-model {draft!r}'s token 97 is 'b', the model's 'a'; "
+                     "accepted: a draft with the model's tokenizer"], lines
+
+
 @pytest.mark.slow
 def test_precompiled_drafting_engine_never_waits_for_a_compilation(target):
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL),
