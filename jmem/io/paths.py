@@ -4,7 +4,8 @@ A run that writes its results at the end (a sweep, an evaluation, a quantized
 model, a checkpoint after the first steps) should fail on a path it cannot
 write before it starts, not after it has done the work. `prepare_output`
 creates the directory a flag writes into, or raises one clear error;
-`undo_on_failure` also removes what a failed run created there.
+`undo_on_failure` also removes what a failed run created there;
+`new_dirs_removed_if_left_empty` only the directories it created and left empty.
 
 Example:
     >>> out = prepare_output("results/run1/sweep.json", "--out")   # creates results/run1/
@@ -54,6 +55,22 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
     if not os.access(where, mode):
         raise ValueError(f"{flag} {str(value)!r}: {str(where)!r} is not writable; accepted: a writable path")
     return path
+
+
+@contextlib.contextmanager
+def new_dirs_removed_if_left_empty(*values: str | os.PathLike | None) -> Iterator[None]:
+    """Run the block; if it raises, remove the directories on the way to the outputs `values`
+    (directories or files; None skipped) that did not exist before it and are empty after it.
+    Nothing else is touched: a failed run's checkpoints or logs stay."""
+    new = {p for v in values if v for path in [pathlib.Path(v).expanduser()] for p in (path, *path.parents)
+           if not p.exists()}
+    try:
+        yield
+    except BaseException:
+        for p in sorted(new, key=lambda p: len(p.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):  # not empty, not a directory, or gone
+                p.rmdir()
+        raise
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
+from jmem.io.paths import new_dirs_removed_if_left_empty
 from jmem.memory.measure import MemoryReport, measure_and_compile
 from jmem.train.checks import check_steps_left, rules_for
 from jmem.train.config import TrainConfig
@@ -292,7 +293,13 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
         ValueError: bad configuration or a checkpoint dir of another run
             (before anything is compiled or written).
     """
-    out = out or sys.stdout
+    # A run refused after its output directories were made (e.g. a sharding error found when the
+    # step is traced) leaves none of them behind empty.
+    with new_dirs_removed_if_left_empty(cfg.ckpt_dir, cfg.log, cfg.plot, cfg.offload_dir):
+        return _train(cfg, out or sys.stdout, on_step)
+
+
+def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None) -> TrainResult:
     run = build(cfg)
     fns = run.fns
     state = fns.init_state(run.model)

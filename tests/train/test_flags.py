@@ -161,6 +161,20 @@ def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, c
     assert list(empty.iterdir()) == []
 
 
+def test_a_run_refused_when_its_step_is_traced_leaves_no_empty_output_dirs(tmp_path, capsys):
+    """A sequence the tensor axis cannot split is found when the step is traced, after the output
+    directories were made: they go again (an existing one stays, with what it holds)."""
+    ckpt, logs, kept = tmp_path / "new" / "ckpt", tmp_path / "logs", tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    line = _one_line_exit_2(["--model", "tiny", "--seq", "31", "--batch", "8", "--mesh", "data=4,tensor=2", "--rules",
+                             "length=tensor", "--ckpt-dir", str(ckpt), "--log", str(logs / "log.jsonl"),
+                             "--plot", str(kept / "loss.png")], capsys)
+    assert "(length) has size 31, not divisible by mesh axes tensor of size 2" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
 def test_fresh_run_does_not_write_over_an_existing_log(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 0, "loss": 5.0}\n')
