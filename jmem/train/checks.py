@@ -1,6 +1,6 @@
 """Every check of a `TrainConfig` before any model is built or compiled: `validate`
 and the checks that need a model config or mesh (`check_seq`, `check_heads_fit`,
-`check_batch_split`, `check_layerwise_fits`, `check_steps_left`), so bad flags
+`check_batch_split`, `check_seq_split`, `check_layerwise_fits`, `check_steps_left`), so bad flags
 cost one line and no time.
 """
 
@@ -332,6 +332,14 @@ def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = 
     shown = cfg.mesh if cfg.mesh else par.mesh.format_mesh(dict(getattr(sizes, "shape", sizes)))
     par.check_heads(mc.n_heads, mc.n_kv_heads, rules_for(cfg), sizes,
                     what=f"--mesh {shown} with --model {cfg.model}: ")
+
+
+def check_seq_split(cfg: TrainConfig, mesh) -> None:
+    """--seq must split over the mesh axes the rules give the sequence (`length`, after the batch
+    took its axes): one line naming --seq now, not a sharding error when the step is traced."""
+    from jmem import parallel as par
+
+    par.Rules.parse(rules_for(cfg)).spec(("batch", "length"), (0, cfg.seq), mesh, name=f"--seq={cfg.seq}")
 
 
 def check_batch_split(cfg: TrainConfig, sizes) -> None:

@@ -18,7 +18,7 @@ from jmem.io.checkpoint import structure_fingerprint
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_seq,
-                               rules_for, validate)
+                               check_seq_split, rules_for, validate)
 from jmem.train.config import TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
 
@@ -65,6 +65,7 @@ def mesh_for(cfg: TrainConfig):
         raise ValueError(f"mesh {par.mesh_summary(mesh)} has stage={mesh.shape['stage']}, "
                          f"not --pipeline-stages={cfg.pipeline_stages}")
     check_batch_split(cfg, mesh)
+    check_seq_split(cfg, mesh)
     check_heads_fit(cfg, mesh)
     return mesh
 

@@ -161,16 +161,18 @@ def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, c
     assert list(empty.iterdir()) == []
 
 
-def test_a_run_refused_when_its_step_is_traced_leaves_no_empty_output_dirs(tmp_path, capsys):
-    """A sequence the tensor axis cannot split is found when the step is traced, after the output
-    directories were made: they go again (an existing one stays, with what it holds)."""
+def test_a_run_refused_after_making_its_output_dirs_leaves_none_empty(tmp_path, capsys):
+    """A sequence the tensor axis cannot split is found once the mesh exists, after the output
+    directories were made: they go again (an existing one stays, with what it holds); the line
+    names --seq."""
     ckpt, logs, kept = tmp_path / "new" / "ckpt", tmp_path / "logs", tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
     line = _one_line_exit_2(["--model", "tiny", "--seq", "31", "--batch", "8", "--mesh", "data=4,tensor=2", "--rules",
                              "length=tensor", "--ckpt-dir", str(ckpt), "--log", str(logs / "log.jsonl"),
                              "--plot", str(kept / "loss.png")], capsys)
-    assert "(length) has size 31, not divisible by mesh axes tensor of size 2" in line
+    assert line == ("error: --seq=31: dim 1 (length) has size 31, not divisible by mesh axes tensor of size 2; change "
+                    "the mesh or the rule 'length=tensor' (e.g. 'length=none')")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
