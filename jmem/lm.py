@@ -36,7 +36,7 @@ class LM:
     Example:
         >>> lm = jmem.load("smollm2-135m")
         >>> lm.generate(["The capital of France is"], max_new_tokens=8)
-        [' Paris.\\n\\nThe answer is: 2']
+        [' Paris.\\n\\nThe answer is:']
     """
 
     def __init__(self, model: Llama, tokenizer, source=None):

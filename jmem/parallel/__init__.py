@@ -8,7 +8,7 @@ Example:
     >>> trainer = parallel.make_sharded_train_step(loss_fn, optax.adamw(1e-3), params, mesh, zero=3)
     >>> # sequence parallelism: the residual stream between blocks split over `tensor`
     >>> trainer = parallel.make_sharded_train_step(loss_fn, optax.adamw(1e-3), params,
-    ...                                            parallel.make_mesh("data=2,tensor=4"), rules="length=tensor")
+    ...                                            parallel.make_mesh("data=4,tensor=2"), rules="length=tensor")
 """
 
 from jmem.parallel.distributed import (DistributedError, ProcessInfo, check_same_settings, initialize, local_value,
