@@ -140,8 +140,8 @@ def _basis(g_BMN, side: str, rank: int, svd_batch_size: int | None):
     if not lead:
         b = one_batch(g)
     else:
-        b = jax.lax.platform_dependent(cpu=lambda: mapped(None),
-                                       default=lambda: one_batch(g) if svd_batch_size is None else mapped(svd_batch_size))
+        batched = (lambda: one_batch(g)) if svd_batch_size is None else (lambda: mapped(svd_batch_size))
+        b = jax.lax.platform_dependent(cpu=lambda: mapped(None), default=batched)
     idx = jnp.argmax(jnp.abs(b), axis=-2, keepdims=True)
     sign = jnp.sign(jnp.take_along_axis(b, idx, axis=-2))
     return b * jnp.where(sign == 0, 1.0, sign)
