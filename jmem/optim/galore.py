@@ -119,29 +119,31 @@ def galore_plan(tree, rank: int, *, exclude: "str | tuple[str, ...]" = DEFAULT_E
     return [leaf_plan(tuple(_key_name(k) for k in path), tuple(x.shape), rank, rule) for path, x in with_path], treedef
 
 
-def _basis(g_BMN, side: str, rank: int, svd_batch_size: int | None):
-    """Top-`rank` singular vectors on the smaller side, sign-canonicalised: f32[..., m or n, r]."""
-    g = g_BMN.astype(jnp.float32)
-    lead = g.shape[:-2]
-
-    def one_batch(g_KMN):
+def _top_vectors(g_BMN, side: str, rank: int, batch_size: int | None = 0):
+    """Top-`rank` singular vectors on the smaller side of each matrix of `g`: f32[..., m or n, r].
+    `batch_size` 0: one batched SVD of the whole stack; else `lax.map` over the matrices,
+    `batch_size` per SVD call (None: one matrix per call)."""
+    def svd(g_KMN):
         u_KMK, _, vh_KKN = jnp.linalg.svd(g_KMN, full_matrices=False)
         return u_KMK[..., :rank] if side == "left" else jnp.swapaxes(vh_KKN[..., :rank, :], -1, -2)
 
-    def mapped(batch_size):
-        flat = g.reshape((-1,) + g.shape[-2:])
-        b = jax.lax.map(one_batch, flat, batch_size=batch_size)
-        return b.reshape(lead + b.shape[-2:])
+    lead = g_BMN.shape[:-2]
+    if batch_size == 0 or not lead:
+        return svd(g_BMN)
+    b = jax.lax.map(svd, g_BMN.reshape((-1,) + g_BMN.shape[-2:]), batch_size=batch_size)
+    return b.reshape(lead + b.shape[-2:])
 
-    # Off the CPU a stack of matrices is one batched SVD (`svd_batch_size` bounds its workspace). On
-    # the CPU it is one matrix per call: LAPACK's batch runs on the thread pool that also runs each
-    # device's program, and inside the refresh's `lax.cond` on a multi-device mesh every device's
-    # program waited on batch tasks that no free thread could run.
-    if not lead:
-        b = one_batch(g)
-    else:
-        batched = (lambda: one_batch(g)) if svd_batch_size is None else (lambda: mapped(svd_batch_size))
-        b = jax.lax.platform_dependent(cpu=lambda: mapped(None), default=batched)
+
+def _basis(g_BMN, side: str, rank: int, svd_batch_size: int | None):
+    """Top-`rank` singular vectors on the smaller side, sign-canonicalised: f32[..., m or n, r].
+
+    Off the CPU a stack of matrices is one batched SVD (`svd_batch_size` bounds its workspace). On
+    the CPU it is one matrix per call: LAPACK's batch runs on the thread pool that also runs each
+    device's program, and inside the refresh's `lax.cond` on a multi-device mesh every device's
+    program waited on batch tasks that no free thread could run."""
+    g = g_BMN.astype(jnp.float32)
+    b = jax.lax.platform_dependent(cpu=lambda: _top_vectors(g, side, rank, None),
+                                   default=lambda: _top_vectors(g, side, rank, svd_batch_size or 0))
     idx = jnp.argmax(jnp.abs(b), axis=-2, keepdims=True)
     sign = jnp.sign(jnp.take_along_axis(b, idx, axis=-2))
     return b * jnp.where(sign == 0, 1.0, sign)
