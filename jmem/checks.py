@@ -23,6 +23,18 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
+def as_python_scalar(value):
+    """A 0-d NumPy or concrete JAX array of a number dtype (`jnp.float32(0.7)`) as its Python number;
+    anything else (a bool array, a tracer, a list) unchanged, for the checks above to judge."""
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "shape", None) != () or dtype is None or np.dtype(dtype).kind not in "iuf":
+        return value
+    try:
+        return value.item()
+    except Exception:  # noqa: BLE001 - a tracer has no value
+        return value
+
+
 def check_int(name: str, value, least: int) -> None:
     """ValueError `name=value; accepted: an integer >= least` unless `value` is such an integer."""
     if not is_int(value) or value < least:

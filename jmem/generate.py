@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
-from jmem.checks import check_int, is_int, is_number
+from jmem.checks import as_python_scalar, check_int, is_int, is_number
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -38,6 +38,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("temperature", "top_k", "top_p", "seed"):  # jnp.float32(0.7) is 0.7
+            object.__setattr__(self, name, as_python_scalar(getattr(self, name)))
         if not (is_number(self.temperature) and 0.0 <= self.temperature < float("inf")):  # NaN fails too
             raise ValueError(f"temperature={self.temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):

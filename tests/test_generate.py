@@ -137,10 +137,13 @@ def test_wrong_typed_sampling_values_are_one_clear_error(lm, kwargs, expected):
         lm.generate(["a"], **kwargs)
 
 
-def test_numpy_sampling_values_are_accepted(lm):
+def test_numpy_and_jax_sampling_values_are_accepted(lm):
     kw = dict(max_new_tokens=3, temperature=1.0, top_p=0.9, seed=3)
     want = lm.generate(["a"], **kw)
     assert lm.generate(["a"], **kw | dict(temperature=np.float32(1.0), top_p=np.float64(0.9), seed=np.int64(3))) == want
+    assert lm.generate(["a"], **kw | dict(temperature=jnp.float32(1.0), top_p=jnp.array(0.9), seed=jnp.int32(3))) == want
+    with pytest.raises(ValueError, match=r"temperature=Array\(\[1\.\], dtype=float32\); accepted: a finite number"):
+        lm.generate(["a"], **kw | dict(temperature=jnp.ones(1)))
 
 
 def test_chat_feeds_one_bos(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from jmem.checks import is_int, is_number, stop_strings
+from jmem.checks import as_python_scalar, is_int, is_number, stop_strings
 
 
 class RequestError(ValueError):
@@ -104,7 +104,11 @@ class SamplingParams:
         """Raise RequestError (a ValueError) naming the first bad field and its accepted range or type.
 
         `stop` and `stop_token_ids` are normalised in place: None is none, and one string is
-        one stop string (as OpenAI's `stop`), not its characters."""
+        one stop string (as OpenAI's `stop`), not its characters; a 0-d array number
+        (`jnp.float32(0.7)`) becomes its Python number."""
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "temperature", "top_p", "min_p",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            setattr(self, name, as_python_scalar(getattr(self, name)))
         for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
             v = getattr(self, name)
             if (v is not None or name in ("max_tokens", "min_tokens")) and not is_int(v):

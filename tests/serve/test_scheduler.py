@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from jmem.serve.block_pool import BlockPool, NoFreeBlocksError, hash_block
@@ -218,6 +219,9 @@ def test_abort_frees_blocks_and_errors():
 
 def test_sampling_params_validation():
     SamplingParams().validate()
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.array(0.9), max_tokens=np.array(4), seed=np.int64(7))
+    p.validate()  # 0-d array numbers become Python numbers
+    assert (type(p.temperature), type(p.top_p), p.max_tokens, type(p.max_tokens), p.seed) == (float, float, 4, int, 7)
     for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(min_p=2),
                 dict(logprobs=21), dict(top_k=-2), dict(top_k=2**31),  # top_k: an int32 on the device
                 dict(seed=2**63), dict(seed=-(2**63) - 1)):  # seed: 64 bits
