@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_int, is_int
+from jmem.checks import as_python_scalar, check_int, is_int, is_number
 from jmem.generate import check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
 from jmem.sampling import GREEDY_BELOW
@@ -159,9 +159,8 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> np.n
                          "accepted: models sharing one tokenizer")
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("k", k, 1)
-    scalar = isinstance(temperature, (int, float, np.number)) or (isinstance(temperature, jax.Array)
-                                                                 and temperature.ndim == 0)
-    if not (scalar and not isinstance(temperature, bool) and np.isfinite(temperature) and temperature >= 0):
+    temperature = as_python_scalar(temperature)
+    if not (is_number(temperature) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
     if not is_int(seed):
         raise ValueError(f"seed={seed!r}; accepted: an integer")
