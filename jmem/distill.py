@@ -80,7 +80,7 @@ def check_batch(batch) -> tuple[int, int]:
 
 
 def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature: float, kind: str = "forward",
-                              need_kl: bool = True, need_ce: bool = True):
+                              need_kl: bool = True):
     """Masked sums of the KL and cross-entropy terms from full logits (one chunk).
 
     Args:
@@ -92,14 +92,12 @@ def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature:
         kind: "forward" KL(teacher || student) or "reverse" KL(student || teacher).
 
     Returns:
-        (kl_sum f32[] (not yet times T^2), ce_sum f32[]); a term not needed is 0.
+        (kl_sum f32[] (not yet times T^2; 0 without `need_kl`), ce_sum f32[]).
     """
     s_BTV = s_BTV.astype(jnp.float32)
     mask_BT = mask_BT.astype(jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    kl = ce = zero
-    if need_ce:
-        ce = jnp.sum(masked_nll(jax.nn.logsumexp(s_BTV, axis=-1), s_BTV, targets_BT, mask_BT))
+    kl = jnp.zeros((), jnp.float32)
+    ce = jnp.sum(masked_nll(jax.nn.logsumexp(s_BTV, axis=-1), s_BTV, targets_BT, mask_BT))
     if need_kl:
         logp_s = jax.nn.log_softmax(s_BTV / temperature, axis=-1)
         logp_t = jax.nn.log_softmax(t_BTV.astype(jnp.float32) / temperature, axis=-1)
@@ -156,7 +154,7 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
     B, T = check_batch(batch)
     inputs, targets_BT, mask_BT = batch["inputs"], batch["targets"], batch["mask"]
     chunk = _resolve_chunk(chunk, T, getattr(getattr(student, "config", None), "loss_chunk", 1024))
-    need_kl, need_ce = alpha > 0, alpha < 1
+    need_kl = alpha > 0  # the cross-entropy is always computed: it is logged (`_weighted` leaves it out at alpha=1)
     if need_kl and teacher is None:
         raise ValueError(f"alpha={alpha} needs a teacher; accepted: a teacher model, or alpha=0 (plain cross-entropy)")
 
@@ -176,8 +174,7 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         if t is not None and t.shape[-1] != s.shape[-1]:
             raise ValueError(f"student logits have {s.shape[-1]} classes, teacher logits {t.shape[-1]}; "
                              "accepted: equal vocabularies")
-        return distill_terms_from_logits(s, t, tgt, m, temperature=temperature, kind=kind,
-                                         need_kl=need_kl, need_ce=need_ce)
+        return distill_terms_from_logits(s, t, tgt, m, temperature=temperature, kind=kind, need_kl=need_kl)
 
     if chunk >= T:  # one piece: the plain computation, nothing to scan
         kl, ce = piece(hs_BTE, ht_BTE, targets_BT, mask_BT)
@@ -201,13 +198,20 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
     return kl * temperature**2, ce, count, stats
 
 
+def _weighted(kl, ce, alpha: float):
+    """`alpha * kl + (1 - alpha) * ce`, leaving out a term of weight 0 (no backward pass through it)."""
+    if alpha == 1.0:
+        return kl
+    return ce if alpha == 0.0 else alpha * kl + (1.0 - alpha) * ce
+
+
 def distill_loss_sum(student, teacher, batch: dict, *, temperature: float = 2.0, alpha: float = 0.5,
                      kind: str = "forward", chunk: int | None = None):
     """Distillation loss sum and token count, in the shape of `jmem.train.loss.lm_loss_sum`.
 
     `alpha * T^2 * KL + (1 - alpha) * CE` summed over unmasked positions; the two heads
     run one sequence chunk at a time (see the module docstring), so neither model's
-    full logits exist. alpha=0 never runs the teacher; alpha=1 skips the cross-entropy.
+    full logits exist. alpha=0 never runs the teacher; alpha=1 takes no gradient of the cross-entropy.
     For an MoE student its weighted router losses are added as `router_loss x count`.
 
     Args:
@@ -235,7 +239,7 @@ def distill_loss_sum(student, teacher, batch: dict, *, temperature: float = 2.0,
     """
     kl, ce, count, stats = distill_loss_terms(student, teacher, batch, temperature=temperature, alpha=alpha,
                                               kind=kind, chunk=chunk)
-    total = alpha * kl + (1.0 - alpha) * ce
+    total = _weighted(kl, ce, alpha)
     if stats is not None:
         total = total + router_loss(student, stats) * count
     return total, count
@@ -362,7 +366,7 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
             s = merge(combine(tr, frozen))
             kl, ce, count, stats = distill_loss_terms(s, t, batch, temperature=temperature, alpha=alpha,
                                                       kind=kind, chunk=chunk)
-            total = alpha * kl + (1.0 - alpha) * ce
+            total = _weighted(kl, ce, alpha)
             if stats is not None:
                 total = total + router_loss(s, stats) * count
             return total / n_tokens, (kl / n_tokens, ce / n_tokens)

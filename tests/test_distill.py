@@ -247,6 +247,29 @@ def test_student_from_quantized_teacher_keeps_leaf_type():
     np.testing.assert_allclose(jax.jit(lambda s, x: nnx.merge(g, s)(x)[0])(s, ids), hand_built, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_a_step_at_an_alpha_end_logs_both_terms(alpha):
+    """alpha=1 trains on the KL alone but logs the student's real cross-entropy (it was 0); alpha=0
+    logs a KL of 0 (no teacher runs). The logged terms equal those of an alpha=0.5 step."""
+    import optax
+
+    rng = np.random.default_rng(11)
+    student = Llama(CFG.replace(n_layers=1), rngs=nnx.Rngs(11))
+    teacher = Llama(CFG.replace(n_layers=1), rngs=nnx.Rngs(12))
+    batch = _batch(rng, 2, 8, CFG.vocab_size)
+    metrics = {}
+    for a in (alpha, 0.5):
+        fns = make_distill_fns(student, teacher, optax.sgd(0.0), temperature=2.0, alpha=a, chunk=4)
+        params, opt = fns.init(student)
+        metrics[a] = jax.jit(fns.step)(params, opt, nnx.state(teacher), batch)[2]
+    np.testing.assert_allclose(float(metrics[alpha]["ce"]), float(metrics[0.5]["ce"]), rtol=1e-6)
+    assert float(metrics[alpha]["ce"]) > 1.0
+    want_kl = 0.0 if alpha == 0.0 else float(metrics[0.5]["kl"])
+    np.testing.assert_allclose(float(metrics[alpha]["kl"]), want_kl, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics[alpha]["loss"]), float(metrics[alpha]["kl" if alpha else "ce"]),
+                               rtol=1e-6)
+
+
 def test_distill_step_trains_lora_on_a_quantized_student():
     """QLoRA-style distillation: int8 student base (dropped layers of the int8-quantized
     teacher, leaf type kept) plus adapters against the float teacher; only the adapters
