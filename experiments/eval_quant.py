@@ -6,7 +6,9 @@
 Evaluation: the first `windows` non-overlapping 512-token windows of the text;
 calibration (gptq, awq): the windows after them, so the two never overlap.
 Default text: the standard library's `pydoc_data.topics`. `float` is the
-dequantized source model. GGUF block formats use llama.cpp's own fallback for
+dequantized source model (its stored types are printed first: the packaged
+SmolLM2 file stores its layer matrices as Q4_1, so `q4_1` reproduces `float`).
+GGUF block formats use llama.cpp's own fallback for
 matrices whose input dimension is not a multiple of 256 (Q4_K -> Q5_0,
 Q6_K -> Q8_0; SmolLM2's width 576 needs it; `jmem.quant.ggml_weight.quantize_gguf_blocks`),
 recorded per method. Likewise the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 import os
 import sys
 import time
@@ -141,6 +144,16 @@ def check_group_flag(group_size: int, model: str, bits: list[int]) -> None:
                      f"of 32 below it that does" + (f", e.g. {', '.join(map(str, examples))}" if examples else ""))
 
 
+def source_types(lm) -> str:
+    """The stored types of the source GGUF's layer matrices (e.g. 'Q4_1 x 180, Q6_K x 30'); '' for
+    a model not read from a GGUF file."""
+    tensors = getattr(getattr(lm, "source", None), "tensors", None)
+    if not isinstance(tensors, dict):
+        return ""
+    counts = Counter(str(t.qtype) for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2)
+    return ", ".join(f"{k} x {n}" for k, n in counts.most_common())
+
+
 def main(cfg: Config) -> list[dict]:
     """Quantize and evaluate every method of `cfg`; the flags are checked before the model loads."""
     methods, text = validate(cfg)
@@ -155,6 +168,9 @@ def main(cfg: Config) -> list[dict]:
     float_bytes = weight_bytes(base)
     print(f"{tokens.size} tokens; eval {windows.size}, calibration {calib.size} (disjoint); "
           f"float linear weights {float_bytes / 2**20:.1f} MiB")
+    stored = source_types(lm)
+    if stored:  # `float` is this file's weights dequantized: a method of the same format loses little or nothing
+        print(f"source weights (float = them, dequantized): {stored}")
 
     records = []
     for m in methods:

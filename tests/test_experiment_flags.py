@@ -127,3 +127,17 @@ def test_layerwise_loss_columns_name_the_steps_they_average(steps, label, monkey
     out = capsys.readouterr().out
     last = label.replace("first", "last")
     assert f"| training | train loss, {label} | train loss, {last} | held-out loss |" in out, out
+
+
+def test_eval_quant_names_the_source_files_stored_types(tmp_path):
+    """`float` is the source dequantized: the run says what the source stored (a file of Q8_0 layers)."""
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models import LlamaConfig
+    from tests.helpers import random_model
+
+    cfg = LlamaConfig.tiny(n_layers=1, dim=32, head_dim=8, ffn_dim=64)
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, cfg, random_model(cfg, 0), tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="Q8_0")
+    lm = jmem.load(str(path))
+    assert experiment("eval_quant").source_types(lm) == "Q8_0 x 7"
+    assert experiment("eval_quant").source_types(jmem.load("tiny")) == ""
