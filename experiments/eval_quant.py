@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 import os
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 

@@ -327,7 +327,8 @@ def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj
             code for moments with at least `min_8bit_size` elements).
         block_size, min_8bit_size: the 8-bit blocks and size threshold.
         svd_batch_size: None: one batched SVD per stacked leaf; k: `lax.map`
-            over its matrices k at a time, which bounds the SVD workspace.
+            over its matrices k at a time, which bounds the SVD workspace. On the CPU
+            every stack runs one matrix per call whatever this is (see `_basis`).
 
     Returns:
         `chain(scale_by_galore, add_decayed_weights, scale_by_learning_rate)`.

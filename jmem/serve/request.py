@@ -106,11 +106,9 @@ class SamplingParams:
         `stop` and `stop_token_ids` are normalised in place: None is none, and one string is
         one stop string (as OpenAI's `stop`), not its characters; a 0-d array number
         (`jnp.float32(0.7)`) becomes its Python number."""
-        for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "temperature", "top_p", "min_p",
-                     "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            setattr(self, name, as_python_scalar(getattr(self, name)))
         for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
-            v = getattr(self, name)
+            v = as_python_scalar(getattr(self, name))
+            setattr(self, name, v)
             if (v is not None or name in ("max_tokens", "min_tokens")) and not is_int(v):
                 raise RequestError(f"{name}={v!r}; accepted: an integer", name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
@@ -119,7 +117,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r}; accepted: true or false", name)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
+            v = as_python_scalar(getattr(self, name))
+            setattr(self, name, v)
             if not is_number(v) or not math.isfinite(v):
                 raise RequestError(f"{name}={v!r}; accepted: a finite number", name)
         try:
