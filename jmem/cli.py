@@ -32,10 +32,14 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         draft_k: Draft proposals per target pass.
     """
     import jmem
+    from jmem.lm import model_source
 
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
     if draft is not None and (top_k is not None or top_p is not None):
         raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
+    model_source(model, "--model")
+    if draft is not None:
+        model_source(draft, "--draft")
     lm = jmem.load(model)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if draft is not None:

@@ -125,6 +125,24 @@ class LM:
         return self._complete([tok.encode_chat(tok.apply_chat_template(messages))], **kwargs)[0]
 
 
+def model_source(name_or_path: str, flag: str = "model") -> tuple[str, str]:
+    """What `load(name_or_path)` would read, without reading it: ("preset", name), ("directory", path)
+    or ("gguf", path). A missing file or package is a ValueError naming `flag` and what is accepted, so a
+    command can check every model it names before loading the first."""
+    name = str(name_or_path)
+    if name in PACKAGED_MODELS:
+        return "gguf", packaged_model_path(name)
+    if name in PRESETS:
+        return "preset", name
+    if os.path.isdir(name):
+        return "directory", name
+    if os.path.isfile(name):
+        return "gguf", name
+    raise ValueError(f"{flag} {name!r} is neither a file nor a directory nor a known name; accepted: a .gguf "
+                     f"path, a quantized model directory, or one of "
+                     f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
+
+
 def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",
          attention_impl: str = "xla", packed: bool = False, seed: int = 0) -> LM:
     """Load a model by preset name, GGUF path or quantized model directory.
@@ -140,22 +158,15 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
     dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
-    name_or_path = str(name_or_path)
-    if name_or_path in PACKAGED_MODELS:
-        path = packaged_model_path(name_or_path)
-    elif name_or_path in PRESETS:
-        config = get_config(name_or_path, **dtypes)
+    kind, path = model_source(name_or_path)
+    if kind == "preset":
+        config = get_config(path, **dtypes)
         return LM(Llama(config, rngs=nnx.Rngs(seed)), ByteTokenizer())
-    elif os.path.isdir(name_or_path):
+    if kind == "directory":
         from jmem.quant.saved import load_quantized
 
-        model, tokenizer, source = load_quantized(name_or_path, **dtypes)
+        model, tokenizer, source = load_quantized(path, **dtypes)
         return LM(model, tokenizer, source=source)
-    elif str(name_or_path).endswith(".gguf") or os.path.exists(name_or_path):
-        path = str(name_or_path)
-    else:
-        raise ValueError(f"unknown model {name_or_path!r}; accepted: a .gguf path, a quantized model directory, "
-                         f"or one of {', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
     gf = read_gguf(path)
     config = config_from_gguf(gf, **dtypes)
     tokenizer = GGUFTokenizer(gf.tokenizer_metadata())

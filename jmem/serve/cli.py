@@ -105,7 +105,7 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
-    from jmem.lm import PACKAGED_MODELS
+    from jmem.lm import PACKAGED_MODELS, model_source
     from jmem.models.config import PRESETS, as_dtype
     from jmem.serve.paged_cache import KV_DTYPES
 
@@ -144,6 +144,9 @@ def check_args(args: ServeArgs) -> None:
 
     check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,
                            draft_model=args.speculative_model, draft_layers=args.speculative_layers)
+    model_source(args.model, "--model")
+    if args.speculative_model is not None:
+        model_source(args.speculative_model, "--speculative-model")
     lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 

@@ -151,6 +151,27 @@ def test_serve_flags_build_a_drafting_engine(capsys):
         assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: {msg}"), lines
 
 
+def test_a_missing_model_or_draft_is_refused_before_anything_loads(monkeypatch, capsys):
+    import jmem
+    from jmem.serve.cli import serve_main
+
+    def refuse_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(jmem, "load", refuse_load)
+    for flags, msg in [
+        (["--model", "/missing/t.gguf"], "--model '/missing/t.gguf' is neither a file nor a directory nor a known "
+                                         "name; accepted: a .gguf path"),
+        (["--model", "tiny", "--num-speculative-tokens", "2", "--speculative-model", "/missing/d.gguf"],
+         "--speculative-model '/missing/d.gguf' is neither a file"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            serve_main(["--port", str(free_port()), "--num-blocks", "16", *flags])
+        assert exit_info.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: {msg}"), lines
+
+
 def test_a_draft_file_with_other_tokens_is_refused(tmp_path, capsys):
     """Same vocabulary size, two tokens swapped: one line naming the flag and the first difference."""
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
