@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem.checks import check_int, is_int
+from jmem.memory.offload import add_in_place_of, in_memory_space_of
 
 
 def check_divisible(batch_size: int, num_microbatches: int) -> None:
@@ -100,14 +101,16 @@ def accumulate_value_and_grad(
         dt = accum_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         return jnp.zeros(x.shape, dt)
 
-    # The first microbatch's shapes give the value/aux structure for the carry.
+    # The first microbatch's shapes give the value/aux structure for the carry. A parameter
+    # offloaded to host memory gets its gradient there (jmem.memory.offload), and so its sum.
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     out_shape = jax.eval_shape(grad_fn, params, first)
-    carry0 = jax.tree_util.tree_map(lambda s: zeros_like_acc(jnp.zeros(s.shape, s.dtype)), out_shape)
+    value0, grads0 = jax.tree_util.tree_map(lambda s: zeros_like_acc(jnp.zeros(s.shape, s.dtype)), out_shape)
+    carry0 = value0, jax.tree_util.tree_map(in_memory_space_of, grads0, params)
 
     def body(carry, mb):
         out = grad_fn(params, mb)
-        carry = jax.tree_util.tree_map(lambda c, o: c + o.astype(c.dtype), carry, out)
+        carry = jax.tree_util.tree_map(add_in_place_of, carry, out)
         return carry, None
 
     total, _ = jax.lax.scan(body, carry0, micro)

@@ -100,6 +100,30 @@ def _in_host_space(x) -> bool:
     return space is not None and space == _SPACE.Host
 
 
+def in_memory_space_of(x, like):
+    """`x` moved to the memory space of `like` (traced code): host memory when `like` is in host
+    memory (an offloaded parameter, or its gradient), else `x` as it is."""
+    if _SPACE is None or not hasattr(jax, "typeof") or not _in_host_space(like):
+        return x
+    return jax.device_put(x, _SPACE.Host)
+
+
+def add_in_place_of(total, x):
+    """`total + x` in `total`'s dtype, computed where `total` lives: a sum in host memory (the
+    accumulated gradient of an offloaded parameter) is added on the host (`compute_on`)."""
+    if _SPACE is None or not hasattr(jax, "typeof") or not _in_host_space(total):
+        return total + x.astype(total.dtype)
+    from jax.experimental.compute_on import compute_on
+
+    with compute_on("device_host"):
+        return _add(total, x)
+
+
+@jax.jit
+def _add(total, x):
+    return total + x.astype(total.dtype)
+
+
 def fetch_layer(tree):
     """Move the leaves of one layer's weights that are in host memory to device memory.
 

@@ -51,9 +51,9 @@ def _reference(name):
     return jax.tree.map(np.asarray, state.params), report, opt_bytes
 
 
-def _offloaded(tx, params="none", **kw):
+def _offloaded(tx, params="none", accum=1, **kw):
     model = _model()
-    fns = make_train_fns(model, tx)
+    fns = make_train_fns(model, tx, accum=accum)
     state = fns.init_state(model)
     trainer = OffloadedTrainStep(fns, jax.eval_shape(lambda: state), params=params, **kw)
     return trainer, trainer.place(state)
@@ -119,6 +119,21 @@ def test_parameter_offload_keeps_layers_in_host_memory_and_trains_identically():
         state, _ = trainer(state, b)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params["layers"])} == {"pinned_host"}
     assert _max_diff(state.params, ref_params) <= 1e-6
+
+
+def test_parameter_offload_accumulates_layer_gradients_in_host_memory():
+    """accum=2: the offloaded layers' gradients are summed where they arrive (host memory), and the
+    step equals the on-device step at the same accumulation."""
+    model = _model()
+    fns = make_train_fns(model, _tx("adamw"), accum=2)
+    state, step = fns.init_state(model), jax.jit(fns.step)
+    trainer, off_state = _offloaded(_tx("adamw"), params="host", accum=2)
+    report = trainer.measure(off_state, _batches()[0])
+    assert report.host_output_bytes == tree_bytes(off_state.params["layers"])
+    for b in _batches():
+        state, _ = step(state, b)
+        off_state, _ = trainer(off_state, b)
+    assert _max_diff(off_state.params, state.params) <= 1e-6
 
 
 @pytest.mark.slow
