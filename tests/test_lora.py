@@ -168,6 +168,10 @@ def test_dropout_and_bad_inputs():
     assert apply_lora(base, dtype="bf16").layers.wq.kernel.get_value().lora_a.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="dropout key=0; accepted: a typed PRNG key"):
         set_dropout_key(model, 0)
+    from jmem.train import make_train_fns
+
+    with pytest.raises(ValueError, match="^LoRA dropout with a loss_fn is not supported"):  # it would never drop
+        make_train_fns(model, optax.adam(1e-3), loss_fn=lambda params, batch: (0.0, 1), adapters_only=True)
 
 
 def test_dropout_only_in_train_steps_never_at_inference():

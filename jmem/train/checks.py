@@ -307,6 +307,10 @@ def _validate_parallel(cfg: TrainConfig) -> None:
             # backward ticks; a residual offloaded to host memory cannot be written into it.
             raise ValueError(f"--remat {cfg.remat} with --pipeline-schedule 1f1b is not supported; accepted: "
                              "--pipeline-schedule gpipe with it, or a --remat policy that keeps residuals on the device")
+        if cfg.lora_dropout > 0:
+            raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --pipeline-stages {cfg.pipeline_stages} is "
+                             f"not supported (the pipeline schedule draws no dropout mask); accepted: "
+                             f"--lora-dropout 0, or --pipeline-stages 1")
         if (cfg.batch // cfg.accum) % cfg.microbatches:
             raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
                              f"step ({cfg.batch // cfg.accum})")

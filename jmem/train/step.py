@@ -126,7 +126,8 @@ def make_train_fns(
             where they are used (`jmem.parallel.gather_on_use`).
         rules: sharding rules (`jmem.parallel.Rules`, a string or None for the defaults).
         loss_fn: `(params, batch) -> (loss_sum, count)` replacing the model's own loss
-            (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics then.
+            (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics or LoRA
+            dropout then (a model with adapter dropout is refused).
         adapters_only: differentiate and update only LoRA adapter arrays (`jmem.lora`);
             the base (possibly quantized) gets neither gradients nor optimizer state.
         dropout_seed: adapters with dropout > 0 (`apply_lora(dropout=p)`) drop in `step`
@@ -152,7 +153,10 @@ def make_train_fns(
         is_leaf = None
     gather = mesh is not None and zero >= 3 and loss_fn is None
     moe = bool(getattr(config, "moe_experts", 0)) and loss_fn is None
-    lora_dropout = loss_fn is None and _has_lora_dropout(model)
+    lora_dropout = _has_lora_dropout(model)
+    if lora_dropout and loss_fn is not None:
+        raise ValueError("LoRA dropout with a loss_fn is not supported (the loss function runs the layers "
+                         "itself and draws no dropout mask); accepted: adapters with dropout=0, or no loss_fn")
 
     def merge(params):
         # Weight leaves (`GatheredWeight`) stay whole: `dot` gathers them where they are used.

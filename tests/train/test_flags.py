@@ -118,6 +118,9 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
      "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),
+    (["--lora-rank", "4", "--lora-dropout", "0.5", "--mesh", "stage=2", "--pipeline-stages", "2", "--microbatches",
+      "2"], "--lora-dropout 0.5 with --pipeline-stages 2 is not supported (the pipeline schedule draws no dropout "
+            "mask); accepted: --lora-dropout 0, or --pipeline-stages 1"),
     (["--precision", "p=f32,c=bf16,o=bf16"], "--precision='p=f32,c=bf16,o=bf16' asks for bfloat16 outputs; "
                                              "accepted: o=f32"),
 ])
