@@ -121,9 +121,13 @@ class Checkpointer:
                 f"checkpoint dir {self.directory} holds numbered folders that are not jmem checkpoints ({names}); "
                 f"choose another --ckpt-dir (nothing was written)")
 
+    def steps(self) -> list[int]:
+        """The complete jmem steps in the directory, ascending (empty when absent)."""
+        return self._steps()[0]
+
     def latest_step(self) -> int | None:
         """The newest complete jmem step in the directory, or None (also when absent)."""
-        ours, _ = self._steps()
+        ours = self.steps()
         return ours[-1] if ours else None
 
     def read_meta(self, step: int | None = None) -> dict | None:

@@ -74,6 +74,13 @@ def _key(k) -> str:
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
+def check_snapshot(source) -> None:
+    """OffloadError unless `source` holds an optimizer-state snapshot (`DiskOptimizer.snapshot`)."""
+    if not (pathlib.Path(source) / _META).is_file():
+        raise OffloadError(f"no optimizer-state snapshot in {source} (disk offload needs the files saved "
+                           f"with the checkpoint)")
+
+
 class DiskOptimizer:
     """An optax transformation whose state lives in files, updated chunk by chunk.
 
@@ -246,9 +253,7 @@ class DiskOptimizer:
         """
         src = pathlib.Path(source)
         meta = src / _META
-        if not meta.is_file():
-            raise OffloadError(f"no optimizer-state snapshot in {src} (disk offload needs the files saved "
-                               f"with the checkpoint)")
+        check_snapshot(src)
         mine = pathlib.Path(self.directory) / _META
         self._write_meta()
         if json.loads(meta.read_text()) != json.loads(mine.read_text()):

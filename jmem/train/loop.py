@@ -313,6 +313,10 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                              f"drop --resume to start a new run")
         if resume_step is not None:
             check_steps_left(cfg, resume_step)
+            if cfg.offload_optimizer == "disk":  # before anything is restored or reported
+                from jmem.memory.disk_offload import check_snapshot
+
+                check_snapshot(_snapshot_dir(ckpt, resume_step))
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
@@ -537,7 +541,7 @@ def _offloaded(run: Run, state, ckpt, start: int):
                                  params=cfg.offload_params, disk=disk)
     state = trainer.place(state)
     if disk is not None and start > 0:
-        disk.restore(str(ckpt.directory / _OFFLOAD_SNAPSHOT / str(start)))
+        disk.restore(_snapshot_dir(ckpt, start))
 
     def place(state=None, batch=None):
         return trainer.place(state) if batch is None else trainer.place_batch(batch)
@@ -545,20 +549,24 @@ def _offloaded(run: Run, state, ckpt, start: int):
     return trainer, place, state, trainer
 
 
+def _snapshot_dir(ckpt: Checkpointer, step: int) -> str:
+    return str(ckpt.directory / _OFFLOAD_SNAPSHOT / str(step))
+
+
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
     """A checkpoint; with disk offload, a copy of the optimizer-state files beside it, written before
-    the step becomes the latest checkpoint (the previous copy is removed after: a resume continues
-    from the latest step)."""
+    the step becomes the latest checkpoint. Copies are kept for the steps the checkpointer keeps,
+    so any kept step can be resumed."""
     disk = getattr(offload, "disk", None)
-    root = ckpt.directory / _OFFLOAD_SNAPSHOT
     if disk is not None:
-        disk.snapshot(str(root / str(step)))
+        disk.snapshot(_snapshot_dir(ckpt, step))
     ckpt.save(step, state, meta)
     if disk is not None:
         import shutil
 
-        for old in root.iterdir():
-            if old.name != str(step):
+        kept = set(map(str, ckpt.steps()))
+        for old in (ckpt.directory / _OFFLOAD_SNAPSHOT).iterdir():
+            if old.name not in kept:
                 shutil.rmtree(old, ignore_errors=True)
 
 

@@ -87,6 +87,31 @@ def test_disk_offload_resumes_from_its_checkpoint(tmp_path):
     second = train(TrainConfig(**kw, ckpt_dir=ck, resume=True), out=out)
     assert "disk optimizer state files" in out.getvalue()
     assert {**first.losses, **second.losses} == whole.losses
+    # An older kept step resumes too (its own optimizer-state files), to the same losses.
+    shutil.rmtree(tmp_path / "ckpt" / "4")
+    third = train(TrainConfig(**kw, ckpt_dir=ck, resume=True), out=io.StringIO())
+    assert {**first.losses, **third.losses} == whole.losses
+
+
+def test_disk_offload_keeps_a_snapshot_per_kept_checkpoint(tmp_path):
+    """Every step the checkpointer keeps has its optimizer-state files, so an older step resumes
+    too; a step without them is refused before anything is restored or reported."""
+    from jmem.io.checkpoint import Checkpointer
+
+    ck = tmp_path / "ck"
+    kw = dict(model="tiny", steps=4, batch=4, seq=16, progress=False, eval_batches=1, ckpt_every=1,
+              offload_optimizer="disk", offload_dir=str(tmp_path / "state"), ckpt_dir=str(ck))
+    train(TrainConfig(**kw), out=io.StringIO())
+    kept = Checkpointer(ck).steps()
+    assert kept == [2, 3, 4] and sorted(int(p.name) for p in (ck / "offload_optimizer").iterdir()) == kept
+    shutil.rmtree(ck / "4")
+    shutil.rmtree(ck / "offload_optimizer" / "3")
+    out = io.StringIO()
+    from jmem.memory.offload import OffloadError
+
+    with pytest.raises(OffloadError, match=f"^no optimizer-state snapshot in {ck}/offload_optimizer/3 "):
+        train(TrainConfig(**{**kw, "steps": 5}, resume=True), out=out)
+    assert "resumed" not in out.getvalue()
 
 
 def test_disk_offload_snapshot_is_written_before_its_checkpoint(tmp_path, monkeypatch):
