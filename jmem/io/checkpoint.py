@@ -142,9 +142,11 @@ class Checkpointer:
             raise self._damaged(step, e) from e
 
     def _damaged(self, step: int, e: Exception) -> CheckpointMismatchError:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return CheckpointMismatchError(f"checkpoint {self.directory / str(step)} is damaged or unreadable ({why}); "
-                                       f"accepted: a complete checkpoint: resume from another step or choose "
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = why.split(" See full TensorStore details")[0][:200]  # then a Python object's repr
+        where = self.directory / str(step)
+        return CheckpointMismatchError(f"checkpoint {where} is damaged or unreadable ({why}); accepted: a complete "
+                                       f"checkpoint: delete {where} to resume from the step before it, or choose "
                                        f"another --ckpt-dir")
 
     def check(self, meta: dict, *, resume: bool, upgrade=None) -> int | None:

@@ -153,6 +153,10 @@ def checkpoint_steps(directory: str) -> list[int]:
 def _validate_resume(cfg: TrainConfig) -> None:
     """--resume needs a checkpoint to continue and steps left to train (the directory is not created)."""
     steps = checkpoint_steps(cfg.ckpt_dir)
+    path = pathlib.Path(cfg.ckpt_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir!r} is a file, not a checkpoint directory; accepted: the "
+                         f"directory of the run to resume")
     if not steps:
         raise ValueError(f"--resume: nothing to resume in {cfg.ckpt_dir} (no checkpoint there); "
                          f"drop --resume to start a new run")

@@ -162,6 +162,10 @@ def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, c
     with pytest.raises(ValueError, match=f"nothing to resume in {empty}"):
         validate(TrainConfig(model="tiny", ckpt_dir=str(empty), resume=True))
     assert list(empty.iterdir()) == []
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    line = _one_line_exit_2(["--model", "tiny", "--ckpt-dir", str(a_file), "--resume"], capsys)
+    assert f"--ckpt-dir {str(a_file)!r} is a file, not a checkpoint directory" in line, line
 
 
 def test_a_run_refused_after_making_its_output_dirs_leaves_none_empty(tmp_path, capsys):
