@@ -75,7 +75,7 @@ class StreamOptions(BaseModel):
 
 NOT_IMPLEMENTED = {
     # vLLM's extras that change the output
-    "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+    "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
@@ -110,6 +110,9 @@ class _Sampling(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Either value gives the same text: the tokenizer joins special tokens as they are spelled, as
+    # vLLM does with a fast tokenizer (its slow-tokenizer path alone inserts the spaces).
+    spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     min_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None

@@ -334,6 +334,7 @@ def test_float_fields_take_json_ints(server):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"),
 ])
 def test_error_param_names_the_field_openai_style(server, path, body, param):
     body = {"model": "tiny", "max_tokens": 2, **body}
@@ -355,7 +356,6 @@ def test_error_param_names_the_field_openai_style(server, path, body, param):
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
     ("/v1/chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
 ])
@@ -426,7 +426,8 @@ def test_logit_bias_and_min_tokens(server, client):
 def test_harmless_and_neutral_parameters_are_accepted(server):
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "user": "u1",
             "metadata": {"k": "v"}, "response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {},
-            "store": False, "min_tokens": 0, "modalities": ["text"], "skip_special_tokens": False, "audio": None}
+            "store": False, "min_tokens": 0, "modalities": ["text"], "skip_special_tokens": False, "audio": None,
+            "spaces_between_special_tokens": False}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
     cmpl = {"model": "tiny", "max_tokens": 2, "prompt": "x", "n": 2, "best_of": 2, "suffix": "", "whatever": [1]}
     assert post(server, "/v1/completions", cmpl).status_code == 200
@@ -543,6 +544,12 @@ def test_smollm2_server():
             content = content[:-1]
         joined = b"".join(bytes(t.bytes) for t in content)
         assert joined.decode("utf-8", errors="replace") == chat.choices[0].message.content
+        # Special tokens are joined as spelled, whatever spaces_between_special_tokens says (as vLLM's fast path).
+        for spaces in (True, False):
+            r = c.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2, temperature=0,
+                                     logit_bias={"1": 100}, extra_body={"skip_special_tokens": False,
+                                                                        "spaces_between_special_tokens": spaces})
+            assert r.choices[0].text == "<|im_start|><|im_start|>"
     finally:
         stop_server(proc)
 
