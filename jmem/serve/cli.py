@@ -74,9 +74,10 @@ class ServeArgs:
     """Compile the largest step shapes before listening; smaller ones then compile in the background."""
     log_level: str = "info"
     """uvicorn / jmem log level: critical, error, warning, info, debug, trace."""
-    lora_modules: tuple[str, ...] = ()
+    lora_modules: tyro.conf.UseAppendAction[tuple[tuple[str, ...], ...]] = ()
     """LoRA adapters served beside the base model, as NAME=PATH or vLLM's '{"name": NAME, "path": PATH}'
-    (files written by jmem.lora.save_adapters); a request's `model` field picks one by NAME."""
+    (files written by jmem.lora.save_adapters); a request's `model` field picks one by NAME. The flag
+    may be repeated: every occurrence's entries are served."""
     max_loras: int | None = None
     """Adapter slots stacked on the device (one per --lora-modules entry when unset)."""
     max_lora_rank: int = 16
@@ -205,7 +206,8 @@ def lora_modules(args: ServeArgs) -> dict[str, str]:
     if args.lora_impl not in IMPLS:
         raise ValueError(f"--lora-impl={args.lora_impl!r}; accepted: {', '.join(IMPLS)}")
     modules: dict[str, str] = {}
-    for item in args.lora_modules:
+    groups = args.lora_modules  # one tuple per --lora-modules occurrence (a flat tuple from Python is taken too)
+    for item in (e for g in groups for e in ((g,) if isinstance(g, str) else g)):
         name, path = _lora_module(item)
         if name == args.model:
             raise ValueError(f"--lora-modules name {name!r} is the base model's name; accepted: another name")

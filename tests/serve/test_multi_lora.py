@@ -331,3 +331,20 @@ def test_lora_modules_take_vllms_json_form(adapters):
 
     entries = (f'{{"name": "a", "path": "{adapters["a"]}", "base_model_name": "tiny"}}', f"b={adapters['b']}")
     assert lora_modules(ServeArgs(model="tiny", lora_modules=entries)) == adapters
+
+
+def test_repeated_lora_modules_flags_serve_every_entry(adapters):
+    """`--lora-modules a=.. --lora-modules b=..` (as vLLM users write it) serves both; a name
+    given in two occurrences is refused like one given twice in one."""
+    import tyro
+
+    from jmem.serve.cli import ServeArgs, lora_modules
+
+    def parse(*argv):
+        return lora_modules(tyro.cli(ServeArgs, args=["--model", "tiny", *argv]))
+
+    a, b = f"a={adapters['a']}", f"b={adapters['b']}"
+    assert parse("--lora-modules", a, "--lora-modules", b) == adapters
+    assert parse("--lora-modules", a, b) == adapters
+    with pytest.raises(ValueError, match="^--lora-modules name 'a' is given twice"):
+        parse("--lora-modules", a, b, "--lora-modules", a)
