@@ -438,6 +438,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
         max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
+        for k, ids in enumerate(prompts if echo_only else ()):  # a generating request is checked as it is added
+            try:
+                engine.check_prompt(ids)
+            except ValueError as e:
+                raise APIError(400, str(e) if len(prompts) == 1 else f"prompt {k}: {e}", "prompt") from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
         # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests); so does

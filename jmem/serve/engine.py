@@ -337,16 +337,20 @@ class Engine:
             bad = min(ids) if min(ids) < 0 else max(ids)
             raise RequestError(f"{what} holds token id {bad}; accepted: 0..{vocab - 1}", what)
 
-    def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
-        """Each prompt token's log-probability given the tokens before it, with the top `k`
-        (0..20) and its rank: `[None, (lp, [(id, lp), ...], rank), ...]` (see `ModelRunner.prompt_logprobs`).
-        Safe to call from any thread; it does not touch the paged cache or the schedule."""
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """RequestError unless `prompt_ids` is a non-empty list of vocabulary ids that fits the context."""
         if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty; accepted: at least one token", "prompt")
         self._check_ids("prompt", prompt_ids)
         if len(prompt_ids) > self.max_request_tokens:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; accepted: at most {self.max_request_tokens}",
                                "prompt")
+
+    def prompt_logprobs(self, prompt_ids: list[int], k: int = 0, adapter: str | None = None) -> list:
+        """Each prompt token's log-probability given the tokens before it, with the top `k`
+        (0..20) and its rank: `[None, (lp, [(id, lp), ...], rank), ...]` (see `ModelRunner.prompt_logprobs`).
+        Safe to call from any thread; it does not touch the paged cache or the schedule."""
+        self.check_prompt(prompt_ids)
         if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
             raise RequestError(f"logprobs={k} is out of range; accepted: 0..{SamplingParams.MAX_LOGPROBS}", "logprobs")
         return self.runner.prompt_logprobs(list(prompt_ids), k, adapter)

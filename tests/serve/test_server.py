@@ -205,6 +205,8 @@ def test_echo_with_logprobs_scores_the_prompt(server, client):
     ({"max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "x" * 200}, 400, "prompt"),
     ({"prompt": "x" * 100_000}, 400, "prompt"),
+    ({"prompt": "x" * 200, "max_tokens": 0, "echo": True}, 400, "prompt"),  # nothing generated, nothing scored
+    ({"prompt": ["x", "x" * 129], "max_tokens": 0, "echo": True}, 400, "prompt"),
     ({"model": "gpt-4"}, 404, "model"),
 ])
 def test_errors(server, body, status, param):
