@@ -351,7 +351,7 @@ def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
     hi, lo = wg.max(axis=-2), wg.min(axis=-2)
     if clip is not None:
         hi, lo = hi * clip, lo * clip
-    tiny = float(np.finfo(np.float16).tiny)
+    tiny = float(np.finfo(np.float16).smallest_subnormal)  # subnormal scales keep tiny groups' grids fine
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         scale = _f16_up(jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny))
