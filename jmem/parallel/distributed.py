@@ -15,11 +15,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
+import sys
+import threading
 
 import jax
 import numpy as np
+
+from jmem.checks import check_int
 
 
 class DistributedError(ValueError):
@@ -80,13 +86,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         local_device_ids: restrict this process to some local devices (e.g. one GPU per process).
         cpu_collectives: collectives backend for CPU devices (`"gloo"`, `"mpi"` or None to keep
             JAX's setting); CPU-only multi-process runs need one.
-        initialization_timeout: seconds to wait for all processes.
+        initialization_timeout: seconds to wait for all processes. When they have not all
+            joined by then, this process prints one line naming the job and exits with
+            status 2 (JAX's runtime would abort it a little later with a stack dump).
 
     Returns:
         `ProcessInfo(process_id, num_processes, local_devices, global_devices)`.
 
     Raises:
-        DistributedError: an incomplete or inconsistent set of arguments.
+        DistributedError: an incomplete or inconsistent set of arguments, or (on process 0)
+            a coordinator port that is already in use on this host.
     """
     check_args(coordinator, num_processes, process_id)
     is_init = getattr(jax.distributed, "is_initialized", lambda: False)
@@ -94,17 +103,61 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return _info()  # already joined (a second call in the same process)
     if coordinator is None and num_processes in (None, 1) and process_id in (None, 0) and not _auto_env():
         return _info()  # single process: nothing to join
+    check_int("initialization_timeout", initialization_timeout, 1)
+    if coordinator is not None and process_id == 0:
+        _check_port_free(coordinator)  # else the coordinator service fails to bind and the process crashes
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    kwargs = {"initialization_timeout": initialization_timeout}
+    # JAX's own deadline is later than the watchdog's, so the watchdog speaks first.
+    kwargs = {"initialization_timeout": initialization_timeout + 60}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
-    if coordinator is None:  # detected from the cluster; a count given explicitly wins
-        jax.distributed.initialize(**kwargs, **({} if num_processes is None else {"num_processes": num_processes}))
-    else:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, **kwargs)
+    who = f"process {process_id} of {num_processes}" if coordinator is not None else "this process"
+    with _watchdog(initialization_timeout,
+                   f"error: {who} waited {initialization_timeout} s for the multi-process job at "
+                   f"{coordinator or 'the detected coordinator'} and not every process joined; accepted: the "
+                   f"same coordinator and process count on every process, each with its own process id"):
+        if coordinator is None:  # detected from the cluster; a count given explicitly wins
+            jax.distributed.initialize(**kwargs, **({} if num_processes is None else {"num_processes": num_processes}))
+        else:
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id, **kwargs)
     return _info()
+
+
+def _check_port_free(coordinator: str) -> None:
+    """DistributedError when process 0 could not listen on the coordinator's port (any address,
+    as the coordinator service does); a port left in TIME_WAIT by an earlier run is free."""
+    import socket
+
+    port = int(coordinator.rpartition(":")[2])
+    family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("::" if family == socket.AF_INET6 else "", port))
+    except OSError as e:
+        raise DistributedError(f"coordinator {coordinator!r}: port {port} cannot be used on this host, where "
+                               f"process 0 runs the coordinator service ({e.strerror}); accepted: a free "
+                               f"port") from None
+
+
+@contextlib.contextmanager
+def _watchdog(seconds: int, message: str):
+    """Run the block; if it has not finished within `seconds`, print `message` and exit with status 2
+    (a process blocked inside the runtime's connect cannot be interrupted otherwise)."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            print(message, file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watch, daemon=True, name="jmem-initialize-watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def check_same_settings(settings: dict[str, object], what: str = "settings") -> None:

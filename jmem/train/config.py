@@ -88,6 +88,8 @@ class TrainConfig:
     """Multi-host: total number of processes."""
     process_id: int | None = None
     """Multi-host: this process's index (0..num_processes-1)."""
+    init_timeout: int = 300
+    """Multi-host: seconds a process waits for all the others to join before it stops with an error."""
 
     offload_optimizer: str = "none"
     """Optimizer state and f32 master weights: none (on device), host (host memory; the update runs on the host, ZeRO-Offload) or disk (files under --offload-dir, updated one layer slice at a time, ZeRO-Infinity)."""

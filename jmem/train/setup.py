@@ -275,7 +275,7 @@ def _digest(*arrays) -> str:
 
 # Flags that may differ between the processes of one job: each process's own index, and its own
 # output files and local offload folder; --data by the tokens it holds (below), not by its path.
-_PER_PROCESS = ("process_id", "log", "plot", "progress", "offload_dir", "data")
+_PER_PROCESS = ("process_id", "init_timeout", "log", "plot", "progress", "offload_dir", "data")
 
 
 def build(cfg: TrainConfig) -> Run:
@@ -285,7 +285,7 @@ def build(cfg: TrainConfig) -> Run:
     if cfg.distributed:
         from jmem import parallel as par
 
-        par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+        par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.init_timeout)
         # Before the first collective: processes on different flags would wait on each other forever.
         par.check_same_settings({f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
                                  if k not in _PER_PROCESS}, "flags")

@@ -1,5 +1,7 @@
 """Meshes, rules and ZeRO shardings (no compilation: shardings and abstract shapes only)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,6 +183,35 @@ def test_initialize_checks_and_single_process(monkeypatch):
     with pytest.raises(par.DistributedError, match="num_processes=2 needs coordinator and process_id as well, or a "
                        "cluster JAX detects them on"):
         par.initialize(None, 2)  # refused, not left to JAX's "coordinator_address should be defined"
+    with pytest.raises(ValueError, match="initialization_timeout=0; accepted: an integer >= 1"):
+        par.initialize("127.0.0.1:1234", 2, 0, initialization_timeout=0)
+    import socket
+
+    with socket.socket() as taken:  # another program listens on the port: refused before JAX's runtime starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(par.DistributedError, match=f"^coordinator '127.0.0.1:{port}': port {port} cannot be used "
+                                                       f"on this host, where process 0 runs the coordinator service"):
+            par.initialize(f"127.0.0.1:{port}", 2, 0)
     par.check_same_settings({"--seed": 0})  # one process: nothing to compare
     info = par.initialize()  # no cluster in the environment: single process, nothing joined
     assert (info.process_id, info.num_processes, info.global_devices) == (0, 1, 8)
+
+
+def test_a_process_whose_peers_never_join_stops_with_one_line():
+    """Process 0 of 2 alone: at the timeout it says what it waited for and exits with status 2
+    (JAX's runtime would abort later with a stack dump)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    coord = f"127.0.0.1:{free_port()}"
+    code = f"from jmem.parallel import initialize; initialize({coord!r}, 2, 0, initialization_timeout=3)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: process 0 of 2 waited 3 s for the multi-process job at {coord} and not every process joined; "
+        "accepted: the same coordinator and process count on every process, each with its own process id")
