@@ -224,6 +224,8 @@ class IntTensor(QTensor):
         check_finite(w, "the weight w")
         w = jnp.asarray(w)
         group_size = check_group_size(w.shape[-2], group_size, bits)
+        if clip is not None:
+            clip = _checked_clip(clip, (*w.shape[:-2], w.shape[-2] // group_size, w.shape[-1]))
         packed, scale, zero = _rtn_arrays(w, clip, bits, group_size, symmetric)
         return cls(packed, scale, zero, bits, w.dtype)
 
@@ -237,6 +239,18 @@ def _rtn_arrays(w, clip, bits: int, group_size: int, symmetric: bool):
     u = encode(w, scale, zero, bits)
     zero = None if zero is None else zero.astype(jnp.uint8)
     return pack_bits(u, bits), scale.astype(jnp.float16), zero
+
+
+def _checked_clip(clip, shape: tuple[int, ...]):
+    """`clip` as f32 of `shape` (per group and output column), with values in (0, 1] when concrete."""
+    if np.shape(clip) != shape:
+        raise ValueError(f"clip has shape {np.shape(clip)}; accepted: f32{list(shape)} (the weight's leading dims, "
+                         f"in/group_size, out)")
+    clip = jnp.asarray(clip, jnp.float32)
+    if is_concrete(clip) and not bool(jnp.all((clip > 0) & (clip <= 1))):
+        raise ValueError("clip holds values outside (0, 1] (or NaN); accepted: factors in (0, 1] that shrink each "
+                         "group's range")
+    return clip
 
 
 def check_int_bits(bits) -> None:

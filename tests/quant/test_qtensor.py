@@ -146,5 +146,12 @@ def test_bad_inputs():
         IntTensor.quantize(w, bits=5)
     with pytest.raises(ValueError, match="group_size=96"):
         IntTensor.quantize(w, bits=4, group_size=96)
+    with pytest.raises(ValueError, match=rf"^clip has shape \(2, 3, 64\); accepted: f32\[{L}, 2, 64\]"):
+        IntTensor.quantize(w, bits=4, group_size=128, clip=np.ones((2, 3, 64)))
+    for bad in (0.0, 1.5, np.nan):
+        with pytest.raises(ValueError, match=r"^clip holds values outside \(0, 1\]"):
+            IntTensor.quantize(w, bits=4, group_size=128, clip=np.full((L, 2, 64), bad))
+    clipped = IntTensor.quantize(w, bits=4, group_size=128, clip=np.full((L, 2, 64), 0.5))
+    assert float(jnp.max(jnp.abs(clipped.dequantize()))) < 0.6 * float(jnp.max(jnp.abs(w)))
     with pytest.raises(ValueError, match="multiple of 64"):
         NF4Tensor.quantize(_w(shape=(96, 8)))
