@@ -241,15 +241,16 @@ class DynamicLossScale:
                    growth_factor, backoff_factor, min_scale, max_scale)
 
     def scale(self, tree):
-        """Multiplies floating leaves (the loss) by the scale, keeping their dtype."""
-        return jax.tree.map(lambda x: (x * self.scale_value).astype(x.dtype) if _is_float(x.dtype) else x, tree)
+        """Multiplies floating leaves (the loss; Python numbers too) by the scale, keeping their dtype."""
+        return jax.tree.map(lambda x: (x * self.scale_value).astype(x.dtype) if _is_float(x.dtype) else x,
+                            jax.tree.map(jnp.asarray, tree))
 
     def unscale(self, tree):
-        """Divides floating leaves (the grads) by the scale, computed in f32."""
+        """Divides floating leaves (the grads; Python numbers too) by the scale, computed in f32."""
         inv = 1.0 / self.scale_value
         return jax.tree.map(
-            lambda x: (x.astype(jnp.float32) * inv).astype(x.dtype) if _is_float(x.dtype) else x, tree
-        )
+            lambda x: (x.astype(jnp.float32) * inv).astype(x.dtype) if _is_float(x.dtype) else x,
+            jax.tree.map(jnp.asarray, tree))
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """New loss scale: backoff (and reset the counter) when not finite; grow

@@ -93,13 +93,18 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 def quantize(x, *, signed: bool, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
-    """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales.
+    """Block-wise quantizes `x` (any shape) to uint8 codes and f32 block scales; `signed=False`
+    codes cover [0, max] only (Adam's second moment).
 
     Raises:
-        ValueError: `code` not in CODES, or `block_size` not an integer >= 1.
+        ValueError: `code` not in CODES, `block_size` not an integer >= 1, or (for a concrete `x`)
+            negative values with `signed=False`, which the unsigned code would turn into 0.
     """
     checks.one_of("quantize", "code", code, CODES)
     block_size = checks.integer("quantize", "block_size", block_size, 1, shapes=True)
+    if not signed and not isinstance(x, jax.core.Tracer) and bool(jnp.any(jnp.asarray(x) < 0)):
+        raise ValueError("quantize: x holds negative values with signed=False (its code covers [0, max]); "
+                         "accepted: signed=True, or x >= 0")
     x_NB = _blocks(x, block_size)
     scale_N = jnp.max(jnp.abs(x_NB), axis=1)
     y_NB = x_NB / jnp.where(scale_N == 0, 1.0, scale_N)[:, None]  # in [-1, 1]

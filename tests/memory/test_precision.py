@@ -90,6 +90,8 @@ def test_loss_scale_settings_take_numpy_numbers_and_equal_bounds():
     ls = DynamicLossScale.create(np.float32(4.0), growth_interval=np.int64(1), min_scale=4, max_scale=4.0)
     assert float(ls.adjust(jnp.array(True)).scale_value) == 4.0
     assert float(ls.adjust(jnp.array(False)).scale_value) == 4.0
+    # A Python number is a loss or gradient too.
+    assert float(ls.scale(1.5)) == 6.0 and float(ls.unscale({"g": 2.0})["g"]) == 0.5 and ls.scale(3).dtype == jnp.int32
 
 
 def test_dynamic_loss_scale_grows_and_backs_off():

@@ -31,6 +31,9 @@ def test_quantize_picks_the_nearest_code_value(signed):
     got = table[np.asarray(q.codes)]
     # Same value as the nearest code (ties may pick either neighbour).
     np.testing.assert_array_equal(np.abs(got - flat / scale) <= np.abs(table[ref_idx] - flat / scale) + 1e-7, True)
+    if not signed:
+        with pytest.raises(ValueError, match="^quantize: x holds negative values with signed=False"):
+            quantize(jnp.asarray(-x), signed=False)
     y = np.asarray(dequantize(q, x.shape, signed=signed))
     np.testing.assert_allclose(y, table[ref_idx].reshape(-1)[: x.size].reshape(x.shape)
                                * np.repeat(scale[:, 0], 128)[: x.size].reshape(x.shape), rtol=1e-6)
