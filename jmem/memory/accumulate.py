@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem.checks import check_int, is_int
-from jmem.memory.offload import add_in_place_of, in_memory_space_of
+from jmem.memory.offload import add_into, in_memory_space_of
 
 
 def check_divisible(batch_size: int, num_microbatches: int) -> None:
@@ -110,7 +110,7 @@ def accumulate_value_and_grad(
 
     def body(carry, mb):
         out = grad_fn(params, mb)
-        carry = jax.tree_util.tree_map(add_in_place_of, carry, out)
+        carry = jax.tree_util.tree_map(add_into, carry, out)
         return carry, None
 
     total, _ = jax.lax.scan(body, carry0, micro)

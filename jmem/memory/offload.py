@@ -108,7 +108,7 @@ def in_memory_space_of(x, like):
     return jax.device_put(x, _SPACE.Host)
 
 
-def add_in_place_of(total, x):
+def add_into(total, x):
     """`total + x` in `total`'s dtype, computed where `total` lives: a sum in host memory (the
     accumulated gradient of an offloaded parameter) is added on the host (`compute_on`)."""
     if _SPACE is None or not hasattr(jax, "typeof") or not _in_host_space(total):
