@@ -188,10 +188,7 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
 
 def save_student(path: str, student, lm) -> None:
     """`student` with the teacher's tokenizer in a new model directory (`jmem.quant.saved`, float leaves)."""
-    from jmem.io.tokenizer import ByteTokenizer
-
-    meta = None if isinstance(lm.tokenizer, ByteTokenizer) else lm.source.tokenizer_metadata()
-    save_quantized(path, student, tokenizer=lm.tokenizer, tokenizer_metadata=meta)
+    save_quantized(path, student, tokenizer=lm.tokenizer)
 
 
 def markdown(cfg: Config, student_blocks: int, r: dict) -> str:

@@ -96,6 +96,7 @@ class GGUFTokenizer:
             raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; accepted: {', '.join(PRE_TOKENIZERS)}")
         if not metadata.get("tokenizer.ggml.tokens"):
             raise TokenizerError("required key tokenizer.ggml.tokens is missing (the file has no vocabulary)")
+        self.metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}  # to save it again
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         types: list[int] = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]

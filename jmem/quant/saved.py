@@ -168,6 +168,8 @@ def check_new_dir(path: str | os.PathLike, flag: str = "--out") -> pathlib.Path:
 def _tokenizer_entry(tokenizer, tokenizer_metadata) -> dict:
     from jmem.io.tokenizer import ByteTokenizer
 
+    if tokenizer_metadata is None:
+        tokenizer_metadata = getattr(tokenizer, "metadata", None)  # a GGUFTokenizer keeps its fields
     if tokenizer_metadata is not None:
         meta = {k: v for k, v in tokenizer_metadata.items() if k.startswith("tokenizer.")}
         if "tokenizer.ggml.tokens" not in meta:
@@ -201,8 +203,8 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
         model: a `jmem.models.Llama` whose weights are arrays or quantized leaves
             (`IntTensor`, `NF4Tensor`, `FP8Tensor`, `GGMLWeight`, `InputScaled`).
         tokenizer: the model's tokenizer; a `ByteTokenizer` is stored as such.
-        tokenizer_metadata: GGUF `tokenizer.*` fields (e.g. `GGUFFile.tokenizer_metadata()`),
-            required for any tokenizer other than `ByteTokenizer`.
+        tokenizer_metadata: GGUF `tokenizer.*` fields (e.g. `GGUFFile.tokenizer_metadata()`);
+            by default the tokenizer's own (`GGUFTokenizer.metadata`).
         quantization: method, bits, group_size, symmetric, act_order (a mapping or
             `jmem.quant.api.QuantSpec`), recorded in the manifest; `jmem quantize` records the
             group size each linear got (a mapping from linear to size when they differ).
@@ -213,7 +215,6 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
 
     Example:
         >>> save_quantized("/tmp/q4", qmodel, tokenizer=lm.tokenizer,
-        ...                tokenizer_metadata=lm.source.tokenizer_metadata(),
         ...                quantization={"method": "gptq", "bits": 4, "group_size": 128})
     """
     from jmem.io.checkpoint import Checkpointer

@@ -70,8 +70,28 @@ def validate(cfg: TrainConfig) -> Policy:
     _validate_lora(cfg)
     _validate_offload(cfg, policy)
     _validate_layerwise(cfg)
+    _validate_save(cfg)
     _make_output_dirs(cfg)
     return policy
+
+
+def _validate_save(cfg: TrainConfig) -> None:
+    """--save: a new adapters file (with LoRA) or a new model directory, written by one process."""
+    if cfg.save is None:
+        return
+    if cfg.num_processes not in (None, 1):
+        raise ValueError(f"--save is written by one process; got --num-processes {cfg.num_processes} "
+                         f"(save from the checkpoint with one process)")
+    if cfg.lora_rank > 0:
+        if not cfg.save.endswith(".npz"):
+            raise ValueError(f"--save {cfg.save!r} with --lora-rank writes the adapters as an .npz file; "
+                             f"accepted: a path ending in .npz")
+        if pathlib.Path(cfg.save).expanduser().exists():
+            raise ValueError(f"--save {cfg.save!r} exists (nothing is overwritten); accepted: a new path")
+    else:
+        from jmem.quant.saved import check_new_dir
+
+        check_new_dir(cfg.save, "--save")
 
 
 DECAYING = ("adamw", "adam8bit", "galore")
@@ -186,9 +206,10 @@ def _make_output_dirs(cfg: TrainConfig) -> None:
     if cfg.plot:
         check_image_path(cfg.plot, "--plot")
     for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot),
-                        ("--offload-dir", cfg.offload_dir)):
+                        ("--offload-dir", cfg.offload_dir), ("--save", cfg.save)):
         if value:
-            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir"))
+            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir")
+                           or (flag == "--save" and cfg.lora_rank == 0))
 
 
 def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:

@@ -66,6 +66,8 @@ class TrainConfig:
     --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job)."""
     plot: str | None = None
     """Write a PNG of the loss curve and the memory table to this file (by process 0 alone)."""
+    save: str | None = None
+    """When the run finishes: with --lora-rank, the adapters to this .npz file (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`)."""
     loss_chunk: int | None = None
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
     progress: bool = True

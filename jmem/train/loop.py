@@ -295,7 +295,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     """
     # A run refused after its output directories were made (e.g. a sharding error found when the
     # step is traced) leaves none of them behind empty.
-    with new_dirs_removed_if_left_empty(cfg.ckpt_dir, cfg.log, cfg.plot, cfg.offload_dir):
+    with new_dirs_removed_if_left_empty(cfg.ckpt_dir, cfg.log, cfg.plot, cfg.offload_dir, cfg.save):
         return _train(cfg, out or sys.stdout, on_step)
 
 
@@ -427,6 +427,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
             evals[final] = ev
             log.write({"step": final, "eval_loss": ev})
             print(f"final eval loss {ev:.4f} (train loss {losses.get(final - 1, float('nan')):.4f})", file=out)
+        if cfg.save:
+            _save_result(run, state, out)
     skipped = _skipped(state.opt_state)
     if skipped:
         print(f"{skipped} non-finite steps skipped (loss scale {float(state.loss_scale.scale_value):g})", file=out)
@@ -440,6 +442,22 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         plot_run(result, cfg.plot, title=f"{cfg.model} remat={cfg.remat} {run.policy} {cfg.optimizer}")
         print(f"wrote {cfg.plot}", file=out)
     return result
+
+
+def _save_result(run: Run, state, out: TextIO) -> None:
+    """--save: the adapters (with --lora-rank) or the whole trained model (float leaves, or the
+    quantized base of QLoRA as it is), readable by `jmem serve` / `jmem.load`."""
+    model = run.fns.merge(jax.tree.map(np.asarray, state.params))
+    if run.cfg.lora_rank > 0:
+        from jmem.lora import save_adapters
+
+        save_adapters(model, run.cfg.save)
+        print(f"wrote the adapters to {run.cfg.save}", file=out)
+    else:
+        from jmem.quant.saved import save_quantized
+
+        save_quantized(run.cfg.save, model, tokenizer=run.tokenizer)
+        print(f"wrote the trained model to {run.cfg.save}", file=out)
 
 
 def _skipped(opt_state) -> int:

@@ -1,0 +1,67 @@
+"""--save: a finished run writes its trained model (a directory `jmem.load` reads) or, with LoRA,
+its adapters (a file `jmem serve --lora-modules` reads), equal to the run's final parameters."""
+
+import dataclasses
+import io
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmem
+from jmem.io.checkpoint import Checkpointer
+from jmem.lora import adapter_arrays, load_adapters
+from jmem.train import TrainConfig, train
+from jmem.train.setup import build
+
+BASE = dict(model="tiny", steps=3, batch=4, seq=16, progress=False, eval_batches=1)
+
+
+def _final_params(cfg: TrainConfig):
+    """The run's last parameters, restored from its checkpoint, as a pure dict of the merged model."""
+    run = build(dataclasses.replace(cfg, save=None))  # the saved output exists by now
+    state = Checkpointer(cfg.ckpt_dir).restore(run.fns.init_state(run.model))
+    return run.fns.merge(state.params)
+
+
+def _params(model):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def test_saved_model_is_the_trained_model(tmp_path):
+    cfg = TrainConfig(**BASE, ckpt_dir=str(tmp_path / "ck"), save=str(tmp_path / "model"))
+    out = io.StringIO()
+    train(cfg, out=out)
+    assert f"wrote the trained model to {tmp_path / 'model'}" in out.getvalue()
+    saved, trained = _params(jmem.load(str(tmp_path / "model")).model), _params(_final_params(cfg))
+    jax.tree.map(np.testing.assert_array_equal, saved, trained)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(saved),
+                                                         jax.tree.leaves(_params(jmem.load("tiny").model))))
+
+
+def test_saved_adapters_are_the_trained_adapters(tmp_path):
+    path = tmp_path / "adapters.npz"
+    cfg = TrainConfig(**BASE, lora_rank=4, lora_targets="wq,wv", ckpt_dir=str(tmp_path / "ck"), save=str(path))
+    train(cfg, out=io.StringIO())
+    served = load_adapters(jmem.load("tiny").model, path)  # the base the run started from: the preset's
+    trained = adapter_arrays(_final_params(cfg))
+    assert set(adapter_arrays(served)) == set(trained) and len(trained) == 4
+    for k, v in adapter_arrays(served).items():
+        np.testing.assert_array_equal(v, trained[k])
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (dict(lora_rank=4, save="a.txt"), "--save 'a.txt' with --lora-rank writes the adapters as an .npz file"),
+    (dict(save="taken"), "--save 'taken' is a non-empty directory"),
+    (dict(save="x", coordinator="127.0.0.1:1234", num_processes=2, process_id=0),
+     "--save is written by one process; got --num-processes 2"),
+])
+def test_bad_save_paths_are_refused_before_training(extra, expected, tmp_path, monkeypatch):
+    from jmem.train.checks import validate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "f").write_text("x")
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        validate(TrainConfig(**{**BASE, **extra}))
