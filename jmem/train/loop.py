@@ -445,8 +445,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
 
 def _save_result(run: Run, state, out: TextIO) -> None:
-    """--save: the adapters (with --lora-rank) or the whole trained model (float leaves, or the
-    quantized base of QLoRA as it is), readable by `jmem serve` / `jmem.load`."""
+    """--save: the adapters (with --lora-rank) or the whole trained model (its leaves in the run's
+    parameter dtype), readable by `jmem serve` / `jmem.load`."""
     model = run.fns.merge(jax.tree.map(np.asarray, state.params))
     if run.cfg.lora_rank > 0:
         from jmem.lora import save_adapters
