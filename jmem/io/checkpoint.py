@@ -79,22 +79,26 @@ class Checkpointer:
         max_to_keep: older jmem steps are deleted beyond this many, an integer >= 1 or None to
             keep all (folders jmem did not write are never deleted: `save` refuses a directory
             that holds any).
+        read_only: only read (a shared or read-only model directory): nothing is created, cleaned
+            up or saved there.
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int | None = 3):
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int | None = 3, read_only: bool = False):
         if max_to_keep is not None:
             check_int("max_to_keep", max_to_keep, 1)
         self.directory = pathlib.Path(directory).expanduser().resolve()
+        self.read_only = read_only
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=None if max_to_keep is None else int(max_to_keep), create=False,
-            enable_async_checkpointing=False, cleanup_tmp_directories=True,
+            enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only,
         )
         self._manager: ocp.CheckpointManager | None = None
 
     @property
     def manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            if not self.read_only:
+                self.directory.mkdir(parents=True, exist_ok=True)
             # Handlers named up front so the stored array metadata is readable before any restore.
             handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
             self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)

@@ -320,7 +320,7 @@ def load_weights(path: str | os.PathLike, manifest: Mapping) -> dict[str, Any]:
     if missing:
         raise QuantizedDirError(f"{MANIFEST}: leaves refer to arrays it does not list: {missing[:3]}")
     template = {k: jax.ShapeDtypeStruct(tuple(specs[k]["shape"]), jnp.dtype(specs[k]["dtype"])) for k in wanted}
-    ckpt = Checkpointer(pathlib.Path(path) / ARRAYS)
+    ckpt = Checkpointer(pathlib.Path(path) / ARRAYS, read_only=True)  # loading leaves the directory as it is
     try:
         if ckpt.latest_step() is None:
             raise QuantizedDirError(f"{path}: {ARRAYS}/ holds no saved arrays (an interrupted write?)")
