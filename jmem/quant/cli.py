@@ -180,7 +180,6 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     import jmem
     from jmem.io.gguf import GGUFFile
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
-    from jmem.io.tokenizer import ByteTokenizer
     from jmem.quant import quantize
     from jmem.quant.api import check_float_model, group_sizes
     from jmem.quant.ggml import fallback_lines, fitting_qtype
@@ -215,8 +214,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
                           max_seqs=args.calibration_windows, log=print)
         if kind == "gguf":
             return write(qmodel, args.store_type)
-    save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,
-                   tokenizer_metadata=None if isinstance(lm.tokenizer, ByteTokenizer) else tok_meta,
+    save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,  # a GGUF tokenizer carries its own fields
                    quantization=quantization_spec(args, method, group_sizes(qmodel)))
     return _leaf_kinds(qmodel)
 
