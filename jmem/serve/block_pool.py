@@ -17,6 +17,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from numbers import Integral
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -37,7 +38,8 @@ def hash_block(parent: bytes | None, tokens, adapter_id: str | None = None) -> b
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"\0" * 16)
     h.update(array("q", tokens).tobytes())
-    h.update(b"|" + (adapter_id or "").encode())
+    # The base model (None) is marked apart from every adapter name, "" included.
+    h.update(b"\0" if adapter_id is None else b"|" + adapter_id.encode())
     return h.digest()
 
 
@@ -64,8 +66,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"BlockPool num_blocks={num_blocks}; need at least 1")
+        if not _is_count(num_blocks) or num_blocks < 1:
+            raise ValueError(f"BlockPool num_blocks={num_blocks!r}; accepted: an integer >= 1")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -90,6 +92,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks from the front of the free queue, evicting their cached hashes."""
+        if not _is_count(n) or n < 0:
+            raise ValueError(f"allocate n={n!r}; accepted: an integer >= 0")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
@@ -108,7 +112,7 @@ class BlockPool:
     def touch(self, block_ids) -> None:
         """Add one reference to each block (a prefix hit); takes idle ones off the free queue."""
         for bid in block_ids:
-            blk = self.blocks[bid]
+            blk = self._block(bid)
             if blk.ref_cnt == 0:
                 del self._free[bid]
             blk.ref_cnt += 1
@@ -120,9 +124,10 @@ class BlockPool:
         shared) are evicted before its first ones.
         """
         for bid in block_ids:
-            blk = self.blocks[bid]
+            blk = self._block(bid)
             if blk.ref_cnt <= 0:
-                raise RuntimeError(f"block {bid} freed with ref_cnt={blk.ref_cnt}")
+                raise ValueError(f"block {bid} freed while not in use (ref count 0); accepted: blocks held "
+                                 "by a request, each freed once per reference")
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
                 if blk.block_hash is None or not self.enable_prefix_caching:
@@ -137,7 +142,7 @@ class BlockPool:
         """Record that `block_id` holds the full block with `block_hash`."""
         if not self.enable_prefix_caching:
             return
-        blk = self.blocks[block_id]
+        blk = self._block(block_id)
         if blk.block_hash is not None:
             return
         blk.block_hash = block_hash
@@ -150,8 +155,20 @@ class BlockPool:
             return None
         return self._cached.get(block_hash)
 
+    def _block(self, bid) -> Block:
+        """Block `bid`, checked: -1 (a block table's empty slot) or an id past the pool is an error,
+        not a Python index into another request's block."""
+        if not _is_count(bid) or not 0 <= bid < self.num_blocks:
+            raise ValueError(f"block id {bid!r}; accepted: an integer in [0, {self.num_blocks})")
+        return self.blocks[bid]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (for example after the weights change)."""
         for blk in self.blocks:
             blk.block_hash = None
         self._cached.clear()
+
+
+def _is_count(x) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)

@@ -7,6 +7,8 @@ block list is what the runner turns into a block table.
 
 from __future__ import annotations
 
+from numbers import Integral
+
 from jmem.serve.block_pool import BlockPool, hash_block
 from jmem.serve.request import Request
 
@@ -109,7 +111,11 @@ class KVCacheManager:
         Returns:
             The request's full block list, or None (nothing changed) when the pool is short.
         """
+        if not isinstance(num_new_tokens, Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
+            raise ValueError(f"allocate_slots num_new_tokens={num_new_tokens!r}; accepted: an integer >= 0")
         computed_blocks = computed_blocks or []
+        if computed_blocks:
+            self._check_still_cached(req, computed_blocks)
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
         need = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
@@ -130,6 +136,16 @@ class KVCacheManager:
             if self.pool.blocks[blocks[i]].block_hash is None:
                 self._unwritten.setdefault(h, (req.request_id, i, blocks[i]))
         return blocks
+
+    def _check_still_cached(self, req: Request, computed_blocks: list[int]) -> None:
+        """Prefix hits must still hold `req`'s prefix: an allocation between `get_computed_blocks` and
+        `allocate_slots` may have evicted them and handed them to another request."""
+        hashes = self._hashes(req, len(computed_blocks))
+        for i, bid in enumerate(computed_blocks):
+            if self.pool.lookup(hashes[i]) != bid:
+                raise ValueError(f"computed block {bid} (block {i} of request {req.request_id!r}) no longer holds "
+                                 "its prefix (evicted since get_computed_blocks); accepted: the blocks of a "
+                                 "get_computed_blocks call with no allocation in between")
 
     def commit_written(self) -> None:
         """After a step ran: its full blocks become prefix hits (those of requests still holding them)."""

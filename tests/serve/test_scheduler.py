@@ -71,7 +71,7 @@ def test_pool_refcounts_and_lru():
     pool.free(reversed(a))
     pool.free(reversed(b))
     assert pool.num_free == 4
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="not in use"):
         pool.free([a[0]])
     # Unhashed blocks are evicted before cached ones; cached ones in the order they were freed.
     got = pool.allocate(3)
@@ -88,6 +88,46 @@ def test_hash_chains_on_parent_and_adapter():
     assert hash_block(h, [4]) != hash_block(None, [4])
     assert hash_block(None, [1, 2, 3], "lora-a") != h
     assert hash_block(None, [1, 2, 3]) == h
+    assert hash_block(None, [1, 2, 3], "") != h  # the base model is not an adapter named ""
+
+
+@pytest.mark.parametrize("call, bad", [("free", -1), ("free", 4), ("touch", -1), ("cache_block", 7),
+                                       ("allocate", -2), ("allocate", 1.5), ("init", True), ("init", 2.5)])
+def test_pool_rejects_bad_ids_and_counts(call, bad):
+    """-1 (a block table's empty slot) must not free the last block as a Python index would."""
+    pool = BlockPool(4)
+    held = pool.allocate(4)
+    with pytest.raises(ValueError, match=repr(bad)):
+        if call == "init":
+            BlockPool(bad)
+        elif call == "allocate":
+            pool.allocate(bad)
+        elif call == "cache_block":
+            pool.cache_block(bad, b"h")
+        else:
+            getattr(pool, call)([bad])
+    assert [pool.blocks[b].ref_cnt for b in held] == [1, 1, 1, 1] and pool.num_free == 0
+
+
+def test_stale_prefix_hits_refused():
+    """Hits looked up before another allocation evicted them would read that request's KV."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a = Request("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    kv.commit_written()
+    kv.free(a)
+    b = Request("b", [1, 2, 3, 4, 9])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4
+    c = Request("c", list(range(100, 114)))
+    kv.allocate_slots(c, 14)  # takes every free block, a's cached ones included
+    kv.free(c)
+    b.num_computed_tokens = n
+    with pytest.raises(ValueError, match="no longer holds its prefix"):
+        kv.allocate_slots(b, 1, hits)
+    assert kv.pool.num_free == 8
+    with pytest.raises(ValueError, match="-5"):
+        kv.allocate_slots(b, -5)
 
 
 def test_prefix_hits_shared_blocks():
