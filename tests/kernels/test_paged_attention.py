@@ -142,6 +142,13 @@ def test_bad_inputs_name_the_problem():
         paged_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), lengths, table)
     with pytest.raises(ValueError, match="head_dim=16 but pages have head_dim=8"):
         paged_attention(q, kp[..., :8], vp[..., :8], lengths, table)
+    k8, v8 = kp.astype(jnp.int8), vp.astype(jnp.int8)
+    with pytest.raises(ValueError, match="k_scale is a list; accepted: an f32 array"):
+        paged_attention(q, k8, v8, lengths, table, k_scale=[[1.0] * 8] * 2, v_scale=jnp.ones((2, 8)))
+    with pytest.raises(ValueError, match="slot_mapping is a list; accepted: an array"):
+        write_pages(kp, vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), [0])
+    with pytest.raises(ValueError, match="k_new/v_new dtypes int32/int32; accepted: float arrays"):
+        write_pages(kp, vp, jnp.zeros((1, 2, 16), jnp.int32), jnp.zeros((1, 2, 16), jnp.int32), jnp.array([0]))
     with pytest.raises(ValueError, match="slot_mapping\\[0\\]=9999 is past"):
         write_pages(kp, vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), jnp.array([9999]))
     with pytest.raises(ValueError, match="Triton \\(GPU\\) kernel needs a power-of-two head_dim; got 12"):

@@ -54,6 +54,9 @@ def check_pages(name: str, q_heads: int, head_dim: int, k_pages, v_pages, k_scal
             raise ValueError(f"{name}: {dtype} pages need {sname} f32[kv_heads={kv_heads}, num_pages={num_pages}]")
         if not quant and s is not None:
             raise ValueError(f"{name}: {sname} is only for int8/float8_e4m3fn pages; pages are {dtype}")
+        if s is not None and not hasattr(s, "shape"):
+            raise ValueError(f"{name}: {sname} is a {type(s).__name__}; accepted: an f32 array "
+                             f"[kv_heads={kv_heads}, num_pages={num_pages}]")
         if s is not None and tuple(s.shape) != (kv_heads, num_pages):
             raise ValueError(f"{name}: {sname} shape {s.shape} must be [kv_heads, num_pages] = {(kv_heads, num_pages)}")
         if s is not None and s.dtype != jnp.float32:

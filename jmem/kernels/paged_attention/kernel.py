@@ -77,6 +77,7 @@ def paged_attention(
     pages_per_compute_block=None, num_splits=None, backend=None, interpret=None,
 ):
     """Decode attention of one new token per sequence against its paged K/V cache.
+    For inference: it has no gradient (train with flash_attention).
 
     Args:
         q: [batch, q_heads, head_dim], a floating dtype (f32, bf16 or f16).

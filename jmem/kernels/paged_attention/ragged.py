@@ -125,6 +125,7 @@ def ragged_paged_attention(
     k_scale=None, v_scale=None, sm_scale=None, pages_per_compute_block=None, block_q=BLOCK_Q, backend=None, interpret=None,
 ):
     """Attention for a mixed batch of prefill chunks and decode tokens over paged K/V.
+    For inference: it has no gradient (train with flash_attention).
 
     Sequence s owns query tokens cu_q_lens[s]:cu_q_lens[s+1] of `q`; they are
     its last q_len tokens, so token i of the chunk sits at position

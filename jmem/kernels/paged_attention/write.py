@@ -71,6 +71,9 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None, v
 
 
 def _check_write(name, k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale):
+    for arg, x in (("k_new", k_new), ("v_new", v_new), ("slot_mapping", slot_mapping)):
+        if not hasattr(x, "shape"):
+            raise ValueError(f"{name}: {arg} is a {type(x).__name__}; accepted: an array")
     check_pages(name, k_pages.shape[0], k_pages.shape[3], k_pages, v_pages, k_scale, v_scale)
     K, N, P, D = k_pages.shape
     if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != (K, D):
@@ -78,6 +81,8 @@ def _check_write(name, k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_
             f"{name}: k_new and v_new must be [tokens, kv_heads={K}, head_dim={D}]; "
             f"got k_new {k_new.shape}, v_new {v_new.shape}"
         )
+    if not (jnp.issubdtype(k_new.dtype, jnp.floating) and jnp.issubdtype(v_new.dtype, jnp.floating)):
+        raise ValueError(f"{name}: k_new/v_new dtypes {k_new.dtype}/{v_new.dtype}; accepted: float arrays")
     if slot_mapping.shape != (k_new.shape[0],) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"{name}: slot_mapping must be int32[{k_new.shape[0]}]; got {slot_mapping.dtype}{list(slot_mapping.shape)}")
     slots = concrete(slot_mapping)
