@@ -23,6 +23,7 @@ from flax import nnx
 
 from jmem.checks import check_int, is_int
 from jmem.memory import bytes_per_device
+from jmem.models import LlamaConfig
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
@@ -86,6 +87,8 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_int("prompt_lookup_max", self.prompt_lookup_max, 0)  # >= 1 with speculation (Engine checks)
 
 
 @dataclass
@@ -219,6 +222,11 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), lora_modules: dict | None = None,
                  draft_model=None):
+        if draft_model is not None and not isinstance(getattr(draft_model, "config", None), LlamaConfig):
+            raise ValueError(f"draft_model={draft_model!r:.80}; accepted: a model (jmem.load(...).model; "
+                             "jmem.serve.draft.load_draft takes a name or path)")
+        if lora_modules is not None and not isinstance(lora_modules, dict):
+            raise ValueError(f"lora_modules={lora_modules!r:.80}; accepted: a dict of adapter name -> .npz path")
         check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max, draft_model=draft_model)
         self.config = config
         self.tokenizer = tokenizer

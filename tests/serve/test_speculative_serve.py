@@ -280,6 +280,14 @@ def test_flags_are_checked(model, capsys):
     with pytest.raises(ValueError, match="prompt_lookup_max=0"):
         Engine(model, ByteTokenizer(), EngineConfig(num_speculative_tokens=2, prompt_lookup_max=0,
                                                     **SMALL))
+    # Wrong types: one line at construction, not a TypeError from the first step.
+    for bad in (2.5, "3", True):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens={bad!r}; accepted: an integer >= 0"):
+            EngineConfig(num_speculative_tokens=bad, **SMALL)
+    with pytest.raises(ValueError, match="draft_model='tiny'; accepted: a model"):
+        Engine(model, ByteTokenizer(), EngineConfig(num_speculative_tokens=2, **SMALL), draft_model="tiny")
+    with pytest.raises(ValueError, match=r"lora_modules=\['a.npz'\]; accepted: a dict"):
+        Engine(model, ByteTokenizer(), EngineConfig(**SMALL), lora_modules=["a.npz"])
     from jmem.serve.cli import serve_main
 
     for flags, msg in [(["--num-speculative-tokens", "-2"], "--num-speculative-tokens=-2; accepted: >= 0"),
