@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jmem.checks import is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
+from jmem.sampling import seed_key
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 ADAPTER_FIELDS = ("lora_a", "lora_b")
@@ -188,11 +189,10 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
         _kernel_var(model, name)  # validate every name before any work
         if name in targets[:i]:
             raise ValueError(f"target {name!r} is listed twice in targets={targets}; accepted: distinct {accepted}")
-    if not is_int(seed):
-        raise ValueError(f"LoRA seed={seed!r}; accepted: an integer")
+    key = seed_key(seed, "LoRA seed")
     if not inplace:
         model = nnx.clone(model)
-    keys = jax.random.split(jax.random.key(seed), len(targets))
+    keys = jax.random.split(key, len(targets))
     for name, key in zip(targets, keys):
         var = _kernel_var(model, name)
         if isinstance(var.get_value(), LoRA):

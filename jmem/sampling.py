@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import is_int
+
 NUM_TOP_LOGPROBS = 20
 
 
@@ -221,6 +223,17 @@ def argmax_last(x):
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == jnp.max(x, axis=-1, keepdims=True))
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
+def seed_key(seed: int, what: str = "seed") -> jax.Array:
+    """The PRNG key of an integer seed in [-2**63, 2**64), every bit of it counting (`jax.random.key`
+    alone keeps only the low 32 bits without x64): taken mod 2**64, the low word is the key and a
+    non-zero high word is folded in, as `row_keys` keys a request's seed. ValueError names `what`."""
+    if not is_int(seed) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"{what}={seed!r}; accepted: an integer in [-2**63, 2**64)")
+    s = int(seed) % 2**64
+    key = jax.random.key(s & 0xFFFFFFFF)
+    return key if s >> 32 == 0 else jax.random.fold_in(key, s >> 32)
 
 
 def row_keys(s: SamplingArrays):

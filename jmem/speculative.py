@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import as_python_scalar, check_int, is_int, is_number
+from jmem.checks import as_python_scalar, check_int, is_number
 from jmem.generate import check_prompt_ids
 from jmem.models.cache import ContiguousKVCache
-from jmem.sampling import GREEDY_BELOW
+from jmem.sampling import GREEDY_BELOW, seed_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,8 @@ def _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev_B, last_B, pos
     return out_BK1, n_B, new_prev_B, next_B, pos_B + n_B + 1, t_cache, d_cache
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> np.ndarray:
+def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> tuple[np.ndarray, jax.Array]:
+    """The prompts' lengths and the seed's key, once every argument is checked."""
     tc, dc = target.config, draft.config
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
@@ -162,14 +163,13 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> np.n
     temperature = as_python_scalar(temperature)
     if not (is_number(temperature) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
-    if not is_int(seed):
-        raise ValueError(f"seed={seed!r}; accepted: an integer")
+    key = seed_key(seed)
     lengths = check_prompt_ids(prompts, tc.vocab_size)
     context = min(tc.max_seq_len, dc.max_seq_len)
     if int(lengths.max()) + max_new_tokens + k > context:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + k ({k}) "
                          f"exceeds the models' context of {context} tokens")
-    return lengths
+    return lengths, key
 
 
 def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens: int, *, k: int = 4,
@@ -184,7 +184,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         k: proposals per round.
         temperature: 0 is greedy (exactly the target's greedy continuation); > 0 samples,
             each emitted token distributed as the target's softmax(logits / temperature).
-        seed: PRNG seed of the draws.
+        seed: PRNG seed of the draws (an integer in [-2**63, 2**64); every bit counts).
         eos_id: a row stops after this id (the id is not returned).
 
     Returns:
@@ -193,7 +193,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     Example:
         >>> out, stats = speculative_generate(target, draft, [[1, 2, 3]], 32, k=4)
     """
-    lengths = _check(target, draft, prompts, max_new_tokens, k, temperature, seed)
+    lengths, key = _check(target, draft, prompts, max_new_tokens, k, temperature, seed)
     if max_new_tokens == 0:
         return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0, 0)
     B, T = len(prompts), -(-int(lengths.max()) // 16) * 16
@@ -203,7 +203,6 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     max_len = -(-(T + max_new_tokens + k + 1) // 64) * 64
     greedy = float(temperature) < GREEDY_BELOW
     temp = jnp.float32(temperature if not greedy else 1.0)
-    key = jax.random.key(seed)
     t_def, t_state = nnx.split(target)
     d_def, d_state = nnx.split(draft)
     ids_j, len_j = jnp.asarray(ids), jnp.asarray(lengths)

@@ -97,6 +97,10 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     for t in (np.float32(1.0), jnp.float32(1.0)):  # NumPy and JAX scalars are numbers too
         assert speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=t, seed=3)[0] == a
     assert speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=np.int64(3))[0] == a
+    # Every bit of a 64-bit seed counts: seeds equal in their low 32 bits draw differently.
+    draws = {str(speculative_generate(target, draft, PROMPTS, 10, k=2, temperature=1.0, seed=s)[0])
+             for s in (3, 3 + 2**32, 3 + 2**40)}
+    assert len(draws) == 3
 
 
 @pytest.mark.parametrize("kwargs, expected", [
@@ -107,6 +111,7 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     (dict(temperature=0.5, seed="x"), "seed='x'; accepted: an integer"),
     (dict(temperature=0.5, seed=1.5), "seed=1.5; accepted: an integer"),
     (dict(seed=True), "seed=True; accepted: an integer"),
+    (dict(seed=2**64), r"seed=18446744073709551616; accepted: an integer in \[-2\*\*63, 2\*\*64)"),
     (dict(prompts=[[]]), "prompt 0 has no tokens"),
     (dict(prompts=[[1, 10_000]]), "prompt 0 holds 10000; accepted: integer token ids"),
     (dict(max_new_tokens=10_000), "exceeds the models' context"),
