@@ -14,6 +14,7 @@ import pytest
 from jmem.memory.precision import Policy
 from jmem.train import TrainConfig
 from jmem.train import loop
+from jmem.train import report as report_mod
 from jmem.train.checks import validate
 from jmem.train.setup import make_tx
 from jmem.train.step import TrainFns
@@ -241,11 +242,11 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     one = 2 * 8 * 32 * 32
     assert par.busiest_stage_matmul_flops(text, 1) == matmul_flops(text, differing="zero") + 3 * one
     cfg = TrainConfig(pipeline_stages=2, microbatches=4, accum=2, batch=16, pipeline_schedule="1f1b")
-    label, flops = loop.step_matmul_flops(cfg, report, compiled)
+    label, flops = report_mod.step_matmul_flops(cfg, report, compiled)
     assert label == "busiest pipeline stage" and flops == matmul_flops(text, differing="zero") + 8 * 3 * one
-    assert "matmul GFLOPs per step (busiest pipeline stage)" in loop.memory_table(report, {}, (label, flops))
-    on_mesh = loop.memory_table(report, {"total": 1}, (label, flops), devices=8).splitlines()
+    assert "matmul GFLOPs per step (busiest pipeline stage)" in report_mod.memory_table(report, {}, (label, flops))
+    on_mesh = report_mod.memory_table(report, {"total": 1}, (label, flops), devices=8).splitlines()
     assert on_mesh[0].startswith("memory of one train step [cpu], per device of 8")
     assert on_mesh[-1] == "  (estimated: the whole step on one device, unsharded)"
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
-    assert loop.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
+    assert report_mod.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
