@@ -76,12 +76,13 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
                          "for the default text (pydoc_data.topics)")
     raw = p.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark is not text
     except UnicodeDecodeError as e:  # a binary file (e.g. a token-id .bin) would train on garbage
         raise ValueError(f"{flag} {str(path)!r}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); accepted: "
                          "a UTF-8 text file") from None
     if not text.strip():
-        raise ValueError(f"{flag} {str(path)!r}: the file is empty; accepted: a non-empty UTF-8 text file")
+        raise ValueError(f"{flag} {str(path)!r}: the file is empty (no text but whitespace); accepted: a UTF-8 "
+                         "text file with text")
     return [text]
 
 
@@ -91,11 +92,21 @@ def cache_dir() -> pathlib.Path:
 
 
 def tokenizer_id(tokenizer) -> str:
-    """A stable identity of a tokenizer for the cache key."""
+    """A stable identity of a tokenizer for the cache key: its name and vocabulary size, its
+    GGUF `tokenizer.*` fields when it keeps them (the vocabulary, merges and special ids), and
+    how it encodes a probe of words, digits, whitespace, line breaks and non-ASCII text."""
     name = getattr(tokenizer, "name", None) or type(tokenizer).__name__
     vocab = getattr(tokenizer, "vocab_size", None)
-    probe = ",".join(map(str, _encode(tokenizer, "The quick brown fox; 12345 Ünïcödé.")))
-    return hashlib.sha256(f"{name}|{vocab}|{probe}".encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"{name}|{vocab}|".encode())
+    for key, value in sorted((getattr(tokenizer, "metadata", None) or {}).items()):
+        if key.startswith("tokenizer."):
+            h.update(f"{key}={value!r}\x00".encode())
+    h.update(",".join(map(str, _encode(tokenizer, _PROBE))).encode())
+    return h.hexdigest()[:16]
+
+
+_PROBE = "The quick brown fox; 12345 67.890 Ünïcödé 漢字 🙂\n\tTab  two  spaces\r\n\n   indented\nEND"
+"""Text whose encoding tells tokenizers apart that share a name and vocabulary size."""
 
 
 def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int | None, cache: bool = True) -> np.ndarray:
@@ -105,16 +116,16 @@ def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int 
     different text or tokenizer never reads a stale file.
     """
     h = hashlib.sha256()
-    for d in docs:
-        h.update(d.encode("utf-8"))
-        h.update(b"\x00")
+    for d in docs:  # each document's length first: ["a\0b"] and ["a", "b"] differ
+        b = d.encode("utf-8", errors="surrogatepass")
+        h.update(len(b).to_bytes(8, "little") + b)
     key = f"{h.hexdigest()[:24]}-{tokenizer_id(tokenizer)}-{bos}-{eos}.npy"
     path = cache_dir() / "tokens" / key
     if cache and path.is_file():
         try:
             return np.load(path)
-        except (OSError, ValueError):
-            pass  # a truncated file from an interrupted write: rebuild it
+        except (OSError, ValueError, EOFError):
+            pass  # a truncated or empty file from an interrupted write: rebuild it
     parts = []
     for d in docs:
         ids = _encode(tokenizer, d)
@@ -160,7 +171,8 @@ class PackedDataset:
             raise ValueError(f"valid_fraction={valid_fraction}; accepted: 0 <= valid_fraction < 1")
         n = (len(stream) - 1) // seq
         if n < 2:
-            raise ValueError(f"the text has {len(stream)} tokens: too short for two windows of seq={seq}; use a smaller --seq")
+            raise ValueError(f"the text has {len(stream)} tokens: too short for two windows of seq={seq}; accepted: "
+                             f"a text of at least {2 * seq + 1} tokens, or a smaller seq")
         # Windows overlap by one token so each target follows its input.
         idx = np.arange(n)[:, None] * seq + np.arange(seq + 1)[None, :]
         windows = stream[idx]

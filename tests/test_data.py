@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jmem.data import BOS, EOS, ByteTokenizer, PackedDataset, default_documents, default_text, load_documents
+from jmem.data import (BOS, EOS, ByteTokenizer, PackedDataset, default_documents, default_text, load_documents,
+                       tokenize_documents)
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +51,32 @@ def test_tokens_are_cached_on_disk(tmp_path):
     assert len(list((tmp_path / "cache" / "tokens").glob("*.npy"))) == 2
 
 
+class NewlineAsSpaceTokenizer(ByteTokenizer):
+    """ByteTokenizer's name, vocabulary and encoding of plain words; not of line breaks."""
+
+    def encode(self, text, add_bos=None):
+        return super().encode(text.replace("\n", " "), add_bos)
+
+
+def test_cache_key_tells_apart_tokenizers_and_document_lists(tmp_path):
+    docs = ["line one\nline two\n" * 20]
+    plain = tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS)
+    other = tokenize_documents(docs, NewlineAsSpaceTokenizer(), bos=BOS, eos=EOS)
+    assert 10 in plain and 10 not in other  # not the first tokenizer's cached stream
+    one = tokenize_documents(["x\x00y"], ByteTokenizer(), bos=BOS, eos=EOS)
+    two = tokenize_documents(["x", "y"], ByteTokenizer(), bos=BOS, eos=EOS)
+    assert len(one) == 5 and len(two) == 6
+
+
+def test_empty_cache_file_is_rebuilt(tmp_path):
+    docs = ["some words " * 30]
+    stream = tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS)
+    (cached,) = (tmp_path / "cache" / "tokens").glob("*.npy")
+    cached.write_bytes(b"")  # an unflushed write after a power cut
+    np.testing.assert_array_equal(tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS), stream)
+    assert cached.stat().st_size > 0
+
+
 def test_packing_shifts_targets_and_separates_documents():
     docs = ["abc" * 40, "xyz" * 40]
     ds = PackedDataset.from_text(docs, ByteTokenizer(), seq=8, valid_fraction=0.1)
@@ -89,8 +116,16 @@ def test_file_input_and_errors(tmp_path):
     with pytest.raises(ValueError, match=r"--text '.*train.bin': not UTF-8 text \(byte 12 is 0xff\); accepted: a "
                                          "UTF-8 text file"):
         load_documents(str(binary), "--text")
-    with pytest.raises(ValueError, match="too short"):
+    with pytest.raises(ValueError, match="too short for two windows of seq=64; accepted: a text of at least 129 "
+                                         "tokens, or a smaller seq"):
         PackedDataset.from_text("tiny", ByteTokenizer(), seq=64)
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t\n")
+    with pytest.raises(ValueError, match=r"the file is empty \(no text but whitespace\)"):
+        load_documents(str(blank))
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello")
+    assert load_documents(str(bom)) == ["hello"]
 
 
 def test_batch_arguments_are_checked():
