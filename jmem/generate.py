@@ -46,8 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}; accepted: an integer >= 1, or None (off)")
         if self.top_p is not None and not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}; accepted: a number in (0, 1], or None (off)")
-        if not is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r}; accepted: an integer")
+        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed={self.seed!r}; accepted: an integer in [-2**63, 2**64)")
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +62,13 @@ def check_prompt_ids(prompts, vocab_size: int) -> np.ndarray:
     if empty:
         raise ValueError(f"prompt {empty[0]} has no tokens; each prompt needs at least one")
     for i, p in enumerate(prompts):
-        arr = np.asarray(p)
+        try:
+            arr = np.asarray(p)
+        except ValueError:  # ragged nesting
+            arr = None
+        if arr is None or arr.ndim != 1:
+            raise ValueError(f"prompt {i} is not a flat list of token ids ({str(p)[:40]}); accepted: token-id "
+                             "lists (e.g. [[1, 2, 3]])")
         bad = arr if not np.issubdtype(arr.dtype, np.integer) else arr[(arr < 0) | (arr >= vocab_size)]
         if bad.size:
             raise ValueError(f"prompt {i} holds {bad.ravel()[0].item()!r}; accepted: integer token ids in "
@@ -129,7 +135,12 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     """
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("chunk", chunk, 1)  # 0 decode steps per call would never finish
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params={params!r:.80}; accepted: a jmem.generate.SamplingParams "
+                         "(e.g. SamplingParams(temperature=0.7))")
     cfg = model.config
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r}; accepted: a token id in 0..{cfg.vocab_size - 1}, or None")
     lengths = check_prompt_ids(prompts, cfg.vocab_size)
     total = int(lengths.max()) + max_new_tokens + chunk
     if int(lengths.max()) + max_new_tokens > cfg.max_seq_len:

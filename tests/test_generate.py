@@ -109,6 +109,14 @@ def test_bad_arguments(lm):
                              ([[1, 2], [-5]], "prompt 1 holds -5"), ([1, 2, 3], r"not \[1, 2, 3\]")]:
         with pytest.raises(ValueError, match=message):
             generate_ids(lm.model, prompts, 2)
+    with pytest.raises(ValueError, match=re.escape("prompt 0 is not a flat list of token ids ([[1, 2]])")):
+        generate_ids(lm.model, [[[1, 2]]], 2)
+    V = lm.model.config.vocab_size
+    for eos in (-1, V, 1.5):  # an id no token can be would never stop a row
+        with pytest.raises(ValueError, match=re.escape(f"eos_id={eos!r}; accepted: a token id in 0..{V - 1}, or None")):
+            generate_ids(lm.model, [[1, 2]], 2, eos_id=eos)
+    with pytest.raises(ValueError, match="params=.*accepted: a jmem.generate.SamplingParams"):
+        generate_ids(lm.model, [[1, 2]], 2, params={"temperature": 1.0})
     with pytest.raises(ValueError, match="max_new_tokens=2.5; accepted: an integer >= 0"):
         generate_ids(lm.model, [[1, 2]], 2.5)
     with pytest.raises(ValueError, match="chunk=0; accepted: an integer >= 1"):
@@ -130,6 +138,7 @@ def test_bad_arguments(lm):
     (dict(seed="a"), "seed='a'; accepted: an integer"),
     (dict(seed=1.5), "seed=1.5; accepted: an integer"),
     (dict(seed=True), "seed=True; accepted: an integer"),
+    (dict(seed=2**64), "seed=18446744073709551616; accepted: an integer in [-2**63, 2**64)"),
     (dict(max_new_tokens=4.0), "max_new_tokens=4.0; accepted: an integer >= 0"),
 ])
 def test_wrong_typed_sampling_values_are_one_clear_error(lm, kwargs, expected):

@@ -21,6 +21,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jmem.checks import check_int
 
 
 def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
@@ -161,6 +164,18 @@ def lm_loss_sum(model, batch: dict, *, chunk: int | None = None):
     return s, c
 
 
+def check_windows(windows_NT: np.ndarray, vocab_size: int | None) -> None:
+    """ValueError unless `windows_NT` is an integer [n >= 1, T >= 2] array of ids in the vocabulary."""
+    if windows_NT.ndim != 2 or windows_NT.shape[0] < 1 or windows_NT.shape[1] < 2:
+        raise ValueError(f"windows of shape {windows_NT.shape}; accepted: [n >= 1, T >= 2] token ids (each window's "
+                         "first token is context only)")
+    if not np.issubdtype(windows_NT.dtype, np.integer):
+        raise ValueError(f"windows of dtype {windows_NT.dtype}; accepted: integer token ids")
+    if vocab_size is not None and (windows_NT.min() < 0 or windows_NT.max() >= vocab_size):
+        bad = windows_NT[(windows_NT < 0) | (windows_NT >= vocab_size)].ravel()[0]
+        raise ValueError(f"windows hold token id {int(bad)}; accepted: ids in 0..{vocab_size - 1}")
+
+
 def window_perplexity(model, windows_NT, batch: int) -> float:
     """exp(mean next-token cross-entropy) over token windows `[n, T]`, `batch` windows per forward.
 
@@ -174,7 +189,6 @@ def window_perplexity(model, windows_NT, batch: int) -> float:
     """
     import math
 
-    import numpy as np
     from flax import nnx
 
     graphdef, state = nnx.split(model)
@@ -192,5 +206,7 @@ def window_perplexity(model, windows_NT, batch: int) -> float:
         return s
 
     windows_NT = np.asarray(windows_NT)
+    check_windows(windows_NT, getattr(model.config, "vocab_size", None))
+    check_int("batch", batch, 1)
     total = sum(float(nll_sum(state, jnp.asarray(windows_NT[i:i + batch]))) for i in range(0, len(windows_NT), batch))
     return math.exp(total / (windows_NT.shape[0] * (windows_NT.shape[1] - 1)))

@@ -91,6 +91,16 @@ def test_window_perplexity_is_the_full_logits_perplexity():
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(logp, windows[:, 1:, None], axis=-1).mean()
     assert window_perplexity(model, windows, batch=2) == pytest.approx(math.exp(nll), rel=1e-5)
+    # Bad windows or batch: one line each (batch=-1 scored nothing and returned a perfect 1.0).
+    V = model.config.vocab_size
+    for bad_windows, bad_batch, message in [
+            (windows, -1, "batch=-1; accepted: an integer >= 1"), (windows, 0, "batch=0; accepted"),
+            (windows + 0.7, 2, "windows of dtype float64; accepted: integer token ids"),
+            (np.where(np.arange(17) == 3, V, windows), 2, f"windows hold token id {V}; accepted: ids in 0..{V - 1}"),
+            (windows[:, :1], 2, r"windows of shape \(5, 1\); accepted: \[n >= 1, T >= 2\]"),
+            (windows[0], 2, r"windows of shape \(17,\)"), (windows[:0], 2, r"windows of shape \(0, 17\)")]:
+        with pytest.raises(ValueError, match=message):
+            window_perplexity(model, bad_windows, batch=bad_batch)
 
 
 def test_window_perplexity_of_an_moe_model_does_not_depend_on_the_batch():
