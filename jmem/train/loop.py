@@ -269,7 +269,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
         pipe = f", pipeline {cfg.pipeline_stages} stages x {cfg.microbatches} microbatches" \
             if cfg.pipeline_stages > 1 else ""
-        print(f"mesh {par.mesh_summary(run.mesh)} ({jax.processcount_text()} process(es)), zero={cfg.zero}{pipe}; "
+        print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
               "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
                                              par.model_state_bytes(state, run.mesh, stage=cfg.zero,
                                                                    rules=rules_for(run.cfg),
@@ -390,7 +390,7 @@ def _host(x):
 
 
 def _multiprocess() -> bool:
-    return jax.processcount_text() > 1
+    return jax.process_count() > 1
 
 
 def _agreed(flag: bool) -> bool:
