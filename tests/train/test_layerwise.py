@@ -20,7 +20,7 @@ from jmem.models.config import LlamaConfig
 from jmem.models.llama import Llama
 from jmem.train.layerwise import LayerwiseError, active_layers, make_layerwise_fns
 from jmem.train import TrainConfig, train
-from jmem.train.loop import _count
+from jmem.train.report import count_text
 from jmem.train.step import make_train_fns
 from tests.helpers import experiment
 
@@ -348,5 +348,5 @@ def test_the_run_header_counts_the_active_layers_gradients_only():
     per_layer = sum(x.size for x in layer) // mc.n_layers
     trained = mc.num_params - (mc.n_layers - 1) * per_layer
     text = out.getvalue()
-    assert f"{_count(mc.num_params)} params ({_count(trained)} trained)" in text, text
+    assert f"{count_text(mc.num_params)} params ({count_text(trained)} trained)" in text, text
     assert f"param {mc.num_params * 4 / 2**20:.2f}, grad {trained * 4 / 2**20:.2f}," in text, text
