@@ -17,7 +17,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from numbers import Integral
+
+from jmem.checks import is_int
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -66,7 +67,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
-        if not _is_count(num_blocks) or num_blocks < 1:
+        if not is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"BlockPool num_blocks={num_blocks!r}; accepted: an integer >= 1")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -92,7 +93,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks from the front of the free queue, evicting their cached hashes."""
-        if not _is_count(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"allocate n={n!r}; accepted: an integer >= 0")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
@@ -158,7 +159,7 @@ class BlockPool:
     def _block(self, bid) -> Block:
         """Block `bid`, checked: -1 (a block table's empty slot) or an id past the pool is an error,
         not a Python index into another request's block."""
-        if not _is_count(bid) or not 0 <= bid < self.num_blocks:
+        if not is_int(bid) or not 0 <= bid < self.num_blocks:
             raise ValueError(f"block id {bid!r}; accepted: an integer in [0, {self.num_blocks})")
         return self.blocks[bid]
 
@@ -167,8 +168,3 @@ class BlockPool:
         for blk in self.blocks:
             blk.block_hash = None
         self._cached.clear()
-
-
-def _is_count(x) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(x, Integral) and not isinstance(x, bool)

@@ -7,8 +7,7 @@ block list is what the runner turns into a block table.
 
 from __future__ import annotations
 
-from numbers import Integral
-
+from jmem.checks import check_int
 from jmem.serve.block_pool import BlockPool, hash_block
 from jmem.serve.request import Request
 
@@ -111,8 +110,7 @@ class KVCacheManager:
         Returns:
             The request's full block list, or None (nothing changed) when the pool is short.
         """
-        if not isinstance(num_new_tokens, Integral) or isinstance(num_new_tokens, bool) or num_new_tokens < 0:
-            raise ValueError(f"allocate_slots num_new_tokens={num_new_tokens!r}; accepted: an integer >= 0")
+        check_int("num_new_tokens", num_new_tokens, 0)
         computed_blocks = computed_blocks or []
         if computed_blocks:
             self._check_still_cached(req, computed_blocks)
