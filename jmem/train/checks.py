@@ -208,8 +208,10 @@ def _make_output_dirs(cfg: TrainConfig) -> None:
     for flag, value in (("--ckpt-dir", cfg.ckpt_dir), ("--log", cfg.log), ("--plot", cfg.plot),
                         ("--offload-dir", cfg.offload_dir), ("--save", cfg.save)):
         if value:
-            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir")
-                           or (flag == "--save" and cfg.lora_rank == 0))
+            # A new --save model directory is made when the run has finished (its parent now), so a
+            # run stopped before leaves none; an existing empty one is checked like a checkpoint's.
+            saved_dir = flag == "--save" and cfg.lora_rank == 0 and pathlib.Path(value).expanduser().is_dir()
+            prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir") or saved_dir)
 
 
 def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:

@@ -31,8 +31,10 @@ def _params(model):
 
 def test_saved_model_is_the_trained_model(tmp_path):
     cfg = TrainConfig(**BASE, ckpt_dir=str(tmp_path / "ck"), save=str(tmp_path / "model"))
+    train(dataclasses.replace(cfg, stop_after=1), out=io.StringIO())
+    assert not (tmp_path / "model").exists()  # written when the run finishes, not before
     out = io.StringIO()
-    train(cfg, out=out)
+    train(dataclasses.replace(cfg, resume=True), out=out)
     assert f"wrote the trained model to {tmp_path / 'model'}" in out.getvalue()
     saved, trained = _params(jmem.load(str(tmp_path / "model")).model), _params(_final_params(cfg))
     jax.tree.map(np.testing.assert_array_equal, saved, trained)
