@@ -31,7 +31,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import is_int, is_number
+from jmem.checks import as_python_scalar, is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 from jmem.sampling import seed_key
@@ -64,18 +64,11 @@ class LoRA:
         """A fresh adapter: A ~ N(0, 1/in), B = 0."""
         if not is_int(rank) or rank <= 0:
             raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
-        dtype = as_dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"LoRA dtype={jnp.dtype(dtype).name}; accepted: a floating dtype (float32, bfloat16, "
-                             "float16; or their names f32, bf16, f16)")
-        if not (is_number(dropout) and 0.0 <= dropout < 1.0):
-            raise ValueError(f"LoRA dropout={dropout!r}; accepted: a number in [0, 1)")
+        alpha, dropout, dtype = check_settings(alpha, dropout, rslora, dtype)
         *lead, n_in, n_out = base.shape
         if rank > min(n_in, n_out):
             raise ValueError(f"LoRA rank={rank} exceeds the {n_in} x {n_out} weight's smaller side; accepted: "
                              f"1..{min(n_in, n_out)}")
-        if not (is_number(alpha) and np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"LoRA alpha={alpha!r}; accepted: a finite number > 0")
         a = jax.random.normal(key, (*lead, n_in, rank), jnp.float32) * n_in ** -0.5
         b = jnp.zeros((*lead, rank, n_out), dtype)
         return cls(base, a.astype(dtype), b, alpha, dropout, rslora)
@@ -147,6 +140,31 @@ jax.tree_util.register_pytree_with_keys_class(LoRA)
 
 
 
+def check_settings(alpha, dropout, rslora, dtype):
+    """`(alpha, dropout, dtype)` of an adapter, checked (0-d arrays taken as their numbers): alpha finite
+    and > 0, dropout in [0, 1), rslora a bool, dtype floating; else one ValueError naming the field."""
+    alpha, dropout = as_python_scalar(alpha), as_python_scalar(dropout)
+    if not (is_number(alpha) and np.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"LoRA alpha={alpha!r}; accepted: a finite number > 0")
+    if not (is_number(dropout) and 0.0 <= dropout < 1.0):
+        raise ValueError(f"LoRA dropout={dropout!r}; accepted: a number in [0, 1)")
+    check_bool("LoRA rslora", rslora)
+    try:
+        as_float = as_dtype(dtype)  # an unknown name: its own error, naming the accepted ones
+    except TypeError:
+        raise ValueError(f"LoRA dtype={dtype!r}; accepted: a floating dtype (float32, bfloat16, float16)") from None
+    if not jnp.issubdtype(as_float, jnp.floating):
+        raise ValueError(f"LoRA dtype={jnp.dtype(as_float).name}; accepted: a floating dtype (float32, bfloat16, "
+                         "float16; or their names f32, bf16, f16)")
+    return alpha, dropout, as_float
+
+
+def check_bool(name: str, value) -> None:
+    """ValueError unless `value` is True or False (a string such as "no" would count as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r}; accepted: True or False")
+
+
 def _kernel_var(model, name: str):
     if name == "head":
         if not hasattr(model, "head"):
@@ -182,21 +200,24 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
         >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
     """
     accepted = f"names among {', '.join(LINEAR_TARGETS + ('head',))}"
+    if not isinstance(targets, (str, list, tuple)):
+        raise ValueError(f"targets={targets!r}; accepted: a name or a list of {accepted}")
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     if not targets:
         raise ValueError(f"targets is empty; accepted: {accepted}")
-    for i, name in enumerate(targets):
-        _kernel_var(model, name)  # validate every name before any work
+    for i, name in enumerate(targets):  # every name and setting checked before any work
+        if isinstance(_kernel_var(model, name).get_value(), LoRA):
+            raise ValueError(f"target {name!r} already has a LoRA adapter")
         if name in targets[:i]:
             raise ValueError(f"target {name!r} is listed twice in targets={targets}; accepted: distinct {accepted}")
+    check_settings(alpha, dropout, rslora, dtype)
+    check_bool("inplace", inplace)
     key = seed_key(seed, "LoRA seed")
     if not inplace:
         model = nnx.clone(model)
     keys = jax.random.split(key, len(targets))
     for name, key in zip(targets, keys):
         var = _kernel_var(model, name)
-        if isinstance(var.get_value(), LoRA):
-            raise ValueError(f"target {name!r} already has a LoRA adapter")
         var.set_value(LoRA.init(var.get_value(), rank, alpha, key, dropout, rslora, dtype))
     return model
 
@@ -219,6 +240,7 @@ def merge(model, *, inplace: bool = False):
     A quantized base is dequantized first (re-quantize the merged model if needed). Dropout
     keys are dropped with the adapters: the merged model equals the unmerged one at inference.
     """
+    check_bool("inplace", inplace)
     if not inplace:
         model = nnx.clone(model)
     for var in _lora_vars(model).values():
@@ -235,6 +257,7 @@ def remove_adapters(model, *, inplace: bool = False):
     loras = _lora_vars(model)
     if not loras:
         raise ValueError("the model has no LoRA adapters to remove")
+    check_bool("inplace", inplace)
     if not inplace:
         model = nnx.clone(model)
     for var in _lora_vars(model).values():
@@ -318,8 +341,21 @@ def combine(train, frozen):
 
 def trainable_split(tree, adapters_only: bool):
     """`(trainable, frozen)` for a train step: `split_trainable(tree)` when only adapters train,
-    else `(tree, None)`; `combine` rejoins either."""
-    return split_trainable(tree) if adapters_only else (tree, None)
+    else `(tree, None)`; `combine` rejoins either. ValueError when nothing would train: adapters only
+    of a model without any, or every weight of a model with integer (quantized) leaves."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if adapters_only:
+        if not any(is_adapter_path(p) for p, _ in leaves):
+            raise ValueError("adapters_only=True but the model has no LoRA adapters (nothing would train); "
+                             "accepted: a model from jmem.lora.apply_lora, or adapters_only=False")
+        return split_trainable(tree)
+    for p, x in leaves:
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(f"weight {jax.tree_util.keystr(p)} is {jnp.dtype(dtype).name} (a quantized base) and "
+                             "cannot be trained; accepted: adapters_only=True with LoRA adapters (QLoRA), or a "
+                             "float model")
+    return tree, None
 
 
 def adapter_arrays(model) -> dict[str, np.ndarray]:
@@ -363,11 +399,15 @@ def read_adapters(path) -> tuple[dict, dict]:
                          "written by jmem.lora.save_adapters")
     for name, m in meta.items():
         fields = m if isinstance(m, dict) else {}
-        rank, alpha, rslora = fields.get("rank"), fields.get("alpha"), fields.get("rslora")
-        if not (is_int(rank) and rank >= 1 and is_number(alpha) and np.isfinite(alpha)
-                and isinstance(rslora, bool)):
+        rank = fields.get("rank")
+        if not (is_int(rank) and rank >= 1):
             raise ValueError(f"adapter {path!r}: metadata of {name!r} is {str(m)[:80]}; accepted: a positive "
                              "integer rank, a finite alpha and a boolean rslora (as save_adapters writes)")
+        try:  # what apply_lora accepts: a dropout of 2 would zero the adapter's input, an int8 dtype its A
+            check_settings(fields.get("alpha"), fields.get("dropout", 0.0), fields.get("rslora"),
+                           fields.get("dtype", "float32"))
+        except ValueError as e:
+            raise ValueError(f"adapter {path!r}: metadata of {name!r}: {e} (as save_adapters writes)") from None
         a, b = arrays.get(f"{name}.lora_a"), arrays.get(f"{name}.lora_b")
         if a is None or b is None:
             raise ValueError(f"adapter {path!r} lacks the arrays of target {name!r}")
@@ -383,6 +423,7 @@ def load_adapters(model, path, *, inplace: bool = False):
     Kernels that already carry an adapter have it replaced; others are wrapped.
     """
     meta, arrays = read_adapters(path)
+    check_bool("inplace", inplace)
     if not inplace:
         model = nnx.clone(model)
     for name, m in meta.items():

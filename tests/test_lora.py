@@ -174,6 +174,48 @@ def test_dropout_and_bad_inputs():
         make_train_fns(model, optax.adam(1e-3), loss_fn=lambda params, batch: (0.0, 1), adapters_only=True)
 
 
+def test_settings_are_checked_wherever_adapters_come_from(tmp_path):
+    """A file's settings as apply_lora's (dropout 2 zeroed the adapter's input, an int8 dtype its A);
+    flags that must be bools; nothing changed by a refused call; nothing-to-train refused."""
+    import json
+
+    base = Llama(CFG, rngs=nnx.Rngs(0))
+    for kw, message in [(dict(rslora="no"), "LoRA rslora='no'; accepted: True or False"),
+                        (dict(inplace="no"), "inplace='no'; accepted: True or False"),
+                        (dict(targets=None), "targets=None; accepted: a name or a list of names among wq"),
+                        (dict(targets=3), "targets=3; accepted")]:
+        with pytest.raises(ValueError, match=message):
+            apply_lora(base, **kw)
+    assert not isinstance(base.layers.wq.kernel.get_value(), LoRA)
+    assert apply_lora(base, alpha=jnp.float32(16.0), dropout=jnp.float32(0.1)).layers.wq.kernel.get_value().alpha == 16
+    adapted = apply_lora(base, targets=("wq",))
+    with pytest.raises(ValueError, match="target 'wq' already has a LoRA adapter"):
+        apply_lora(adapted, targets=("wv", "wq"), inplace=True)
+    assert not isinstance(adapted.layers.wv.kernel.get_value(), LoRA)  # refused before any change
+    path = tmp_path / "a.npz"
+    save_adapters(adapted, path)
+    with np.load(path) as f:
+        arrays = dict(f)
+    meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+    for field, value, message in [("dropout", 2.0, r"LoRA dropout=2.0; accepted: a number in \[0, 1\)"),
+                                  ("dtype", "int8", "dtype 'int8' is not supported"),
+                                  ("alpha", -8, "LoRA alpha=-8; accepted: a finite number > 0")]:
+        bad = tmp_path / f"{field}.npz"
+        edited = {"wq": {**meta["wq"], field: value}}
+        np.savez(bad, __meta__=np.frombuffer(json.dumps(edited).encode(), np.uint8), **arrays)
+        with pytest.raises(ValueError, match=f"adapter '{bad}': metadata of 'wq': {message}"):
+            load_adapters(base, bad)
+    from jmem.train import make_train_fns
+
+    loss_fn = lambda params, batch: (0.0, 1)  # noqa: E731 - never reached
+    with pytest.raises(ValueError, match="adapters_only=True but the model has no LoRA adapters"):
+        make_train_fns(base, optax.adam(1e-3), loss_fn=loss_fn, adapters_only=True).init_state(base)
+    qlora = apply_lora(quantize(base, "nf4"), targets=("wq",))
+    with pytest.raises(ValueError, match=r"weight .* is uint8 \(a quantized base\) and cannot be trained; accepted: "
+                                         "adapters_only=True"):
+        make_train_fns(qlora, optax.adam(1e-3), loss_fn=loss_fn).init_state(qlora)
+
+
 def test_dropout_only_in_train_steps_never_at_inference():
     """`with_dropout(tree, key)` (pure, jit-able) drops with a per-step key; a model left with keys
     by `set_dropout_key` still does not drop in LM.logits / generate, and merges as without keys

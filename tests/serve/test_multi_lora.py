@@ -200,8 +200,8 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
         arrays = {k: f[k] for k in f.files if k != "__meta__"}
         meta = json.loads(bytes(f["__meta__"]).decode())
     for i, (bad_meta, message) in enumerate([
-            ({t: {k: v for k, v in m.items() if k != "rslora"} for t, m in meta.items()}, "accepted: a positive "
-             "integer rank, a finite alpha and a boolean rslora"),
+            ({t: {k: v for k, v in m.items() if k != "rslora"} for t, m in meta.items()},
+             "metadata of 'wq': LoRA rslora=None; accepted: True or False"),
             ([1, 2], r"metadata '\[1, 2\]' is not a map of targets"),
             ({t: {**m, "rank": "4"} for t, m in meta.items()}, "accepted: a positive integer rank"),
             ({t: {**m, "rank": 2} for t, m in meta.items()},
