@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jmem.data import (BOS, EOS, ByteTokenizer, PackedDataset, default_documents, default_text, load_documents,
-                       tokenize_documents)
+                       tokenize_documents, tokenizer_id)
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +43,11 @@ def test_tokens_are_cached_on_disk(tmp_path):
     files = list((tmp_path / "cache" / "tokens").glob("*.npy"))
     assert len(files) == 1
     calls = CountingTokenizer.calls
+    tokenizer_id(tok)
+    probe = CountingTokenizer.calls - calls
     b = PackedDataset.from_text(docs, tok, seq=16)
     # Only the tokenizer-identity probe runs; the documents are read from the cache.
-    assert CountingTokenizer.calls == calls + 1
+    assert CountingTokenizer.calls == calls + 2 * probe
     np.testing.assert_array_equal(a.train, b.train)
     PackedDataset.from_text(docs + ["more"], tok, seq=16)  # other text: another file
     assert len(list((tmp_path / "cache" / "tokens").glob("*.npy"))) == 2
@@ -66,6 +68,20 @@ def test_cache_key_tells_apart_tokenizers_and_document_lists(tmp_path):
     one = tokenize_documents(["x\x00y"], ByteTokenizer(), bos=BOS, eos=EOS)
     two = tokenize_documents(["x", "y"], ByteTokenizer(), bos=BOS, eos=EOS)
     assert len(one) == 5 and len(two) == 6
+
+
+class AsciiOnlyTokenizer(ByteTokenizer):
+    """A narrow alphabet: refuses text it has no tokens for."""
+
+    def encode(self, text, add_bos=None):
+        if not text.isascii():
+            raise KeyError(next(c for c in text if not c.isascii()))
+        return super().encode(text, add_bos)
+
+
+def test_a_tokenizer_with_a_narrow_alphabet_is_cached_too():
+    stream = tokenize_documents(["plain ascii text " * 10], AsciiOnlyTokenizer(), bos=BOS, eos=EOS)
+    assert len(stream) == 17 * 10 + 2
 
 
 def test_empty_cache_file_is_rebuilt(tmp_path):
