@@ -18,6 +18,20 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def check_seed(name: str, value) -> None:
+    """ValueError `name=value; accepted: ...` unless `value` is an integer seed in [-2**63, 2**64)
+    (64 bits, signed or not: every bit keys the draws, see `jmem.sampling.seed_key`)."""
+    if not is_int(value) or not -(2**63) <= value < 2**64:
+        raise ValueError(f"{name}={value!r}; accepted: an integer in [-2**63, 2**64)")
+
+
+def check_bool(name: str, value) -> None:
+    """ValueError `name=value; accepted: True or False` unless `value` is a Python or NumPy bool
+    (a string such as "no" would otherwise count as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r}; accepted: True or False")
+
+
 def is_number(value) -> bool:
     """A Python or NumPy integer or float, not a bool (finiteness is the caller's to check)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

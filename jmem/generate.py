@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
-from jmem.checks import as_python_scalar, check_int, is_int, is_number
+from jmem.checks import as_python_scalar, check_int, check_seed, is_int, is_number
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -46,8 +46,7 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}; accepted: an integer >= 1, or None (off)")
         if self.top_p is not None and not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}; accepted: a number in (0, 1], or None (off)")
-        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed={self.seed!r}; accepted: an integer in [-2**63, 2**64)")
+        check_seed("seed", self.seed)
 
     @property
     def greedy(self) -> bool:

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import as_python_scalar, is_int, is_number
+from jmem.checks import as_python_scalar, check_bool, is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 from jmem.sampling import seed_key
@@ -157,12 +157,6 @@ def check_settings(alpha, dropout, rslora, dtype):
         raise ValueError(f"LoRA dtype={jnp.dtype(as_float).name}; accepted: a floating dtype (float32, bfloat16, "
                          "float16; or their names f32, bf16, f16)")
     return alpha, dropout, as_float
-
-
-def check_bool(name: str, value) -> None:
-    """ValueError unless `value` is True or False (a string such as "no" would count as true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r}; accepted: True or False")
 
 
 def _kernel_var(model, name: str):
@@ -402,7 +396,7 @@ def read_adapters(path) -> tuple[dict, dict]:
         rank = fields.get("rank")
         if not (is_int(rank) and rank >= 1):
             raise ValueError(f"adapter {path!r}: metadata of {name!r} is {str(m)[:80]}; accepted: a positive "
-                             "integer rank, a finite alpha and a boolean rslora (as save_adapters writes)")
+                             "integer rank (as save_adapters writes)")
         try:  # what apply_lora accepts: a dropout of 2 would zero the adapter's input, an int8 dtype its A
             check_settings(fields.get("alpha"), fields.get("dropout", 0.0), fields.get("rslora"),
                            fields.get("dtype", "float32"))

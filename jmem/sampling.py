@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_seed
 
 NUM_TOP_LOGPROBS = 20
 
@@ -229,8 +229,7 @@ def seed_key(seed: int, what: str = "seed") -> jax.Array:
     """The PRNG key of an integer seed in [-2**63, 2**64), every bit of it counting (`jax.random.key`
     alone keeps only the low 32 bits without x64): taken mod 2**64, the low word is the key and a
     non-zero high word is folded in, as `row_keys` keys a request's seed. ValueError names `what`."""
-    if not is_int(seed) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"{what}={seed!r}; accepted: an integer in [-2**63, 2**64)")
+    check_seed(what, seed)
     s = int(seed) % 2**64
     key = jax.random.key(s & 0xFFFFFFFF)
     return key if s >> 32 == 0 else jax.random.fold_in(key, s >> 32)

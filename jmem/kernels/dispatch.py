@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem.checks import check_bool
+
 IMPLS = ("auto", "pallas", "xla", "reference")
 PLATFORMS = ("cpu", "gpu", "tpu")
 _BACKEND_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
@@ -195,8 +197,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
     _check(q, k, v)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"attention: causal={causal!r}; accepted: True or False")
+    check_bool("attention: causal", causal)
     kernel_ok = _zero(q_offset) and kv_lengths is None
     q_offset = _per_row("q_offset", q_offset, q.shape[0])
     kv_lengths = _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1])

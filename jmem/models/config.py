@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import is_number
+from jmem.checks import check_bool, is_number
 
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16}
@@ -123,8 +123,7 @@ class LlamaConfig:
                 w = getattr(self, name)
                 if not (is_number(w) and math.isfinite(w) and w >= 0):
                     raise ValueError(f"LlamaConfig.{name}={w!r}; accepted: a finite number >= 0")
-            if not isinstance(self.moe_dropless, bool):
-                raise ValueError(f"LlamaConfig.moe_dropless={self.moe_dropless!r}; accepted: True or False")
+            check_bool("LlamaConfig.moe_dropless", self.moe_dropless)
 
     def _check_rope(self) -> None:
         if self.rope_scaling not in ROPE_SCALINGS:

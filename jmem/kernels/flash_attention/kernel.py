@@ -29,13 +29,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int
 from jmem.kernels.scale import split_scale
 
 DEFAULT_BLOCK_Q = 128
@@ -466,8 +465,7 @@ def flash_attention(
         >>> dq = jax.grad(lambda q: flash_attention(q, k, v).sum())(q)
     """
     check_qkv("flash_attention", q, k, v)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"flash_attention: causal={causal!r}; accepted: True or False")
+    check_bool("flash_attention: causal", causal)
     T, S, D = q.shape[1], k.shape[1], q.shape[3]
     bq = effective_block(block_q, T, "flash_attention: block_q")
     bk = effective_block(block_k, S, "flash_attention: block_k")
