@@ -234,6 +234,8 @@ def merge(model, *, inplace: bool = False):
     A quantized base is dequantized first (re-quantize the merged model if needed). Dropout
     keys are dropped with the adapters: the merged model equals the unmerged one at inference.
     """
+    if not _lora_vars(model):
+        raise ValueError("the model has no LoRA adapters to merge")
     check_bool("inplace", inplace)
     if not inplace:
         model = nnx.clone(model)
@@ -367,7 +369,8 @@ def save_adapters(model, path) -> None:
     if not loras:
         raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
     meta = {n: {"alpha": lo.alpha, "dropout": lo.dropout, "rslora": lo.rslora, "rank": lo.rank,
-                "dtype": str(lo.lora_a.dtype)} for n, lo in ((n, v.get_value()) for n, v in loras.items())}
+                "dtype": str(lo.lora_a.dtype), "dtype_b": str(lo.lora_b.dtype)}
+            for n, lo in ((n, v.get_value()) for n, v in loras.items())}
     arrays = {k: (a.astype(np.float32) if a.dtype == jnp.bfloat16 else a) for k, a in adapter_arrays(model).items()}
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
@@ -400,6 +403,7 @@ def read_adapters(path) -> tuple[dict, dict]:
         try:  # what apply_lora accepts: a dropout of 2 would zero the adapter's input, an int8 dtype its A
             check_settings(fields.get("alpha"), fields.get("dropout", 0.0), fields.get("rslora"),
                            fields.get("dtype", "float32"))
+            check_settings(1.0, 0.0, False, fields.get("dtype_b", fields.get("dtype", "float32")))
         except ValueError as e:
             raise ValueError(f"adapter {path!r}: metadata of {name!r}: {e} (as save_adapters writes)") from None
         a, b = arrays.get(f"{name}.lora_a"), arrays.get(f"{name}.lora_b")
@@ -414,19 +418,29 @@ def read_adapters(path) -> tuple[dict, dict]:
 def load_adapters(model, path, *, inplace: bool = False):
     """Attach adapters saved by `save_adapters` to a model with the same base shapes.
 
-    Kernels that already carry an adapter have it replaced; others are wrapped.
+    The model comes back with exactly the file's adapters: kernels that already carry one have it
+    replaced, others are wrapped, and adapters on targets the file does not name are taken off
+    (they belonged to another adapter). Every target is checked before anything changes.
     """
     meta, arrays = read_adapters(path)
     check_bool("inplace", inplace)
-    if not inplace:
-        model = nnx.clone(model)
-    for name, m in meta.items():
-        var = _kernel_var(model, name)
-        base = var.get_value().base if isinstance(var.get_value(), LoRA) else var.get_value()
+    for name in meta:
+        value = _kernel_var(model, name).get_value()
+        base = value.base if isinstance(value, LoRA) else value
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
         if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
             raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
-        dtype = jnp.dtype(m.get("dtype", "float32"))
-        var.set_value(LoRA(base, jnp.asarray(a, dtype), jnp.asarray(b, dtype), m["alpha"], m.get("dropout", 0.0),
+    if not inplace:
+        model = nnx.clone(model)
+    for name, var in _lora_vars(model).items():
+        if name not in meta:
+            var.set_value(var.get_value().base)
+    for name, m in meta.items():
+        a_dtype = jnp.dtype(m.get("dtype", "float32"))
+        b_dtype = jnp.dtype(m.get("dtype_b", a_dtype))
+        var = _kernel_var(model, name)
+        base = var.get_value().base if isinstance(var.get_value(), LoRA) else var.get_value()
+        var.set_value(LoRA(base, jnp.asarray(arrays[f"{name}.lora_a"], a_dtype),
+                           jnp.asarray(arrays[f"{name}.lora_b"], b_dtype), m["alpha"], m.get("dropout", 0.0),
                            m["rslora"]))
     return model

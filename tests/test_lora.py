@@ -115,6 +115,36 @@ def test_merge_and_save_load(trained, tmp_path):
         remove_adapters(base)
 
 
+def test_load_gives_exactly_the_files_adapters(tmp_path):
+    """A loaded file replaces the adapter set (others taken off), keeps A's and B's own dtypes, and
+    a target that does not fit refuses before anything changes, even in place."""
+    ids = jnp.arange(1, 9, dtype=jnp.int32)[None]
+    src = apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=2, alpha=4, targets=("wq",), seed=1)
+    lo = src.layers.wq.kernel.get_value()
+    src.layers.wq.kernel.set_value(LoRA(lo.base, lo.lora_a.astype(jnp.bfloat16),
+                                        jax.random.normal(jax.random.key(2), lo.lora_b.shape), lo.alpha))
+    path = tmp_path / "wq.npz"
+    save_adapters(src, path)
+
+    other = apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=3, alpha=6, targets=("wq", "wv"), seed=5)
+    other.layers.wv.kernel.set_value(LoRA(*(lambda v: (v.base, v.lora_a, jnp.ones_like(v.lora_b), v.alpha))(
+        other.layers.wv.kernel.get_value())))
+    loaded = load_adapters(other, path)
+    assert not isinstance(loaded.layers.wv.kernel.get_value(), LoRA)  # the other adapter's target is bare
+    got = loaded.layers.wq.kernel.get_value()
+    assert (got.lora_a.dtype, got.lora_b.dtype) == (jnp.bfloat16, jnp.float32)
+    np.testing.assert_array_equal(got.lora_b, src.layers.wq.kernel.get_value().lora_b)
+    np.testing.assert_array_equal(_forward(loaded, ids), _forward(src, ids))
+    assert isinstance(other.layers.wv.kernel.get_value(), LoRA)  # not in place: the argument is unchanged
+
+    small = apply_lora(Llama(CFG.replace(dim=32, head_dim=8), rngs=nnx.Rngs(0)), rank=2, alpha=4, targets=("wv",))
+    with pytest.raises(ValueError, match="do not fit"):
+        load_adapters(small, path, inplace=True)
+    assert isinstance(small.layers.wv.kernel.get_value(), LoRA)  # refused before taking wv's adapter off
+    with pytest.raises(ValueError, match="no LoRA adapters to merge"):
+        merge(Llama(CFG, rngs=nnx.Rngs(0)))
+
+
 def test_dropout_and_bad_inputs():
     model = apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=2, alpha=4, targets=("wq",), dropout=0.5)
     lora = model.layers.wq.kernel.get_value()
