@@ -34,7 +34,10 @@ quantizer with `jax.eval_shape`: NF4 about 4.13 bits per weight, int8 and fp8
 `--quantize-base rtn` makes it), the adapters `A[L, in, r]`, `B[L, r, out]` in
 their own dtype; gradients and optimizer state exist for the adapters alone.
 Each layer's dequantized weights (compute dtype) are added to the workspace,
-and each adapter keeps its rank-r intermediate per token.
+each adapter keeps its rank-r intermediate per token, and a matmul input that
+only frozen weights read (a norm's output, the attention output, the MLP
+hidden state) is not saved across layers: the backward pass needs it for a
+weight gradient alone.
 
 The numbers are what XLA's buffer assignment reports for a jitted train step
 with donated params and optimizer state, within ~15% for the no-remat case
@@ -177,6 +180,19 @@ def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     return _Sizes(named, norms_extra, attn, 3 * Fr * c + moe)
 
 
+# A matmul input the backward pass keeps only for its weight's gradient, by the weights reading it:
+# with LoRA the frozen ones need none, so an input no adapted weight reads is not saved.
+_WEIGHT_ONLY_INPUTS = {"attn_norm": ("wq", "wk", "wv"), "attention": ("wo",), "mlp_norm": ("w_gate", "w_up"),
+                       "mlp_hidden": ("w_down",)}
+
+
+def _lora_saved_sizes(sizes: _Sizes, targets) -> _Sizes:
+    """`sizes` without the matmul inputs that only frozen weights read (a LoRA step saves none of them)."""
+    named = {k: 0 if k in _WEIGHT_ONLY_INPUTS and not set(_WEIGHT_ONLY_INPUTS[k]) & set(targets) else v
+             for k, v in sizes.named.items()}
+    return dataclasses.replace(sizes, named=named)
+
+
 def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int, int]:
     """(device bytes, host bytes) per token kept across the whole forward, per layer."""
     from jmem.memory.remat import ATTENTION_DOT_NAMES, MINIMAL_NAMES, parse_spec, validate
@@ -314,7 +330,10 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     sizes = _sizes(config, seq, c, "pallas" if attention == "pallas" else "xla")
     if lora_rank:
         sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)
-    dev, host = _saved_per_layer(remat, sizes, config, seq)
+    # The workspace (one layer's cotangents, or its recomputation) counts every value; what is
+    # saved across layers leaves out the inputs only frozen weights read.
+    saved = _lora_saved_sizes(sizes, lora_targets) if lora_rank else sizes
+    dev, host = _saved_per_layer(remat, saved, config, seq)
     activations = config.n_layers * dev * tokens
     workspace = sizes.full_layer * tokens
     if quantize_base is not None:

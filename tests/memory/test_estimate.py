@@ -67,24 +67,38 @@ def test_no_remat_estimate_within_15_percent_of_measured_train_step():
     assert est["activations"] > 0.5 * est["total"]
 
 
-def test_moe_estimate_within_15_percent_of_measured_train_step():
-    """tiny-moe's train step (router, 4 experts, top-2, capacity 1.25), no remat: experts' rows per token
-    and the router's parameters counted."""
+def _train_step_estimate_ratio(**flags):
+    """(estimate, estimate total / compiled total) of `experiments/train.py`'s step, no remat, f32."""
     from jmem.train import TrainConfig
     from jmem.train.loop import estimate_bytes
     from jmem.train.setup import build
 
-    cfg = TrainConfig(model="tiny-moe", steps=1, batch=8, seq=256, optimizer="adamw", progress=False, eval_every=0,
-                      remat="none", precision="f32")
+    cfg = TrainConfig(steps=1, optimizer="adamw", progress=False, eval_every=0, remat="none", precision="f32",
+                      **flags)
     run = build(cfg)
     state = jax.eval_shape(lambda: run.fns.init_state(run.model))
     measured = measure(jax.jit(run.fns.step, donate_argnums=0), state, run.data.batch(0, cfg.batch, cfg.seed))
     est = estimate_bytes(run)
     ratio = est["total"] / measured.total_bytes
     print(measured.table("measured"), format_estimate(est), f"ratio {ratio:.3f}", sep="\n")
+    return est, ratio
+
+
+def test_moe_estimate_within_15_percent_of_measured_train_step():
+    """tiny-moe's train step (router, 4 experts, top-2, capacity 1.25), no remat: experts' rows per token
+    and the router's parameters counted."""
+    est, ratio = _train_step_estimate_ratio(model="tiny-moe", batch=8, seq=256)
     assert 0.85 <= ratio <= 1.15
-    dense = estimate(run.model_config.replace(moe_experts=0), cfg.batch, cfg.seq, remat="none")
+    dense = estimate(LlamaConfig.tiny_moe().replace(moe_experts=0), 8, 256, remat="none")
     assert est["activations"] > 1.3 * dense["activations"]
+
+
+@pytest.mark.parametrize("targets", ["wq,wv", "wq,wk,wv,wo,w_gate,w_up,w_down"])
+def test_lora_estimate_within_15_percent_of_measured_train_step(targets):
+    """A LoRA step saves only the matmul inputs an adapted weight reads: with wq, wv adapted the
+    norms' outputs, the attention output and the MLP hidden state are not kept across layers."""
+    _, ratio = _train_step_estimate_ratio(model="small", batch=4, seq=128, lora_rank=8, lora_targets=targets)
+    assert 0.85 <= ratio <= 1.15
 
 
 def test_remat_and_accumulation_order_and_bad_input():
