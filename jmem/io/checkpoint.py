@@ -81,16 +81,25 @@ class Checkpointer:
             that holds any).
         read_only: only read (a shared or read-only model directory): nothing is created, cleaned
             up or saved there.
+        this_process_only: the calling process reads or writes host arrays alone, without the
+            other processes of a multi-process run (by default every process takes part, as
+            sharded arrays need).
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int | None = 3, read_only: bool = False):
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int | None = 3, read_only: bool = False,
+                 this_process_only: bool = False):
         if max_to_keep is not None:
             check_int("max_to_keep", max_to_keep, 1)
         self.directory = pathlib.Path(directory).expanduser().resolve()
         self.read_only = read_only
+        extra = {}
+        if this_process_only and jax.process_count() > 1:
+            me = jax.process_index()
+            extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}")
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=None if max_to_keep is None else int(max_to_keep), create=False,
-            enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only,
+            enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only, **extra,
         )
         self._manager: ocp.CheckpointManager | None = None
 

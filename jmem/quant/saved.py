@@ -209,6 +209,9 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
             `jmem.quant.api.QuantSpec`), recorded in the manifest; `jmem quantize` records the
             group size each linear got (a mapping from linear to size when they differ).
 
+    The calling process writes it alone: in a multi-process run, call it on one process with
+    the weights on its host (e.g. gathered by `jax.experimental.multihost_utils.process_allgather`).
+
     Raises:
         QuantizedDirError: the directory is not new/empty, a leaf type or tokenizer
             that cannot be saved; raised before anything is written.
@@ -240,7 +243,7 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
         "tokenizer": tok,
     }
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(out / ARRAYS, max_to_keep=1)
+    ckpt = Checkpointer(out / ARRAYS, max_to_keep=1, this_process_only=True)
     try:
         ckpt.save(0, arrays, {"format": FORMAT, "format_version": FORMAT_VERSION})
     finally:

@@ -76,12 +76,9 @@ def validate(cfg: TrainConfig) -> Policy:
 
 
 def _validate_save(cfg: TrainConfig) -> None:
-    """--save: a new adapters file (with LoRA) or a new model directory, written by one process."""
+    """--save: a new adapters file (with LoRA) or a new model directory (process 0 writes it)."""
     if cfg.save is None:
         return
-    if cfg.num_processes not in (None, 1):
-        raise ValueError(f"--save is written by one process; got --num-processes {cfg.num_processes} "
-                         f"(save from the checkpoint with one process)")
     if cfg.lora_rank > 0:
         if not cfg.save.endswith(".npz"):
             raise ValueError(f"--save {cfg.save!r} with --lora-rank writes the adapters as an .npz file; "

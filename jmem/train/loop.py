@@ -358,8 +358,17 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
 def _save_result(run: Run, state, out: TextIO) -> None:
     """--save: the adapters (with --lora-rank) or the whole trained model (its leaves in the run's
-    parameter dtype), readable by `jmem serve` / `jmem.load`."""
-    model = run.fns.merge(jax.tree.map(np.asarray, state.params))
+    parameter dtype), readable by `jmem serve` / `jmem.load`. With several processes every one
+    gathers the parameters (a collective) and process 0 writes them."""
+    if _multiprocess():
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(state.params, tiled=True)
+        if jax.process_index() != 0:
+            return
+    else:
+        params = jax.tree.map(np.asarray, state.params)
+    model = run.fns.merge(params)
     if run.cfg.lora_rank > 0:
         from jmem.lora import save_adapters
 

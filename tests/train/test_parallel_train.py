@@ -9,9 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+import jmem
 from jmem.train import TrainConfig, train
 from tests.helpers import experiment, run_train_script
 
@@ -135,12 +138,16 @@ def _two_processes(per_process) -> tuple[list[int], list[str]]:
 @pytest.mark.slow
 def test_script_two_processes_zero3_match_one_process(tmp_path):
     """`--coordinator/--num-processes/--process-id`: 2 CPU processes x 2 devices (gloo) train
-    like one process with 4 devices and the same global batch; process 0 alone writes --log."""
-    codes, outs = _two_processes(lambda i: ["--log", str(tmp_path / f"p{i}.jsonl")])
+    like one process with 4 devices and the same global batch; process 0 alone writes --log, and
+    --save's model (gathered from both processes' shards) equals the one-process run's."""
+    codes, outs = _two_processes(lambda i: ["--log", str(tmp_path / f"p{i}.jsonl"), "--save", str(tmp_path / "two")])
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    one = subprocess.run(TWO_PROCESS_BASE + ["--log", str(tmp_path / "one.jsonl")], env=_device_env(4), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    one = subprocess.run(TWO_PROCESS_BASE + ["--log", str(tmp_path / "one.jsonl"), "--save", str(tmp_path / "one")],
+                         env=_device_env(4), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
+    saved = [nnx.to_pure_dict(nnx.state(jmem.load(str(tmp_path / d)).model, nnx.Param)) for d in ("two", "one")]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *saved)
+    assert f"wrote the trained model to {tmp_path / 'two'}" in outs[0] and "wrote the trained model" not in outs[1]
 
     def losses(name):
         return [r["loss"] for r in map(json.loads, (tmp_path / name).read_text().splitlines()) if "loss" in r]
