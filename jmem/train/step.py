@@ -214,11 +214,12 @@ def make_train_fns(
             (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch, accum,
                                                                       has_aux=True)
         else:
-            # MoE routing is not additive over the batch (capacity, balancing statistics): its
-            # microbatches stay the single-device ones, not each data-parallel group's rows.
+            # MoE routing is not additive over the batch (capacity, balancing statistics), and LoRA
+            # dropout draws a microbatch's masks from its first row and shape: their microbatches
+            # stay the single-device ones, not each data-parallel group's rows.
             (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
                 objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True,
-                group_accumulators=False if moe else None)
+                group_accumulators=False if moe or lora_dropout else None)
         metrics = {"loss": loss_sum / n_tokens}
         if moe:
             metrics.update({k: v / n_tokens for k, v in extra.items() if k != "moe_dropped"},

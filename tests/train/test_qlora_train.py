@@ -103,6 +103,15 @@ def test_lora_on_a_zero3_tensor_mesh_matches_one_device(quantize_base):
     np.testing.assert_allclose([got[k] for k in range(3)], [ref[k] for k in range(3)], rtol=1e-5)
 
 
+def test_lora_dropout_with_accumulation_on_a_mesh_matches_one_device():
+    """Dropout masks come from a microbatch's first row and shape: on a data-parallel mesh the
+    microbatches are the single-device ones, so the run is the one-device run."""
+    cfg = dataclasses.replace(MESH_REF, lora_dropout=0.1, accum=2)
+    ref = train(cfg, out=io.StringIO()).losses
+    got = train(dataclasses.replace(cfg, mesh="data=4,tensor=2"), out=io.StringIO()).losses
+    np.testing.assert_allclose([got[k] for k in range(3)], [ref[k] for k in range(3)], rtol=1e-6)
+
+
 def test_adapters_and_packed_base_split_with_their_weight():
     """Shardings of a QLoRA train state on a tensor mesh with ZeRO-3: A splits with its kernel's
     input rows, B with its output columns (parameters, gradients and optimizer moments alike, found
