@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ from jmem.sampling import make_arrays, sample
 from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
 from jmem.serve.paged_decode import chunk_pages
+from jmem.serve.request import SamplingParams
 from jmem.serve.scheduler import SchedulerOutput
 from jmem.serve.spec_decode import NO_DRAFT, verify_rows
 from jmem.serve.step_layout import TILE, build_layout, decode_shape, tiles_needed
@@ -269,7 +271,8 @@ class ModelRunner:
             fits = [s for s in known if s.holds(need)]
             if fits:
                 if need not in self._compiling and need not in self._compile_failed:
-                    self._compiling[need] = _background_compiler().submit(self.compiled_step, need)
+                    self._compiling[need] = _background_compiler().submit(_compile_if_alive, weakref.ref(self),
+                                                                          need)
                 shape = min(fits, key=StepShape.cost)
                 self.compiled_shapes.add(shape)
                 return shape
@@ -345,7 +348,9 @@ class ModelRunner:
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids
         slots = np.full(padded.shape, self.slot_of(adapter_id), np.int32)
-        lp, top_lp, top_ids, rank = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), max(k, 1),
+        # The most alternatives a request may ask for, whatever this one asks: one program per length.
+        top = min(SamplingParams.MAX_LOGPROBS, self.config.vocab_size)
+        lp, top_lp, top_ids, rank = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), top,
                                                         jnp.asarray(slots), self.mesh is not None)
         lp, top_lp, top_ids, rank = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids), np.asarray(rank)
         return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])],
@@ -465,6 +470,14 @@ def _flat(tree) -> tuple:
 
 
 _COMPILED_SHAPES: collections.defaultdict[tuple, set[StepShape]] = collections.defaultdict(set)
+
+
+def _compile_if_alive(runner_ref, shape: StepShape) -> None:
+    """A queued background compilation holds its runner weakly: a dropped engine's weights and KV
+    cache are freed at once, and its queued shapes are skipped."""
+    runner = runner_ref()
+    if runner is not None:
+        runner.compiled_step(shape)
 
 
 @functools.cache

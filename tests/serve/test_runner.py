@@ -123,6 +123,31 @@ def test_precompiled_engine_never_waits_for_a_compilation(model, reference):
     assert envelopes < runner.compiled_shapes and not runner._compiling
 
 
+def test_a_dropped_engine_is_freed_while_its_compilations_wait(model):
+    """Background compilations queued for an engine hold it weakly: dropping the engine frees its
+    runner (weights and KV cache) before the queue reaches them, and they are skipped."""
+    import gc
+    import threading
+    import weakref
+
+    from jmem.serve.runner import _background_compiler
+
+    gate = threading.Event()
+    _background_compiler().submit(gate.wait, 60)  # the compile thread is busy: later shapes stay queued
+    try:
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=24, **{**SMALL, "max_model_len": 128}))
+        engine.precompile()
+        engine.generate(prompts(5, 3), greedy(4))
+        assert engine.runner._compiling, "meant to queue shapes smaller than the compiled ones"
+        runner = weakref.ref(engine.runner)
+        del engine
+        gc.collect()
+        assert runner() is None
+    finally:
+        gate.set()
+    _background_compiler().submit(lambda: None).result()  # the queued shapes ran as no-ops
+
+
 def test_prompt_logprobs_equal_the_full_forward(model):
     engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
     [ids] = prompts(11, 1)
@@ -138,6 +163,12 @@ def test_prompt_logprobs_equal_the_full_forward(model):
         assert [i for i, _ in top] == list(want_ids)
         np.testing.assert_allclose([v for _, v in top], lsm[t - 1, want_ids], atol=1e-4)
     assert all(len(x[1]) == 0 for x in engine.prompt_logprobs(ids[:5], k=0)[1:])
+    from jmem.serve.runner import _prompt_logprobs_fn
+
+    programs = _prompt_logprobs_fn._cache_size()
+    for k in (1, 2, 5, 20):  # one program per length, whatever k a request asks for
+        assert [len(x[1]) for x in engine.prompt_logprobs(ids, k=k)[1:]] == [k] * (len(ids) - 1)
+    assert _prompt_logprobs_fn._cache_size() == programs
     for bad, message in [([], "empty"), (list(range(70)), "at most 64"), ([1, 2], "logprobs=21")]:
         with pytest.raises(ValueError, match=message):
             engine.prompt_logprobs(bad, k=21 if message.startswith("logprobs") else 1)
