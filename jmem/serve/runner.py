@@ -200,8 +200,9 @@ class ModelRunner:
 
         After this, a step whose exact padded shape is not compiled yet runs padded to the smallest
         compiled shape that holds it, while its own shape compiles on a background thread for the
-        steps after it; a serving loop never stalls on a compilation (steps with penalties, whose
-        history length is its own dimension, compile on first use). With `num_speculative_tokens`,
+        steps after it; a serving loop never stalls on a compilation (steps with penalties or logit
+        biases, `logit_bias` and `min_tokens`, compile on first use: the history length and the bias
+        width are dimensions of their own). With `num_speculative_tokens`,
         the prefilling step samples a row per verified position too, so it holds every verify step.
         Returns the shapes compiled.
         """
