@@ -8,7 +8,7 @@ the layer scan, per microbatch in gradient accumulation).
 
 Example:
     >>> text = jax.jit(step).lower(state, batch).compile().as_text()
-    >>> collectives(text)
+    >>> collectives(text)  # counts of one ZeRO-3 step; what XLA picks varies by backend
     {'all-gather': 12, 'reduce-scatter': 9}
     >>> collectives(text, in_loops=True)
     {'all-gather': 12}

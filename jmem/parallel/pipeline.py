@@ -14,7 +14,7 @@ give a NaN Jacobian, e.g. `x / ||x||`), pass no gradient back and never reach an
 
 Example:
     >>> y_MBTE = pipeline(stage_fn, stage_weights, x_MBTE, mesh=mesh)
-    >>> loss_fn = pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
+    >>> loss_fn, params = pipeline_lm_loss_fn(model, n_stages=2, n_microbatches=4, mesh=mesh)
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ def pipeline_1f1b(first_fn: Callable, stage_fn: Callable, last_fn: Callable, sta
     fn = shard_map(body, mesh=mesh, in_specs=(spec_S, rep(shared_params), rep(inputs_M), rep(targets_M)),
                    out_specs=((P(), P()), (spec_S, rep(shared_params))), axis_names=frozenset({stage_axis}),
                    check_vma=False)
-    return fn(stage_params, shared_params, inputs_M, targets_M)
+    # Under jit (eagerly, a shard_map manual over the stage axis alone is refused).
+    return jax.jit(fn)(stage_params, shared_params, inputs_M, targets_M)
 
 
 def check_tick_collectives(hlo_text: str, mesh: Mesh, *, stage_axis: str = "stage") -> None:

@@ -335,6 +335,7 @@ def dequantize(raw, qtype, shape=None) -> jax.Array:
         f32[..., n_bytes / type_size * block_size] (or `shape`).
 
     Example:
+        >>> from jmem.quant.ggml_quantize import quantize
         >>> raw = quantize(np.ones((4, 64), np.float32), "Q4_0")  # u8[4, 36]
         >>> dequantize(raw, "Q4_0").shape
         (4, 64)

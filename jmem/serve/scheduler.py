@@ -90,7 +90,7 @@ class Scheduler:
         >>> s = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=64, block_size=16))
         >>> s.add_request(Request("a", [1, 2, 3]))
         >>> out = s.schedule()           # run the model on `out`, then:
-        >>> finished = s.update_from_output(out, {"a": 7})
+        >>> advanced = s.update_from_output(out, {"a": 7})
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):

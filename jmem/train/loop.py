@@ -14,7 +14,7 @@ losses exactly.
 Example:
     >>> from jmem.train import TrainConfig, train
     >>> result = train(TrainConfig(model="tiny", steps=20))
-    >>> result.losses[-1] < result.losses[0]
+    >>> result.losses[max(result.losses)] < result.losses[min(result.losses)]  # losses by step
 """
 
 from __future__ import annotations

@@ -209,6 +209,10 @@ def test_four_stages_loss_fn_gradient_matches_unpipelined(model):
     np.testing.assert_allclose(s, s_ref, rtol=1e-5)
     assert float(c) == float(c_ref)
     _assert_grads_close(g, jax.tree.map(lambda x: x * scale, g_ref))
+    # Outside jit too (the schedule's shard_map is jitted inside), as a notebook would call it.
+    (_, (s_eager, _)), g_eager = jax.value_and_grad(objective, has_aux=True)(p, batch)
+    np.testing.assert_allclose(s_eager, s, rtol=1e-6)
+    _assert_grads_close(g_eager, g)
 
 
 def test_unknown_schedule_is_one_clear_error(capsys):
