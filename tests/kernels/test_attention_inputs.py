@@ -155,3 +155,31 @@ def test_sizes_and_counts_must_be_integers_and_lists_are_arrays():
             ragged_paged_attention(qr, kp, vp, kvl, table, cu, bad, interpret=True)
     with pytest.raises(ValueError, match="ragged_paged_attention: block_q=3; accepted: a power of two"):
         ragged_paged_attention(qr, kp, vp, kvl, table, cu, n, block_q=3, interpret=True)
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_every_kernel_runs_with_x64_enabled(x64):
+    """`jax_enable_x64` (common in scientific code) turns Python ints into int64: the kernels'
+    index arithmetic on int32 grid indices still traces, and the results and gradients hold."""
+    q, k, v = _dense(T=24, seed=4)
+    flash = lambda q: flash_attention(q, k, v, causal=True, interpret=True)  # noqa: E731
+    ref = lambda q: attention_reference(q, k, v, causal=True)  # noqa: E731
+    np.testing.assert_allclose(flash(q), ref(q), atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(jax.grad(lambda q: (flash(q) ** 2).sum())(q), jax.grad(lambda q: (ref(q) ** 2).sum())(q),
+                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(sparse_attention(q, k, v, MASK, interpret=True), sparse_attention_reference(q, k, v, MASK),
+                               atol=TOL, rtol=TOL)
+    q, _, _, kp, vp, lengths, table = decode_case(3, 3, 32, 4, 2, 16, 8, jnp.float32)
+    np.testing.assert_allclose(paged_attention(q, kp, vp, lengths, table, interpret=True),
+                               paged_attention_reference(q, kp, vp, lengths, table), atol=TOL, rtol=TOL)
+    q, _, _, kp, vp, kvl, table, cu, n = ragged_case(4, [3, 1], [6, 9], 3, 5, 4, 2, 16, 8, jnp.float32)
+    np.testing.assert_allclose(ragged_paged_attention(q, kp, vp, kvl, table, cu, n, interpret=True),
+                               ragged_paged_attention_reference(q, kp, vp, kvl, table, cu, n), atol=TOL, rtol=TOL)

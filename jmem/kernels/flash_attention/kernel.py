@@ -215,8 +215,8 @@ def _k_range(cfg: _Cfg, i):
     n_full = cfg.kv_len // cfg.block_k
     if not cfg.causal:
         return n_full, nk
-    n_total = jnp.minimum(lax.div((i + 1) * cfg.block_q + cfg.block_k - 1, cfg.block_k), nk)
-    n_full = jnp.minimum(jnp.minimum(lax.div(i * cfg.block_q + 1, cfg.block_k), n_full), n_total)
+    n_total = jnp.minimum(lax.div((i + 1) * cfg.block_q + cfg.block_k - 1, jnp.int32(cfg.block_k)), nk)
+    n_full = jnp.minimum(jnp.minimum(lax.div(i * cfg.block_q + 1, jnp.int32(cfg.block_k)), n_full), n_total)
     return n_full, n_total
 
 
@@ -226,8 +226,8 @@ def _q_range(cfg: _Cfg, j):
     padded_keys = (j + 1) * cfg.block_k > cfg.kv_len
     if not cfg.causal:
         return 0, lax.select(padded_keys, jnp.int32(nq), jnp.int32(0))
-    lo = jnp.minimum(lax.div(j * cfg.block_k, cfg.block_q), nq)
-    full_from = jnp.minimum(lax.div((j + 1) * cfg.block_k - 1 + cfg.block_q - 1, cfg.block_q), nq)
+    lo = jnp.minimum(lax.div(j * cfg.block_k, jnp.int32(cfg.block_q)), nq)
+    full_from = jnp.minimum(lax.div((j + 1) * cfg.block_k - 1 + cfg.block_q - 1, jnp.int32(cfg.block_q)), nq)
     return lo, lax.select(padded_keys, jnp.int32(nq), full_from)
 
 
@@ -342,7 +342,7 @@ def _fwd_call(q, k, v, cfg: _Cfg):
             o, lse = streaming.fwd_call(platform, q, k, v, cfg)
             return o[..., :D0], lse
         D = q.shape[3]
-        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         o, lse = pl.pallas_call(
             functools.partial(_fwd_kernel, cfg=cfg),
             grid=(B, H, T // cfg.block_q),
@@ -375,7 +375,7 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
             dq, dk, dv = streaming.bwd_call(platform, q, k, v, do, lse, delta, cfg)
             return dq[..., :D0], dk[..., :D0], dv[..., :D0]
         D = q.shape[3]
-        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         arrays = (q, k, v, do, lse, delta)
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=cfg),

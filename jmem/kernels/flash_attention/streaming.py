@@ -59,7 +59,7 @@ def _query_grid(q, k, cfg):
     G = H // k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     row = lambda last: pl.BlockSpec((None, None, bq, last), lambda b, h, i, j: (b, h, i, 0))  # noqa: E731
-    kv = pl.BlockSpec((None, None, bk, D), lambda b, h, i, j: (b, lax.div(h, G), jnp.minimum(j, _last_k(cfg, i)), 0))
+    kv = pl.BlockSpec((None, None, bk, D), lambda b, h, i, j: (b, lax.div(h, jnp.int32(G)), jnp.minimum(j, _last_k(cfg, i)), 0))
     return (B, H, T // bq, k.shape[2] // bk), row, kv
 
 
@@ -121,7 +121,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_sc, 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, nq, steps):
     # grid (B, K, nk, G * nq): step t visits query block t % nq of group member t // nq
     j, t = pl.program_id(2), pl.program_id(3)
-    i = lax.rem(t, nq)
+    i = lax.rem(t, jnp.int32(nq))
 
     @pl.when(t == 0)
     def _():
@@ -165,7 +165,7 @@ def bwd_call(platform, q, k, v, do, lse, delta, cfg):
     )(q, k, v, do, lse, delta)
 
     def q_index(b, h, j, t):
-        return (b, h * G + lax.div(t, nq), jnp.maximum(lax.rem(t, nq), _first_q(cfg, j)), 0)
+        return (b, h * G + lax.div(t, jnp.int32(nq)), jnp.maximum(lax.rem(t, jnp.int32(nq)), _first_q(cfg, j)), 0)
 
     q_rows = lambda last: pl.BlockSpec((None, None, bq, last), q_index)  # noqa: E731
     k_rows = pl.BlockSpec((None, None, bk, D), lambda b, h, j, t: (b, h, j, 0))

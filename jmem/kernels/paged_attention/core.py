@@ -94,7 +94,7 @@ def _triton_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *rest, ppb, causal, gp
     bk = ppb * page
     q = q_ref[...]
     cdt = q.dtype
-    row_pos = pos0 + jax.lax.shift_right_logical(jnp.arange(R, dtype=jnp.int32), gp_log2)
+    row_pos = pos0 + jax.lax.shift_right_logical(jnp.arange(R, dtype=jnp.int32), jnp.int32(gp_log2))
 
     def body(i, carry):
         acc, m, l = carry
@@ -147,7 +147,7 @@ def _mosaic_kernel(meta_ref, bt_ref, q_ref, *refs, ppb, nbp, causal, gp_log2, sm
         q = q_ref[...]
         cdt = q.dtype
         col = jax.lax.broadcasted_iota(jnp.int32, (R, page), 1)
-        row_pos = pos0 + jax.lax.shift_right_logical(jax.lax.broadcasted_iota(jnp.int32, (R, page), 0), gp_log2)
+        row_pos = pos0 + jax.lax.shift_right_logical(jax.lax.broadcasted_iota(jnp.int32, (R, page), 0), jnp.int32(gp_log2))
         s_list = []
         for j in range(ppb):
             s = _dot_nt(q, k_refs[j][...].astype(cdt), precision) * sm_scale

@@ -257,7 +257,7 @@ def _fwd_call(q, k, v, cfg: _Cfg):
     def call(platform, counts, blocks, tids, q, k, v, tiles):
         q, k, v = fk.pad_head_dim(platform, cfg.pad_platforms, q, k, v)
         D = q.shape[3]
-        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         o, lse, visits = pl.pallas_call(
             functools.partial(_fwd_kernel, cfg=cfg, max_n=lists.max_n),
             grid=(B, H, T // cfg.block_q),
@@ -296,7 +296,7 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
 
     def dq_call(platform, counts, blocks, tids, *arrays):
         arrays, D = padded(platform, *arrays)
-        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, G), 0, 0))
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=cfg, max_n=lists.max_n),
             grid=(B, H, T // bq),
