@@ -149,14 +149,20 @@ def check_settings(alpha, dropout, rslora, dtype):
     if not (is_number(dropout) and 0.0 <= dropout < 1.0):
         raise ValueError(f"LoRA dropout={dropout!r}; accepted: a number in [0, 1)")
     check_bool("LoRA rslora", rslora)
+    return alpha, dropout, _floating_dtype(dtype)
+
+
+def _floating_dtype(dtype, name: str = "LoRA dtype"):
+    """`dtype` as a floating dtype; else one ValueError naming it."""
     try:
-        as_float = as_dtype(dtype)  # an unknown name: its own error, naming the accepted ones
-    except TypeError:
-        raise ValueError(f"LoRA dtype={dtype!r}; accepted: a floating dtype (float32, bfloat16, float16)") from None
-    if not jnp.issubdtype(as_float, jnp.floating):
-        raise ValueError(f"LoRA dtype={jnp.dtype(as_float).name}; accepted: a floating dtype (float32, bfloat16, "
-                         "float16; or their names f32, bf16, f16)")
-    return alpha, dropout, as_float
+        as_float = as_dtype(dtype)
+    except (TypeError, ValueError):  # not a dtype, or a name as_dtype does not know
+        as_float = None
+    if as_float is None or not jnp.issubdtype(as_float, jnp.floating):
+        shown = dtype if as_float is None else jnp.dtype(as_float).name
+        raise ValueError(f"{name}={shown}; accepted: a floating dtype (float32, bfloat16, float16; or their names "
+                         "f32, bf16, f16)")
+    return as_float
 
 
 def _kernel_var(model, name: str):
@@ -403,7 +409,7 @@ def read_adapters(path) -> tuple[dict, dict]:
         try:  # what apply_lora accepts: a dropout of 2 would zero the adapter's input, an int8 dtype its A
             check_settings(fields.get("alpha"), fields.get("dropout", 0.0), fields.get("rslora"),
                            fields.get("dtype", "float32"))
-            check_settings(1.0, 0.0, False, fields.get("dtype_b", fields.get("dtype", "float32")))
+            _floating_dtype(fields.get("dtype_b", fields.get("dtype", "float32")), "LoRA dtype_b")
         except ValueError as e:
             raise ValueError(f"adapter {path!r}: metadata of {name!r}: {e} (as save_adapters writes)") from None
         a, b = arrays.get(f"{name}.lora_a"), arrays.get(f"{name}.lora_b")
@@ -413,6 +419,11 @@ def read_adapters(path) -> tuple[dict, dict]:
             raise ValueError(f"adapter {path!r}: {name} A {a.shape} and B {b.shape} are not of its rank {rank}; "
                              "accepted: A [..., in, rank] and B [..., rank, out]")
     return meta, arrays
+
+
+def _base_of(value):
+    """A kernel's weight leaf without its adapter, if it has one."""
+    return value.base if isinstance(value, LoRA) else value
 
 
 def load_adapters(model, path, *, inplace: bool = False):
@@ -425,8 +436,7 @@ def load_adapters(model, path, *, inplace: bool = False):
     meta, arrays = read_adapters(path)
     check_bool("inplace", inplace)
     for name in meta:
-        value = _kernel_var(model, name).get_value()
-        base = value.base if isinstance(value, LoRA) else value
+        base = _base_of(_kernel_var(model, name).get_value())
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
         if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
             raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
@@ -439,8 +449,7 @@ def load_adapters(model, path, *, inplace: bool = False):
         a_dtype = jnp.dtype(m.get("dtype", "float32"))
         b_dtype = jnp.dtype(m.get("dtype_b", a_dtype))
         var = _kernel_var(model, name)
-        base = var.get_value().base if isinstance(var.get_value(), LoRA) else var.get_value()
-        var.set_value(LoRA(base, jnp.asarray(arrays[f"{name}.lora_a"], a_dtype),
+        var.set_value(LoRA(_base_of(var.get_value()), jnp.asarray(arrays[f"{name}.lora_a"], a_dtype),
                            jnp.asarray(arrays[f"{name}.lora_b"], b_dtype), m["alpha"], m.get("dropout", 0.0),
                            m["rslora"]))
     return model

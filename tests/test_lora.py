@@ -193,7 +193,7 @@ def test_dropout_and_bad_inputs():
         apply_lora(base, rank=True)
     with pytest.raises(ValueError, match="LoRA dtype=int8; accepted: a floating dtype"):
         apply_lora(base, dtype=jnp.int8)
-    with pytest.raises(ValueError, match="dtype 'int8' is not supported; accepted: f32"):
+    with pytest.raises(ValueError, match="LoRA dtype=int8; accepted: a floating dtype"):
         apply_lora(base, dtype="int8")
     assert apply_lora(base, dtype="bf16").layers.wq.kernel.get_value().lora_a.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="dropout key=0; accepted: a typed PRNG key"):
@@ -228,7 +228,8 @@ def test_settings_are_checked_wherever_adapters_come_from(tmp_path):
         arrays = dict(f)
     meta = json.loads(bytes(arrays.pop("__meta__")).decode())
     for field, value, message in [("dropout", 2.0, r"LoRA dropout=2.0; accepted: a number in \[0, 1\)"),
-                                  ("dtype", "int8", "dtype 'int8' is not supported"),
+                                  ("dtype", "int8", "LoRA dtype=int8; accepted: a floating dtype"),
+                                  ("dtype_b", "int8", "LoRA dtype_b=int8; accepted: a floating dtype"),
                                   ("alpha", -8, "LoRA alpha=-8; accepted: a finite number > 0")]:
         bad = tmp_path / f"{field}.npz"
         edited = {"wq": {**meta["wq"], field: value}}

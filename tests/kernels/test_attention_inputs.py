@@ -159,11 +159,12 @@ def test_sizes_and_counts_must_be_integers_and_lists_are_arrays():
 
 @pytest.fixture
 def x64():
+    before = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:
         yield
     finally:
-        jax.config.update("jax_enable_x64", False)
+        jax.config.update("jax_enable_x64", before)
 
 
 def test_every_kernel_runs_with_x64_enabled(x64):
