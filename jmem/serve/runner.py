@@ -412,8 +412,7 @@ class ModelRunner:
         sarr = make_arrays(row_params, seeds=seeds, steps=steps, histories=hists, batch=shape.sample_rows,
                            hist_len=shape.hist_len, biases=biases, bias_len=shape.bias_len)
         cache = self.cache.replace(layout=layout)
-        outs = _step_fn(self.graphdef, self.state, cache, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(slots),
-                        jnp.asarray(last), sarr, jnp.asarray(draft))
+        outs = _step_fn(self.graphdef, self.state, cache, ids, pos, slots, last, sarr, draft)  # numpy in: one transfer
         toks, lp, top_lp, top_ids, accept, cache = outs
         self.cache = cache.replace(layout=None)
         toks, lp = np.asarray(toks), np.asarray(lp)
