@@ -69,6 +69,23 @@ class Config:
     """Timed samples, median reported (10; --quick 1)."""
     reps: int | None = None
     """Back-to-back calls per timed sample (5; --quick 1)."""
+    flash_tiles: str = ""
+    """More jmem flash rows (forward, and forward + backward), comma-separated BQxBKxWARPS
+    (128x128x4,128x64x4: query and key tile sizes, GPU warps per program)."""
+
+    def tiles(self) -> list[tuple[int, int, int]]:
+        """--flash-tiles as (block_q, block_k, num_warps) triples; a ValueError naming a bad one."""
+        out = []
+        for item in filter(None, (t.strip() for t in self.flash_tiles.split(","))):
+            parts = item.lower().split("x")
+            if len(parts) != 3 or not all(p.isdigit() for p in parts):
+                raise ValueError(f"--flash-tiles entry {item!r}; accepted: BQxBKxWARPS such as 128x64x8")
+            bq, bk, w = (int(p) for p in parts)
+            if min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1) or w not in (1, 2, 4, 8, 16):
+                raise ValueError(f"--flash-tiles entry {item!r}; accepted: tile sizes powers of two >= 16, "
+                                 "warps 1, 2, 4, 8 or 16")
+            out.append((bq, bk, w))
+        return out
 
     def resolved(self) -> "Config":
         """Every unset shape / timing flag at its full (or, with --quick, quick) size; flags given stay."""
@@ -90,6 +107,7 @@ class Config:
         if self.context % self.page_size:
             raise ValueError(f"--context {self.context} is not a multiple of --page-size {self.page_size}; "
                              "accepted: a context of whole pages")
+        self.tiles()
 
 
 def log(msg: str) -> None:
@@ -211,12 +229,24 @@ def run(cfg: Config) -> list[dict]:
     flops = 4 * Bf * Hf * T * T * D / 2
     fshape = f"B={Bf} T={T} H={Hf} D={D} causal"
 
-    def jmem_flash():
+    def jmem_flash(backward=False, **tiles):
         from jmem.kernels.flash_attention import flash_attention
 
-        return time_call(cfg, jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret)), fq, fk, fv)
+        f = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret, **tiles)  # noqa: E731
+        if backward:  # d<o, do>/d(q, k, v) with a fixed random do: forward, then the three gradients
+            do = jax.random.normal(jax.random.key(2), fq.shape, jnp.float32)
+            fwd = f
+            f = jax.grad(lambda q, k, v: jnp.vdot(fwd(q, k, v).astype(jnp.float32), do), argnums=(0, 1, 2))
+        return time_call(cfg, jax.jit(f), fq, fk, fv)
 
     row("jmem flash_attention fwd", jmem_flash, flops=flops, note=fshape)
+    # Backward FLOPs: 2.5x the forward's (five T x T matmuls against two).
+    row("jmem flash_attention fwd+bwd", lambda: jmem_flash(True), flops=3.5 * flops, note=fshape)
+    for bq, bk, w in cfg.tiles():
+        tiles = dict(block_q=bq, block_k=bk, num_warps=w)
+        name = f"jmem flash_attention (block {bq}x{bk}, {w} warps)"
+        row(f"{name} fwd", lambda t=tiles: jmem_flash(**t), flops=flops, note=fshape)
+        row(f"{name} fwd+bwd", lambda t=tiles: jmem_flash(True, **t), flops=3.5 * flops, note=fshape)
     for im in dict.fromkeys((impl, "xla")):
         f = jax.jit(lambda q, k, v, im=im: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=im))
         row(f"jax.nn.dot_product_attention fwd ({im})", lambda f=f: time_call(cfg, f, fq, fk, fv), flops=flops, note=fshape)

@@ -44,6 +44,9 @@ def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, ca
     (["--quick", "--samples", "0", "--kv-heads", "3"], "--samples 0; accepted: a positive integer"),
     (["--quick", "--kv-heads", "3"], "--q-heads 4 is not a multiple of --kv-heads 3"),
     (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
+    (["--flash-tiles", "128x64"], "--flash-tiles entry '128x64'; accepted: BQxBKxWARPS"),
+    (["--flash-tiles", "128x64x8,96x64x4"], "--flash-tiles entry '96x64x4'; accepted: tile sizes powers of two"),
+    (["--flash-tiles", "128x64x3"], "--flash-tiles entry '128x64x3'; accepted: tile sizes powers of two >= 16, warps"),
 ])
 def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))

@@ -237,3 +237,18 @@ def test_dispatcher_refuses_negative_offsets_and_lengths_past_kv_len():
     want = attention(q, k, v, q_offset=20, kv_lengths=10, impl="xla")
     got = jax.jit(lambda off, n: attention(q, k, v, q_offset=off, kv_lengths=n, impl="xla"))(jnp.int32(20), jnp.int32(10))
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)  # jit may fuse differently: rounding only
+
+
+@pytest.mark.parametrize("D,num_warps,expected", [(128, None, 8), (96, None, 8), (64, None, 4), (128, 2, 2)])
+def test_flash_gpu_warps_follow_head_dim(D, num_warps, expected):
+    cuda_lowering_available()
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=False, num_warps=num_warps)  # noqa: E731
+    text = lower_grad_for_gpu(fn, (1, 64, 2, D), (1, 64, 1, D), jnp.bfloat16)
+    assert text.count(f"num_warps = {expected} : i32") == 3  # forward, dq, dk/dv
+
+
+@pytest.mark.parametrize("bad", [3, 0, True, 8.0, "8"])
+def test_flash_refuses_bad_num_warps(bad):
+    q = jnp.zeros((1, 16, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"num_warps=.*accepted: None, 1, 2, 4, 8, 16"):
+        flash_attention(q, q, q, num_warps=bad)

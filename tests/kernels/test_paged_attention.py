@@ -282,10 +282,13 @@ def test_bench_quick_runs(tmp_path):
 
     bench = experiment("bench_attention")
     out = tmp_path / "bench.json"
-    bench.main(bench.Config(quick=True, out=str(out)))
+    bench.main(bench.Config(quick=True, out=str(out), flash_tiles="32x16x8"))
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     for name in ("jmem paged_attention bf16", "jmem paged_attention int8", "jmem ragged_paged_attention (all decode)"):
         assert rows[name]["ms"] > 0 and rows[name]["GB/s"] > 0, rows[name]
+    for name in ("jmem flash_attention fwd+bwd", "jmem flash_attention (block 32x16, 8 warps) fwd",
+                 "jmem flash_attention (block 32x16, 8 warps) fwd+bwd"):
+        assert rows[name]["ms"] > 0 and rows[name]["TFLOP/s"] > 0, rows[name]
 
 
 def test_kernel_body_follows_the_compile_target():
