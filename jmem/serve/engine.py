@@ -29,7 +29,7 @@ from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, RequestError, SamplingParams, Status, check_fits
-from jmem.serve.runner import ModelRunner, kv_cache_budget
+from jmem.serve.runner import ModelRunner, kv_cache_budget, resident_bytes
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 from jmem.serve.tensor_parallel import state_shardings
 
@@ -258,7 +258,11 @@ class Engine:
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
-            budget = kv_cache_budget(self.weight_bytes, config.kv_cache_memory, config.memory_utilization)
+            # On one device the runner serves the weights where they are: those already on it are in
+            # its bytes in use. Split across devices, each one's part is a new copy.
+            resident = 0 if mesh is not None else sum(resident_bytes(nnx.state(m)) for m in models)
+            budget = kv_cache_budget(self.weight_bytes, config.kv_cache_memory, config.memory_utilization,
+                                     resident_weight_bytes=resident)
             num_blocks = ModelRunner.num_blocks_for_budget([m.config for m in models], budget, config.block_size,
                                                            config.kv_cache_dtype, tp)
         capacity = num_blocks * config.block_size

@@ -261,15 +261,17 @@ class PagedKVCache:
     def create(cls, config, num_pages: int, page_size: int, kv_dtype: str = "auto",
                impl: str = "auto", mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
         """Zeroed pages (and zero scales for int8/fp8). `impl`: "tiled" (plain jnp, any backend),
-        "kernel" (the Pallas ragged paged-attention kernel) or "auto" (kernel on GPU/TPU, tiled
-        otherwise). `mesh`: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`);
+        "kernel" (the Pallas ragged paged-attention kernel) or "auto" (the kernel on a TPU, and on a
+        GPU when page_size and head_dim are powers of two, which Triton's tiles need; tiled otherwise). `mesh`: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`);
         each device then holds the pages of its own kv heads, created in place (the whole pool
         never exists on one device)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
         if impl not in ("auto", "tiled", "kernel"):
             raise ValueError(f"paged attention impl={impl!r}; accepted: auto, tiled, kernel")
         if impl == "auto":
-            impl = "kernel" if jax.default_backend() in ("gpu", "tpu") else "tiled"
+            backend, pow2 = jax.default_backend(), lambda n: n & (n - 1) == 0
+            fits = backend == "tpu" or (backend == "gpu" and pow2(page_size) and pow2(config.head_dim))
+            impl = "kernel" if fits else "tiled"
         shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
         if mesh is None:
             zeros = jnp.zeros

@@ -70,8 +70,23 @@ def _fine_bucket(n: int, smallest: int) -> int:
     return b
 
 
-def kv_cache_budget(weights_bytes: int, kv_cache_memory: int | None, memory_utilization: float | None) -> int:
-    """Bytes for the KV cache: explicit, or a fraction of device memory minus the weights."""
+def device_memory_stats() -> dict:
+    """The first local device's allocator statistics (`bytes_limit`, `bytes_in_use`); empty on a CPU."""
+    return jax.local_devices()[0].memory_stats() or {}
+
+
+def resident_bytes(tree) -> int:
+    """Bytes of `tree`'s arrays that already sit whole on the first local device (counted in its
+    `bytes_in_use`)."""
+    device = jax.local_devices()[0]
+    return sum(x.nbytes for x in jax.tree.leaves(tree)
+               if isinstance(x, jax.Array) and x.sharding.device_set == {device})
+
+
+def kv_cache_budget(weights_bytes: int, kv_cache_memory: int | None, memory_utilization: float | None,
+                    resident_weight_bytes: int = 0) -> int:
+    """Bytes for the KV cache: explicit, or a fraction of device memory minus what is in use and the
+    weights still to be placed there (`weights_bytes` less the `resident_weight_bytes` already in use)."""
     if kv_cache_memory is not None:
         if kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory={kv_cache_memory}; need a positive number of bytes")
@@ -79,15 +94,17 @@ def kv_cache_budget(weights_bytes: int, kv_cache_memory: int | None, memory_util
     frac = 0.9 if memory_utilization is None else memory_utilization
     if not 0.0 < frac <= 1.0:
         raise ValueError(f"memory_utilization={memory_utilization}; accepted: (0, 1]")
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = device_memory_stats()
     limit = stats.get("bytes_limit")
     if not limit:
         return DEFAULT_CPU_KV_BYTES if memory_utilization is None else int(
             frac * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
-    budget = int(frac * limit) - stats.get("bytes_in_use", 0) - weights_bytes
+    in_use = stats.get("bytes_in_use", 0)
+    budget = int(frac * limit) - in_use - max(0, weights_bytes - resident_weight_bytes)
     if budget <= 0:
         raise ValueError(f"memory_utilization={frac} leaves no room for the KV cache after the weights "
-                         f"({weights_bytes / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
+                         f"({weights_bytes / 2**20:.0f} MiB) and what the device already holds "
+                         f"({in_use / 2**20:.0f} MiB in use of {limit / 2**20:.0f} MiB)")
     return budget
 
 

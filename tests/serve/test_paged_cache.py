@@ -108,3 +108,20 @@ def test_decode_rows_split_over_chunks_match_reference(dtype):
     want = ragged_paged_attention_reference(q, kf, vf, lay.seq_kv_lens, lay.seq_pages, lay.cu_q_lens, lay.num_seqs)
     n = T - 2
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend, page_size, head_dim, impl", [
+    ("gpu", 16, 64, "kernel"), ("gpu", 24, 64, "tiled"), ("gpu", 16, 80, "tiled"),
+    ("tpu", 24, 80, "kernel"), ("cpu", 16, 64, "tiled"),
+])
+def test_auto_takes_the_kernel_where_it_compiles(monkeypatch, backend, page_size, head_dim, impl):
+    """On a GPU the Triton kernel needs power-of-two pages and heads; 'auto' serves other sizes tiled
+    rather than fail when the first step is traced."""
+    import jax
+
+    from jmem.models import LlamaConfig
+    from jmem.serve.paged_cache import PagedKVCache
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    config = LlamaConfig.tiny(head_dim=head_dim)
+    assert PagedKVCache.create(config, num_pages=4, page_size=page_size).impl == impl

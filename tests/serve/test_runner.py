@@ -371,3 +371,35 @@ def test_kernel_impl_matches_tiled(model, reference):
     # Tiles and decode rows, which only the plain-jnp path reads, stay out of the kernel path's shapes.
     assert {(s.tiles, s.pages_per_tile, s.decode_rows, s.decode_chunks) for s in engine.runner.compiled_shapes} \
         == {(1, 1, 1, 1)}
+
+
+MiB = 2**20
+
+
+def fake_device(monkeypatch, limit, in_use):
+    """The first device reports `limit` bytes with `in_use` taken (as a GPU's allocator does)."""
+    import jmem.serve.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
+
+
+def test_budget_counts_weights_already_on_the_device_once(monkeypatch):
+    from jmem.serve.runner import kv_cache_budget
+
+    fake_device(monkeypatch, 1000 * MiB, 300 * MiB)
+    # The 200 MiB of weights are part of the 300 MiB in use: not subtracted again.
+    assert kv_cache_budget(200 * MiB, None, 0.9, resident_weight_bytes=200 * MiB) == 600 * MiB
+    # Weights still to be placed (a split copy per device) come out of the budget.
+    assert kv_cache_budget(200 * MiB, None, 0.9) == 400 * MiB
+    with pytest.raises(ValueError, match=r"memory_utilization=0.5 leaves no room .* \(200 MiB\) .* "
+                                         r"\(300 MiB in use of 1000 MiB\)"):
+        kv_cache_budget(200 * MiB, None, 0.5)
+
+
+def test_engine_budget_does_not_count_resident_weights_twice(model, monkeypatch):
+    """One device: the model's arrays already sit on it, so the KV cache gets the fraction less what is in use."""
+    fake_device(monkeypatch, 64 * MiB, 8 * MiB)
+    engine = Engine(model, ByteTokenizer(), EngineConfig(memory_utilization=0.5, block_size=8))
+    assert engine.weight_bytes > 0
+    per_block = kv_bytes_per_token(model.config, "auto", 8) * 8
+    assert engine.kv.pool.num_blocks == (32 * MiB - 8 * MiB) // per_block - 1  # one spare page
