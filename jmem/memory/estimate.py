@@ -237,7 +237,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         accum: microbatches per step (activations for batch/accum rows, plus
             an f32 gradient accumulator).
         attention: "xla"/"reference" (T^2 scores kept) or "pallas" (flash);
-            default `config.attention_impl` ("auto" counts as "xla").
+            default `config.attention_impl` ("auto" counts as flash when compiling for a GPU or
+            TPU, where `jmem.kernels.attention` picks the kernel, else as "xla").
         loss_chunk: sequence positions per cross-entropy chunk; None means
             full `f32[batch, seq, vocab]` logits.
         master_weights: an f32 master copy in the optimizer state
@@ -327,6 +328,10 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
 
     micro = batch // accum
     tokens = micro * seq
+    if attention == "auto":
+        from jmem.kernels.dispatch import target_platform
+
+        attention = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
     sizes = _sizes(config, seq, c, "pallas" if attention == "pallas" else "xla")
     if lora_rank:
         sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)

@@ -26,11 +26,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem.kernels import attention
+from jmem.kernels.dispatch import target_platform
 from jmem.memory.offload import fetch_layer
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
-from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain
+from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain, kernel_per_device
 
 # Logical axis names of every parameter, by state path (read by the sharding rules).
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -159,6 +160,18 @@ def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_laye
     return x_BTE, new_layer
 
 
+def _attention(q, k, v, impl: str):
+    """Causal self-attention of a forward without a cache. The flash kernel runs per device on its
+    batch rows and heads under an active `activation_sharding` (`kernel_per_device`)."""
+    if impl == "auto":
+        impl = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
+    if impl != "pallas":
+        return attention(q, k, v, causal=True, impl=impl)
+    q_axes, kv_axes = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+    return kernel_per_device(lambda q, k, v: attention(q, k, v, causal=True, impl="pallas"), (q, k, v),
+                             (q_axes, kv_axes, kv_axes), q_axes)
+
+
 def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_layer=None,
                     token_mask_BT=None):
     """`block` that also returns the layer's router statistics (`token_mask_BT`: 0 for padding,
@@ -184,7 +197,7 @@ def block_and_stats(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, 
     q = checkpoint_name(rope(q, positions_BT, inv_freq_F, rope_scale), "query")
     k = checkpoint_name(rope(k, positions_BT, inv_freq_F, rope_scale), "key")
     if cache is None:
-        o, new_layer = attention(q, k, v, causal=True, impl=cfg.attention_impl), None
+        o, new_layer = _attention(q, k, v, cfg.attention_impl), None
     else:
         o, new_layer = cache.attend(cache_layer, q, k, v, positions_BT)
     o = checkpoint_name(o, "attention")

@@ -441,6 +441,35 @@ def constrain(x, logical_axes: Sequence[str | None], rules: "Rules | str | None"
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def kernel_per_device(fn, args, in_axes, out_axes):
+    """`fn(*args)` for a Pallas kernel, run per device under the active `activation_sharding`.
+
+    GSPMD cannot split a Pallas call (it would gather every operand whole onto each device, or
+    refuse to compile on a TPU), so inside an `activation_sharding` block the call goes through a
+    `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
+    tuple per arg; `out_axes` for the result, sliced alike). A mesh axis splits every dim that
+    asks for it or none (query and kv heads must split alike): one that does not divide a dim is
+    left out. Outside a block, or inside a shard_map (pipeline stages, whose other axes are left
+    to GSPMD), it is `fn(*args)`.
+    """
+    active = _ACTIVE.get()
+    if active is None or _manual_axes():
+        return fn(*args)
+    rules, mesh = active
+    drop: set[str] = set()
+    for x, axes in zip(args, in_axes):
+        for dim, name in zip(x.shape, axes):
+            split = [a for a in rules.mesh_axes(name) if mesh.shape.get(a, 1) > 1]
+            if split and dim % math.prod(mesh.shape[a] for a in split):
+                drop.update(split)
+    rules = without_axes(rules, tuple(drop))
+    in_specs = tuple(rules.spec(axes, x.shape, mesh, name="kernel input") for x, axes in zip(args, in_axes))
+    if all(entry is None for spec in in_specs for entry in spec):
+        return fn(*args)
+    out_spec = rules.spec(out_axes, None, mesh, name="kernel output")
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+
+
 def _manual_axes() -> tuple[str, ...]:
     """Mesh axes that an enclosing `shard_map` has made manual (empty outside one)."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)

@@ -58,6 +58,18 @@ KERNEL_GROUP_MULTIPLE = 32
 MIN_BLOCK_M = 16  # smallest tile a GPU dot accepts
 MAX_BLOCK_M = 64
 MAX_BLOCK_N = 128
+MAX_CHUNK = 64  # packed rows (128 weight rows) the kernel dequantizes per loop step
+
+
+def chunk_rows(half_group: int) -> int:
+    """Packed rows per loop step for groups of 2 * half_group rows: the largest power of two that
+    divides half_group, at most MAX_CHUNK. Triton loads only power-of-two tiles, so a group of
+    576 rows (per-channel scales of a 576-wide input) runs as 9 steps of 32 packed rows, each
+    with the group's scale."""
+    step = 1
+    while step < MAX_CHUNK and half_group % (2 * step) == 0:
+        step *= 2
+    return step
 
 
 def _nf4_values(c):
@@ -68,16 +80,19 @@ def _nf4_values(c):
     return v
 
 
-def _kernel(xe_ref, xo_ref, p_ref, s_ref, *rest, group: int, n_groups: int, nf4: bool, zero_const):
+def _kernel(xe_ref, xo_ref, p_ref, s_ref, *rest, group: int, n_chunks: int, nf4: bool, zero_const):
     # xe_ref, xo_ref: [block_m, K/2] even / odd input columns
     # p_ref: u8[K/2, block_n] packed nibbles; s_ref: [K/group, block_n] scales (NF4: absmax)
     # rest: (z_ref u8[K/group, block_n],) when the format has zero points, then o_ref [block_m, block_n]
     z_ref = rest[0] if len(rest) == 2 else None
     o_ref = rest[-1]
     half = group // 2
+    step = chunk_rows(half)
 
-    def body(k, acc):
-        p = p_ref[pl.ds(k * half, half), :].astype(jnp.int32)
+    def body(c, acc):
+        k = jax.lax.div(c * jnp.int32(step), jnp.int32(half))  # the chunk's group
+        rows = pl.ds(pl.multiple_of(c * step, step), step)
+        p = p_ref[rows, :].astype(jnp.int32)
         lo, hi = p & 15, p >> 4
         s = s_ref[pl.ds(k, 1), :].astype(jnp.float32)
         if nf4:
@@ -85,13 +100,13 @@ def _kernel(xe_ref, xo_ref, p_ref, s_ref, *rest, group: int, n_groups: int, nf4:
         else:
             z = z_ref[pl.ds(k, 1), :].astype(jnp.float32) if z_ref is not None else jnp.float32(zero_const)
             w_lo, w_hi = (lo.astype(jnp.float32) - z) * s, (hi.astype(jnp.float32) - z) * s
-        xe = xe_ref[:, pl.ds(k * half, half)]
-        xo = xo_ref[:, pl.ds(k * half, half)]
+        xe = xe_ref[:, rows]
+        xo = xo_ref[:, rows]
         acc += jnp.dot(xe, w_lo.astype(xe.dtype), preferred_element_type=jnp.float32)
         acc += jnp.dot(xo, w_hi.astype(xo.dtype), preferred_element_type=jnp.float32)
         return acc
 
-    acc = jax.lax.fori_loop(0, n_groups, body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -173,10 +188,20 @@ def _kernel_dot_bwd(interpret: bool, residuals, g):
 _kernel_dot.defvjp(_kernel_dot_fwd, _kernel_dot_bwd)
 
 
+def _on_a_mesh() -> bool:
+    """Inside a sharded step (`activation_sharding` over several devices): GSPMD cannot split a
+    Pallas call, and a weight split over `tensor` would need its partial sums reduced, so "auto"
+    leaves those matmuls to XLA, which splits the dequantize and the dot."""
+    from jmem.parallel.rules import active_activation_sharding
+
+    active = active_activation_sharding()
+    return active is not None and active[1].size > 1
+
+
 def uses_kernel(x_features: int, w, impl: str | None = None) -> bool:
     """Whether `quantized_dot` takes the kernel for this weight under `impl` (default: the context's)."""
     impl = current_matmul_impl() if impl is None else impl
-    if impl == "xla" or (impl == "auto" and target_platform() not in AUTO_KERNEL_BACKENDS):
+    if impl == "xla" or (impl == "auto" and (target_platform() not in AUTO_KERNEL_BACKENDS or _on_a_mesh())):
         return False
     return kernel_unsupported(w, x_features) is None
 
@@ -252,7 +277,8 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
     if zero is not None:
         in_specs.append(pl.BlockSpec(block_shape=(n_groups, block_n), index_map=lambda i, j: (0, j)))
         args.append(zero)
-    kernel = functools.partial(_kernel, group=group, n_groups=n_groups, nf4=nf4, zero_const=zero_const)
+    kernel = functools.partial(_kernel, group=group, n_chunks=K // 2 // chunk_rows(group // 2), nf4=nf4,
+                               zero_const=zero_const)
 
     def call(platform, *args):
         return pl.pallas_call(

@@ -123,6 +123,18 @@ def test_remat_and_accumulation_order_and_bad_input():
         estimate(CFG, 8, 128, remat="everything")
 
 
+def test_auto_attention_estimate_follows_the_compile_target():
+    """"auto" runs flash attention when compiling for a GPU/TPU (no T^2 scores), XLA attention elsewhere."""
+    from jmem.kernels.dispatch import compiling_for
+
+    xla, flash = (estimate(CFG, 8, 128, remat="none", attention=a) for a in ("xla", "pallas"))
+    assert flash["activations"] < xla["activations"]
+    assert estimate(CFG, 8, 128, remat="none", attention="auto") == xla  # this CPU machine
+    for platform in ("gpu", "tpu"):
+        with compiling_for(platform):
+            assert estimate(CFG, 8, 128, remat="none", attention="auto") == flash
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(loss_chunk=-5), "loss_chunk=-5; accepted: an integer >= 1, or None"),
     (dict(loss_chunk=0), "loss_chunk=0; accepted"),

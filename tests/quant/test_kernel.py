@@ -28,6 +28,17 @@ def test_kernel_matches_reference(fmt):
     np.testing.assert_allclose(y, reference_matmul(x, q), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group, symmetric", [(None, True), (96, False), (32, True)])
+def test_kernel_groups_that_are_not_one_tile(group, symmetric):
+    """Groups whose packed rows are no power of two (per channel: 576 rows = 9 steps of 32; 96 rows: 3
+    of 16) run in several steps under one scale, as the GPU's power-of-two tiles need."""
+    kw, kx = jax.random.split(jax.random.key(group or 1))
+    w = jax.random.normal(kw, (576, 64), jnp.float32) * 0.05
+    q = IntTensor.quantize(w, 4, group, symmetric=symmetric)
+    x = jax.random.normal(kx, (3, 576), jnp.float32)
+    np.testing.assert_allclose(dequant_matmul(x, q, interpret=True), reference_matmul(x, q), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_rejects_other_formats():
     w = np.ones((64, 8), np.float32)
     with pytest.raises(ValueError, match="4-bit IntTensor or an NF4Tensor"):
@@ -58,7 +69,9 @@ def test_kernel_lowers_for_gpu_without_deprecation_warnings(dtype):
     import warnings
 
     w = jax.random.normal(jax.random.key(0), (576, 192), jnp.float32) * 0.05
-    for q in (IntTensor.quantize(w, 4, 64, symmetric=False), NF4Tensor.quantize(w)):
+    # Per-channel scales and 96-row groups too: their 288- and 48-row groups load as power-of-two tiles.
+    for q in (IntTensor.quantize(w, 4, 64, symmetric=False), NF4Tensor.quantize(w), IntTensor.quantize(w, 4, None),
+              IntTensor.quantize(w, 4, 96, symmetric=False)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             text = jax.jit(lambda x, q: dequant_matmul(x, q, interpret=False)).trace(
@@ -162,3 +175,19 @@ def test_auto_follows_the_compile_target():
         assert uses_kernel(K, q, "auto") and not uses_kernel(K, q, "xla")
     with compiling_for("tpu"):
         assert not uses_kernel(K, q, "auto")
+
+
+def test_auto_leaves_sharded_steps_to_xla():
+    """Inside a step sharded over several devices GSPMD cannot split the Pallas call: 'auto' takes the
+    XLA path there even for a GPU; 'pallas' still forces the kernel; one device keeps it."""
+    from jmem import parallel as par
+    from jmem.kernels.dispatch import compiling_for
+    from jmem.parallel.rules import activation_sharding
+    from jmem.quant.kernel import uses_kernel
+
+    q = IntTensor.quantize(np.ones((K, N), np.float32), 4, 64)
+    with compiling_for("gpu"):
+        with activation_sharding(None, par.make_mesh("data=8")):
+            assert not uses_kernel(K, q, "auto") and uses_kernel(K, q, "pallas")
+        with activation_sharding(None, par.make_mesh(devices=jax.devices()[:1])):
+            assert uses_kernel(K, q, "auto")
