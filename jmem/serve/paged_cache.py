@@ -262,7 +262,8 @@ class PagedKVCache:
                impl: str = "auto", mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
         """Zeroed pages (and zero scales for int8/fp8). `impl`: "tiled" (plain jnp, any backend),
         "kernel" (the Pallas ragged paged-attention kernel) or "auto" (the kernel on a TPU, and on a
-        GPU when page_size and head_dim are powers of two, which Triton's tiles need; tiled otherwise). `mesh`: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`);
+        GPU when page_size and head_dim are powers of two, which Triton's tiles need; tiled
+        otherwise). `mesh`: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`);
         each device then holds the pages of its own kv heads, created in place (the whole pool
         never exists on one device)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)

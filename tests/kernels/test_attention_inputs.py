@@ -184,3 +184,14 @@ def test_every_kernel_runs_with_x64_enabled(x64):
     q, _, _, kp, vp, kvl, table, cu, n = ragged_case(4, [3, 1], [6, 9], 3, 5, 4, 2, 16, 8, jnp.float32)
     np.testing.assert_allclose(ragged_paged_attention(q, kp, vp, kvl, table, cu, n, interpret=True),
                                ragged_paged_attention_reference(q, kp, vp, kvl, table, cu, n), atol=TOL, rtol=TOL)
+
+
+def test_dequant_matmul_runs_with_x64_enabled(x64):
+    """The 4-bit dequantize-matmul's loop index stays int32 under x64 (per-channel groups divide it)."""
+    from jmem.quant import IntTensor
+    from jmem.quant.kernel import dequant_matmul, reference_matmul
+
+    w = jax.random.normal(jax.random.key(0), (576, 64), jnp.float32) * 0.05
+    x = jax.random.normal(jax.random.key(1), (3, 576), jnp.float32)
+    for q in (IntTensor.quantize(w, 4, None), IntTensor.quantize(w, 4, 64, symmetric=False)):
+        np.testing.assert_allclose(dequant_matmul(x, q, interpret=True), reference_matmul(x, q), atol=1e-5, rtol=1e-5)
