@@ -82,6 +82,14 @@ def compiling_for(platform: str | None):
         _TARGET_PLATFORM.reset(token)
 
 
+def resolve_impl(impl: str) -> str:
+    """An attention impl with "auto" resolved: the flash kernel ("pallas") when compiling for a GPU
+    or TPU, "xla" elsewhere (the CPU interprets Pallas kernels, only slower)."""
+    if impl == "auto":
+        return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
+    return impl
+
+
 def _check(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
@@ -204,7 +212,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "pallas" if target_platform() in ("gpu", "tpu") and kernel_ok else "xla"
+        impl = resolve_impl(impl) if kernel_ok else "xla"
     if impl == "pallas" and kernel_ok:
         from jmem.kernels.flash_attention import flash_attention
 

@@ -328,11 +328,9 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
 
     micro = batch // accum
     tokens = micro * seq
-    if attention == "auto":
-        from jmem.kernels.dispatch import target_platform
+    from jmem.kernels.dispatch import resolve_impl
 
-        attention = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
-    sizes = _sizes(config, seq, c, "pallas" if attention == "pallas" else "xla")
+    sizes = _sizes(config, seq, c, "pallas" if resolve_impl(attention) == "pallas" else "xla")
     if lora_rank:
         sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)
     # The workspace (one layer's cotangents, or its recomputation) counts every value; what is

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem.kernels import attention
-from jmem.kernels.dispatch import target_platform
+from jmem.kernels.dispatch import resolve_impl
 from jmem.memory.offload import fetch_layer
 from jmem.models.config import LlamaConfig, as_dtype
 from jmem.models.dot import dot
@@ -163,8 +163,7 @@ def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_laye
 def _attention(q, k, v, impl: str):
     """Causal self-attention of a forward without a cache. The flash kernel runs per device on its
     batch rows and heads under an active `activation_sharding` (`kernel_per_device`)."""
-    if impl == "auto":
-        impl = "pallas" if target_platform() in ("gpu", "tpu") else "xla"
+    impl = resolve_impl(impl)
     if impl != "pallas":
         return attention(q, k, v, causal=True, impl=impl)
     q_axes, kv_axes = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)

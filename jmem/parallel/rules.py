@@ -444,8 +444,8 @@ def constrain(x, logical_axes: Sequence[str | None], rules: "Rules | str | None"
 def kernel_per_device(fn, args, in_axes, out_axes):
     """`fn(*args)` for a Pallas kernel, run per device under the active `activation_sharding`.
 
-    GSPMD cannot split a Pallas call (it would gather every operand whole onto each device, or
-    refuse to compile on a TPU), so inside an `activation_sharding` block the call goes through a
+    GSPMD has no rule to split a Pallas call (a custom call: its operands are replicated onto every
+    device, and a TPU compile of one inside a sharded program fails), so inside an `activation_sharding` block the call goes through a
     `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
     tuple per arg; `out_axes` for the result, sliced alike). A mesh axis splits every dim that
     asks for it or none (query and kv heads must split alike): one that does not divide a dim is

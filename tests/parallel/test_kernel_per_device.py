@@ -1,6 +1,6 @@
-"""Pallas attention inside a sharded train step runs per device (`kernel_per_device`): GSPMD cannot
-split a Pallas call, so without the shard_map each device would gather every batch row's q/k/v (or,
-on a TPU, fail to compile)."""
+"""Pallas attention inside a sharded train step runs per device (`kernel_per_device`): GSPMD has no
+rule to split a Pallas call, so without the shard_map its operands would be replicated onto every
+device (every batch row's q/k/v), and a TPU compile of one inside a sharded program fails."""
 
 import jax
 import jax.numpy as jnp
