@@ -445,8 +445,8 @@ def kernel_per_device(fn, args, in_axes, out_axes):
     """`fn(*args)` for a Pallas kernel, run per device under the active `activation_sharding`.
 
     GSPMD has no rule to split a Pallas call (a custom call: its operands are replicated onto every
-    device, and a TPU compile of one inside a sharded program fails), so inside an `activation_sharding` block the call goes through a
-    `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
+    device, and a TPU compile of one inside a sharded program fails), so inside an
+    `activation_sharding` block the call goes through a `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
     tuple per arg; `out_axes` for the result, sliced alike). A mesh axis splits every dim that
     asks for it or none (query and kv heads must split alike): one that does not divide a dim is
     left out. Outside a block, or inside a shard_map (pipeline stages, whose other axes are left

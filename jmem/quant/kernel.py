@@ -66,10 +66,7 @@ def chunk_rows(half_group: int) -> int:
     divides half_group, at most MAX_CHUNK. Triton loads only power-of-two tiles, so a group of
     576 rows (per-channel scales of a 576-wide input) runs as 9 steps of 32 packed rows, each
     with the group's scale."""
-    step = 1
-    while step < MAX_CHUNK and half_group % (2 * step) == 0:
-        step *= 2
-    return step
+    return min(half_group & -half_group, MAX_CHUNK)  # the lowest set bit
 
 
 def _nf4_values(c):

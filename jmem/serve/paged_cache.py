@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jmem.kernels.dispatch import masked_softmax
 from jmem.kernels.paged_attention.checks import is_quantized
+from jmem.kernels.paged_attention.core import triton_fits
 from jmem.kernels.paged_attention.reference import quantize as quantize_with_scale
 from jmem.kernels.paged_attention.write import page_scales, requantize_pages, safe_scale
 from jmem.serve.paged_decode import decode_attention, dequantize
@@ -270,8 +271,8 @@ class PagedKVCache:
         if impl not in ("auto", "tiled", "kernel"):
             raise ValueError(f"paged attention impl={impl!r}; accepted: auto, tiled, kernel")
         if impl == "auto":
-            backend, pow2 = jax.default_backend(), lambda n: n & (n - 1) == 0
-            fits = backend == "tpu" or (backend == "gpu" and pow2(page_size) and pow2(config.head_dim))
+            backend = jax.default_backend()
+            fits = backend == "tpu" or (backend == "gpu" and triton_fits(page_size, config.head_dim))
             impl = "kernel" if fits else "tiled"
         shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
         if mesh is None:
