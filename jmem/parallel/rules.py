@@ -449,17 +449,18 @@ def kernel_per_device(fn, args, in_axes, out_axes):
     `activation_sharding` block the call goes through a `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
     tuple per arg; `out_axes` for the result, sliced alike). A mesh axis splits every dim that
     asks for it or none (query and kv heads must split alike): one that does not divide a dim is
-    left out. Outside a block, or inside a shard_map (pipeline stages, whose other axes are left
-    to GSPMD), it is `fn(*args)`.
+    left out. Inside a `shard_map` manual over some axes (a 1F1B pipeline's stage axis), the
+    others split the call the same way, in a nested `shard_map`. Outside a block it is `fn(*args)`.
     """
     active = _ACTIVE.get()
-    if active is None or _manual_axes():
+    if active is None:
         return fn(*args)
     rules, mesh = active
-    drop: set[str] = set()
+    manual = _manual_axes()
+    drop: set[str] = set(manual)
     for x, axes in zip(args, in_axes):
         for dim, name in zip(x.shape, axes):
-            split = [a for a in rules.mesh_axes(name) if mesh.shape.get(a, 1) > 1]
+            split = [a for a in rules.mesh_axes(name) if mesh.shape.get(a, 1) > 1 and a not in manual]
             if split and dim % math.prod(mesh.shape[a] for a in split):
                 drop.update(split)
     rules = without_axes(rules, tuple(drop))
@@ -467,7 +468,11 @@ def kernel_per_device(fn, args, in_axes, out_axes):
     if all(entry is None for spec in in_specs for entry in spec):
         return fn(*args)
     out_spec = rules.spec(out_axes, None, mesh, name="kernel output")
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+    if not manual:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+    free = frozenset(a for a in mesh.axis_names if a not in manual)
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_spec,
+                         axis_names=free, check_vma=False)(*args)
 
 
 def _manual_axes() -> tuple[str, ...]:

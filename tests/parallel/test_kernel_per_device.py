@@ -68,14 +68,12 @@ def test_cpu_auto_and_xla_take_no_shard_map(impl):
     assert "shard_map" not in _jaxpr_text(_model(impl), par.make_mesh("data=4,tensor=2"))
 
 
-def test_lowered_for_gpu_the_triton_calls_sit_in_per_device_regions():
-    """What a GPU compiles: 'auto' picks the Triton flash kernel, inside shard_map's manual regions."""
+def _triton_calls_lowered_for_cuda(loss_fn, params, mesh, vocab_size):
+    """Lines of the Triton calls in the train step's gradient, lowered for CUDA (what a GPU compiles:
+    'auto' attention picks the flash kernel there)."""
     from jmem.kernels.dispatch import compiling_for
 
-    model = _model("auto")
-    loss_fn, params = par.model_loss_fn(model)
-    batch = counting_batches(model.config.vocab_size, 1, B, T, seed=0)[0]
-    mesh = par.make_mesh("data=4,tensor=2")
+    batch = counting_batches(vocab_size, 1, B, T, seed=0)[0]
 
     def grads(p, b):
         with activation_sharding(None, mesh):
@@ -86,6 +84,47 @@ def test_lowered_for_gpu_the_triton_calls_sit_in_per_device_regions():
             text = jax.jit(grads).trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()
         except Exception as e:  # noqa: BLE001 - this JAX cannot lower for CUDA here at all
             pytest.skip(f"cannot lower for cuda here: {e}")
-    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
-    regions = text.count("sdy.manual_computation") + text.count("SPMDFullToShardShape")
-    assert regions >= 1, "the Triton calls are not inside per-device regions"
+    return [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+
+
+def _local_q(cfg, rows, heads):
+    return f"tensor<{rows}x{heads}x{T}x{cfg.head_dim}xf32>"
+
+
+def test_lowered_for_gpu_the_triton_calls_see_their_devices_slices():
+    model = _model("auto")
+    loss_fn, params = par.model_loss_fn(model)
+    calls = _triton_calls_lowered_for_cuda(loss_fn, params, par.make_mesh("data=4,tensor=2"),
+                                           model.config.vocab_size)
+    local_q = _local_q(model.config, B // 4, model.config.n_heads // 2)
+    assert len(calls) == 3 and all(local_q in line for line in calls), local_q  # forward, dq, dk/dv
+
+
+def _pipeline(impl, mesh):
+    from jmem.parallel.pipeline_1f1b import schedule_lm_loss_fn
+
+    model = _model(impl)
+    loss_fn, params = schedule_lm_loss_fn("1f1b", model, n_stages=2, n_microbatches=2, mesh=mesh, chunk=T)
+    return model, loss_fn, params
+
+
+def test_inside_1f1b_stages_flash_runs_per_device_on_the_other_axes():
+    """The 1F1B schedule's shard_map is manual over the stage axis only; the flash calls inside a
+    stage split over data and tensor in a nested shard_map: each sees its device's rows of one
+    microbatch (B / 2) and its heads."""
+    mesh = par.make_mesh("stage=2,data=2,tensor=2")
+    model, loss_fn, params = _pipeline("auto", mesh)
+    calls = _triton_calls_lowered_for_cuda(loss_fn, params, mesh, model.config.vocab_size)
+    local_q = _local_q(model.config, B // 2 // 2, model.config.n_heads // 2)
+    assert len(calls) == 3 and all(local_q in line for line in calls), local_q
+
+
+def test_1f1b_training_with_flash_attention_matches_one_device():
+    mesh = par.make_mesh("stage=2,data=2,tensor=2")
+    model, loss_fn, params = _pipeline("pallas", mesh)
+    batches = counting_batches(model.config.vocab_size, STEPS, B, T, seed=0)
+    losses, hlo, *_ = train_sharded(loss_fn, params, mesh, batches)
+    ref_fn, ref_params = par.model_loss_fn(model)
+    ref, *_ = train_sharded(ref_fn, ref_params, par.make_mesh(devices=jax.devices()[:1]), batches)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    par.check_tick_collectives(hlo, mesh)  # the nested regions add no collective across stages
