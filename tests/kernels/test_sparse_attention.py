@@ -14,6 +14,7 @@ from tests.kernels.test_flash_attention import (
     compile_grad_for_tpu,
     cuda_lowering_available,
     force_head_dim_padding,
+    force_streaming,
     lower_grad_for_gpu,
     tpu_topology_device,
 )
@@ -31,40 +32,56 @@ def _dense_block_counts(mask, q_len, kv_len, bq, bk):
 
 
 CASES = [
-    # (B, T, S, H, K, D, mask, dtype, padded): head_dim 40 with the GPU path's padding to 64 forced
-    (1, 70, 70, 3, 1, 40, Causal() & LocalWindow(20), jnp.float32, "f32[1,3,80,64]"),
-    (1, 50, 90, 2, 2, 16, Strided(3) | BigBird(2, 5, 1, seed=1, block=16), jnp.float32, None),
-    (1, 64, 64, 4, 4, 16, Causal() & (LocalWindow(12) | Strided(16)), jnp.bfloat16, None),
+    # (B, T, S, H, K, D, mask, dtype, body): "pad" runs the whole-row (GPU) body with head_dim 40 padded to 64
+    # as on GPU, "stream" the TPU body that fetches only the visited tiles, "rows" the whole-row body as is.
+    (1, 70, 70, 3, 1, 40, Causal() & LocalWindow(20), jnp.float32, "pad"),
+    (1, 50, 90, 2, 2, 16, Strided(3) | BigBird(2, 5, 1, seed=1, block=16), jnp.float32, "rows"),
+    (1, 64, 64, 4, 4, 16, Causal() & (LocalWindow(12) | Strided(16)), jnp.bfloat16, "rows"),
+    (2, 70, 70, 6, 2, 40, Causal() & LocalWindow(20), jnp.float32, "stream"),
+    (1, 50, 90, 2, 2, 16, Strided(3) | BigBird(2, 5, 1, seed=1, block=16), jnp.float32, "stream"),
+    (1, 64, 64, 4, 1, 16, Causal() & (LocalWindow(12) | Strided(16)), jnp.bfloat16, "stream"),
 ]
 
 
-@pytest.mark.parametrize("B,T,S,H,K,D,mask,dtype,padded", CASES)
-def test_sparse_matches_dense_reference(B, T, S, H, K, D, mask, dtype, padded, monkeypatch):
-    if padded:
+@pytest.mark.parametrize("B,T,S,H,K,D,mask,dtype,body", CASES)
+def test_sparse_matches_dense_reference(B, T, S, H, K, D, mask, dtype, body, monkeypatch):
+    padded = "f32[1,3,80,64]" if body == "pad" else None
+    if body == "pad":
         force_head_dim_padding(monkeypatch)
+    if body == "stream":
+        force_streaming(monkeypatch)
     q, k, v, do = _inputs(T + 3 * S + H, B, T, S, H, K, D, dtype)
     fn = lambda q, k, v: sparse_attention(q, k, v, mask, block_q=16, block_k=32, interpret=True)  # noqa: E731
     ref = lambda q, k, v: sparse_attention_reference(q, k, v, mask)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(q, k, v))
     if padded:
-        assert padded in str(jax.make_jaxpr(fn)(q, k, v))  # [B, H, T_pad, D_pad] inside the kernel call
+        assert padded in jaxpr  # [B, H, T_pad, D_pad] inside the kernel call
+    streamed = [name for name in ("sparse_fwd_stream", "sparse_dq_stream", "sparse_dkdv_stream") if name in jaxpr]
+    assert len(streamed) == (3 if body == "stream" else 0), streamed
     _check_fwd_bwd(fn, ref, q, k, v, do, TOL[dtype])
 
 
-def test_kernel_visits_exactly_the_nonempty_blocks():
-    # An empty block row (query rows that see nothing) and empty columns: skipped, output zeros.
+@pytest.mark.parametrize("body", ["rows", "stream"])
+def test_kernel_visits_exactly_the_nonempty_blocks(body, monkeypatch):
+    # An empty block row (query rows that see nothing) and empty columns: skipped, output zeros,
+    # no gradient from the empty row and none to the keys nobody sees.
+    if body == "stream":
+        force_streaming(monkeypatch)
     layout = np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]], bool)
     mask = BlockSparse(layout, block_q=16, block_k=16) & Causal()
     T, S = 48, 60
-    q, k, v, _ = _inputs(3, 2, T, S, 3, 1, 16, jnp.float32)
+    q, k, v, do = _inputs(3, 2, T, S, 3, 1, 16, jnp.float32)
     visits = np.asarray(sparse_attention_visits(q, k, v, mask, block_q=16, block_k=16, interpret=True))
     stats = sparse_attention_stats(mask, T, S, 16, 16)
     nonempty, partial = _dense_block_counts(mask, T, S, 16, 16)
     assert (stats.visited, stats.partial, stats.num_blocks) == (nonempty, partial, 12)
     assert nonempty < stats.num_blocks
     np.testing.assert_array_equal(visits, np.broadcast_to([nonempty, partial], (2, 3, 2)))
-    o = sparse_attention(q, k, v, mask, block_q=16, block_k=16, interpret=True)
-    np.testing.assert_allclose(o, sparse_attention_reference(q, k, v, mask), atol=2e-5, rtol=2e-5)
-    assert not np.asarray(o[:, 16:32]).any()
+    fn = lambda q, k, v: sparse_attention(q, k, v, mask, block_q=16, block_k=16, interpret=True)  # noqa: E731
+    _check_fwd_bwd(fn, lambda q, k, v: sparse_attention_reference(q, k, v, mask), q, k, v, do, TOL[jnp.float32])
+    assert not np.asarray(fn(q, k, v)[:, 16:32]).any()
+    dq, dk = jax.grad(lambda q, k: (fn(q, k, v) * do).sum(), argnums=(0, 1))(q, k)
+    assert not np.asarray(dq[:, 16:32]).any() and not np.asarray(dk[:, 32:]).any()
 
 
 def test_stats_of_sliding_window():
@@ -127,37 +144,12 @@ def test_sparse_compiled_on_accelerator():
     np.testing.assert_array_equal(visits, np.broadcast_to([stats.visited, stats.partial], (1, 8, 2)))
 
 
-def _sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def test_tpu_vmem_budget_refuses_before_lowering():
-    """Compiling for TPU, shapes whose whole rows exceed the scoped VMEM: one clear ValueError before lowering
-    (Mosaic's own error came from deep inside the compile); other targets have no such budget."""
-    from jmem.kernels.dispatch import compiling_for
-
-    q, kv = _sds((1, 4096, 32, 128)), _sds((1, 4096, 8, 128))  # Llama's 32/8 heads at 4k: G=4
-    window = Causal() & LocalWindow(256)
-    with compiling_for("tpu"):
-        with pytest.raises(ValueError, match=r"sparse_attention: q_len=4096, kv_len=4096, GQA group size "
-                                             r"G=q_heads/kv_heads=32/8=4, head_dim=128 .* 16 MiB scoped limit"):
-            jax.eval_shape(lambda q, k, v: sparse_attention(q, k, v, window), q, kv, kv)
-        long = _sds((1, 16384, 8, 128))
-        with pytest.raises(ValueError, match="sparse_attention: q_len=16384, kv_len=16384, GQA group size G=q_heads/kv_heads=8/8=1"):
-            jax.eval_shape(lambda q, k, v: sparse_attention(q, k, v, window), long, long, long)
-    with compiling_for("gpu"):
-        jax.eval_shape(lambda q, k, v: sparse_attention(q, k, v, window), q, kv, kv)
-
-
-def test_tpu_vmem_budget_accepts_what_compiles():
-    """The largest GQA shape the estimate accepts (G=4, 2k, head_dim 128, bf16) compiles for TPU v5e, fwd + bwd."""
-    from jmem.kernels import tpu_vmem
-    from jmem.kernels.sparse_attention.kernel import _lists
-
+@pytest.mark.parametrize("T,H,K", [(16384, 8, 8), (4096, 32, 8)])
+def test_sparse_compiles_for_tpu_at_lengths_past_vmem(T, H, K):
+    """fwd + bwd of a sliding window compile for TPU v5e where a whole kv head's K/V (16k, bf16,
+    head_dim 128) or a GQA group's Q/dO (Llama's 32/8 heads at 4k) would not fit the 16 MiB of
+    scoped VMEM: the TPU bodies fetch only the visited tiles through the grid."""
     device = tpu_topology_device()
-    mask = Causal() & LocalWindow(256)
-    q_shape, kv_shape = (1, 2048, 32, 128), (1, 2048, 8, 128)
-    need = tpu_vmem.sparse_bytes(q_shape, kv_shape, jnp.bfloat16, 128, 128, _lists(mask, 2048, 2048, 128, 128).tiles.shape[0])
-    assert tpu_vmem.SCOPED_VMEM_BYTES / 2 < need <= tpu_vmem.SCOPED_VMEM_BYTES  # near the edge, inside it
-    fn = lambda q, k, v: sparse_attention(q, k, v, mask, interpret=False)  # noqa: E731
-    compile_grad_for_tpu(fn, device, q_shape, kv_shape, jnp.bfloat16)
+    fn = lambda q, k, v: sparse_attention(q, k, v, Causal() & LocalWindow(256), interpret=False)  # noqa: E731
+    text = compile_grad_for_tpu(fn, device, (1, T, H, 128), (1, T, K, 128), jnp.bfloat16).as_text()
+    assert all(name in text for name in ("sparse_fwd_stream", "sparse_dq_stream", "sparse_dkdv_stream"))

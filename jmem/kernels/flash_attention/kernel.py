@@ -468,8 +468,7 @@ def flash_attention(
         [batch, q_len, q_heads, head_dim] in q's dtype.
 
     Raises:
-        ValueError: bad shapes or dtypes; when compiling for TPU, a shape whose
-            resident blocks exceed the scoped VMEM (`jmem.kernels.tpu_vmem`).
+        ValueError: bad shapes or dtypes.
 
     Any head_dim works: lowered for GPU, a head_dim that is not a power of two
     (80, 96) is zero-padded to the next one inside the kernel call.

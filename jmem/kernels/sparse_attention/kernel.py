@@ -13,15 +13,12 @@ Triton. `flash_attention.kernel.per_platform` picks the memory space (and the
 backend's compiler parameters) at lowering time, so one traced function
 compiles for either backend.
 
-On-chip memory: though a program visits only its row's non-empty tiles, it
-stages the whole K/V of its head (forward, dq) or the whole Q/dO of its
-kv-head group (dk/dv), as the flash kernel does, so on TPU the sequence
-length is bounded the same way (`jmem.kernels.tpu_vmem`; a sliding window at
-16k does not fit in bf16 at head_dim 128). The wrapper raises a ValueError
-before lowering for a TPU target past the bound. Fetching only the visited
-tiles (scalar-prefetched block indices in the BlockSpec index maps, with the
-loop as an "arbitrary" grid axis as in `flash_attention.streaming`) would
-lift it. On GPU, head_dim is zero-padded to a power of two inside the call.
+On-chip memory: the bodies here, which Triton runs, stage the whole K/V of a
+head (forward, dq) or the whole Q/dO of a kv-head group (dk/dv) and loop over
+the visited tiles inside one program. On TPU that would bound the sequence
+length by VMEM, so TPU runs the bodies of `streaming.py`, which fetch only the
+visited tiles through the grid (scalar-prefetched lists in the BlockSpec index
+maps). On GPU, head_dim is zero-padded to a power of two inside the call.
 """
 
 from __future__ import annotations
@@ -36,10 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jmem.kernels import tpu_vmem
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.kernels.masks import EMPTY, FULL, Mask
 from jmem.kernels.scale import split_scale
+from jmem.kernels.sparse_attention import streaming
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -160,6 +157,7 @@ class _Cfg:
     kv_len: int
     interpret: bool
     pad_platforms: tuple[str, ...] = ()
+    stream_platforms: tuple[str, ...] = ()  # platforms that run `streaming.py`'s bodies
 
 
 def _fwd_kernel(counts_ref, blocks_ref, tids_ref, q_ref, k_ref, v_ref, tiles_ref, o_ref, lse_ref, visits_ref, *, cfg, max_n):
@@ -256,6 +254,9 @@ def _fwd_call(q, k, v, cfg: _Cfg):
 
     def call(platform, counts, blocks, tids, q, k, v, tiles):
         q, k, v = fk.pad_head_dim(platform, cfg.pad_platforms, q, k, v)
+        if platform in cfg.stream_platforms:
+            o, lse, visits = streaming.fwd_call(platform, counts, blocks, tids, q, k, v, tiles, cfg, lists.max_n)
+            return o[..., :D0], lse, visits
         D = q.shape[3]
         kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         o, lse, visits = pl.pallas_call(
@@ -296,6 +297,8 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
 
     def dq_call(platform, counts, blocks, tids, *arrays):
         arrays, D = padded(platform, *arrays)
+        if platform in cfg.stream_platforms:
+            return streaming.dq_call(platform, counts, blocks, tids, *arrays, cfg, lists.max_n)[..., :D0]
         kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, lax.div(h, jnp.int32(G)), 0, 0))
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=cfg, max_n=lists.max_n),
@@ -311,6 +314,9 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
 
     def dkdv_call(platform, counts, blocks, tids, *arrays):
         arrays, D = padded(platform, *arrays)
+        if platform in cfg.stream_platforms:
+            dk, dv = streaming.dkdv_call(platform, counts, blocks, tids, *arrays, cfg, lists.max_m)
+            return dk[..., :D0], dv[..., :D0]
         dk, dv = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, max_m=lists.max_m, group=G),
             grid=(B, K, S // bk),
@@ -355,11 +361,8 @@ def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret):
     _check_mask(name, mask, T, S)
     bq, bk = _blocks(block_q, block_k, T, S, name)
     interpret = fk.resolve_interpret(interpret)
-    if not interpret:
-        nbytes = tpu_vmem.sparse_bytes(q.shape, k.shape, q.dtype, bq, bk, _lists(mask, T, S, bq, bk).tiles.shape[0])
-        tpu_vmem.check(name, q.shape, k.shape, q.dtype, nbytes)
     q, scale = split_scale(name, q, sm_scale, D)
-    return q, _Cfg(mask, scale, bq, bk, T, S, interpret, fk.POW2_HEAD_DIM_PLATFORMS)
+    return q, _Cfg(mask, scale, bq, bk, T, S, interpret, fk.POW2_HEAD_DIM_PLATFORMS, fk.STREAM_PLATFORMS)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -396,8 +399,7 @@ def sparse_attention(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAULT_BLOC
         [batch, q_len, q_heads, head_dim] in q's dtype.
 
     Raises:
-        ValueError: bad shapes, dtypes or mask; when compiling for TPU, a shape
-            whose resident blocks exceed the scoped VMEM (`jmem.kernels.tpu_vmem`).
+        ValueError: bad shapes, dtypes or mask.
 
     Any head_dim works: lowered for GPU, a head_dim that is not a power of two
     is zero-padded to the next one inside the kernel call.
