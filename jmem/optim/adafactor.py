@@ -296,7 +296,9 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
             see the module docstring.
         min_dim_size_to_factor: factor only when both axes are at least this.
         decay_rate, decay_offset, eps: second-moment schedule and epsilon.
-        multiply_by_parameter_scale: scale steps by each block's parameter RMS.
+        multiply_by_parameter_scale: scale steps by each block's parameter RMS (floored at 1e-3).
+            Turn it off for parameters that start at or near zero, such as LoRA's B
+            (`experiments/train.py --lora-rank` does): their steps would be 1e-3 of the rate.
         clipping_threshold: clip each block's update RMS to this (None: off).
         momentum: optional first-moment decay (e.g. 0.9); costs one buffer
             per parameter in `momentum_dtype` (a floating dtype, bf16 by default:

@@ -134,6 +134,10 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -
     kw = {"weight_decay": cfg.weight_decay} if cfg.optimizer in DECAYING else {}
     if cfg.optimizer == "galore":
         kw.update(rank=cfg.galore_rank, update_proj_gap=cfg.galore_gap, scale=cfg.galore_scale)
+    if cfg.optimizer == "adafactor" and cfg.lora_rank > 0:
+        # Steps scaled by each block's parameter RMS would leave LoRA's zero-initialised B at
+        # 1e-3 x the learning rate (its floor), and A at its small init's scale: adapters would not move.
+        kw["multiply_by_parameter_scale"] = False
     tx = make_optimizer(cfg.optimizer, schedule, **kw)
     if cfg.clip and clip:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)

@@ -51,6 +51,16 @@ def test_qlora_loss_goes_down(tmp_path):
     assert f"{cfg.num_params / 1e6:.2f}M params ({adapters / 1e3:.1f}k trained)" in out.getvalue()
 
 
+def test_lora_trains_with_the_default_optimizer():
+    """Adafactor (the default) with LoRA: steps relative to the parameter RMS would leave the
+    zero-initialised B at 1e-3 of the rate, and the loss flat (it rose over these 16 steps)."""
+    cfg = TrainConfig(model="tiny", steps=16, batch=8, seq=64, lora_rank=4, progress=False, eval_every=0, remat="none")
+    assert cfg.optimizer == "adafactor"
+    result = train(cfg, out=io.StringIO())
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5, losses
+
+
 @pytest.mark.parametrize("change, expected", [
     (dict(quantize_base="nf4", lora_rank=0), "--quantize-base needs --lora-rank"),
     (dict(quantize_base="q3"), "--quantize-base 'q3'; accepted"),
