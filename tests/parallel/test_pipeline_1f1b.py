@@ -223,6 +223,19 @@ def test_unknown_schedule_is_one_clear_error(capsys):
     assert rc == 2 and len(lines) == 1 and "accepted: gpipe, 1f1b" in lines[0], err
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_1f1b_with_zero_2_or_3_and_a_tensor_axis_is_one_clear_error(zero, capsys):
+    """XLA aborted the process on ZeRO-3 (a failed partitioner check) and the tick check refused ZeRO-2's
+    collective-permutes blaming the heads; both are refused by their flags before anything compiles."""
+    rc, err = run_train_script(["--model", "tiny", "--pipeline-stages", "2", "--microbatches", "2",
+                                "--pipeline-schedule", "1f1b", "--mesh", "stage=2,data=2,tensor=2",
+                                "--zero", str(zero)], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert f"--pipeline-schedule 1f1b with --zero {zero} on a mesh with tensor=2" in lines[0]
+    assert "accepted: --zero 0 or 1 with a tensor axis" in lines[0]
+
+
 @pytest.mark.slow
 def test_train_script_1f1b_matches_gpipe(tmp_path, capsys):
     def losses(schedule):
