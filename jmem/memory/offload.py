@@ -100,6 +100,11 @@ def _in_host_space(x) -> bool:
     return space is not None and space == _SPACE.Host
 
 
+def any_in_host_memory(tree) -> bool:
+    """Whether a leaf of `tree` (traced code) lives in host memory (an offloaded parameter)."""
+    return _SPACE is not None and hasattr(jax, "typeof") and any(map(_in_host_space, jax.tree.leaves(tree)))
+
+
 def in_memory_space_of(x, like):
     """`x` moved to the memory space of `like` (traced code): host memory when `like` is in host
     memory (an offloaded parameter, or its gradient), else `x` as it is."""
@@ -366,7 +371,7 @@ class OffloadedTrainStep:
         self.host_opt_shardings = host_shardings(opt_sh, mesh)
         self._grad_shardings = grad_sh
         self._grads = self._jit_grads()
-        self._host = SingleDeviceSharding(jax.devices("cpu")[0])
+        self._host = host_shardings(self._rep, mesh)  # the loss scale, beside the host gradients
         self._prepare = jax.jit(fns.prepare)
         self._update = None if disk is not None else jax.jit(
             self._host_update, out_shardings=(self.host_train_shardings, self.host_opt_shardings, None, None),

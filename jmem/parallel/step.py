@@ -171,13 +171,16 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
     load-balancing statistics) depends on which rows one call sees, so per-group
     accumulators would route each group's rows apart, not the single-device microbatch
     (`jmem.train.make_train_fns` and `make_sharded_train_step` pass False for MoE models).
+    Parameters offloaded to host memory take that path too: their gradients are summed in
+    host memory, where they arrive (`jmem.memory.offload.add_into`).
     """
     from jmem.memory.accumulate import accumulate_value_and_grad
+    from jmem.memory.offload import any_in_host_memory
 
     axes = group_axes(mesh, rules, params, logical_axes)
     d = math.prod(mesh.shape[a] for a in axes)
     if group_accumulators is None:
-        group_accumulators = num_microbatches > 1
+        group_accumulators = num_microbatches > 1 and not any_in_host_memory(params)
     if d == 1 or not group_accumulators:
         return accumulate_value_and_grad(fn, params, batch, num_microbatches, has_aux=has_aux,
                                          accum_dtype=accum_dtype)
