@@ -306,3 +306,8 @@ def bytes_per_device(tree, shardings=None) -> int:
         shape = s.shard_shape(tuple(x.shape)) if s is not None else tuple(x.shape)
         total += math.prod(shape) * np.dtype(x.dtype).itemsize
     return int(total)
+
+
+def device_memory_stats() -> dict:
+    """The first local device's allocator statistics (`bytes_limit`, `bytes_in_use`); empty on a CPU."""
+    return jax.local_devices()[0].memory_stats() or {}

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jmem.memory.measure import device_memory_stats
 from jmem.sampling import make_arrays, sample
 from jmem.serve.lora import BASE_SLOT, with_slots
 from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
@@ -68,11 +69,6 @@ def _fine_bucket(n: int, smallest: int) -> int:
             return b * 3 // 2
         b *= 2
     return b
-
-
-def device_memory_stats() -> dict:
-    """The first local device's allocator statistics (`bytes_limit`, `bytes_in_use`); empty on a CPU."""
-    return jax.local_devices()[0].memory_stats() or {}
 
 
 def resident_bytes(tree) -> int:

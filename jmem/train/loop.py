@@ -36,7 +36,7 @@ import numpy as np
 
 from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.io.paths import new_dirs_removed_if_left_empty
-from jmem.memory.measure import MemoryReport, measure_and_compile
+from jmem.memory.measure import MemoryReport, device_memory_stats, measure_and_compile
 from jmem.train.checks import check_steps_left, rules_for
 from jmem.train.config import TrainConfig
 from jmem.train.report import count_text, estimate_bytes, memory_table, step_matmul_flops
@@ -276,6 +276,9 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                                                                    trainable=run.fns.trainable).items()), file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
+    limit = device_memory_stats().get("bytes_limit")
+    if limit and report.total_bytes > limit:
+        raise ValueError(_out_of_memory(report, f"the device holds {limit / 2**20:.0f} MiB"))
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
     log_path = cfg.log if jax.process_index() == 0 else None
@@ -322,6 +325,10 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                 if stopping:
                     interrupted = True
                     break
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(_out_of_memory(report, f"step {step + 1} ran out of memory")) from None
         finally:
             bar.close()
         final = int(state.step)
@@ -354,6 +361,12 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         plot_run(result, cfg.plot, title=f"{cfg.model} remat={cfg.remat} {run.policy} {cfg.optimizer}")
         print(f"wrote {cfg.plot}", file=out)
     return result
+
+
+def _out_of_memory(report, what: str) -> str:
+    return (f"the train step needs {report.total_bytes / 2**20:.0f} MiB per device (compiler-measured, the "
+            f"memory table above) and {what}; accepted: settings that fit, e.g. a smaller --batch or --seq, "
+            f"--remat full, --accum, --zero with a --mesh over more devices, or --offload-optimizer host")
 
 
 def _save_result(run: Run, state, out: TextIO) -> None:

@@ -338,3 +338,22 @@ def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
                       for x in jax.tree.leaves(jax.eval_shape(galore(1e-3, rank=4).init, params)))
     row = next(line for line in out.getvalue().splitlines() if "estimated optimizer" in line)
     assert abs(float(row.split()[-1]) - state_bytes / 2**20) < 0.006
+
+
+def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
+    """A device that reports its size refuses a step the compiler measured larger, before running
+    it; a step that runs out of memory (a 100k-token sequence: terabytes) ends with one line naming
+    the measured need, not a traceback."""
+    from jmem.train import loop
+
+    tiny = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "32", "--no-progress"]
+    with monkeypatch.context() as m:
+        m.setattr(loop, "device_memory_stats", lambda: {"bytes_limit": 2**20})
+        rc, err = run_train_script(tiny, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "per device (compiler-measured, the memory table above) and the device holds 1 MiB" in lines[0]
+    rc, err = run_train_script(tiny[:-3] + ["--seq", "100000", "--no-progress"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "and step 1 ran out of memory; accepted: settings that fit, e.g. a smaller --batch or --seq" in lines[0]
