@@ -59,6 +59,9 @@ def validate(cfg: TrainConfig) -> Policy:
     _validate_model_file(cfg)
     if cfg.stop_after is not None and cfg.stop_after < 1:
         raise ValueError(f"--stop-after={cfg.stop_after} must be >= 1")
+    if cfg.stop_after is not None and not cfg.ckpt_dir:
+        raise ValueError(f"--stop-after {cfg.stop_after} needs --ckpt-dir (the checkpoint --resume continues "
+                         f"from; without one the stopped run's work would be lost)")
     if cfg.resume and not cfg.ckpt_dir:
         raise ValueError("--resume needs --ckpt-dir")
     if cfg.resume:

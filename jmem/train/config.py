@@ -56,7 +56,7 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest checkpoint in --ckpt-dir."""
     stop_after: int | None = None
-    """Stop (with a checkpoint) after this many steps in this invocation; --resume continues."""
+    """Stop (with a checkpoint in --ckpt-dir) after this many steps in this invocation; --resume continues."""
     eval_every: int = 0
     """Evaluate on held-out windows every N steps (0: only at the end)."""
     eval_batches: int = 4

@@ -124,6 +124,7 @@ def _one_line_exit_2(argv, capsys) -> str:
             "mask); accepted: --lora-dropout 0, or --pipeline-stages 1"),
     (["--precision", "p=f32,c=bf16,o=bf16"], "--precision='p=f32,c=bf16,o=bf16' asks for bfloat16 outputs; "
                                              "accepted: o=f32"),
+    (["--stop-after", "2"], "--stop-after 2 needs --ckpt-dir (the checkpoint --resume continues from"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
