@@ -138,6 +138,12 @@ class _Sampling(BaseModel):
                 accepted = "unset" + "".join(f" or {v!r}" for v in neutral)
                 raise _unsupported(name, value, accepted)
 
+    def _checked_stop(self):
+        """`stop`, or a 400 for a stop string holding a lone surrogate (no generated text can hold one)."""
+        if isinstance(self.stop, list):
+            return [check_text(s, f"stop[{i}]") for i, s in enumerate(self.stop)]
+        return self.stop if self.stop is None else check_text(self.stop, "stop")
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Validated `SamplingParams` (call `check_supported` first); APIError(400) naming the first bad field."""
         p = SamplingParams(
@@ -150,7 +156,7 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            stop=self.stop,
+            stop=self._checked_stop(),
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

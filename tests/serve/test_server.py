@@ -243,6 +243,9 @@ def test_errors_auth_json_and_client(server, client):
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
      "messages[0].content"),
     ("/tokenize", '{"prompt": "\\udfff"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "max_tokens": 2, "prompt": "a", "stop": "\\ud800"}', "stop"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a"}], '
+                             '"stop": ["ok", "x\\udfff"]}', "stop[1]"),
 ])
 def test_lone_surrogates_are_400(server, path, raw, param):
     r = httpx.post(server + path, content=raw.encode(), headers={**AUTH, "content-type": "application/json"})
