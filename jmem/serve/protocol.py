@@ -79,6 +79,7 @@ NOT_IMPLEMENTED = {
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "echo": (False,),  # chat only (a completion request declares it): vLLM's echo of the last message
     # OpenAI chat parameters for outputs this server does not produce
     "modalities": (["text"],), "audio": (), "reasoning_effort": (),
 }

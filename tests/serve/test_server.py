@@ -362,6 +362,7 @@ def test_error_param_names_the_field_openai_style(server, path, body, param):
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
 ])
 def test_unimplemented_parameters_are_400(server, path, extra, param):
