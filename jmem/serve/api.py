@@ -295,7 +295,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             at[0] += len(at[1].decode(token_bytes(tid)))
             lp, top = entry[:2] if entry is not None else (None, None)
             token_lps.append(lp)
-            tops.append(None if top is None else {token_bytes.text(i): l for i, l in top})
+            # The k most likely, and always the token itself (OpenAI: up to logprobs + 1 entries).
+            tops.append(None if top is None else {token_bytes.text(i): l for i, l in [*top, (tid, lp)]})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def vllm_prompt_logprobs(scored, k):

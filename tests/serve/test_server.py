@@ -153,6 +153,12 @@ def test_streaming_n2_stop_logprobs(server, client):
     assert all(l <= 0 for l in lp.token_logprobs)
     # Greedy: the chosen token is the most likely one, so it heads its top list.
     assert all(max(t.values()) == pytest.approx(l, abs=1e-5) for t, l in zip(lp.top_logprobs, lp.token_logprobs))
+    # Sampled: the chosen token is in its top list even where it is not among the k most likely.
+    r = client.completions.create(model="tiny", prompt="stream me", max_tokens=16, temperature=1.5, seed=3,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert all(t[tok] == l for t, tok, l in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert any(len(t) == 2 for t in lp.top_logprobs)  # some sampled token was not the most likely
 
 
 def test_streamed_text_offsets_equal_the_whole_response(server, client):
@@ -163,6 +169,9 @@ def test_streamed_text_offsets_equal_the_whole_response(server, client):
     streamed = [o for c in client.completions.create(stream=True, **kw) if (lp := c.choices[0].logprobs)
                 for o in lp.text_offset]
     assert streamed == whole.text_offset and len(streamed) == 12
+    # logprobs=0: no alternatives, but each top list holds the sampled token (as OpenAI and vLLM)
+    assert [list(t.items()) for t in whole.top_logprobs] == [[(tok, lp)] for tok, lp in
+                                                             zip(whole.tokens, whole.token_logprobs)]
 
 
 def test_echo_with_logprobs_scores_the_prompt(server, client):
@@ -394,7 +403,9 @@ def test_prompt_logprobs_as_vllm(server, client):
         assert own["decoded_token"] == echo.logprobs.tokens[t]
         top = sorted((e for e in pl[t].values() if e["rank"] <= 2), key=lambda e: e["rank"])
         assert [e["rank"] for e in top] == [1, 2] and len(pl[t]) == 2 + (own["rank"] > 2)
-        assert {e["decoded_token"]: e["logprob"] for e in top} == pytest.approx(echo.logprobs.top_logprobs[t])
+        # echo's top list: the k most likely and the token itself (OpenAI: up to logprobs + 1 entries)
+        want = {e["decoded_token"]: e["logprob"] for e in [*top, own]}
+        assert echo.logprobs.top_logprobs[t] == pytest.approx(want)
         assert (own in top) == (own["rank"] <= 2)  # the token itself is one of the k when it ranks there
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                           extra_body={"prompt_logprobs": 0})
