@@ -108,7 +108,7 @@ def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
     from jmem.lm import PACKAGED_MODELS, model_source
     from jmem.models.config import PRESETS, as_dtype
-    from jmem.serve.paged_cache import KV_DTYPES
+    from jmem.serve.paged_cache import ATTENTION_IMPLS, KV_DTYPES
 
     if args.log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
@@ -123,6 +123,8 @@ def check_args(args: ServeArgs) -> None:
             raise ValueError(f"{flag}={value!r}: {e}") from None
     if args.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+    if args.attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"--attention-impl={args.attention_impl!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
     if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("--block-size, --max-num-seqs and --max-num-batched-tokens must be >= 1")
     if args.max_model_len is not None and args.max_model_len < 1:

@@ -42,6 +42,7 @@ from jmem.serve.paged_decode import decode_attention, dequantize
 from jmem.serve.step_layout import TILE, StepLayout
 
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")
+ATTENTION_IMPLS = ("auto", "tiled", "kernel")
 _FP8_MAX = 448.0
 _SCALE_BYTES = 4  # one f32 per page per kv head, for K and for V
 
@@ -268,8 +269,8 @@ class PagedKVCache:
         each device then holds the pages of its own kv heads, created in place (the whole pool
         never exists on one device)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
-        if impl not in ("auto", "tiled", "kernel"):
-            raise ValueError(f"paged attention impl={impl!r}; accepted: auto, tiled, kernel")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"paged attention impl={impl!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
         if impl == "auto":
             backend = jax.default_backend()
             fits = backend == "tpu" or (backend == "gpu" and triton_fits(page_size, config.head_dim))
