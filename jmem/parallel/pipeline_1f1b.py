@@ -446,7 +446,24 @@ def pipeline_1f1b_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh:
     loss_fn.defvjp(fwd, bwd)
     from jmem.parallel.step import mark_model_loss
 
+    loss_fn.jmem_schedule = "1f1b"  # read by `check_zero_fits_schedule`
     return mark_model_loss(loss_fn, model), params
+
+
+def check_zero_fits_schedule(loss_fn, zero: int, mesh: Mesh) -> None:
+    """PipelineError for a 1F1B `loss_fn` under ZeRO-2/3 on a mesh with a tensor axis.
+
+    ZeRO-2/3 reshard gradients (and gather parameters) inside the schedule's per-tick branches;
+    with a tensor axis XLA emits collective-permutes there (ZeRO-2, which stages cannot join) or
+    aborts the process in its partitioner (ZeRO-3). Other losses pass.
+    """
+    tensor = mesh.shape.get("tensor", 1)
+    if getattr(loss_fn, "jmem_schedule", None) == "1f1b" and zero >= 2 and tensor > 1:
+        from jmem.parallel.mesh import format_mesh
+
+        raise PipelineError(f"the 1f1b pipeline schedule with ZeRO stage {zero} on a mesh with tensor={tensor} "
+                            f"({format_mesh(dict(mesh.shape))}) is not supported; accepted: ZeRO 0 or 1 with a "
+                            f"tensor axis, ZeRO 2 or 3 without one, or the gpipe schedule")
 
 
 def schedule_lm_loss_fn(schedule: str, model, **kw) -> tuple[Callable, Any]:

@@ -344,6 +344,9 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     heads = getattr(loss_fn, "jmem_heads", None)
     if heads is not None:
         check_heads(*heads, rules, mesh, logical_axes=logical_axes)
+    from jmem.parallel.pipeline_1f1b import check_zero_fits_schedule
+
+    check_zero_fits_schedule(loss_fn, stage, mesh)
     if group_accumulators is None and not getattr(loss_fn, "jmem_batch_additive", True):
         group_accumulators = False  # e.g. MoE routing: accumulate the single-device microbatches
     tx = constrain_gradients(optimizer, mesh, stage=stage, rules=rules, logical_axes=logical_axes)

@@ -67,13 +67,6 @@ def mesh_for(cfg: TrainConfig):
     check_batch_split(cfg, mesh)
     check_seq_split(cfg, mesh)
     check_heads_fit(cfg, mesh)
-    tensor = mesh.shape.get("tensor", 1)
-    if cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b" and cfg.zero >= 2 and tensor > 1:
-        # ZeRO-2/3 reshard gradients (and gather parameters) inside the schedule's per-tick branches; with
-        # a tensor axis XLA emits collective-permutes there (ZeRO-2) or aborts the process (ZeRO-3).
-        raise ValueError(f"--pipeline-schedule 1f1b with --zero {cfg.zero} on a mesh with tensor={tensor} "
-                         f"({par.mesh_summary(mesh)}) is not supported; accepted: --zero 0 or 1 with a tensor "
-                         f"axis, --zero 2 or 3 without one, or --pipeline-schedule gpipe")
     return mesh
 
 

@@ -148,6 +148,9 @@ def make_train_fns(
 
         if hasattr(config, "n_heads"):  # before any trace: a mesh that cuts a head is refused here
             par.check_heads(config.n_heads, config.n_kv_heads, rules, mesh)
+        from jmem.parallel.pipeline_1f1b import check_zero_fits_schedule
+
+        check_zero_fits_schedule(loss_fn, zero, mesh)
         is_leaf = par.gather.is_weight_leaf
     else:
         is_leaf = None

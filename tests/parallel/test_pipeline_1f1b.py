@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -226,14 +227,21 @@ def test_unknown_schedule_is_one_clear_error(capsys):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_1f1b_with_zero_2_or_3_and_a_tensor_axis_is_one_clear_error(zero, capsys):
     """XLA aborted the process on ZeRO-3 (a failed partitioner check) and the tick check refused ZeRO-2's
-    collective-permutes blaming the heads; both are refused by their flags before anything compiles."""
+    collective-permutes blaming the heads; both are refused before anything compiles, in the library
+    (`make_sharded_train_step`, `make_train_fns`) that train.py calls."""
     rc, err = run_train_script(["--model", "tiny", "--pipeline-stages", "2", "--microbatches", "2",
                                 "--pipeline-schedule", "1f1b", "--mesh", "stage=2,data=2,tensor=2",
                                 "--zero", str(zero)], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
-    assert f"--pipeline-schedule 1f1b with --zero {zero} on a mesh with tensor=2" in lines[0]
-    assert "accepted: --zero 0 or 1 with a tensor axis" in lines[0]
+    assert f"the 1f1b pipeline schedule with ZeRO stage {zero} on a mesh with tensor=2 (stage=2,data=2,tensor=2) " \
+           "is not supported; accepted: ZeRO 0 or 1 with a tensor axis" in lines[0]
+    mesh = par.make_mesh("stage=2,data=2,tensor=2")
+    model = Llama(LlamaConfig.tiny(n_layers=2), rngs=nnx.Rngs(0))
+    loss_fn, params = par.pipeline_1f1b_lm_loss_fn(model, n_stages=2, n_microbatches=2, mesh=mesh)
+    with pytest.raises(par.PipelineError, match=f"ZeRO stage {zero} on a mesh with tensor=2"):
+        par.make_sharded_train_step(loss_fn, optax.adam(1e-3), params, mesh, zero=zero)
+    par.make_sharded_train_step(loss_fn, optax.adam(1e-3), params, mesh, zero=1)  # accepted
 
 
 @pytest.mark.slow
