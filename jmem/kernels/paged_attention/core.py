@@ -49,16 +49,20 @@ def resolve(backend, interpret):
     return backend, bool(interpret)
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def triton_fits(page_size: int, head_dim: int) -> bool:
     """Whether the Triton (GPU) kernels compile for these sizes: only power-of-two tiles do."""
-    return all(n > 0 and n & (n - 1) == 0 for n in (page_size, head_dim))
+    return _power_of_two(page_size) and _power_of_two(head_dim)
 
 
 def check_backend_shapes(name: str, backend: str, interpret: bool, page_size: int, head_dim: int):
     """Triton compiles only power-of-two tiles: the page size and head_dim must be powers of two."""
-    if backend == "triton" and not interpret and not triton_fits(page_size, head_dim):
+    if backend == "triton" and not interpret:
         for what, n in (("page_size", page_size), ("head_dim", head_dim)):
-            if n & (n - 1):
+            if not _power_of_two(n):
                 raise ValueError(f"{name}: the Triton (GPU) kernel needs a power-of-two {what}; got {n}")
 
 
