@@ -79,7 +79,9 @@ class ServeArgs:
     (files written by jmem.lora.save_adapters); a request's `model` field picks one by NAME. The flag
     may be repeated: every occurrence's entries are served."""
     max_loras: int | None = None
-    """Adapter slots stacked on the device (one per --lora-modules entry when unset)."""
+    """Adapter slots on the device, the most adapters one step runs (one per --lora-modules entry when unset).
+    Fewer slots than entries: the other adapters wait in host memory and move into a slot when a request
+    needs one (requests of an adapter that finds no free slot wait for one)."""
     max_lora_rank: int = 16
     """Largest adapter rank accepted; slots are zero-padded to the largest rank loaded."""
     lora_impl: str = "onehot"
@@ -216,9 +218,8 @@ def lora_modules(args: ServeArgs) -> dict[str, str]:
         if name in modules:
             raise ValueError(f"--lora-modules name {name!r} is given twice; accepted: distinct names")
         modules[name] = path
-    if args.max_loras is not None and args.max_loras < max(1, len(modules)):
-        raise ValueError(f"--max-loras={args.max_loras}; accepted: >= {max(1, len(modules))} "
-                         f"(the number of --lora-modules)")
+    if args.max_loras is not None and args.max_loras < 1:
+        raise ValueError(f"--max-loras={args.max_loras}; accepted: an integer >= 1")
     check_adapter_files(modules, args.max_lora_rank)
     return modules
 
@@ -335,9 +336,11 @@ def run_serve(args: ServeArgs) -> None:
              args.kv_cache_dtype, engine.max_request_tokens)
     if engine.adapters:
         slot = max(a.rank for a in engine.adapters.values())
-        log.info("LoRA adapters: %s stacked in %d slots of rank %d, %.1f KiB on the device",
-                 ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()),
-                 args.max_loras or len(engine.adapters), slot, engine.adapter_bytes / 1024)
+        slots = engine.runner.adapter_slots.num_slots
+        log.info("LoRA adapters: %s in %d device slots of rank %d, %.1f KiB on the device%s",
+                 ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()), slots, slot,
+                 engine.adapter_bytes / 1024,
+                 "" if slots >= len(engine.adapters) else "; the others wait in host memory until a request uses them")
     if engine.drafter is not None:
         draft = engine.drafter.runner.config
         log.info("speculative decoding: a %d-layer draft proposes %d tokens per decode", draft.n_layers,

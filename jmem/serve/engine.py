@@ -53,7 +53,9 @@ class EngineConfig:
         enable_prefix_caching: share cached prompt blocks between requests.
         static_batching: admit a new batch only when the previous one has finished (benchmark baseline).
         attention_impl: paged attention: auto | tiled | kernel (see `PagedKVCache.create`).
-        max_loras: LoRA adapter slots (None: one per adapter given to the engine).
+        max_loras: LoRA adapter slots on the device, the most adapters one step uses (None: one per
+            adapter given to the engine). Fewer slots than adapters: the others wait in host memory and
+            move into a slot when a step needs them (`jmem.serve.lora_slots`).
         max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded).
         lora_impl: batched adapter matmul: onehot | ragged (see `jmem.serve.lora`).
         tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
@@ -279,11 +281,12 @@ class Engine:
                                     static_batching=config.static_batching,
                                     num_speculative_tokens=config.num_speculative_tokens,
                                     draft_model=draft_model is not None,
-                                    prompt_lookup_max=config.prompt_lookup_max)
+                                    prompt_lookup_max=config.prompt_lookup_max,
+                                    max_loras=config.max_loras if self.adapters else None)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
                                   config.kv_cache_dtype, config.attention_impl,
-                                  {name: a.slot for name, a in self.adapters.items()}, mesh=mesh)
+                                  self.adapters, mesh=mesh)
         self.drafter = None if draft_model is None else DraftProposer(
             draft_model, num_blocks, config.block_size, config.max_num_seqs, max_len, config.kv_cache_dtype,
             config.attention_impl, mesh)
@@ -326,7 +329,7 @@ class Engine:
         """Queue a request (thread-safe); ValueError for bad parameters, an unknown adapter or a prompt
         that cannot fit. `adapter`: a LoRA adapter name given to the engine, None for the base model."""
         params.validate()
-        self.runner.slot_of(adapter)
+        self.runner.check_adapter(adapter)
         rid = request_id or f"req-{next(self._ids)}"
         check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
         self._check_ids("prompt", prompt_ids)
@@ -413,6 +416,7 @@ class Engine:
             return
         out = self.scheduler.schedule()
         try:
+            self.runner.load_adapters({s.request.adapter_id for s in out.seqs})
             if self.drafter is not None:
                 self.drafter.propose(out)
             res = self.runner.step(out)
@@ -587,5 +591,6 @@ class Engine:
                 "spec_decode_num_accepted_tokens_total": self.stats["spec_accepted_tokens"],
                 "step_compilations": sum(r.num_compilations for r in runners),
                 "step_compilations_blocking_total": sum(r.num_blocking_compilations for r in runners),
+                "lora_adapter_loads_total": self.runner.adapter_slots.num_loads,
             }
 

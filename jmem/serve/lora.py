@@ -175,14 +175,17 @@ def has_multi_lora(tree) -> bool:
 # ---------------------------------------------------------------------------- adapter files
 @dataclasses.dataclass(frozen=True)
 class AdapterInfo:
-    """One served adapter: its name, slot, file, rank per target and bytes as stored (all layers)."""
+    """One served adapter: its name, its slot at startup (None: it waits in host memory until a request
+    uses it), file, rank per target, bytes as stored (all layers), and its host copy as the slots hold it
+    (`arrays`: target -> (A [..., in, R], B [..., R, out]), padded to the slots' rank, scale folded into B)."""
 
     name: str
-    slot: int
+    slot: int | None
     path: str
     ranks: dict[str, int]
     alpha: dict[str, float]
     nbytes: int
+    arrays: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
@@ -213,7 +216,9 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     Args:
         model: a `jmem.models.Llama` (kernels may be quantized leaves).
         modules: adapter name -> file written by `jmem.lora.save_adapters`; slots follow this order.
-        max_loras: adapter slots to allocate (None: one per module; at least `len(modules)`).
+        max_loras: adapter slots on the device (None: one per module). With fewer slots than modules the
+            first `max_loras` modules start resident and the others wait in host memory
+            (`jmem.serve.lora_slots`).
         max_lora_rank: the largest rank accepted; slots are zero-padded to the largest rank loaded.
         impl: "onehot" or "ragged" (see the module docstring).
 
@@ -233,9 +238,8 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     if max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank={max_lora_rank}; accepted: >= 1")
     slots = len(modules) if max_loras is None else max_loras
-    if slots < len(modules):
-        raise ValueError(f"--max-loras={max_loras} is fewer than the {len(modules)} LoRA modules given; "
-                         f"accepted: >= {len(modules)}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"--max-loras={max_loras!r}; accepted: an integer >= 1")
     read = check_adapter_files(modules, max_lora_rank)
     metas = {name: meta for name, (meta, _) in read.items()}
     layers = model.layers
@@ -250,9 +254,11 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
                              f"(jmem.lora.remove_adapters or merge first)")
         bases[t] = base
     R = max(m["rank"] for meta in metas.values() for m in meta.values())
-    infos, arrays = {}, {t: ([], []) for t in targets}
-    for slot, (name, path) in enumerate(modules.items()):
+    dtypes = {t: bases[t].dtype if jnp.issubdtype(bases[t].dtype, jnp.floating) else jnp.float32 for t in targets}
+    infos = {}
+    for i, (name, path) in enumerate(modules.items()):
         meta, stored = read[name]
+        host = {}
         for t in targets:
             base = bases[t]
             *lead, n_in, n_out = base.shape
@@ -269,22 +275,20 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
                 pad = [(0, 0)] * (a.ndim - 1)
                 a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
                 b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
-            arrays[t][0].append(a)
-            arrays[t][1].append(b)
-        infos[name] = AdapterInfo(name, slot, os.fspath(path), {t: m["rank"] for t, m in meta.items()},
-                                  {t: m["alpha"] for t, m in meta.items()},
-                                  int(sum(v.nbytes for v in stored.values())))
+            host[t] = a.astype(dtypes[t]), b.astype(dtypes[t])
+        infos[name] = AdapterInfo(name, i if i < slots else None, os.fspath(path),
+                                  {t: m["rank"] for t, m in meta.items()}, {t: m["alpha"] for t, m in meta.items()},
+                                  int(sum(v.nbytes for v in stored.values())), host)
     served = nnx.clone(model)
+    resident = list(infos.values())[:slots]
     for t in targets:
-        a_list, b_list = arrays[t]
         base = bases[t]
         *lead, n_in, n_out = base.shape
-        for _ in range(slots - len(modules)):  # free slots: zeros
-            a_list.append(np.zeros((*lead, n_in, R), np.float32))
-            b_list.append(np.zeros((*lead, R, n_out), np.float32))
-        dtype = base.dtype if jnp.issubdtype(base.dtype, jnp.floating) else jnp.float32
-        a = jnp.asarray(np.stack(a_list, axis=-3), dtype)  # [*lead, S, in, R]
-        b = jnp.asarray(np.stack(b_list, axis=-3), dtype)  # [*lead, S, R, out]
+        free = slots - len(resident)  # free slots: zeros
+        a_list = [info.arrays[t][0] for info in resident] + [np.zeros((*lead, n_in, R), dtypes[t])] * free
+        b_list = [info.arrays[t][1] for info in resident] + [np.zeros((*lead, R, n_out), dtypes[t])] * free
+        a = jnp.asarray(np.stack(a_list, axis=-3))  # [*lead, S, in, R]
+        b = jnp.asarray(np.stack(b_list, axis=-3))  # [*lead, S, R, out]
         getattr(served.layers, t).kernel.set_value(MultiLoRA(base, a, b, impl=impl))
     return served, infos
 

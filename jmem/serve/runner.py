@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -40,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmem.memory.measure import device_memory_stats
 from jmem.sampling import make_arrays, sample
-from jmem.serve.lora import BASE_SLOT, with_slots
+from jmem.serve.lora import BASE_SLOT, AdapterInfo, MultiLoRA, with_slots
+from jmem.serve.lora_slots import AdapterSlots, state_with_adapters
 from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
 from jmem.serve.paged_decode import chunk_pages
 from jmem.serve.request import SamplingParams
@@ -162,8 +164,9 @@ class ModelRunner:
         max_model_len: longest sequence, bounds the pages per sequence.
         kv_dtype: auto | bf16 | fp8_e4m3 | int8.
         attention_impl: auto | tiled | kernel (see `PagedKVCache.create`).
-        adapter_slots: LoRA adapter name -> slot of the model's `MultiLoRA` leaves
-            (`jmem.serve.lora.stack_adapters`); a request's `adapter_id` picks one, None the base model.
+        adapters: the LoRA adapters of the model's `MultiLoRA` leaves (`jmem.serve.lora.stack_adapters`); a
+            request's `adapter_id` picks one, None the base model. With more adapters than slots,
+            `load_adapters` moves those a step needs into slots before it runs.
         mesh: a tensor-parallel mesh (`jmem.serve.tensor_parallel.tensor_mesh`): the weights are split
             Megatron-style and the pool on its kv heads; `num_blocks` then counts blocks of all heads,
             each device holding its heads' share of every block. None: one device.
@@ -174,10 +177,10 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                 kv_dtype: str = "auto", attention_impl: str = "auto", adapter_slots: dict[str, int] | None = None,
+                 kv_dtype: str = "auto", attention_impl: str = "auto", adapters: dict[str, AdapterInfo] | None = None,
                  mesh: jax.sharding.Mesh | None = None):
         self.config = model.config
-        self.adapter_slots = dict(adapter_slots or {})
+        self.adapters = dict(adapters or {})
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = -(-max_model_len // block_size)
@@ -186,6 +189,11 @@ class ModelRunner:
         self.mesh = mesh
         self.tensor_parallel_size = 1 if mesh is None else mesh.shape.get("tensor", 1)
         self.graphdef, self.state = nnx.split(model)
+        multi = [x for x in jax.tree.leaves(self.state, is_leaf=lambda x: isinstance(x, MultiLoRA))
+                 if isinstance(x, MultiLoRA)]
+        self.adapter_slots = AdapterSlots(self.adapters, multi[0].num_slots if multi else len(self.adapters),
+                                          {n: a.slot for n, a in self.adapters.items() if a.slot is not None})
+        self._adapter_lock = threading.Lock()  # slot changes vs. readers of the state on other threads
         if mesh is not None:
             from jmem.serve.tensor_parallel import check_tensor_parallel, shard_state
 
@@ -340,15 +348,33 @@ class ModelRunner:
                               self._abstract_cache.replace(layout=_abstract(layout)), tokens, tokens, tokens,
                               rows, _abstract(sarr), rows).compile()
 
+    def check_adapter(self, adapter_id: str | None) -> None:
+        """ValueError if `adapter_id` is neither None (the base model) nor one of the adapters."""
+        if adapter_id is not None and adapter_id not in self.adapters:
+            known = ", ".join(self.adapters) or "none loaded"
+            raise ValueError(f"unknown LoRA adapter {adapter_id!r}; accepted: {known}")
+
     def slot_of(self, adapter_id: str | None) -> int:
-        """The stacked-adapter slot serving `adapter_id` (BASE_SLOT for None); ValueError if unknown."""
+        """The slot serving `adapter_id` now (BASE_SLOT for None); the adapter must be resident."""
+        self.check_adapter(adapter_id)
         if adapter_id is None:
             return BASE_SLOT
-        slot = self.adapter_slots.get(adapter_id)
+        slot = self.adapter_slots.slot_of(adapter_id)
         if slot is None:
-            known = ", ".join(self.adapter_slots) or "none loaded"
-            raise ValueError(f"unknown LoRA adapter {adapter_id!r}; accepted: {known}")
+            raise RuntimeError(f"LoRA adapter {adapter_id!r} is not in a device slot; load_adapters first")
         return slot
+
+    def load_adapters(self, names) -> None:
+        """Make the adapters `names` (a step's, at most as many as slots) resident, writing those that wait
+        in host memory over the least recently used slots no name here uses."""
+        names = [n for n in names if n is not None]
+        if not names:
+            return
+        with self._adapter_lock:
+            loads = self.adapter_slots.assign(names)
+            if loads:
+                self.state = state_with_adapters(self.graphdef, self.state,
+                                                 [(slot, self.adapters[n].arrays) for n, slot in loads])
 
     def prompt_logprobs(self, ids: list[int], k: int, adapter_id: str | None = None) -> list:
         """Log-probability of each prompt token given the ones before it, with the `k` most likely
@@ -358,13 +384,19 @@ class ModelRunner:
         scores, as for lm-eval-harness's loglikelihood requests); the length is
         padded to a bucket, and causal attention keeps the padding out of the real positions.
         """
+        self.check_adapter(adapter_id)
+        with self._adapter_lock:  # a consistent (state, slot) pair; the step thread may move adapters after
+            state = self.state
+            slot = BASE_SLOT if adapter_id is None else self.adapter_slots.slot_of(adapter_id)
+        if slot is None:  # waiting in host memory: written into slot 0 of a private copy of the stacked leaves
+            state, slot = state_with_adapters(self.graphdef, state, [(0, self.adapters[adapter_id].arrays)]), 0
         T = len(ids)
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids
-        slots = np.full(padded.shape, self.slot_of(adapter_id), np.int32)
+        slots = np.full(padded.shape, slot, np.int32)
         # The most alternatives a request may ask for, whatever this one asks: one program per length.
         top = min(SamplingParams.MAX_LOGPROBS, self.config.vocab_size)
-        lp, top_lp, top_ids, rank = _prompt_logprobs_fn(self.graphdef, self.state, jnp.asarray(padded), top,
+        lp, top_lp, top_ids, rank = _prompt_logprobs_fn(self.graphdef, state, jnp.asarray(padded), top,
                                                         jnp.asarray(slots), self.mesh is not None)
         lp, top_lp, top_ids, rank = np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids), np.asarray(rank)
         return [None] + [(float(lp[t]), [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])],

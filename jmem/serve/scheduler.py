@@ -8,6 +8,12 @@ arrived running request is preempted: its blocks are freed and it goes back to
 the front of the queue with its outputs kept, to be recomputed later
 (preemption by recompute), so no request is lost or truncated.
 
+With LoRA adapters in fewer device slots than adapters (`max_loras`), a step
+runs at most `max_loras` distinct adapters. A waiting request whose adapter
+would be one too many is passed over, and requests behind it are admitted. So
+that it is not passed over forever, the running adapter with the fewest
+requests then admits no new ones until it has drained and freed its slot.
+
 Every request's tokens are one list (prompt + outputs), and a step simply
 computes the next `n` uncomputed ones; prefill, chunked prefill, decode and
 recompute after preemption are the same operation.
@@ -15,7 +21,7 @@ recompute after preemption are the same operation.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from jmem.serve.kv_cache import KVCacheManager
@@ -81,6 +87,8 @@ class SchedulerConfig:
     False: n-gram lookup in the sequence's own tokens."""
     prompt_lookup_max: int = 3
     """Longest suffix looked up for a proposal (shorter ones down to 1 are tried next)."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters among running requests (None: no limit)."""
 
 
 class Scheduler:
@@ -99,8 +107,8 @@ class Scheduler:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} < max_model_len={config.max_model_len}: "
                 "without chunked prefill a recomputed sequence must fit one step"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(config, name) < 1:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
+            if getattr(config, name) is not None and getattr(config, name) < 1:
                 raise ValueError(f"{name}={getattr(config, name)}; need >= 1")
         check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max)
         self.config = config
@@ -167,8 +175,18 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted this step: otherwise
         # the pool is full and admitting would just thrash.
         admitting = not (self.config.static_batching and self.running)
+        adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
+        draining = None  # an adapter that admits nothing while a request waits for its slot
+        passed_over: list[Request] = []
         while (admitting and self.waiting and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
+            adapter = self.waiting[0].adapter_id
+            slots_full = self.config.max_loras is not None and len(adapters) >= self.config.max_loras
+            if adapter is not None and (adapter == draining or (adapter not in adapters and slots_full)):
+                if draining is None:
+                    draining = min(adapters, key=adapters.get)
+                passed_over.append(self.waiting.popleft())
+                continue
             if budget <= 0:
                 if not self.config.static_batching:
                     break
@@ -176,6 +194,8 @@ class Scheduler:
                 req = self.waiting.popleft()
                 req.status = Status.RUNNING
                 self.running.append(req)
+                if req.adapter_id is not None:
+                    adapters[req.adapter_id] += 1
                 continue
             req = self.waiting[0]
             # Waiting requests (new or preempted) hold no blocks and have nothing computed.
@@ -200,8 +220,11 @@ class Scheduler:
                 self.kv.count_prefix_lookup(req.num_tokens, len(hit_blocks) * self.kv.block_size)
             req.status = Status.RUNNING
             self.running.append(req)
+            if req.adapter_id is not None:
+                adapters[req.adapter_id] += 1
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, blocks))
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))
         return out
 
     def _propose(self, req: Request, budget: int) -> list[int]:

@@ -22,6 +22,7 @@ from jmem.models.dot import dot
 from jmem.quant.nf4 import nf4_quantize
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.lora import MultiLoRA, stack_adapters
+from jmem.serve.lora_slots import AdapterSlots
 from jmem.serve.request import SamplingParams
 from jmem.serve.runner import _step_fn
 from tests.helpers import random_adapter
@@ -214,8 +215,9 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
                 load(path)
     with pytest.raises(ValueError, match=r"rank 8 on wq, above --max-lora-rank=4"):
         stack_adapters(model, adapters, max_lora_rank=4)
-    with pytest.raises(ValueError, match=r"--max-loras=1 is fewer than the 2 LoRA modules"):
-        stack_adapters(model, adapters, max_loras=1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"--max-loras={bad!r}; accepted: an integer >= 1"):
+            stack_adapters(model, adapters, max_loras=bad)
     other = nnx.eval_shape(lambda: Llama(LlamaConfig.tiny(dim=32, n_heads=2, n_kv_heads=1), rngs=nnx.Rngs(1)))
     for t in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):  # small real arrays, no init compiled
         var = getattr(other.layers, t).kernel
@@ -227,6 +229,59 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
     served, infos = stack_adapters(model, adapters, max_loras=3)
     assert [i.slot for i in infos.values()] == [0, 1] and infos["b"].rank == 8
     assert served.layers.wq.kernel.get_value().lora_a.shape == (2, 3, 64, 8)  # layers, slots, in, max rank
+
+
+def test_adapter_slots_evict_the_least_recently_used_idle_adapter():
+    slots = AdapterSlots(["a", "b", "c", "d"], 2)
+    assert slots.resident == {"a": 0, "b": 1}
+    assert slots.assign(["b", "a"]) == []  # already resident; a is now the most recently used
+    assert slots.assign(["c"]) == [("c", 1)]  # b was used least recently
+    assert slots.assign(["c", "d"]) == [("d", 0)]  # a is evicted, c stays: this step uses it
+    assert slots.assign(["b", "d"]) == [("b", 1)] and slots.num_loads == 3
+    with pytest.raises(ValueError, match="3 LoRA adapters in one step; accepted: at most --max-loras=2"):
+        slots.assign(["a", "b", "c"])
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'x'; accepted: a, b, c, d"):
+        slots.assign(["x"])
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_more_adapters_than_slots_swap_through_host_memory(model, adapters, expected, max_loras, tmp_path):
+    """Three adapters in `max_loras` device slots: no step runs more adapters than slots, the others wait in
+    host memory and are written into a slot when a step needs them, and every request's tokens equal its
+    adapter's merged model. Swapping compiles nothing new; echo scoring reads a waiting adapter from host."""
+    three = {**adapters, "c": str(random_adapter(model, tmp_path / "c.npz", 3, 4, ("wk", "wq", "w_gate")))}
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=40, max_loras=max_loras, **SMALL),
+                    lora_modules=three)
+    assert engine.runner.state["layers"]["wq"]["kernel"][...].lora_a.shape == (2, max_loras, 64, 8)
+    assert [a.slot for a in engine.adapters.values()] == [0, None, None] if max_loras == 1 else [0, 1, None]
+    want = {name: expected(name) for name in ("a", "b", None)}
+    want["c"] = reference(model, three["c"], PROMPTS, 6)
+    step, mixes = engine.runner.step, []
+
+    def spy(out):
+        mixes.append({s.request.adapter_id for s in out.seqs} - {None})
+        return step(out)
+
+    engine.runner.step = spy
+    names = ["c", "a", None, "b", "c"]
+    for i, o in enumerate(engine.generate(PROMPTS, greedy(), adapters=names)):
+        assert o.token_ids == want[names[i]][i], names[i]
+    assert max(len(m) for m in mixes) == max_loras and engine.metrics()["lora_adapter_loads_total"] >= 2
+    compiled, shapes = _step_fn._cache_size(), engine.runner.num_compilations
+    names = ["b", "a", "c", "a", "b"]
+    for i, o in enumerate(engine.generate(PROMPTS, greedy(), adapters=names)):
+        assert o.token_ids == want[names[i]][i], names[i]
+    assert _step_fn._cache_size() == compiled and engine.runner.num_compilations == shapes
+    assert all(len(m) <= max_loras for m in mixes)
+    # Echo scoring of an adapter that waits in host memory: the merged model's log-probabilities, and the
+    # slots stay as they were.
+    waiting = next(n for n in three if engine.runner.adapter_slots.slot_of(n) is None)
+    resident = engine.runner.adapter_slots.resident
+    got = [lp for lp, _, _ in engine.prompt_logprobs(PROMPTS[4], 0, adapter=waiting)[1:]]
+    logits = merge(load_adapters(model, three[waiting]))(jnp.asarray([PROMPTS[4]]))[0][0]
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(got, [lsm[t, PROMPTS[4][t + 1]] for t in range(len(PROMPTS[4]) - 1)], atol=1e-4)
+    assert engine.runner.adapter_slots.resident == resident
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -258,13 +313,13 @@ def test_smollm2_packed_q4_base_with_two_adapters(tmp_path):
 def test_server_serves_two_adapters_and_the_base(adapters, expected):
     """One server start: /v1/models lists the adapters under the base, the `model` field picks the adapter,
     concurrent requests of a, b and the base each give their own model's greedy text without waiting for a
-    compilation after the warm-up, unknown names are 404."""
+    compilation after the warm-up (a and b taking turns in one device slot), unknown names are 404."""
     openai = pytest.importorskip("openai")
     from tests.serve.test_server import start_server, stop_server
 
     proc, url = start_server("--model", "tiny", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
                              "--num-blocks", "40", "--block-size", "8", "--max-model-len", "64", "--max-num-seqs", "4",
-                             "--max-num-batched-tokens", "16")
+                             "--max-num-batched-tokens", "16", "--max-loras", "1")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         listed = {m.id: m for m in client.models.list().data}
@@ -288,9 +343,11 @@ def test_server_serves_two_adapters_and_the_base(adapters, expected):
         assert e.value.code == "model_not_found" and "'tiny', 'a', 'b'" in e.value.message
         metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[:1] != "#")
         assert float(metrics["jmem_step_compilations_blocking_total"]) == 0  # any adapter mix ran precompiled
+        assert float(metrics["jmem_lora_adapter_loads_total"]) >= 1  # one slot: a and b took turns
     finally:
         log = stop_server(proc)
-    assert "LoRA adapters: a (rank 4), b (rank 8) stacked in 2 slots of rank 8" in log, log
+    assert ("LoRA adapters: a (rank 4), b (rank 8) in 1 device slots of rank 8, 46.0 KiB on the device; the others "
+            "wait in host memory until a request uses them") in log, log
 
 
 @pytest.fixture
@@ -311,7 +368,7 @@ def port():
     (["--lora-modules", "a=/nonexistent.npz"], "LoRA adapter file '/nonexistent.npz' does not exist"),
     (["--lora-modules", "a={folder}"], "is a directory; accepted: an .npz file written by jmem.lora.save_adapters"),
     (["--lora-modules", "a={a}", "b={b}", "--max-lora-rank", "4"], "rank 8 on wq, above --max-lora-rank=4"),
-    (["--lora-modules", "a={a}", "b={b}", "--max-loras", "1"], "--max-loras=1; accepted: >= 2"),
+    (["--lora-modules", "a={a}", "b={b}", "--max-loras", "0"], "--max-loras=0; accepted: an integer >= 1"),
     (["--lora-modules", "a={a}", "--lora-impl", "gather"], "--lora-impl='gather'; accepted: onehot, ragged"),
     (["--lora-modules", "a={small}", "--model", "small"], "do not fit the model's wq weight"),
 ])

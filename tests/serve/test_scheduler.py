@@ -222,6 +222,44 @@ def test_small_pool_loses_nothing(chunked):
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
 
 
+def test_lora_slot_limit_holds_every_step_and_starves_no_adapter():
+    """max_loras=2 with requests of adapters a, b, c and the base: no step runs more than two adapters, every
+    request gets its own output, and c (behind a steady stream of a and b) is admitted while they still arrive."""
+    rng = random.Random(1)
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=40, max_loras=2), kv)
+    reqs, c_admitted_at, step, finished = {}, None, 0, 0
+
+    def add(rid, adapter):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 8))]
+        params = SamplingParams(max_tokens=rng.randrange(4, 12))
+        reqs[rid] = (prompt, params)
+        sched.add_request(Request(rid, prompt, params, adapter_id=adapter))
+
+    for i in range(4):
+        add(f"a{i}", "a"), add(f"b{i}", "b")
+    add("c", "c"), add("base", None)
+    while sched.has_unfinished():
+        if step < 100:  # a and b keep coming while c waits
+            add(f"a-late{step}", "a"), add(f"b-late{step}", "b")
+        out = sched.schedule()
+        assert len({s.request.adapter_id for s in out.seqs} - {None}) <= 2
+        assert len({r.adapter_id for r in sched.running} - {None}) <= 2
+        if c_admitted_at is None and any(s.request.request_id == "c" for s in out.seqs):
+            c_admitted_at = step
+        sampled = {s.request.request_id: fake_model(s.request.all_token_ids) for s in out.seqs if s.samples}
+        for req in sched.update_from_output(out, sampled):
+            if req.status.finished:
+                assert req.output_token_ids == expected_output(*reqs[req.request_id]), req.request_id
+                finished += 1
+        step += 1
+        assert step < 1000
+    assert c_admitted_at is not None and c_admitted_at < 30, c_admitted_at
+    assert finished == len(reqs) and kv.pool.num_used == 0 and not sched.requests
+    with pytest.raises(ValueError, match="max_loras=0; need >= 1"):
+        Scheduler(SchedulerConfig(max_loras=0), kv)
+
+
 def test_decodes_first_then_chunked_prefill():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), kv)
