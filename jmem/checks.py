@@ -55,6 +55,17 @@ def check_int(name: str, value, least: int) -> None:
         raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
+def loss_pair(out, name: str = "loss_fn"):
+    """`out` of a training loss function as (loss summed over the batch, count); one ValueError naming
+    what came back otherwise (a mean alone, or a longer tuple)."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = (f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else
+               f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else f"a {type(out).__name__}")
+        raise ValueError(f"{name} returned {got}; accepted: a pair (loss summed over the batch's "
+                         "tokens, their count), e.g. `return jnp.sum(nll * mask), jnp.sum(mask)`")
+    return out
+
+
 def stop_strings(stop) -> list[str]:
     """`stop` as a list of stop strings: None is none and one string is one stop string (as OpenAI's
     `stop`), not its characters; ValueError unless each is a non-empty string (an empty one would

@@ -55,7 +55,7 @@ class SamplingParams:
 
 def check_prompt_ids(prompts, vocab_size: int) -> np.ndarray:
     """Check a batch of token-id prompts (non-empty, integer ids in the vocabulary); returns their lengths."""
-    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
+    if len(prompts) == 0 or any(not isinstance(p, (list, tuple, np.ndarray, jax.Array)) for p in prompts):
         raise ValueError("prompts must be a non-empty list of token-id lists (e.g. [[1, 2, 3]], not [1, 2, 3])")
     empty = [i for i, p in enumerate(prompts) if len(p) == 0]
     if empty:

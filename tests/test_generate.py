@@ -32,6 +32,23 @@ def test_greedy_batch_equals_single(lm):
     batch = generate_ids(lm.model, [lm.tokenizer.encode(p) for p in prompts], 20)
     for p, row in zip(prompts, batch):
         assert generate_ids(lm.model, [lm.tokenizer.encode(p)], 20)[0] == row
+    ids = [lm.tokenizer.encode(p) for p in prompts]  # JAX arrays of ids, as a JAX program holds them
+    assert generate_ids(lm.model, [jnp.asarray(i) for i in ids], 20) == batch
+    assert generate_ids(lm.model, jnp.asarray([ids[0]]), 20) == batch[:1]
+
+
+def test_every_submodule_is_reachable_from_import_jmem():
+    import importlib
+    import subprocess
+    import sys
+
+    for name in jmem.SUBMODULES:
+        assert getattr(jmem, name) is importlib.import_module(f"jmem.{name}")
+    code = "import jmem; print(jmem.optim.adafactor.__module__, jmem.prune.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["jmem.optim.adafactor", "jmem.prune"]
+    with pytest.raises(AttributeError, match="module 'jmem' has no attribute 'optimm'"):
+        jmem.optimm
 
 
 def test_eos_and_stop_strings(lm):

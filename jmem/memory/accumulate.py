@@ -109,7 +109,7 @@ def accumulate_value_and_grad(
     carry0 = value0, jax.tree_util.tree_map(in_memory_space_of, grads0, params)
 
     def body(carry, mb):
-        out = grad_fn(params, mb)
+        out = jax.tree_util.tree_map(jnp.asarray, grad_fn(params, mb))  # aux may hold Python numbers
         carry = jax.tree_util.tree_map(add_into, carry, out)
         return carry, None
 

@@ -266,8 +266,12 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         >>> est["total"]
         >>> estimate(LlamaConfig.tiny(), 8, 64, lora_rank=4, lora_targets=("wq", "wv"), quantize_base="nf4")
     """
+    from jmem.models.config import LlamaConfig
     from jmem.optim.factory import make_optimizer
 
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"estimate: config={config!r:.60}; accepted: a jmem.models.LlamaConfig (e.g. "
+                         "LlamaConfig.tiny(), or jmem.load(...).model.config)")
     remat = config.remat if remat is None else remat
     attention = attention or config.attention_impl
     if attention not in _ATTENTION_IMPLS:

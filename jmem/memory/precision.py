@@ -355,7 +355,9 @@ def with_master_weights(inner: optax.GradientTransformation, master_dtype=jnp.fl
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("with_master_weights needs params in update(grads, state, params)")
-        grads = cast_floating(updates, master_dtype)
+        # Integer leaves' gradients (float0 from `jax.grad(..., allow_int=True)`) become zeros of their dtype.
+        grads = jax.tree.map(lambda g, m: g if _is_float(m.dtype) else jnp.zeros_like(m),
+                             cast_floating(updates, master_dtype), state.master)
         inner_updates, new_inner = inner.update(grads, state.inner, state.master, **extra)
         new_master = optax.apply_updates(state.master, inner_updates)
 

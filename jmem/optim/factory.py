@@ -59,7 +59,7 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
     ctor = OPTIMIZERS[key]
     params = inspect.signature(ctor).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        bad = sorted(set(kw) - set(params))
+        bad = sorted(set(kw) - set(params) | set(kw) & {"learning_rate"})
         if bad:
             accepted = ", ".join(p for p in params if p != "learning_rate")
             raise ValueError(f"optimizer {key!r} does not accept {', '.join(bad)}; accepted: {accepted}")

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -48,7 +49,7 @@ try:
 except ImportError:  # older JAX
     from jax.experimental.shard_map import shard_map
 
-from jmem.checks import check_int
+from jmem.checks import check_int, loss_pair
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
@@ -78,9 +79,13 @@ def batch_spec(mesh: Mesh, rules=None) -> P:
 
 
 def check_batch(batch, mesh: Mesh, rules=None, accum: int = 1) -> None:
-    """Raise a clear error unless every leading batch size divides into data groups x microbatches."""
+    """Raise a clear error unless every leaf has a leading batch dimension that divides into data groups
+    x microbatches."""
     d = math.prod(mesh.shape[a] for a in batch_axes(mesh, rules))
-    for x in jax.tree.leaves(batch):
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not np.ndim(x):
+            raise ShardingError(f"batch{jax.tree_util.keystr(path)} is a scalar; accepted: every batch leaf an "
+                                "array with a leading batch dimension (pass constants through the loss function)")
         if x.shape[0] % (d * accum):
             raise ShardingError(
                 f"batch size {x.shape[0]} is not divisible by data-parallel size {d} x accum {accum} = {d * accum} "
@@ -373,7 +378,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     def objective(p, mb):
         if gather:  # all-gather each layer's kernels right before their matmul
             p = gather_on_use(p, mesh, rules, logical_axes)
-        s, c = loss_fn(p, mb)
+        s, c = loss_pair(loss_fn(p, mb))
         return s, (s, c)
 
     def step_fn(state: ParallelState, batch):

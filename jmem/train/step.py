@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jmem.checks import loss_pair
 from jmem.lora import combine, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite
@@ -168,7 +169,7 @@ def make_train_fns(
     def loss_terms(params, mb, dropout_key=None):
         """(objective sum, cross-entropy sum, router stats x count or {})."""
         if loss_fn is not None:
-            s, _ = loss_fn(params, mb)
+            s, _ = loss_pair(loss_fn(params, mb))
             return s, s, {}
         if gather:  # ZeRO-3: all-gather each layer's kernels right before their matmul
             params = par.gather_on_use(params, mesh, rules)

@@ -33,6 +33,10 @@ def test_matches_full_batch_on_a_regression():
         for x, y in zip(jax.tree.leaves(gk), jax.tree.leaves(g1)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
             assert x.dtype == y.dtype
+    # An aux that holds Python numbers (as `jax.value_and_grad` allows) is summed like the arrays.
+    (_, aux), _ = accumulate_value_and_grad(lambda p, b: (f(p, b)[0], {"rows": b["x"].shape[0], "one": 1.0}),
+                                            params, batch, 4, has_aux=True)
+    assert int(aux["rows"]) == 24 and float(aux["one"]) == 4.0
 
 
 def test_lm_gradient_with_masked_tokens_equals_full_batch():

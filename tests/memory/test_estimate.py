@@ -121,6 +121,8 @@ def test_remat_and_accumulation_order_and_bad_input():
         estimate(CFG, 8, 128, optimizer="adam9")
     with pytest.raises(ValueError, match="remat"):
         estimate(CFG, 8, 128, remat="everything")
+    with pytest.raises(ValueError, match="estimate: config='tiny'; accepted: a jmem.models.LlamaConfig"):
+        estimate("tiny", 8, 128)
 
 
 def test_auto_attention_estimate_follows_the_compile_target():

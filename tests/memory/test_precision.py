@@ -157,6 +157,11 @@ def test_master_weights_match_f32_training():
         direct = optax.apply_updates(direct, -1e-4 * g.astype(jnp.bfloat16))
     start = w32["w"].astype(jnp.bfloat16)
     assert int((direct != start).sum()) < int((p16["w"] != start).sum())
+    # Gradients from `jax.grad(..., allow_int=True)` hold float0 for the integer leaf: a zero update too.
+    g = jax.grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) ** 2), allow_int=True)(p16)
+    assert g["n"].dtype == jax.dtypes.float0
+    u, _ = with_master_weights(optax.adamw(1e-3)).update(g, with_master_weights(optax.adamw(1e-3)).init(p16), p16)
+    assert int(u["n"]) == 0 and u["w"].dtype == jnp.float32 and float(jnp.abs(u["w"]).max()) > 0
 
 
 def test_fp16_step_with_loss_scaling_end_to_end():

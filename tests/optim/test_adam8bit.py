@@ -137,6 +137,8 @@ def test_make_optimizer_names_and_errors():
         make_optimizer("adam9bit", 1e-3)
     with pytest.raises(ValueError, match="does not accept momentumm"):
         make_optimizer("adafactor", 1e-3, momentumm=0.9)
+    with pytest.raises(ValueError, match="optimizer 'adamw' does not accept learning_rate; accepted: b1"):
+        make_optimizer("adamw", 1e-3, learning_rate=1e-2)  # the rate is the second argument
     # optax's constructors check nothing: the factory does (sgd momentum 2 diverged, adamw eps -1 climbed).
     for name, kw, message in [("adamw", {"b2": 2.0}, "adamw b2=2.0; accepted: a value in [0, 1)"),
                               ("adamw", {"b1": -1.0}, "adamw b1=-1.0; accepted: a value in [0, 1)"),

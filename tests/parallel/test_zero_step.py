@@ -179,6 +179,23 @@ def test_bad_batch_and_stage(tiny):
         trainer.step(None, small)
 
 
+def test_user_loss_and_batch_contract_errors():
+    """A plain-dict model: a scalar batch leaf and a loss that returns a mean (or a 3-tuple) each get one
+    error naming what is wrong (were IndexError and 'iteration over a 0-d array')."""
+    def loss(p, b):
+        return jnp.sum((b["x"] @ p["w"]) ** 2), jnp.float32(b["x"].shape[0])
+
+    params, mesh = {"w": jnp.ones((8, 8))}, par.make_mesh("data=8")
+    trainer = par.make_sharded_train_step(loss, optax.sgd(0.1), params, mesh)
+    with pytest.raises(par.ShardingError, match=r"batch\['t'\] is a scalar; accepted: every batch leaf an array "
+                                                 "with a leading batch dimension"):
+        trainer.step(trainer.init(params), {"x": jnp.ones((8, 8)), "t": jnp.float32(1.0)})
+    for bad, got in ((lambda p, b: loss(p, b)[0], r"one array of shape \(\)"), (lambda p, b: (*loss(p, b), 0), "a 3-tuple")):
+        trainer = par.make_sharded_train_step(bad, optax.sgd(0.1), params, mesh)
+        with pytest.raises(ValueError, match=rf"loss_fn returned ({got}).*accepted: a pair \(loss summed over"):
+            trainer.step(trainer.init(params), {"x": jnp.ones((8, 8))})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,zero,accum,rules", [
     ("data=8", 0, 1, None), ("data=8", 1, 1, None), ("data=4,fsdp=2", 2, 2, None), ("fsdp=8", 3, 1, None),
