@@ -18,9 +18,8 @@ import collections
 from typing import Iterable
 
 import jax
-from flax import nnx
-
 from jmem.lora import LINEAR_TARGETS
+from jmem.serve.lora import MultiLoRA
 
 
 class AdapterSlots:
@@ -80,25 +79,21 @@ class AdapterSlots:
         return loads
 
 
-def state_with_adapters(graphdef, state, loads: list[tuple[int, dict]]):
+def state_with_adapters(state, loads: list[tuple[int, dict]]):
     """`state` with adapters written into slots: `loads` holds (slot, {target: (a, b)}) pairs, the host
-    arrays of `AdapterInfo.arrays`. A new state; `state` itself is unchanged."""
-    model = nnx.merge(graphdef, state)
-    for target in LINEAR_TARGETS:
-        if not hasattr(model.layers, target):
-            continue
-        kernel = getattr(model.layers, target).kernel
-        leaf = kernel.get_value()
-        if not hasattr(leaf, "with_slots"):
-            continue
+    arrays of `AdapterInfo.arrays`. A new state; `state` itself and its variables are unchanged."""
+    def write(path, leaf):
+        if not isinstance(leaf, MultiLoRA):
+            return leaf
+        target = next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEAR_TARGETS)
         a_all, b_all = leaf.lora_a, leaf.lora_b
         for slot, arrays in loads:
             a, b = arrays[target]
             a_all, b_all = _write_slot(a_all, b_all, slot, a, b)
-        a_all = jax.device_put(a_all, leaf.lora_a.sharding)
-        b_all = jax.device_put(b_all, leaf.lora_b.sharding)
-        kernel.set_value(type(leaf)(leaf.base, a_all, b_all, leaf.slots, leaf.impl))
-    return nnx.split(model)[1]
+        return MultiLoRA(leaf.base, jax.device_put(a_all, leaf.lora_a.sharding),
+                         jax.device_put(b_all, leaf.lora_b.sharding), leaf.slots, leaf.impl)
+
+    return jax.tree_util.tree_map_with_path(write, state, is_leaf=lambda x: isinstance(x, MultiLoRA))
 
 
 @jax.jit

@@ -373,8 +373,7 @@ class ModelRunner:
         with self._adapter_lock:
             loads = self.adapter_slots.assign(names)
             if loads:
-                self.state = state_with_adapters(self.graphdef, self.state,
-                                                 [(slot, self.adapters[n].arrays) for n, slot in loads])
+                self.state = state_with_adapters(self.state, [(slot, self.adapters[n].arrays) for n, slot in loads])
 
     def prompt_logprobs(self, ids: list[int], k: int, adapter_id: str | None = None) -> list:
         """Log-probability of each prompt token given the ones before it, with the `k` most likely
@@ -389,7 +388,7 @@ class ModelRunner:
             state = self.state
             slot = BASE_SLOT if adapter_id is None else self.adapter_slots.slot_of(adapter_id)
         if slot is None:  # waiting in host memory: written into slot 0 of a private copy of the stacked leaves
-            state, slot = state_with_adapters(self.graphdef, state, [(0, self.adapters[adapter_id].arrays)]), 0
+            state, slot = state_with_adapters(state, [(0, self.adapters[adapter_id].arrays)]), 0
         T = len(ids)
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids

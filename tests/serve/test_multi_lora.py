@@ -276,12 +276,13 @@ def test_more_adapters_than_slots_swap_through_host_memory(model, adapters, expe
     # Echo scoring of an adapter that waits in host memory: the merged model's log-probabilities, and the
     # slots stay as they were.
     waiting = next(n for n in three if engine.runner.adapter_slots.slot_of(n) is None)
-    resident = engine.runner.adapter_slots.resident
+    resident, leaves = engine.runner.adapter_slots.resident, [np.asarray(x) for x in jax.tree.leaves(engine.runner.state)]
     got = [lp for lp, _, _ in engine.prompt_logprobs(PROMPTS[4], 0, adapter=waiting)[1:]]
     logits = merge(load_adapters(model, three[waiting]))(jnp.asarray([PROMPTS[4]]))[0][0]
     lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(got, [lsm[t, PROMPTS[4][t + 1]] for t in range(len(PROMPTS[4]) - 1)], atol=1e-4)
-    assert engine.runner.adapter_slots.resident == resident
+    assert engine.runner.adapter_slots.resident == resident  # and the served weights are untouched:
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, map(np.asarray, jax.tree.leaves(engine.runner.state))))
 
 
 # ---------------------------------------------------------------------------- the real model
