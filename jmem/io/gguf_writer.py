@@ -32,11 +32,13 @@ from jmem.quant.ggml_quantize import check_f16_range, quantize
 from jmem.quant.ggml_weight import GGMLWeight
 from jmem.quant.qtensor import check_finite
 
-# Per-type `general.file_type` (llama.cpp's LlamaFileType) when one type dominates the matrices.
+# `general.file_type` (llama.cpp's LlamaFileType) of the requested type, else of the most common matrix type.
+# Q3_K..Q5_K have no plain file type: the _S presets keep (nearly) every matrix in the one type, as written
+# here, while the _M presets move attn_v and ffn_down to wider types in some layers.
 _FILE_TYPES = {
     "F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_0": "MOSTLY_Q4_0",
     "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1", "Q8_0": "MOSTLY_Q8_0",
-    "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+    "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S",
     "Q6_K": "MOSTLY_Q6_K", "IQ4_NL": "MOSTLY_IQ4_NL",
 }
 _FLOAT_BY_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
@@ -297,7 +299,8 @@ def _write_rope_scaling(w, config: LlamaConfig) -> np.ndarray | None:
 
 
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenizer_metadata: Mapping[str, Any],
-               qtype_by_tensor: QTypeSpec = None, general_metadata: Mapping[str, Any] | None = None) -> dict[str, str]:
+               qtype_by_tensor: QTypeSpec = None, general_metadata: Mapping[str, Any] | None = None,
+               file_type: str | None = None) -> dict[str, str]:
     """Write a llama-architecture GGUF file.
 
     Args:
@@ -318,6 +321,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             keys (name, license, organization, ...) are written as llama.cpp's quantize keeps them,
             except those that describe the written file (`general.architecture`, `file_type`,
             `quantization_version`, `alignment`). `general.name` is "jmem-llama" when not given.
+        file_type: the requested GGML type, which `general.file_type` names (as llama.cpp's quantize
+            labels a file by the type asked for, also where some matrices fall back to another);
+            default: `qtype_by_tensor` when it is one type name, else the most common matrix type.
 
     Returns:
         The GGML type name written for each tensor, by tensor name.
@@ -378,6 +384,10 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             raise ValueError(f"{tname}: row length {shape[1]} is not a multiple of the {target} block size "
                              f"{fmt.block_size}; choose another type for this tensor")
         plan.append((tname, t, target))
+    counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
+    if file_type is None and isinstance(qtype_by_tensor, str):
+        file_type = qtype_by_tensor
+    label = counts.most_common(1)[0][0] if file_type is None else ggml.resolve_qtype(file_type).name
 
     with undo_on_failure(path, "path"):  # a directory or unwritable path is refused before any encoding
         w = gguf.GGUFWriter(os.fspath(path), "llama")
@@ -397,8 +407,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         freq_factors = _write_rope_scaling(w, config)
         w.add_layer_norm_rms_eps(float(config.norm_eps))
         w.add_vocab_size(config.vocab_size)
-        counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
-        w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[counts.most_common(1)[0][0]]]))
+        w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[label]]))
         if any(t not in ("F32", "F16", "BF16") for t in counts):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, (value, vtype, sub) in typed.items():

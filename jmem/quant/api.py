@@ -33,7 +33,7 @@ from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
 from jmem.quant.nf4 import NF4_BLOCK, NF4Tensor
-from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_finite, check_group_size, check_int_bits
+from jmem.quant.qtensor import PACK_ROWS, IntTensor, check_finite, check_group_size, check_int_bits, group_choices
 
 METHOD_BITS = {"rtn": (2, 3, 4, 8), "int8": (8,), "nf4": (4,), "fp8": (8,), "gptq": (2, 3, 4, 8), "awq": (2, 3, 4, 8)}
 CALIBRATED = ("gptq", "awq")
@@ -87,14 +87,13 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
     try:
         return check_group_size(n_in, group_size, bits)
     except ValueError:
-        if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or group_size % PACK_ROWS:
+        if not is_int(group_size) or group_size <= 0 or group_size % PACK_ROWS or (bits != 8 and n_in % PACK_ROWS):
             raise
     for g in range((group_size - 1) // SUBSTITUTE_MULTIPLE * SUBSTITUTE_MULTIPLE, 0, -SUBSTITUTE_MULTIPLE):
         if n_in % g == 0:
             return g
     raise ValueError(f"group_size={group_size} does not divide the input dimension {n_in}, nor does any multiple "
-                     f"of {SUBSTITUTE_MULTIPLE} below it; accepted: a divisor of {n_in} that is a multiple of "
-                     f"{PACK_ROWS}, or None (per channel)")
+                     f"of {SUBSTITUTE_MULTIPLE} below it; accepted: {group_choices(n_in, bits, group_size)}")
 
 
 def _group_plan(weights: dict, group_size, bits: int):
@@ -262,8 +261,8 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         multiple of 32 below it that does (one logged line per input
         dimension; `group_sizes(result)` lists what each matrix got); an
         error only when there is none.
-      calibration: gptq/awq only: text(s) (with `tokenizer`) or token ids
-        (int [B, T] or a list of 1-D arrays).
+      calibration: gptq/awq only (refused for the other methods): text(s)
+        (with `tokenizer`) or token ids (int [B, T] or a list of 1-D arrays).
       tokenizer: anything with `.encode(text)` returning ids or an object with `.ids`.
       symmetric: scale only (default) or scale + zero point per group.
       act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
@@ -282,6 +281,9 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         >>> logits, _ = qmodel(ids_BT)
     """
     spec = _check(model, method, bits, group_size, symmetric, act_order)
+    if method not in CALIBRATED and calibration is not None:
+        raise ValueError(f"calibration= does not apply to method {method!r} (it does not calibrate); accepted: "
+                         f"calibration only with method {' / '.join(CALIBRATED)}, else None")
     for line in spec.substitutions:
         (log or logger.warning)(f"{method}: {line}")
     ids = None

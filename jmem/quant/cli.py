@@ -92,7 +92,6 @@ def quantization_spec(args: QuantizeArgs, method: str, used: dict[str, int | Non
     `used`: the group size each linear got (`jmem.quant.api.group_sizes`). A substituted group size is
     recorded as used: one number when every linear got the same, else a mapping from linear to size.
     """
-    from jmem.quant.api import DEFAULT_BITS
     from jmem.quant.nf4 import NF4_BLOCK
 
     if method in GGUF_METHODS:
@@ -101,7 +100,7 @@ def quantization_spec(args: QuantizeArgs, method: str, used: dict[str, int | Non
     if used and method in ("rtn", "gptq", "awq") and group_size not in (None, -1):
         sizes = set(used.values())
         group_size = sizes.pop() if len(sizes) == 1 else dict(used)
-    bits = args.bits if args.bits is not None else DEFAULT_BITS.get(method, 4)
+    bits = _bits(args, method)
     symmetric = args.symmetric if method in ("rtn", "int8", "gptq", "awq") else None
     return {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
             "act_order": args.act_order if method == "gptq" else False}
@@ -123,16 +122,77 @@ def check_flags_apply(args: QuantizeArgs, method: str, kind: str) -> None:
                          f"with a .gguf --out and --method {' / '.join(FLOAT_METHODS)}")
 
 
+def _bits(args: QuantizeArgs, method: str) -> int:
+    from jmem.quant.api import DEFAULT_BITS
+
+    return args.bits if args.bits is not None else DEFAULT_BITS.get(method, 4)
+
+
+def _group_rule(bits: int) -> str:
+    from jmem.quant.qtensor import PACK_ROWS
+
+    if bits == 8:
+        return "8-bit codes take any group size"
+    return f"{bits}-bit codes are packed {PACK_ROWS} rows at a time, so groups are multiples of {PACK_ROWS}"
+
+
 def _check_numbers(args: QuantizeArgs, method: str) -> None:
     """The numeric flags the method reads, before the model loads."""
+    from jmem.quant.qtensor import PACK_ROWS
+
     if method in GGUF_METHODS:
         return
-    if method in ("rtn", "gptq", "awq") and args.group_size is not None and args.group_size != -1 \
-            and args.group_size <= 0:
-        raise ValueError(f"--group-size {args.group_size}; accepted: a positive number of input rows per scale "
-                         "(a multiple of 8), or -1 for per channel")
+    g, bits = args.group_size, _bits(args, method)
+    if method in ("rtn", "gptq", "awq") and g is not None and g != -1:
+        if g <= 0:
+            raise ValueError(f"--group-size {g}; accepted: a positive number of input rows per scale "
+                             f"(a multiple of {PACK_ROWS} below 8 bits), or -1 for per channel")
+        if bits != 8 and g % PACK_ROWS:
+            raise ValueError(f"--group-size {g} is not a multiple of {PACK_ROWS} ({_group_rule(bits)}); accepted: "
+                             f"a multiple of {PACK_ROWS} (e.g. 32, 64, 128), --group-size -1 for per channel, or "
+                             "--bits 8 (any size)")
     if method in ("gptq", "awq") and args.calibration_windows < 1:
         raise ValueError(f"--calibration-windows {args.calibration_windows}; accepted: a positive integer")
+
+
+def check_group_fits(weights: dict, group_size: int | None, bits: int) -> None:
+    """Refuse a --group-size that `jmem.quant.quantize` cannot use for some linear (its rule, said in flags)."""
+    from jmem.calibrate import LINEARS
+    from jmem.quant.api import SUBSTITUTE_MULTIPLE, resolve_group_size
+    from jmem.quant.qtensor import PACK_ROWS, group_size_choices
+
+    shown = "-1 (per channel)" if group_size in (None, -1) else str(group_size)
+    for name in LINEARS:
+        n_in = int(weights[name].shape[-2])
+        try:
+            resolve_group_size(n_in, group_size, bits)
+        except ValueError:
+            if bits != 8 and n_in % PACK_ROWS:
+                raise ValueError(f"--group-size {shown}: {name}'s input dimension {n_in} is not a multiple of "
+                                 f"{PACK_ROWS}, so no group fits {bits}-bit codes ({_group_rule(bits)}); "
+                                 "accepted: --bits 8") from None
+            examples = ", ".join(map(str, group_size_choices(n_in, bits, group_size)))
+            raise ValueError(f"--group-size {shown} does not fit {name}: it does not divide the input dimension "
+                             f"{n_in}, nor does any multiple of {SUBSTITUTE_MULTIPLE} below it; accepted: a size "
+                             f"that divides {n_in} or has a multiple of {SUBSTITUTE_MULTIPLE} below it that does "
+                             f"(e.g. {examples}), or --group-size -1 for per channel") from None
+
+
+def _check_gguf_writable(out: str) -> None:
+    """Create and remove the .gguf --out once (its directory already exists), so a path the file system
+    refuses (a read-only mount, /proc) fails before the model loads, not after it is quantized."""
+    import pathlib
+
+    path = pathlib.Path(out).expanduser()
+    existed = path.exists()
+    try:
+        with open(path, "ab" if existed else "xb"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot create file {str(path)!r} ({e.strerror or e}); "
+                         "accepted: a writable path") from None
+    if not existed:
+        path.unlink()
 
 
 def _leaf_kinds(model) -> dict[str, str]:
@@ -173,6 +233,8 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     else:
         check_new_dir(args.out)
     with undo_on_failure(args.out, "--out", directory=kind == "dir"):  # a directory --out is created empty now
+        if kind == "gguf":
+            _check_gguf_writable(args.out)
         return _quantize_and_write(args, method, kind, docs)
 
 
@@ -187,7 +249,9 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.quant.saved import save_quantized
 
     lm = jmem.load(args.model)
-    check_float_model(lm.model)
+    weights = check_float_model(lm.model)
+    if method in ("rtn", "gptq", "awq"):
+        check_group_fits(weights, args.group_size, _bits(args, method))
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
 
     def write(params, qtype: str) -> dict[str, str]:
@@ -199,7 +263,8 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             return fitting_qtype(qtype, shape_OI[1]).name
 
         types = write_gguf(args.out, lm.config, params, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of,
-                           general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None)
+                           general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None,
+                           file_type=qtype)
         for line in fallback_lines(qtype, {n: (r, types[n]) for n, r in rows.items()}):
             print(line)
         return types

@@ -15,21 +15,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from jmem.quant.ggml import FORMATS, IQ4_NL_VALUES, QK_K, resolve_qtype
-from jmem.quant.qtensor import check_finite
-
-
-
-F16_MAX = 65504.0
+from jmem.quant.qtensor import F16_MAX, check_finite, f16_overflow
 
 
 def check_f16_range(x: np.ndarray, name: str, qtype: str) -> None:
     """Refuse finite values beyond f16's range for F16 and the block types (whose scales are f16):
     they would be written as inf/NaN. One ValueError naming `name`, the count and the largest."""
-    with np.errstate(invalid="ignore"):
-        over = np.abs(x) > F16_MAX
-    n = int(np.count_nonzero(over & np.isfinite(x)))
+    n, big = f16_overflow(x)
     if n:
-        big = float(np.abs(x[over & np.isfinite(x)]).max())
         raise ValueError(f"{name} hold {n} value(s) beyond the f16 range (largest |value| {big:.6g}), which {qtype} "
                          f"cannot store (its values or block scales are f16); accepted: |value| <= {F16_MAX:g}, "
                          "or F32/BF16")

@@ -23,7 +23,7 @@ import jax.scipy.linalg  # noqa: F401  (cho_solve)
 import numpy as np
 
 from jmem.checks import is_int
-from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, group_params
+from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, check_scale_range, group_params
 
 BLOCK = 128
 DAMP = 0.01
@@ -87,6 +87,7 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
     if not is_int(block) or block < 1:
         raise ValueError(f"block={block!r}; accepted: a positive integer (columns per lazy update)")
     check_finite(w, "the weight w")
+    check_scale_range(w, bits, group_size, symmetric, "the weight w")
     check_finite(h, "the Hessian h", accepted="a finite Hessian (hessian(x) of finite calibration inputs)")
     if not np.any(np.diag(np.asarray(h))):
         raise ValueError("the Hessian h is all zero on its diagonal (the calibration inputs are all zero: no "

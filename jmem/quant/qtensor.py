@@ -36,6 +36,9 @@ from jmem.models.dot import check_row_split
 PACK_ROWS = 8
 SUPPORTED_INT_BITS = (2, 3, 4, 8)
 PACK_BITS = (1, 2, 3, 4, 8)
+# Scales (and GGUF's F16 values and block scales) are f16: finite values up to this, subnormals down to the next.
+F16_MAX = float(np.finfo(np.float16).max)
+F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
 
 
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -224,6 +227,7 @@ class IntTensor(QTensor):
         check_finite(w, "the weight w")
         w = jnp.asarray(w)
         group_size = check_group_size(w.shape[-2], group_size, bits)
+        check_scale_range(w, bits, group_size, symmetric, "the weight w")
         if clip is not None:
             clip = _checked_clip(clip, (*w.shape[:-2], w.shape[-2] // group_size, w.shape[-1]))
         packed, scale, zero = _rtn_arrays(w, clip, bits, group_size, symmetric)
@@ -314,14 +318,22 @@ def check_weight_shape(w, what: str = "quantize") -> None:
                          "2 axes [..., in, out] and no empty axis")
 
 
-def _group_choices(n_in: int, unit: int, near) -> str:
-    """A few group sizes that work for `n_in`: divisors of it that are multiples of `unit`, nearest `near` first."""
+def group_size_choices(n_in: int, bits: int, near=None) -> list[int]:
+    """Up to four group sizes that work for `n_in` at `bits` (divisors of it that are whole pack words),
+    nearest `near` first, in ascending order; empty when `n_in` is not whole pack words."""
+    unit = 1 if bits == 8 else PACK_ROWS
     divisors = [g for g in range(unit, n_in + 1, unit) if n_in % g == 0]
-    if isinstance(near, (int, np.integer)) and near > 0:
+    if is_int(near) and near > 0:
         divisors.sort(key=lambda g: (abs(g - near), g))
     else:
         divisors.sort(reverse=True)
-    shown = ", ".join(map(str, sorted(divisors[:4])))
+    return sorted(divisors[:4])
+
+
+def group_choices(n_in: int, bits: int, near=None) -> str:
+    """The accepted-values text of a group size error: a few that work for `n_in`, or per channel."""
+    unit = 1 if bits == 8 else PACK_ROWS
+    shown = ", ".join(map(str, group_size_choices(n_in, bits, near)))
     return f"a divisor of {n_in} that is a multiple of {unit} (e.g. {shown}), or None (per channel)"
 
 
@@ -330,7 +342,8 @@ def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
 
     Codes narrower than 8 bits are packed 8 input rows at a time, so their
     groups (and per channel, `n_in` itself) must be multiples of 8; 8-bit
-    codes are stored unpacked and take any divisor of `n_in`.
+    codes are stored unpacked and take any divisor of `n_in`. When `n_in` is
+    not a multiple of 8 no group fits narrower codes, and bits=8 is the advice.
     """
     check_int_bits(bits)
     unit = 1 if bits == 8 else PACK_ROWS
@@ -341,31 +354,38 @@ def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
                              f"this matrix, or an input dimension that is a multiple of {unit}")
         return int(n_in)
     ok_type = is_int(group_size)
+    if n_in % unit:
+        raise ValueError(f"group_size={group_size!r} cannot serve the input dimension {n_in}, nor can any group "
+                         f"size: {bits}-bit codes are packed {unit} rows at a time and {n_in} is not a multiple of "
+                         f"{unit}; accepted: bits=8 for this matrix")
     if not ok_type or group_size <= 0 or n_in % group_size:
-        if n_in % unit:
-            raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}, and no group "
-                             f"size can: {bits}-bit codes are packed {unit} rows at a time and {n_in} is not a "
-                             f"multiple of {unit}; accepted: bits=8 for this matrix")
         raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}; accepted: "
-                         + _group_choices(n_in, unit, group_size if ok_type else None))
+                         + group_choices(n_in, bits, group_size if ok_type else None))
     if group_size % unit:
         raise ValueError(f"group_size={group_size} must be a multiple of {unit} ({bits}-bit codes are packed "
-                         f"{unit} rows at a time); accepted: " + _group_choices(n_in, unit, group_size))
+                         f"{unit} rows at a time); accepted: " + group_choices(n_in, bits, group_size))
     return int(group_size)
 
 
 def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
-    """Per-group scale (rounded to f16) and zero point, each f32[..., in/group_size, out].
+    """Per-group scale (rounded up to f16) and zero point, each f32[..., in/group_size, out].
 
     The zero point is None when symmetric (codes then lie in [1, 2**bits - 1]
-    around the fixed zero 2**(bits-1)).
+    around the fixed zero 2**(bits-1)). Scales are f16 and reach down into its
+    subnormals, so small groups keep a grid of their own size (with fewer
+    significant scale bits below f16's smallest normal, 6.1e-5); a group that
+    needs less than the smallest subnormal, 6e-8, gets 6e-8, and each of its
+    values is then off by at most half that step. `check_scale_range` (run by
+    `IntTensor.quantize` and `gptq_quantize`) refuses what f16 scales cannot
+    serve: a group that needs a scale above 65504 (inf, decoding to NaN), and a
+    non-zero weight whose every value is below 3e-8 (it would decode to all zeros).
     """
     *lead, n_in, n_out = w.shape
     wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
     hi, lo = wg.max(axis=-2), wg.min(axis=-2)
     if clip is not None:
         hi, lo = hi * clip, lo * clip
-    tiny = float(np.finfo(np.float16).smallest_subnormal)  # subnormal scales keep tiny groups' grids fine
+    tiny = F16_TINY
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         scale = _f16_up(jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny))
@@ -375,6 +395,53 @@ def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
         scale = _f16_up(jnp.maximum((hi - lo) / (2 ** bits - 1), tiny))
         zero = jnp.clip(jnp.round(-lo / scale), 0, 2 ** bits - 1)
     return scale, zero
+
+
+def f16_overflow(x) -> tuple[int, float]:
+    """(how many, largest |value|) of the finite values of `x` beyond f16's range: the one rule for
+    everything stored as f16 (int-group scales, GGUF F16 tensors and block scales)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore"):
+        over = (np.abs(x) > F16_MAX) & np.isfinite(x)
+    n = int(np.count_nonzero(over))
+    return n, float(np.abs(x[over]).max()) if n else 0.0
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _needed_scales(w, bits: int, group_size: int, symmetric: bool):
+    """The f32 scale each group needs before f16 rounding, and the weight's min, max and largest |value|."""
+    *lead, n_in, n_out = w.shape
+    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
+    hi, lo = wg.max(axis=-2), wg.min(axis=-2)
+    if symmetric:
+        need = jnp.maximum(hi, -lo) / (2 ** (bits - 1) - 1)
+    else:
+        need = (jnp.maximum(hi, 0.0) - jnp.minimum(lo, 0.0)) / (2 ** bits - 1)
+    return need, lo.min(), hi.max(), jnp.maximum(hi, -lo).max()
+
+
+def check_scale_range(w, bits: int, group_size: int, symmetric: bool, name: str) -> None:
+    """Refuse a concrete weight its f16 group scales cannot serve (see `group_params`): a group whose
+    range needs a scale above f16's largest value, or a non-zero weight too small for any code but the
+    zero point. One ValueError naming the weight's range and the limit; skipped for a Tracer."""
+    if not is_concrete(w):
+        return
+    need, lo, hi, amax = _needed_scales(w, bits, group_size, symmetric)
+    lo, hi, amax = float(lo), float(hi), float(amax)
+    kind = "symmetric" if symmetric else "zero-point"
+    steps = 2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1
+    n, _ = f16_overflow(need)
+    if n:
+        span = "|value|" if symmetric else "max(value, 0) - min(value, 0)"
+        raise ValueError(f"{name} ranges over {lo:.6g}..{hi:.6g}: {n} group(s) of {group_size} rows need an f16 "
+                         f"scale above {F16_MAX:g} and would decode to NaN; accepted: {bits}-bit {kind} groups "
+                         f"with {span} <= {F16_MAX * steps:g} ({F16_MAX:g} x {steps} steps), e.g. the weight "
+                         "rescaled or kept in float")
+    if 0 < amax < F16_TINY / 2:
+        raise ValueError(f"{name} ranges over {lo:.3g}..{hi:.3g}: below half the smallest f16 scale "
+                         f"({F16_TINY:.3g}) every value rounds to the zero point and it would decode to all zeros; "
+                         f"accepted: a weight with some |value| >= {F16_TINY / 2:.3g}, e.g. rescaled, or kept "
+                         "in float")
 
 
 def _f16_up(scale):

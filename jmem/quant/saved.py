@@ -19,6 +19,16 @@ of its children, and the tokenizer (`{"kind": "byte"}` or the GGUF
 to load it. Leaves are rebuilt with their own `tree_unflatten`, so loading
 never dequantizes: `jmem.load(DIR)` runs on the packed weights.
 
+Float leaves that stay unquantized (the embedding, an untied output head,
+the stacked norm scales) are stored no wider than needed, and still exactly:
+a float matrix is kept in the smallest of the GGML types Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0 (blocks along its last axis) and f16, bf16 that gives back every
+value bit for bit, and as it is when none does. A model read from a GGUF file whose embedding was Q8_0
+(SmolLM2's) so stores it in 8.5 bits a value, not the 32 of the float32 it
+was decoded to, and `jmem.load(DIR)` decodes it to the same float32 values.
+The manifest names such an array's stored form (`"stored_as"`); the format
+version is 2 when one is present, else 1 (which older readers also read).
+
 Example:
     >>> qmodel = jmem.quant.quantize(lm.model, "rtn", bits=4, group_size=64)
     >>> save_quantized("/tmp/q4", qmodel, tokenizer=lm.tokenizer, quantization={"method": "rtn", "bits": 4})
@@ -42,8 +52,12 @@ from flax import nnx
 from jmem.models.config import LlamaConfig
 
 FORMAT = "jmem-quantized-model"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: arrays may be stored narrower ("stored_as"); a directory without such arrays is 1
+SUPPORTED_VERSIONS = (1, 2)
+# Narrower exact forms tried for float matrices, smallest first (GGML blocks of 32 along the last axis).
+NARROW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+NARROW_FLOATS = ("float16", "bfloat16")
+_PROBE_ROWS = 64  # a form is tried on the whole matrix only once it reproduces these rows
 MANIFEST = "jmem_model.json"
 ARRAYS = "arrays"
 QUANT_FIELDS = ("method", "bits", "group_size", "symmetric", "act_order")
@@ -109,18 +123,74 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
-def _encode(value, key: str, arrays: dict) -> dict:
-    """A JSON node for one state value; its arrays go into `arrays` under keys derived from `key`."""
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def _decode_narrow(stored: np.ndarray, form: str, shape, dtype) -> np.ndarray:
+    """The float array a narrow form holds (numpy, so the check at save and the load decode alike)."""
+    import gguf
+    from gguf import quants
+
+    if form in NARROW_FLOATS:
+        return np.asarray(stored).astype(dtype)
+    out = quants.dequantize(np.asarray(stored), gguf.GGMLQuantizationType[form])
+    return out.reshape(shape).astype(dtype)
+
+
+def _narrow_form(a: np.ndarray, form: str) -> np.ndarray | None:
+    """`a` in `form` when that gives back every value of `a` bit for bit, else None."""
+    from jmem.quant.ggml_quantize import quantize
+
+    if form in NARROW_FLOATS:
+        stored = a.astype(jnp.dtype(form))
+    else:
+        if a.shape[-1] % 32:
+            return None
+        stored = quantize(a.astype(np.float32), form)
+    back = _decode_narrow(stored, form, a.shape, a.dtype)
+    return stored if np.array_equal(_bits(back), _bits(a)) else None
+
+
+def narrowest_exact(value) -> tuple[str, np.ndarray] | None:
+    """(form, stored array) of the smallest exact form of a float matrix narrower than its own dtype, or None
+    to keep it as it is (see the module docstring)."""
+    dtype = jnp.dtype(value.dtype)
+    if np.ndim(value) < 2 or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        return None
+    a = np.asarray(value)
+    if not np.all(np.isfinite(a)):
+        return None
+    forms = [f for f in NARROW_BLOCK_TYPES if dtype.itemsize * 8 > 8.5] + \
+            [f for f in NARROW_FLOATS if jnp.dtype(f).itemsize < dtype.itemsize]
+    probe = a.reshape(-1, a.shape[-1])[:_PROBE_ROWS]
+    for form in forms:
+        if _narrow_form(probe, form) is not None:
+            stored = _narrow_form(a, form)
+            if stored is not None:
+                return form, stored
+    return None
+
+
+def _encode(value, key: str, arrays: dict, narrow: bool = True) -> dict:
+    """A JSON node for one state value; its arrays go into `arrays` under keys derived from `key`. A float
+    leaf (`narrow`, not the child of a quantized leaf) is stored in its narrowest exact form."""
     if _is_array(value):
-        arrays[key] = value
-        return {"array": key}
+        form = narrowest_exact(value) if narrow else None
+        if form is None:
+            arrays[key] = value
+            return {"array": key}
+        arrays[key] = form[1]
+        return {"array": key, "stored_as": form[0], "shape": [int(s) for s in value.shape],
+                "dtype": jnp.dtype(value.dtype).name}
     types = _leaf_types()
     name = type(value).__name__
     if types.get(name) is not type(value):
         raise QuantizedDirError(f"{key}: a {name} leaf cannot be saved; accepted: arrays, {', '.join(types)}")
     children, aux = value.tree_flatten()
     node = {"type": name, "aux": _aux_to_json(aux, key),
-            "children": [None if c is None else _encode(c, f"{key}.{i}", arrays) for i, c in enumerate(children)]}
+            "children": [None if c is None else _encode(c, f"{key}.{i}", arrays, narrow=False)
+                         for i, c in enumerate(children)]}
     shape = getattr(value, "shape", None)
     if shape is not None:
         node["shape"] = [int(s) for s in shape]
@@ -131,6 +201,13 @@ def _encode(value, key: str, arrays: dict) -> dict:
 
 
 def _decode(node: dict, arrays: Mapping[str, Any]):
+    if "array" in node and "stored_as" in node:
+        form = node["stored_as"]
+        if form not in (*NARROW_BLOCK_TYPES, *NARROW_FLOATS):
+            raise QuantizedDirError(f"{MANIFEST}: array {node['array']!r} is stored as {form!r}; accepted: "
+                                    f"{', '.join((*NARROW_BLOCK_TYPES, *NARROW_FLOATS))}")
+        return jnp.asarray(_decode_narrow(arrays[node["array"]], form, tuple(node["shape"]),
+                                          jnp.dtype(node["dtype"])))
     if "array" in node:
         return arrays[node["array"]]
     types = _leaf_types()
@@ -233,7 +310,7 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
     n_bytes = int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in arrays.values()))
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if any("stored_as" in n for n in leaves.values()) else 1,
         "config": dataclasses.asdict(model.config),
         "quantization": quant,
         "leaves": leaves,
@@ -245,7 +322,7 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / ARRAYS, max_to_keep=1, this_process_only=True)
     try:
-        ckpt.save(0, arrays, {"format": FORMAT, "format_version": FORMAT_VERSION})
+        ckpt.save(0, arrays, {"format": FORMAT, "format_version": manifest["format_version"]})
     finally:
         ckpt.close()
     tmp = out / (MANIFEST + ".tmp")
@@ -396,7 +473,8 @@ def describe(path: str | os.PathLike) -> str:
     m = read_manifest(path)
     c = config_from_manifest(m)
     q = m.get("quantization") or {}
-    types = Counter(node.get("type") or m["arrays"][node["array"]]["dtype"] for node in m["leaves"].values())
+    types = Counter(node.get("type") or (f"{node['dtype']} (stored {node['stored_as']})" if "stored_as" in node
+                                         else m["arrays"][node["array"]]["dtype"]) for node in m["leaves"].values())
     n_params = c.num_params
     spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
     return "\n".join([

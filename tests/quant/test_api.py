@@ -150,6 +150,19 @@ def test_bad_inputs(model, data):
         quantize(model, "hqq")
 
 
+@pytest.mark.parametrize("method", ["rtn", "int8", "nf4", "fp8"])
+def test_calibration_is_refused_by_methods_that_do_not_calibrate(model, data, method):
+    """As `jmem quantize --calibration` with such a method: refused, not silently dropped; one rule for both."""
+    from jmem.quant.api import CALIBRATED
+    from jmem.quant.cli import METHOD_FLAGS
+
+    calib, _ = data
+    with pytest.raises(ValueError, match=rf"^calibration= does not apply to method '{method}' \(it does not "
+                                         r"calibrate\); accepted: calibration only with method gptq / awq, else None$"):
+        quantize(model, method, calibration=calib)
+    assert METHOD_FLAGS["--calibration"][1] == CALIBRATED
+
+
 def test_group_size_substitution():
     """A model whose width 96 the requested group 64 does not divide (MLP width 128 it does)."""
     cfg = LlamaConfig.tiny(dim=96, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)

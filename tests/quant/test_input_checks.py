@@ -9,6 +9,7 @@ from flax import nnx
 
 from jmem.models.llama import Llama, LlamaConfig
 from jmem.quant import fp8_quantize, int8_quantize, nf4_quantize, quantize, rtn_quantize
+from jmem.quant.api import resolve_group_size
 from jmem.quant.ggml import dequantize as ggml_dequantize
 from jmem.quant.ggml import fitting_qtype
 from jmem.quant.ggml_quantize import quantize as ggml_quantize
@@ -54,6 +55,18 @@ def test_group_size_suggestions_divide_the_dimension():
     with pytest.raises(ValueError, match=r"group_size=12 must be a multiple of 8 .*\(e.g. 8, 24, 72\)"):
         rtn_quantize(w, bits=4, group_size=12)
     assert rtn_quantize(w, bits=4, group_size=24).group_size == 24
+
+
+@pytest.mark.parametrize("group_size", [12, 32, 36])
+def test_no_packed_group_fits_advises_8_bits(group_size):
+    """In=36 is no multiple of 8: no 4-bit group (nor per channel) fits, and the advice is 8 bits, not a list."""
+    w = np.ones((36, 4), np.float32)
+    with pytest.raises(ValueError, match=r"nor can any group size: 4-bit codes are packed 8 rows at a time and 36 is "
+                                         r"not a multiple of 8; accepted: bits=8 for this matrix$"):
+        rtn_quantize(w, bits=4, group_size=group_size)
+    with pytest.raises(ValueError, match=r"accepted: bits=8 for this matrix$"):
+        resolve_group_size(36, group_size, 4)  # what the model-level quantize uses: no substitute either
+    assert rtn_quantize(w, bits=8, group_size=group_size if 36 % group_size == 0 else None).shape == (36, 4)
 
 
 def test_quantizing_a_quantized_model_is_refused(model):

@@ -1,5 +1,7 @@
 """Quantized weight leaves: packing, dot, bytes per weight, round-trip error."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +157,38 @@ def test_bad_inputs():
     assert float(jnp.max(jnp.abs(clipped.dequantize()))) < 0.6 * float(jnp.max(jnp.abs(w)))
     with pytest.raises(ValueError, match="multiple of 64"):
         NF4Tensor.quantize(_w(shape=(96, 8)))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scale_beyond_f16_is_refused_not_nan(symmetric):
+    """A group needing an f16 scale above 65504 would decode to NaN: one ValueError naming the range and the
+    limit, from RTN and GPTQ alike; a weight at the limit's scale still decodes finite."""
+    from jmem.quant import gptq_quantize
+
+    big = np.full((64, 4), 1e6, np.float32)
+    big[::2] *= -0.5
+    limit = "458528 (65504 x 7 steps)" if symmetric else "982560 (65504 x 15 steps)"
+    msg = rf"^the weight w ranges over -500000\.\.1e\+06: 8 group\(s\) of 32 rows need an f16 scale above 65504 .*" \
+          rf"{re.escape(limit)}"
+    with pytest.raises(ValueError, match=msg):
+        IntTensor.quantize(big, 4, 32, symmetric=symmetric)
+    with pytest.raises(ValueError, match=msg):
+        gptq_quantize(big, np.eye(64), 4, 32, symmetric=symmetric)
+    ok = np.asarray(IntTensor.quantize(big / 4, 4, 32, symmetric=symmetric).dequantize())
+    assert np.isfinite(ok).all()
+
+
+def test_weight_below_the_smallest_f16_scale_is_refused_not_zeroed():
+    """f16 scales stop at 6e-8: a non-zero weight whose every value is under half that would decode to all
+    zeros, and is refused; an all-zero weight, and tiny groups beside normal ones, quantize as before."""
+    w = np.asarray(_w(5, (64, 8)))
+    with pytest.raises(ValueError, match=r"would decode to all zeros; accepted: a weight with some "
+                                         r"\|value\| >= 2\.98e-08"):
+        IntTensor.quantize(w * 1e-9, 4, 32)
+    with pytest.raises(ValueError, match="would decode to all zeros"):
+        IntTensor.quantize(w * 1e-9, 8, None, symmetric=False)
+    assert not np.asarray(IntTensor.quantize(np.zeros((64, 8), np.float32), 4, 32).dequantize()).any()
+    mixed = w.copy()
+    mixed[:32] *= 1e-9
+    d = np.asarray(IntTensor.quantize(mixed, 4, 32).dequantize())
+    assert np.abs(d[:32] - mixed[:32]).max() <= 3e-8 and np.abs(d[32:]).max() > 0

@@ -1,5 +1,6 @@
 """`jmem quantize`, run as a user would, on the tiny model."""
 
+import os
 import subprocess
 import sys
 
@@ -47,6 +48,10 @@ def test_bad_input_one_line(tmp_path):
     (["--method", "awq", "--calibration-windows", "-3"], "--calibration-windows -3; accepted: a positive integer"),
     (["--method", "gptq", "--calibration", "/nonexist"], "--calibration '/nonexist': no such file"),
     (["--method", "rtn", "--group-size", "0"], "--group-size 0; accepted: a positive number"),
+    (["--method", "rtn", "--group-size", "7"],
+     "--group-size 7 is not a multiple of 8 (4-bit codes are packed 8 rows at a time, so groups are multiples of 8); "
+     "accepted: a multiple of 8 (e.g. 32, 64, 128), --group-size -1 for per channel, or --bits 8 (any size)"),
+    (["--method", "gptq", "--bits", "3", "--group-size", "20"], "--group-size 20 is not a multiple of 8 (3-bit codes"),
     # A flag the method does not read is refused, not ignored.
     (["--method", "q4_0", "--bits", "8"], "--bits=8 does not apply to --method q4_0 (a GGUF block type fixes its "
                                           "bits); accepted: --bits only with --method rtn / int8 / nf4 / fp8"),
@@ -154,7 +159,7 @@ def test_q4_k_on_smollm2_writes_a_file_that_loads(tmp_path, capsys):
 
 @pytest.mark.parametrize("args", [
     ["--model", "nosuch"],                                   # fails at load
-    ["--model", "tiny", "--method", "rtn", "--group-size", "7"],  # fails while quantizing
+    ["--model", "tiny", "--method", "rtn", "--group-size", "24"],  # fails after loading
 ])
 @pytest.mark.parametrize("out", ["q/model-dir", "q/model.gguf", "empty"])
 def test_failed_run_leaves_nothing_behind(args, out, tmp_path, capsys):
@@ -201,3 +206,50 @@ def test_default_group_size_is_the_librarys():
     from jmem.quant.cli import QuantizeArgs
 
     assert QuantizeArgs(out="x.gguf").group_size == inspect.signature(quantize).parameters["group_size"].default == 128
+
+
+def test_group_size_that_fits_no_matrix_is_said_in_flags(tmp_path, capsys):
+    """24 is a multiple of 8 but divides neither 64 nor has a multiple of 32 below it that does: the error names
+    the flag and its per-channel value (-1), not the library's `group_size=` / None."""
+    from jmem.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--model", "tiny", "--method", "rtn", "--group-size", "24", "--out", str(tmp_path / "q")])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in err, err
+    assert err == ("jmem quantize: error: --group-size 24 does not fit wq: it does not divide the input dimension 64, "
+                   "nor does any multiple of 32 below it; accepted: a size that divides 64 or has a multiple of 32 "
+                   "below it that does (e.g. 8, 16, 32, 64), or --group-size -1 for per channel"), err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (no file can be created there)")
+def test_unwritable_gguf_out_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from jmem.cli import main
+
+    monkeypatch.setattr(jmem, "load", refuse_load)
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--model", "tiny", "--method", "rtn", "--out", "/proc/x.gguf"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err == ("jmem quantize: error: --out '/proc/x.gguf': cannot create file "
+                                           "'/proc/x.gguf' (No such file or directory); accepted: a writable path"), err
+
+
+def test_file_type_names_the_requested_type(tmp_path, capsys):
+    """As llama.cpp: general.file_type is the type asked for, even where every matrix of tiny falls back (Q4_K ->
+    Q5_0); Q4_K's file type is the _S preset (one type throughout), not _M (which widens attn_v / ffn_down)."""
+    import gguf
+
+    from jmem.cli import main
+
+    def file_type(path):
+        return gguf.LlamaFileType(gguf.GGUFReader(path).fields["general.file_type"].contents())
+
+    out = tmp_path / "q4k.gguf"
+    main(["quantize", "--model", "tiny", "--method", "q4_k", "--out", str(out)])
+    assert file_type(out) == gguf.LlamaFileType.MOSTLY_Q4_K_S
+    out = tmp_path / "rtn-q3k.gguf"
+    main(["quantize", "--model", "tiny", "--method", "rtn", "--group-size", "32", "--store-type", "Q3_K",
+          "--out", str(out)])
+    assert file_type(out) == gguf.LlamaFileType.MOSTLY_Q3_K_S
+    capsys.readouterr()

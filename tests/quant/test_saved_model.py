@@ -103,7 +103,8 @@ def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case
     # The same quantization in memory.
     src_lm = jmem.load(src)
     kwargs = {k: v for k, v in spec.items() if k != "method"}
-    qmodel = quantize(src_lm.model, spec["method"], **kwargs, calibration=[calib.read_text()],
+    calibration = [calib.read_text()] if calibrated else None
+    qmodel = quantize(src_lm.model, spec["method"], **kwargs, calibration=calibration,
                       tokenizer=src_lm.tokenizer, max_seqs=2)
     in_memory = LM(qmodel, src_lm.tokenizer)
 
@@ -200,3 +201,34 @@ def test_smollm2_rtn4_dir_matches_in_memory(tmp_path):
     np.testing.assert_array_equal(np.asarray(lm.logits(ids)), np.asarray(in_memory.logits(ids)))
     assert lm.generate(["The capital of France is"], max_new_tokens=8) == \
         in_memory.generate(["The capital of France is"], max_new_tokens=8)
+
+
+def test_float_embedding_is_stored_no_wider_than_needed(tiny, tmp_path):
+    """An embedding read from a Q8_0 GGUF is stored as those Q8_0 blocks (8.5 bits a value, not the 32 of the
+    float32 it was decoded to) and loads back bit for bit, generating as before; a float embedding that no
+    narrower form reproduces stays float32."""
+    cfg, model, ids = tiny
+    src = tmp_path / "src.gguf"
+    write_gguf(str(src), cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+               qtype_by_tensor={"token_embd.weight": "Q8_0"})
+    src_lm = jmem.load(str(src))
+    qmodel = quantize(src_lm.model, "rtn", bits=4, group_size=32)
+    out = tmp_path / "q"
+    save_quantized(out, qmodel, tokenizer=src_lm.tokenizer)
+    manifest = json.loads((out / MANIFEST).read_text())
+    leaf = manifest["leaves"]["embed.embedding"]
+    assert leaf["stored_as"] == "Q8_0" and leaf["dtype"] == "float32" and manifest["format_version"] == 2
+    stored = manifest["arrays"][leaf["array"]]
+    assert stored["dtype"] == "uint8" and np.prod(stored["shape"]) == cfg.vocab_size * cfg.dim // 32 * 34
+    lm = jmem.load(str(out))
+    assert_same_state(qmodel, lm.model)
+    prompts = ["The quick", "Hello"]
+    assert lm.generate(prompts, max_new_tokens=6) == LM(qmodel, src_lm.tokenizer).generate(prompts, max_new_tokens=6)
+    assert "float32 (stored Q8_0) x1" in describe(out)
+
+    out = tmp_path / "f32"
+    save_quantized(out, quantize(model, "rtn", bits=4, group_size=32), tokenizer=ByteTokenizer())
+    manifest = json.loads((out / MANIFEST).read_text())
+    leaf = manifest["leaves"]["embed.embedding"]
+    assert "stored_as" not in leaf and manifest["arrays"][leaf["array"]]["dtype"] == "float32"
+    assert manifest["format_version"] == 1  # nothing narrowed: readable by readers of version 1
