@@ -27,7 +27,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from jmem.io.paths import prepare_output
+from jmem.io.paths import prepare_output, remove_unused_dirs
 from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
 
 
@@ -319,6 +319,7 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         main(parse_args(argv))
     except ValueError as e:
+        remove_unused_dirs()
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -52,6 +52,13 @@ def validate(args: Args) -> None:
     for flag, v in (("--new-tokens", args.new_tokens), ("--repeats", args.repeats), ("--threads", args.threads)):
         if v < 1:
             raise ValueError(f"{flag}={v}; accepted: an integer >= 1")
+    from jmem.io.gguf import config_from_gguf, read_gguf  # the header only: the weights stay on disk
+
+    context = config_from_gguf(read_gguf(packaged_model_path("smollm2-135m"))).max_seq_len
+    most = context - max(len(p.encode()) for p in PROMPTS)  # a prompt has at most one token per byte
+    if args.new_tokens > most:
+        raise ValueError(f"--new-tokens={args.new_tokens}; accepted: at most {most} (the model's context of "
+                         f"{context} tokens less the longest prompt)")
 
 
 def _median(xs):

@@ -61,7 +61,8 @@ class Config:
     kind: str = "forward"
     """KL direction: forward = KL(teacher || student), reverse = KL(student || teacher)."""
     chunk: int | None = None
-    """Sequence positions per loss chunk (must divide --seq); default: the model's loss_chunk divisor."""
+    """Sequence positions per loss chunk: a divisor of --seq, or --seq or more for one chunk; default: the model's
+    loss_chunk divisor."""
     eval_batches: int = 8
     """Validation batches (of --batch sequences) for the held-out cross-entropy."""
     text: str | None = None

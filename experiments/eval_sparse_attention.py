@@ -27,7 +27,7 @@ from flax import nnx
 
 import jmem
 from jmem.data import load_documents
-from jmem.io.paths import prepare_output
+from jmem.io.paths import prepare_output, remove_unused_dirs
 from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
 from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
 
@@ -139,18 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
     try:
         text, planned, impl = validate(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         lm = jmem.load(cfg.model)
+        ids = np.asarray(lm.tokenizer.encode(text), np.int32)
+        if ids.size < cfg.seq * cfg.chunks:
+            raise ValueError(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "
+                             f"{cfg.seq * cfg.chunks}; accepted: a longer --text or smaller --seq/--chunks")
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: --model {cfg.model!r}: {e}", file=sys.stderr)
-        return 2
-    ids = np.asarray(lm.tokenizer.encode(text), np.int32)
-    if ids.size < cfg.seq * cfg.chunks:
-        print(f"error: the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "
-              f"{cfg.seq * cfg.chunks}; accepted: a longer --text or smaller --seq/--chunks", file=sys.stderr)
+        remove_unused_dirs()  # --out's directories, made by `validate`
+        print(f"error: {e}", file=sys.stderr)
         return 2
     ids_NT = ids[: cfg.seq * cfg.chunks].reshape(cfg.chunks, cfg.seq)
     rows = []

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 from flax import nnx
 
 from jmem.data import PackedDataset, load_documents
@@ -41,16 +43,14 @@ MIB = 2**20
 class Config:
     """Layer-wise training memory and loss table."""
 
-    model: str = "smollm2-135m"
-    """Preset whose step memory is measured (random init, never loaded): """ + ", ".join(PRESETS)
+    model: Annotated[str, tyro.conf.arg(help="Preset whose step memory is measured (random init, never loaded): "
+                                             + ", ".join(PRESETS))] = "smollm2-135m"
     n_active: str = "1,2,4"
     """Comma-separated numbers of layers trained at once (each in 1..the model's layers)."""
-    schedule: str = "random"
-    """Layer schedule: """ + ", ".join(SCHEDULES)
+    schedule: Annotated[str, tyro.conf.arg(help="Layer schedule: " + ", ".join(SCHEDULES))] = "random"
     period: int = 10
     """Steps between layer draws."""
-    optimizer: str = "adamw"
-    """Optimizer: """ + ", ".join(OPTIMIZERS)
+    optimizer: Annotated[str, tyro.conf.arg(help="Optimizer: " + ", ".join(OPTIMIZERS))] = "adamw"
     lr: float = 3e-3
     """Learning rate of the training runs."""
     batch: int = 4
@@ -109,7 +109,7 @@ def validate(cfg: Config) -> tuple[list[int], PackedDataset | None]:
     try:
         data = PackedDataset.from_text(load_documents(cfg.data, "--data"), ByteTokenizer(), cfg.train_seq)
     except ValueError as e:  # the windows are --train-seq long here
-        raise ValueError(str(e).replace("--seq", "--train-seq")) from None
+        raise ValueError(str(e).replace("seq=", "--train-seq ").replace("smaller seq", "smaller --train-seq")) from None
     if len(data.valid) < cfg.batch:  # the held-out loss needs one whole batch
         raise ValueError(f"the text (--data {cfg.data}) has {len(data.valid)} held-out windows of --train-seq "
                          f"{cfg.train_seq} tokens, fewer than --batch {cfg.batch}; accepted: a longer text, a smaller "

@@ -29,7 +29,7 @@ import sys
 
 import tyro
 
-from jmem.io.paths import prepare_output
+from jmem.io.paths import prepare_output, remove_unused_dirs
 from jmem.models.config import PRESETS
 from jmem.memory.remat import POLICIES
 from jmem.train.plot import check_image_path
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for flag, v in (("--batch", cfg.batch), ("--seq", cfg.seq), ("--pipeline-stages", cfg.pipeline_stages)):
             if v < 1:
                 raise ValueError(f"{flag} {v}; accepted: a positive integer")
-        # Outputs now: a chart format matplotlib cannot write, or a path that cannot be written, fails
-        # before compiling, not after (and before any directory is created).
         check_image_path(cfg.png, "--png")
-        out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         accums = []
         for a in parse_list(cfg.accum, "accum"):
             if not a.isdigit():
@@ -134,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         # compile takes minutes): one line naming the flag, not a failure midway through the sweep.
         validate_grid(cfg.batch, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
                       pipeline_stages=cfg.pipeline_stages, mc=PRESETS[cfg.preset](), **grid)
+        # Outputs after the flags, before compiling: a path that cannot be written fails now, not after the sweep.
+        out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         n = 1
         for v in grid.values():
             n *= len(v)
@@ -151,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         records = sweep(PRESETS[cfg.preset](), batch=cfg.batch, seq=cfg.seq, target=cfg.target, on_record=show,
                         rules=cfg.rules, attention=cfg.attention, pipeline_stages=cfg.pipeline_stages, **grid)
     except ValueError as e:
+        remove_unused_dirs()
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.write_text(json.dumps(records, indent=1))

@@ -15,6 +15,8 @@ from typing import Callable
 
 import tyro
 
+from jmem.io.paths import forget_created_dirs, remove_unused_dirs
+
 
 def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = None,
                    description: str | None = None) -> int:
@@ -26,9 +28,13 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
     cfg = tyro.cli(config_cls, args=argv, description=summary)
     try:
         main(cfg)
-    except ValueError as e:
+    except BaseException as e:
+        remove_unused_dirs()  # output directories made for a run that failed before writing into them
+        if not isinstance(e, ValueError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    forget_created_dirs()
     return 0
 
 

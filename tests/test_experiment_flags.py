@@ -27,6 +27,8 @@ def _refused(script, argv, monkeypatch, capsys) -> str:
     (["--threads", "0", "--skip-hf"], "error: --threads=0; accepted: an integer >= 1"),
     (["--new-tokens", "0"], "error: --new-tokens=0; accepted: an integer >= 1"),
     (["--new-tokens", "-3"], "error: --new-tokens=-3; accepted: an integer >= 1"),
+    (["--new-tokens", "9000", "--skip-hf"], "error: --new-tokens=9000; accepted: at most 8144 (the model's context "
+                                            "of 8192 tokens less the longest prompt)"),
 ])
 def test_bench_generate_refuses_bad_flags_before_loading(argv, expected, monkeypatch, capsys):
     assert _refused(experiment("bench_generate"), argv, monkeypatch, capsys) == expected
@@ -105,6 +107,36 @@ def test_a_text_too_short_for_the_windows_names_the_flags(name, argv, expected, 
     rc = experiment(name).cli([*argv, "--out", str(tmp_path / "o.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == expected, err
+
+
+def test_a_failed_run_leaves_no_output_directories_behind(tmp_path, monkeypatch, capsys):
+    """eval_prune creates --out's directories before loading the model (a bad path fails at once); when the
+    run then fails, the directories it made are gone, and one that existed before stays."""
+    out = tmp_path / "new" / "deeper" / "o.json"
+    assert experiment("eval_prune").cli(["--model", "nosuch", "--out", str(out)]) == 2
+    assert "model 'nosuch' is neither" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(jmem, "load", _stub_lm(112955))
+    assert experiment("eval_prune").cli(["--windows", "100000", "--out", str(tmp_path / "o.json")]) == 2
+    assert list(tmp_path.iterdir()) == [] and tmp_path.is_dir()
+
+
+def test_layerwise_text_too_short_names_train_seq(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("a few words only")
+    rc = experiment("layerwise").cli(["--model", "tiny", "--train-model", "tiny", "--n-active", "1", "--batch", "2",
+                                      "--seq", "32", "--train-steps", "2", "--data", str(text)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "too short for two windows of --train-seq 128; accepted:" in err and \
+        err.endswith("or a smaller --train-seq"), err
+
+
+def test_layerwise_help_lists_presets_schedules_and_optimizers(capsys):
+    with pytest.raises(SystemExit):
+        experiment("layerwise").cli(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("Preset whose step memory is measured", "Layer schedule: random, bottom-up, top-down",
+                  "Optimizer: adamw, adafactor"):
+        assert words in out.replace("│ ", "").replace(" │", ""), out
 
 
 @pytest.mark.parametrize("steps, label", [(2, "first 2 steps"), (1, "first 1 step"), (12, "first 10 steps")])

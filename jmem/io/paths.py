@@ -23,6 +23,23 @@ import shutil
 from collections.abc import Iterator
 
 
+_CREATED_DIRS: list[pathlib.Path] = []  # made by `prepare_output`, deepest first per call (`remove_unused_dirs`)
+
+
+def remove_unused_dirs() -> None:
+    """Remove the directories `prepare_output` created that are still empty (a run that failed before it
+    wrote its outputs leaves nothing behind), and forget them all."""
+    for p in _CREATED_DIRS:
+        with contextlib.suppress(OSError):
+            p.rmdir()
+    forget_created_dirs()
+
+
+def forget_created_dirs() -> None:
+    """Keep the directories `prepare_output` created so far (a run that succeeded)."""
+    _CREATED_DIRS.clear()
+
+
 def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = False) -> pathlib.Path:
     """Create the directory that the output `value` of `flag` goes into; return the path.
 
@@ -40,6 +57,7 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
     if not directory and path.is_dir():
         raise ValueError(f"{flag} {str(value)!r} is a directory; accepted: a file path")
     target = path if directory else path.parent
+    new = [p for p in (target, *target.parents) if not p.exists()]  # deepest first
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -47,6 +65,7 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
         reason = f"{str(in_the_way)!r} is a file" if in_the_way is not None else (e.strerror or str(e))
         raise ValueError(f"{flag} {str(value)!r}: cannot create directory {str(target)!r} ({reason}); "
                          "accepted: a writable path") from None
+    _CREATED_DIRS.extend(new)
     # Permissions (or a read-only file system) would otherwise surface only at the write.
     if not directory and path.exists():
         where, mode = path, os.W_OK  # an existing file is overwritten

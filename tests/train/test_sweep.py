@@ -60,10 +60,11 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2"], "mesh 'data=8' has none"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
-    rc, cap = _main(argv + ["--out", str(tmp_path / "x.json")], capsys)
+    outputs = [f"--{k}={tmp_path / 'new' / ('x.' + k.replace('out', 'json'))}" for k in ("out", "md", "png")]
+    rc, cap = _main(argv + outputs, capsys)
     lines = cap.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and expected in lines[0], cap.err
-    assert not (tmp_path / "x.json").exists()
+    assert list(tmp_path.iterdir()) == []  # no output, and no directory made for one
 
 
 def _no_compile(*args, **kwargs):
