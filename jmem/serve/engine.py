@@ -507,7 +507,16 @@ class Engine:
         adapters = [None] * len(prompts) if adapters is None else adapters
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts; accepted: one per prompt")
-        streams = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, params_list, adapters)]
+        streams = []
+        try:
+            for p, sp, a in zip(prompts, params_list, adapters):
+                streams.append(self.add_request(p, sp, adapter=a))
+        except ValueError:  # a bad prompt, parameter or adapter: none of the batch runs
+            for s in streams:
+                self.abort(s.request_id)
+            if self._thread is None:
+                self._drain_commands(block=False)
+            raise
         if self._thread is None:
             self.run_until_idle()
         results = []

@@ -11,8 +11,9 @@ the front of the queue with its outputs kept, to be recomputed later
 With LoRA adapters in fewer device slots than adapters (`max_loras`), a step
 runs at most `max_loras` distinct adapters. A waiting request whose adapter
 would be one too many is passed over, and requests behind it are admitted. So
-that it is not passed over forever, the running adapter with the fewest
-requests then admits no new ones until it has drained and freed its slot.
+that it is not passed over forever, the adapter with the fewest requests among
+those running before the step then admits no new ones until it has drained and
+freed its slot (an adapter admitted in this step still batches its requests).
 
 Every request's tokens are one list (prompt + outputs), and a step simply
 computes the next `n` uncomputed ones; prefill, chunked prefill, decode and
@@ -176,6 +177,7 @@ class Scheduler:
         # the pool is full and admitting would just thrash.
         admitting = not (self.config.static_batching and self.running)
         adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
+        running_before = dict(adapters)  # adapters admitted this step still batch their requests
         draining = None  # an adapter that admits nothing while a request waits for its slot
         passed_over: list[Request] = []
         while (admitting and self.waiting and not out.preempted
@@ -183,8 +185,8 @@ class Scheduler:
             adapter = self.waiting[0].adapter_id
             slots_full = self.config.max_loras is not None and len(adapters) >= self.config.max_loras
             if adapter is not None and (adapter == draining or (adapter not in adapters and slots_full)):
-                if draining is None:
-                    draining = min(adapters, key=adapters.get)
+                if draining is None and running_before:
+                    draining = min(running_before, key=running_before.get)
                 passed_over.append(self.waiting.popleft())
                 continue
             if budget <= 0:

@@ -184,6 +184,10 @@ def test_prompt_logprobs_use_the_adapter(model, adapters, engine):
 def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
     with pytest.raises(ValueError, match=r"unknown LoRA adapter 'c'; accepted: a, b"):
         engine.add_request([1, 2], greedy(), adapter="c")
+    finished = engine.metrics()["requests_finished_total"]
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'c'"):  # the whole batch is refused
+        engine.generate(PROMPTS[:3], greedy(), adapters=["a", "b", "c"])
+    assert not engine.has_unfinished() and engine.metrics()["requests_finished_total"] == finished
     with pytest.raises(ValueError, match="does not exist"):
         stack_adapters(model, {"x": str(tmp_path / "missing.npz")})
     for name in ("", None, " "):

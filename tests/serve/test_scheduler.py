@@ -260,6 +260,28 @@ def test_lora_slot_limit_holds_every_step_and_starves_no_adapter():
         Scheduler(SchedulerConfig(max_loras=0), kv)
 
 
+def test_interleaved_adapters_still_batch_with_one_slot():
+    """Requests of a, b, a, b, ... arriving together with one adapter slot: each adapter's requests run
+    together (as many steps as when they arrive grouped), not one request at a time."""
+    def steps(order):
+        kv = KVCacheManager(num_blocks=64, block_size=4)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=40, max_loras=1),
+                          kv)
+        for i, adapter in enumerate(order):
+            sched.add_request(Request(str(i), [i + 1, 2, 3], SamplingParams(max_tokens=8), adapter_id=adapter))
+        n, widest = 0, 0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            assert len({s.request.adapter_id for s in out.seqs}) == 1
+            widest = max(widest, len(out.seqs))
+            sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.samples})
+            n += 1
+        return n, widest
+
+    grouped, interleaved = steps("aaaabbbb"), steps("abababab")
+    assert interleaved == grouped and grouped[1] == 4, (interleaved, grouped)
+
+
 def test_decodes_first_then_chunked_prefill():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), kv)
