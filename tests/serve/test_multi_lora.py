@@ -272,10 +272,12 @@ def test_more_adapters_than_slots_swap_through_host_memory(model, adapters, expe
         assert o.token_ids == want[names[i]][i], names[i]
     assert max(len(m) for m in mixes) == max_loras and engine.metrics()["lora_adapter_loads_total"] >= 2
     compiled, shapes = _step_fn._cache_size(), engine.runner.num_compilations
-    names = ["b", "a", "c", "a", "b"]
+    loads = engine.runner.adapter_slots.num_loads
+    names = ["a", "b", None, "c", "a"]  # the same pattern of adapters (so the same step shapes), other adapters
     for i, o in enumerate(engine.generate(PROMPTS, greedy(), adapters=names)):
         assert o.token_ids == want[names[i]][i], names[i]
     assert _step_fn._cache_size() == compiled and engine.runner.num_compilations == shapes
+    assert engine.runner.adapter_slots.num_loads > loads
     assert all(len(m) <= max_loras for m in mixes)
     # Echo scoring of an adapter that waits in host memory: the merged model's log-probabilities, and the
     # slots stay as they were.
