@@ -18,6 +18,7 @@ import collections
 from typing import Iterable
 
 import jax
+
 from jmem.lora import LINEAR_TARGETS
 from jmem.serve.lora import MultiLoRA
 
