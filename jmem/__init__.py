@@ -8,13 +8,13 @@ Example:
 """
 
 import importlib
+import pkgutil
 
 from jmem.lm import LM, load
 
 __version__ = "0.1.0"
 
-SUBMODULES = ("calibrate", "data", "distill", "experiment", "generate", "io", "kernels", "lm", "lora", "lowrank",
-              "memory", "models", "optim", "parallel", "prune", "quant", "sampling", "serve", "speculative", "train")
+SUBMODULES = tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
 def __getattr__(name: str):

@@ -380,21 +380,26 @@ def group_params(w, bits: int, group_size: int, symmetric: bool, clip=None):
     serve: a group that needs a scale above 65504 (inf, decoding to NaN), and a
     non-zero weight whose every value is below 3e-8 (it would decode to all zeros).
     """
-    *lead, n_in, n_out = w.shape
-    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
-    hi, lo = wg.max(axis=-2), wg.min(axis=-2)
+    hi, lo = _group_range(w, group_size)
     if clip is not None:
         hi, lo = hi * clip, lo * clip
-    tiny = F16_TINY
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = _f16_up(jnp.maximum(jnp.maximum(hi, -lo) / qmax, tiny))
-        zero = None
-    else:
-        hi, lo = jnp.maximum(hi, 0.0), jnp.minimum(lo, 0.0)  # keep 0 exactly representable
-        scale = _f16_up(jnp.maximum((hi - lo) / (2 ** bits - 1), tiny))
-        zero = jnp.clip(jnp.round(-lo / scale), 0, 2 ** bits - 1)
+    scale = _f16_up(jnp.maximum(_exact_scale(hi, lo, bits, symmetric), F16_TINY))
+    zero = None if symmetric else jnp.clip(jnp.round(-jnp.minimum(lo, 0.0) / scale), 0, 2 ** bits - 1)
     return scale, zero
+
+
+def _group_range(w, group_size: int):
+    """Per-group max and min over the input rows, each f32[..., in/group_size, out]."""
+    *lead, n_in, n_out = w.shape
+    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
+    return wg.max(axis=-2), wg.min(axis=-2)
+
+
+def _exact_scale(hi, lo, bits: int, symmetric: bool):
+    """The scale a group's range needs before f16 rounding (zero-point groups keep 0 exactly representable)."""
+    if symmetric:
+        return jnp.maximum(hi, -lo) / (2 ** (bits - 1) - 1)
+    return (jnp.maximum(hi, 0.0) - jnp.minimum(lo, 0.0)) / (2 ** bits - 1)
 
 
 def f16_overflow(x) -> tuple[int, float]:
@@ -410,14 +415,8 @@ def f16_overflow(x) -> tuple[int, float]:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _needed_scales(w, bits: int, group_size: int, symmetric: bool):
     """The f32 scale each group needs before f16 rounding, and the weight's min, max and largest |value|."""
-    *lead, n_in, n_out = w.shape
-    wg = jnp.asarray(w, jnp.float32).reshape(*lead, n_in // group_size, group_size, n_out)
-    hi, lo = wg.max(axis=-2), wg.min(axis=-2)
-    if symmetric:
-        need = jnp.maximum(hi, -lo) / (2 ** (bits - 1) - 1)
-    else:
-        need = (jnp.maximum(hi, 0.0) - jnp.minimum(lo, 0.0)) / (2 ** bits - 1)
-    return need, lo.min(), hi.max(), jnp.maximum(hi, -lo).max()
+    hi, lo = _group_range(w, group_size)
+    return _exact_scale(hi, lo, bits, symmetric), lo.min(), hi.max(), jnp.maximum(hi, -lo).max()
 
 
 def check_scale_range(w, bits: int, group_size: int, symmetric: bool, name: str) -> None:
