@@ -27,7 +27,8 @@ from jmem.serve.engine import Engine, RequestOutput
 from jmem.serve import DEFAULT_MAX_REQUEST_BYTES
 from jmem.serve.middleware import JSONBodies, RequireAPIKey
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, chat_dicts, check_text, choice_seed)
+                                 LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest, chat_dicts,
+                                 check_text, choice_seed)
 from jmem.serve.request import ContextTooLong
 
 log = logging.getLogger("jmem.serve")
@@ -151,6 +152,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
 
     The engine's LoRA adapters (`Engine(..., lora_modules=)`) are models of their own, listed by
     `/v1/models` with `parent` = `model_name`; a request's `model` picks the adapter (vLLM's semantics).
+    An engine with `allow_runtime_lora` also answers vLLM's `POST /v1/load_lora_adapter`
+    (`{"lora_name", "lora_path"}`) and `POST /v1/unload_lora_adapter` (`{"lora_name"}`).
 
     The server's startup starts the engine's background loop when it is not running yet (a request
     would otherwise wait forever), and its shutdown stops a loop it started.
@@ -199,16 +202,16 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         """A bug's 500 in OpenAI's shape (Starlette re-raises it after this answer: the server log has it)."""
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
-    adapters = getattr(engine, "adapters", {})  # name -> AdapterInfo
+    adapters = lambda: getattr(engine, "adapters", {})  # noqa: E731 - name -> AdapterInfo, as served now
     lora = lambda adapter: {} if adapter is None else {"adapter": adapter}  # noqa: E731 - engines without LoRA
 
     def check_model(name) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown one."""
         if name == model_name:
             return None
-        if name in adapters:
+        if name in adapters():
             return name
-        served = ", ".join(repr(m) for m in [model_name, *adapters])
+        served = ", ".join(repr(m) for m in [model_name, *adapters()])
         raise APIError(404, f"model {name!r} does not exist; this server serves {served}", "model",
                        code="model_not_found")
 
@@ -367,7 +370,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     def model_cards() -> list[dict]:
         card = {"object": "model", "created": created, "owned_by": "jmem", "max_model_len": engine.max_request_tokens}
         data = [{"id": model_name, **card, "root": model_name, "parent": None}]
-        return data + [{"id": name, **card, "root": a.path, "parent": model_name} for name, a in adapters.items()]
+        return data + [{"id": name, **card, "root": a.path, "parent": model_name} for name, a in adapters().items()]
 
     @app.get("/v1/models")
     async def models():
@@ -377,6 +380,35 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     async def model(model: str):
         check_model(model)
         return next(c for c in model_cards() if c["id"] == model)
+
+    def check_runtime_lora(request: Request):
+        if not getattr(getattr(engine, "config", None), "allow_runtime_lora", False):
+            raise APIError(404, f"{request.url.path} is off on this server; accepted: a server started with "
+                           "--allow-runtime-lora")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
+        check_runtime_lora(request)
+        name = body.lora_name
+        if name == model_name or name in adapters():
+            what = "the base model's name" if name == model_name else "already loaded"
+            raise APIError(400, f"lora_name {name!r} is {what}; accepted: a new name", "lora_name")
+        try:  # reading the file takes a while: off the event loop
+            await asyncio.to_thread(engine.load_adapter, name, body.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
+        check_runtime_lora(request)
+        try:
+            await asyncio.to_thread(engine.unload_adapter, body.lora_name)
+        except LookupError as e:
+            raise APIError(404, str(e), "lora_name", code="model_not_found") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/metrics")
     async def metrics():

@@ -25,13 +25,15 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
-def hash_block(parent: bytes | None, tokens, adapter_id: str | None = None) -> bytes:
+def hash_block(parent: bytes | None, tokens, adapter_id: str | None = None, adapter_version: int = 0) -> bytes:
     """Hash of one full block, chained on the hash of the block before it.
 
     Args:
         parent: hash of the previous block of the same sequence, None for the first.
         tokens: the block's `block_size` token ids.
         adapter_id: the LoRA adapter the KV was computed with (None for the base model).
+        adapter_version: which load of `adapter_id` (an adapter unloaded and loaded again under the same
+            name is another adapter).
 
     Example:
         >>> h0 = hash_block(None, [1, 2, 3, 4]); h1 = hash_block(h0, [5, 6, 7, 8])
@@ -40,7 +42,7 @@ def hash_block(parent: bytes | None, tokens, adapter_id: str | None = None) -> b
     h.update(parent or b"\0" * 16)
     h.update(array("q", tokens).tobytes())
     # The base model (None) is marked apart from every adapter name, "" included.
-    h.update(b"\0" if adapter_id is None else b"|" + adapter_id.encode())
+    h.update(b"\0" if adapter_id is None else b"|%d|" % adapter_version + adapter_id.encode())
     return h.digest()
 
 

@@ -83,7 +83,13 @@ class ServeArgs:
     Fewer slots than entries: the other adapters wait in host memory and move into a slot when a request
     needs one (requests of an adapter that finds no free slot wait for one)."""
     max_lora_rank: int = 16
-    """Largest adapter rank accepted; slots are zero-padded to the largest rank loaded."""
+    """Largest adapter rank accepted; slots are zero-padded to the largest rank loaded (to this rank with
+    --allow-runtime-lora)."""
+    allow_runtime_lora: bool = False
+    """Load and unload adapters while serving: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+    POST /v1/unload_lora_adapter {"lora_name"}, as vLLM. The --max-loras slots (one when unset and no
+    --lora-modules) then hold every linear weight at --max-lora-rank. The paths are read on this machine:
+    allow it only where clients may read its files (and set --api-key)."""
     lora_impl: str = "onehot"
     """Batched adapter matmul: onehot (two dense matmuls) or ragged (jax.lax.ragged_dot on slot-sorted tokens)."""
     tensor_parallel_size: int = 1
@@ -269,7 +275,7 @@ def build_engine(args: ServeArgs):
                        memory_utilization=args.memory_utilization, num_blocks=args.num_blocks,
                        enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
-                       tensor_parallel_size=args.tensor_parallel_size,
+                       allow_runtime_lora=args.allow_runtime_lora, tensor_parallel_size=args.tensor_parallel_size,
                        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max)
     draft = load_draft(lm.model, args.speculative_model, args.speculative_layers, tokenizer=lm.tokenizer,
                        param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
@@ -334,13 +340,16 @@ def run_serve(args: ServeArgs) -> None:
     log.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max context %d",
              m["kv_cache_blocks"], engine.kv.block_size, m["kv_cache_capacity_tokens"],
              args.kv_cache_dtype, engine.max_request_tokens)
-    if engine.adapters:
-        slot = max(a.rank for a in engine.adapters.values())
+    if engine.adapters or args.allow_runtime_lora:
+        from jmem.serve.lora import slot_layout
+
+        slot = max(rank for _, _, rank in slot_layout(engine.runner.state).values())
         slots = engine.runner.adapter_slots.num_slots
-        log.info("LoRA adapters: %s in %d device slots of rank %d, %.1f KiB on the device%s",
-                 ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()), slots, slot,
+        log.info("LoRA adapters: %s in %d device slots of rank %d, %.1f KiB on the device%s%s",
+                 ", ".join(f"{n} (rank {a.rank})" for n, a in engine.adapters.items()) or "none yet", slots, slot,
                  engine.adapter_bytes / 1024,
-                 "" if slots >= len(engine.adapters) else "; the others wait in host memory until a request uses them")
+                 "" if slots >= len(engine.adapters) else "; the others wait in host memory until a request uses them",
+                 "; more load while serving (POST /v1/load_lora_adapter)" if args.allow_runtime_lora else "")
     if engine.drafter is not None:
         draft = engine.drafter.runner.config
         log.info("speculative decoding: a %d-layer draft proposes %d tokens per decode", draft.n_layers,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -26,7 +27,7 @@ from jmem.memory import bytes_per_device
 from jmem.models import LlamaConfig
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
-from jmem.serve.lora import adapter_bytes, stack_adapters
+from jmem.serve.lora import adapter_bytes, read_adapter, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, RequestError, SamplingParams, Status, check_fits
 from jmem.serve.runner import ModelRunner, kv_cache_budget, resident_bytes
@@ -54,9 +55,12 @@ class EngineConfig:
         static_batching: admit a new batch only when the previous one has finished (benchmark baseline).
         attention_impl: paged attention: auto | tiled | kernel (see `PagedKVCache.create`).
         max_loras: LoRA adapter slots on the device, the most adapters one step uses (None: one per
-            adapter given to the engine). Fewer slots than adapters: the others wait in host memory and
-            move into a slot when a step needs them (`jmem.serve.lora_slots`).
-        max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded).
+            adapter given to the engine, at least one). Fewer slots than adapters: the others wait in host
+            memory and move into a slot when a step needs them (`jmem.serve.lora_slots`).
+        max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded, or to
+            this rank with allow_runtime_lora).
+        allow_runtime_lora: adapters may be loaded and unloaded while serving (`Engine.load_adapter`,
+            `Engine.unload_adapter`); the slots then hold every linear target at max_lora_rank.
         lora_impl: batched adapter matmul: onehot | ragged (see `jmem.serve.lora`).
         tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
             `jmem.serve.tensor_parallel`); the KV budgets are per device, so the pool holds this
@@ -82,6 +86,7 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     lora_impl: str = "onehot"
+    allow_runtime_lora: bool = False
     tensor_parallel_size: int = 1
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
@@ -248,10 +253,12 @@ class Engine:
             mesh = tensor_mesh(tp)
         if draft_model is not None:
             check_draft(mcfg, draft_model.config, max_len)
-        self.adapters = {}  # name -> jmem.serve.lora.AdapterInfo
-        if lora_modules:  # stacked before sizing the KV cache: the adapters' bytes count as weights
-            model, self.adapters = stack_adapters(model, dict(lora_modules), max_loras=config.max_loras,
-                                                  max_lora_rank=config.max_lora_rank, impl=config.lora_impl)
+        adapters, num_slots = {}, None  # name -> jmem.serve.lora.AdapterInfo
+        if lora_modules or config.allow_runtime_lora:  # stacked before sizing the KV cache: adapters are weights
+            model, adapters = stack_adapters(model, dict(lora_modules or {}), max_loras=config.max_loras,
+                                             max_lora_rank=config.max_lora_rank, impl=config.lora_impl,
+                                             runtime_loading=config.allow_runtime_lora)
+            num_slots = max(len(adapters), 1) if config.max_loras is None else config.max_loras
         self.adapter_bytes = adapter_bytes(model)
         models = [model] if draft_model is None else [model, draft_model]
         # What one device holds of the weights (adapters and draft included) once they are split.
@@ -282,11 +289,11 @@ class Engine:
                                     num_speculative_tokens=config.num_speculative_tokens,
                                     draft_model=draft_model is not None,
                                     prompt_lookup_max=config.prompt_lookup_max,
-                                    max_loras=config.max_loras if self.adapters else None)
+                                    max_loras=num_slots)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, max_len,
                                   config.kv_cache_dtype, config.attention_impl,
-                                  self.adapters, mesh=mesh)
+                                  adapters, mesh=mesh)
         self.drafter = None if draft_model is None else DraftProposer(
             draft_model, num_blocks, config.block_size, config.max_num_seqs, max_len, config.kv_cache_dtype,
             config.attention_impl, mesh)
@@ -300,6 +307,7 @@ class Engine:
         self._detok: dict[str, _Detok] = {}
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count()
+        self._adapter_versions = itertools.count(1)  # of adapters loaded while serving
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards the stats read by `metrics` from other threads
@@ -319,6 +327,58 @@ class Engine:
         log.info("compiled %d step shapes in %.1f s; others compile in the background", len(shapes),
                  time.monotonic() - start)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def adapters(self) -> dict:
+        """The LoRA adapters served now: name -> `jmem.serve.lora.AdapterInfo` (a snapshot)."""
+        return self.runner.adapters
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter file `path` (written by `jmem.lora.save_adapters`) as `name` from now on,
+        without a restart or a new compilation (thread-safe; needs `allow_runtime_lora`). It waits in
+        host memory until a request uses it. ValueError: loading is off, the name is taken, or the file
+        does not fit the slots (its rank, targets or shapes)."""
+        self._check_runtime_lora()
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"LoRA adapter name {name!r}; accepted: a non-empty string")
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded; accepted: a new name, or unload it first")
+        info = read_adapter(name, path, self.runner.state, self.config.max_lora_rank, next(self._adapter_versions))
+        self.runner.add_adapter(info)
+        log.info("LoRA adapter %s (rank %d, %s) loaded", name, info.rank, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter `name` (thread-safe; needs `allow_runtime_lora`); its device slot is
+        free again. LookupError: no adapter of that name. ValueError: requests that use it have not finished
+        (nothing is cut short: unload it after they end)."""
+        self._check_runtime_lora()
+        if name not in self.adapters:
+            raise LookupError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self.adapters) or 'none'}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("unload_adapter", name, done))  # in order with the requests queued before it
+        if self._thread is None:
+            self._drain_commands(block=False)
+        done.result()
+        log.info("LoRA adapter %s unloaded", name)
+
+    def _check_runtime_lora(self) -> None:
+        if not self.config.allow_runtime_lora:
+            raise ValueError("loading and unloading LoRA adapters while serving is off; accepted: an engine "
+                             "started with allow_runtime_lora=True (jmem serve --allow-runtime-lora)")
+
+    def _unload(self, name: str, done: concurrent.futures.Future) -> None:
+        """The step thread's side of `unload_adapter`: the scheduler's requests are all known here."""
+        users = [r for r in self.scheduler.requests.values() if r.adapter_id == name]
+        try:
+            if users:
+                raise ValueError(f"LoRA adapter {name!r} serves {len(users)} unfinished request(s); accepted: "
+                                 "unload it once they have finished")
+            self.runner.remove_adapter(name)
+        except (LookupError, ValueError) as e:
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
     # ------------------------------------------------------------------ requests
     @property
     def max_request_tokens(self) -> int:
@@ -337,6 +397,7 @@ class Engine:
         self._check_ids("logit_bias", list(params.logit_bias or ()))
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
+                      adapter_version=0 if adapter is None else getattr(self.adapters.get(adapter), "version", -1),
                       seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
         stream = RequestStream(rid, loop)
         self._commands.put(("add", req, stream))
@@ -385,8 +446,13 @@ class Engine:
             except queue.Empty:
                 return
             block = False
-            if cmd == "add":
+            if cmd == "unload_adapter":
+                self._unload(a, b)
+            elif cmd == "add":
+                info = self.adapters.get(a.adapter_id)
                 try:
+                    if a.adapter_id is not None and (info is None or info.version != a.adapter_version):
+                        raise ValueError(f"LoRA adapter {a.adapter_id!r} was unloaded before the request started")
                     self.scheduler.add_request(a)
                 except ValueError as e:
                     b.put(RequestOutput(a.request_id, "", [], finished=True, finish_reason="error", error=str(e)))
@@ -601,5 +667,6 @@ class Engine:
                 "step_compilations": sum(r.num_compilations for r in runners),
                 "step_compilations_blocking_total": sum(r.num_blocking_compilations for r in runners),
                 "lora_adapter_loads_total": self.runner.adapter_slots.num_loads,
+                "lora_adapters": len(self.adapters),
             }
 

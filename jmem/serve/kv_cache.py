@@ -63,7 +63,7 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs], req.adapter_id))
+            hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs], req.adapter_id, req.adapter_version))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

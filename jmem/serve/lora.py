@@ -22,7 +22,9 @@ of the A or B matrices (that gather would hold tokens x in x R values):
   it is opt-in.
 
 `stack_adapters` reads adapter files written by `jmem.lora.save_adapters`,
-checks that they fit the model, and wraps its kernels.
+checks that they fit the model, and wraps its kernels. With `runtime_loading`
+the slots hold every linear target of the model at `max_lora_rank`, so that
+adapters read later (`read_adapter`) fit whatever they target.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def has_multi_lora(tree) -> bool:
 class AdapterInfo:
     """One served adapter: its name, its slot at startup (None: it waits in host memory until a request
     uses it), file, rank per target, bytes as stored (all layers), and its host copy as the slots hold it
-    (`arrays`: target -> (A [..., in, R], B [..., R, out]), padded to the slots' rank, scale folded into B)."""
+    (`arrays`: target -> (A [..., in, R], B [..., R, out]), padded to the slots' rank, scale folded into B).
+    `version` tells apart adapters loaded under the same name at different times (0 at startup)."""
 
     name: str
     slot: int | None
@@ -186,6 +189,7 @@ class AdapterInfo:
     alpha: dict[str, float]
     nbytes: int
     arrays: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    version: int = 0
 
     @property
     def rank(self) -> int:
@@ -210,17 +214,19 @@ def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str
 
 
 def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = None, max_lora_rank: int = 16,
-                   impl: str = "onehot"):
+                   impl: str = "onehot", runtime_loading: bool = False):
     """A copy of `model` whose adapted kernels are `MultiLoRA` leaves holding every adapter in `modules`.
 
     Args:
         model: a `jmem.models.Llama` (kernels may be quantized leaves).
         modules: adapter name -> file written by `jmem.lora.save_adapters`; slots follow this order.
-        max_loras: adapter slots on the device (None: one per module). With fewer slots than modules the
-            first `max_loras` modules start resident and the others wait in host memory
+        max_loras: adapter slots on the device (None: one per module, at least one). With fewer slots than
+            modules the first `max_loras` modules start resident and the others wait in host memory
             (`jmem.serve.lora_slots`).
         max_lora_rank: the largest rank accepted; slots are zero-padded to the largest rank loaded.
         impl: "onehot" or "ragged" (see the module docstring).
+        runtime_loading: slots for adapters read later (`read_adapter`): every linear target of the
+            model, at rank `max_lora_rank`; `modules` may then be empty.
 
     Returns:
         (model copy, {name: AdapterInfo}).
@@ -230,20 +236,24 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; accepted: {', '.join(IMPLS)}")
-    if not modules:
+    if not modules and not runtime_loading:
         raise ValueError("no LoRA modules given; accepted: at least one name=path")
     bad = next((n for n in modules if not isinstance(n, str) or not n.strip()), 0)
     if bad != 0:
         raise ValueError(f"LoRA module name {bad!r}; accepted: a non-empty string (requests select it by name)")
     if max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank={max_lora_rank}; accepted: >= 1")
-    slots = len(modules) if max_loras is None else max_loras
+    slots = max(len(modules), 1) if max_loras is None else max_loras
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"--max-loras={max_loras!r}; accepted: an integer >= 1")
     read = check_adapter_files(modules, max_lora_rank)
-    metas = {name: meta for name, (meta, _) in read.items()}
     layers = model.layers
-    targets = sorted({t for m in metas.values() for t in m}, key=LINEAR_TARGETS.index)
+    if runtime_loading:
+        targets = [t for t in LINEAR_TARGETS if hasattr(layers, t)]
+        R = max_lora_rank
+    else:
+        targets = sorted({t for meta, _ in read.values() for t in meta}, key=LINEAR_TARGETS.index)
+        R = max(m["rank"] for meta, _ in read.values() for m in meta.values())
     bases = {}
     for t in targets:
         if not hasattr(layers, t):
@@ -253,44 +263,74 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
             raise ValueError(f"the model's {t} kernel already carries an adapter; serve the base model "
                              f"(jmem.lora.remove_adapters or merge first)")
         bases[t] = base
-    R = max(m["rank"] for meta in metas.values() for m in meta.values())
-    dtypes = {t: bases[t].dtype if jnp.issubdtype(bases[t].dtype, jnp.floating) else jnp.float32 for t in targets}
-    infos = {}
-    for i, (name, path) in enumerate(modules.items()):
-        meta, stored = read[name]
-        host = {}
-        for t in targets:
-            base = bases[t]
-            *lead, n_in, n_out = base.shape
-            if t not in meta:
-                a, b = np.zeros((*lead, n_in, R), np.float32), np.zeros((*lead, R, n_out), np.float32)
-            else:
-                a, b, m = stored[f"{t}.lora_a"], stored[f"{t}.lora_b"], meta[t]
-                if a.shape[:-1] != (*lead, n_in) or b.shape[:-2] != tuple(lead) or b.shape[-1] != n_out \
-                        or b.shape[-2] != a.shape[-1]:
-                    raise ValueError(f"adapter {name!r} ({path}) has {t} A {a.shape}, B {b.shape}, which do not "
-                                     f"fit the model's {t} weight {tuple(base.shape)}")
-                r = a.shape[-1]
-                scale = m["alpha"] / (r ** 0.5 if m["rslora"] else r)
-                pad = [(0, 0)] * (a.ndim - 1)
-                a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
-                b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
-            host[t] = a.astype(dtypes[t]), b.astype(dtypes[t])
-        infos[name] = AdapterInfo(name, i if i < slots else None, os.fspath(path),
-                                  {t: m["rank"] for t, m in meta.items()}, {t: m["alpha"] for t, m in meta.items()},
-                                  int(sum(v.nbytes for v in stored.values())), host)
+    layout = {t: (tuple(b.shape), b.dtype if jnp.issubdtype(b.dtype, jnp.floating) else jnp.float32, R)
+              for t, b in bases.items()}
+    infos = {name: _adapter_info(name, i if i < slots else None, modules[name], *read[name], layout)
+             for i, name in enumerate(modules)}
     served = nnx.clone(model)
     resident = list(infos.values())[:slots]
-    for t in targets:
-        base = bases[t]
-        *lead, n_in, n_out = base.shape
+    for t, (shape, dtype, _) in layout.items():
+        *lead, n_in, n_out = shape
         free = slots - len(resident)  # free slots: zeros
-        a_list = [info.arrays[t][0] for info in resident] + [np.zeros((*lead, n_in, R), dtypes[t])] * free
-        b_list = [info.arrays[t][1] for info in resident] + [np.zeros((*lead, R, n_out), dtypes[t])] * free
+        a_list = [info.arrays[t][0] for info in resident] + [np.zeros((*lead, n_in, R), dtype)] * free
+        b_list = [info.arrays[t][1] for info in resident] + [np.zeros((*lead, R, n_out), dtype)] * free
         a = jnp.asarray(np.stack(a_list, axis=-3))  # [*lead, S, in, R]
         b = jnp.asarray(np.stack(b_list, axis=-3))  # [*lead, S, R, out]
-        getattr(served.layers, t).kernel.set_value(MultiLoRA(base, a, b, impl=impl))
+        getattr(served.layers, t).kernel.set_value(MultiLoRA(bases[t], a, b, impl=impl))
     return served, infos
+
+
+def slot_layout(state) -> dict[str, tuple]:
+    """target -> (weight shape, slot dtype, slot rank) of the `MultiLoRA` leaves in `state` (a model state)."""
+    layout = {}
+
+    def visit(path, leaf):
+        if isinstance(leaf, MultiLoRA):
+            target = next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path)
+                          if n in LINEAR_TARGETS)
+            layout[target] = (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank)
+        return leaf
+
+    jax.tree_util.tree_map_with_path(visit, state, is_leaf=_is_multi)
+    return layout
+
+
+def read_adapter(name: str, path: str, state, max_lora_rank: int, version: int = 0) -> AdapterInfo:
+    """The adapter file `path` as an `AdapterInfo` waiting in host memory (slot None), laid out for the
+    slots of `state` (a served model's state); one ValueError naming the file and what does not fit."""
+    meta, stored = check_adapter_files({name: path}, max_lora_rank)[name]
+    return _adapter_info(name, None, path, meta, stored, slot_layout(state), version)
+
+
+def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterInfo:
+    """`AdapterInfo` of one read adapter file, its arrays laid out as `layout` (`slot_layout`) says."""
+    host = {}
+    for t, m in meta.items():
+        if t not in layout:
+            raise ValueError(f"adapter {name!r} ({path}) targets {t}, which the served adapter slots do not hold; "
+                             f"accepted: adapters targeting {', '.join(layout)}")
+        if m["rank"] > layout[t][2]:
+            raise ValueError(f"adapter {name!r} ({path}) has rank {m['rank']} on {t}, above the slots' rank "
+                             f"{layout[t][2]}; accepted: ranks up to {layout[t][2]}")
+    for t, (shape, dtype, R) in layout.items():
+        *lead, n_in, n_out = shape
+        if t not in meta:
+            a, b = np.zeros((*lead, n_in, R), np.float32), np.zeros((*lead, R, n_out), np.float32)
+        else:
+            a, b, m = stored[f"{t}.lora_a"], stored[f"{t}.lora_b"], meta[t]
+            if a.shape[:-1] != (*lead, n_in) or b.shape[:-2] != tuple(lead) or b.shape[-1] != n_out \
+                    or b.shape[-2] != a.shape[-1]:
+                raise ValueError(f"adapter {name!r} ({path}) has {t} A {a.shape}, B {b.shape}, which do not "
+                                 f"fit the model's {t} weight {shape}")
+            r = a.shape[-1]
+            scale = m["alpha"] / (r ** 0.5 if m["rslora"] else r)
+            pad = [(0, 0)] * (a.ndim - 1)
+            a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
+            b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
+        host[t] = a.astype(dtype), b.astype(dtype)
+    return AdapterInfo(name, slot, os.fspath(path), {t: m["rank"] for t, m in meta.items()},
+                       {t: m["alpha"] for t, m in meta.items()}, int(sum(v.nbytes for v in stored.values())), host,
+                       version)
 
 
 def adapter_bytes(tree) -> int:
@@ -299,5 +339,5 @@ def adapter_bytes(tree) -> int:
     return sum(x.adapter_nbytes for x in leaves if _is_multi(x))
 
 
-__all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "with_slots", "has_multi_lora", "adapter_bytes",
-           "check_adapter_files", "BASE_SLOT", "IMPLS"]
+__all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "read_adapter", "slot_layout", "with_slots",
+           "has_multi_lora", "adapter_bytes", "check_adapter_files", "BASE_SLOT", "IMPLS"]

@@ -33,7 +33,7 @@ class AdapterSlots:
 
     def __init__(self, names: Iterable[str], num_slots: int, resident: dict[str, int] | None = None):
         """`resident`: name -> slot of the adapters already in slots (None: the first names, in order)."""
-        self.names = tuple(names)
+        self.names = list(names)
         self.num_slots = num_slots
         if resident is None:
             resident = {name: slot for slot, name in enumerate(self.names[:num_slots])}
@@ -49,6 +49,19 @@ class AdapterSlots:
     @property
     def resident(self) -> dict[str, int]:
         return dict(self._resident)
+
+    def add(self, name: str) -> None:
+        """A new adapter, waiting in host memory until a step needs it."""
+        if name in self.names:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded; accepted: a new name")
+        self.names.append(name)
+
+    def remove(self, name: str) -> None:
+        """Forget `name`; its slot, if it had one, is free again."""
+        self.names.remove(name)
+        slot = self._resident.pop(name, None)
+        if slot is not None:
+            self._free = sorted([*self._free, slot])
 
     def assign(self, names: Iterable[str]) -> list[tuple[str, int]]:
         """Make every adapter in `names` resident; returns the (name, slot) pairs that must be written.

@@ -276,6 +276,23 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/unload_lora_adapter (its `lora_int_id` is ignored: names identify adapters)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -178,6 +178,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()
     adapter_id: str | None = None
+    adapter_version: int = 0  # `AdapterInfo.version` of the adapter when the request arrived
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)

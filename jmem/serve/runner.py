@@ -364,6 +364,21 @@ class ModelRunner:
             raise RuntimeError(f"LoRA adapter {adapter_id!r} is not in a device slot; load_adapters first")
         return slot
 
+    def add_adapter(self, info: AdapterInfo) -> None:
+        """Serve one more adapter (`jmem.serve.lora.read_adapter`); it waits in host memory until a step
+        needs it. `adapters` is replaced, not changed, so a reader iterating the old dict is safe."""
+        with self._adapter_lock:
+            self.adapter_slots.add(info.name)
+            self.adapters = {**self.adapters, info.name: info}
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name` (no request may use it any more); its slot becomes free. LookupError if unknown."""
+        with self._adapter_lock:
+            if name not in self.adapters:
+                raise LookupError(f"LoRA adapter {name!r} is not loaded")
+            self.adapter_slots.remove(name)
+            self.adapters = {n: a for n, a in self.adapters.items() if n != name}
+
     def load_adapters(self, names) -> None:
         """Make the adapters `names` (a step's, at most as many as slots) resident, writing those that wait
         in host memory over the least recently used slots no name here uses."""
@@ -383,12 +398,12 @@ class ModelRunner:
         scores, as for lm-eval-harness's loglikelihood requests); the length is
         padded to a bucket, and causal attention keeps the padding out of the real positions.
         """
-        self.check_adapter(adapter_id)
         with self._adapter_lock:  # a consistent (state, slot) pair; the step thread may move adapters after
-            state = self.state
+            self.check_adapter(adapter_id)
+            state, info = self.state, self.adapters.get(adapter_id)
             slot = BASE_SLOT if adapter_id is None else self.adapter_slots.slot_of(adapter_id)
         if slot is None:  # waiting in host memory: written into slot 0 of a private copy of the stacked leaves
-            state, slot = state_with_adapters(state, [(0, self.adapters[adapter_id].arrays)]), 0
+            state, slot = state_with_adapters(state, [(0, info.arrays)]), 0
         T = len(ids)
         padded = np.zeros(_fine_bucket(T, 16), np.int32)
         padded[:T] = ids

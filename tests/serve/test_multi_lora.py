@@ -320,13 +320,15 @@ def test_smollm2_packed_q4_base_with_two_adapters(tmp_path):
 def test_server_serves_two_adapters_and_the_base(adapters, expected):
     """One server start: /v1/models lists the adapters under the base, the `model` field picks the adapter,
     concurrent requests of a, b and the base each give their own model's greedy text without waiting for a
-    compilation after the warm-up (a and b taking turns in one device slot), unknown names are 404."""
+    compilation after the warm-up (a and b taking turns in one device slot), unknown names are 404; an
+    adapter unloaded and loaded again under a new name while serving (--allow-runtime-lora) serves the same."""
     openai = pytest.importorskip("openai")
     from tests.serve.test_server import start_server, stop_server
 
     proc, url = start_server("--model", "tiny", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
                              "--num-blocks", "40", "--block-size", "8", "--max-model-len", "64", "--max-num-seqs", "4",
-                             "--max-num-batched-tokens", "16", "--max-loras", "1")
+                             "--max-num-batched-tokens", "16", "--max-loras", "1", "--max-lora-rank", "8",
+                             "--allow-runtime-lora")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         listed = {m.id: m for m in client.models.list().data}
@@ -334,10 +336,14 @@ def test_server_serves_two_adapters_and_the_base(adapters, expected):
         assert listed["a"].parent == "tiny" and listed["b"].root == adapters["b"] and listed["tiny"].parent is None
         names = ["a", "tiny", "b", "a"]
 
-        def complete(i):
-            r = client.completions.create(model=names[i], prompt=PROMPTS[i], max_tokens=6, temperature=0,
+        def complete_with(model, i):
+            r = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True})
-            return r.model, r.choices[0].text
+            assert r.model == model
+            return r.choices[0].text
+
+        def complete(i):
+            return names[i], complete_with(names[i], i)
 
         with cf.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(complete, range(4)))
@@ -351,10 +357,17 @@ def test_server_serves_two_adapters_and_the_base(adapters, expected):
         metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[:1] != "#")
         assert float(metrics["jmem_step_compilations_blocking_total"]) == 0  # any adapter mix ran precompiled
         assert float(metrics["jmem_lora_adapter_loads_total"]) >= 1  # one slot: a and b took turns
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["a"]})
+        assert r.status_code == 200 and [m.id for m in client.models.list().data] == ["tiny", "b", "c"]
+        assert complete_with("c", 3) == tok.decode(expected("a")[3])
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="a", prompt="x", max_tokens=1)
     finally:
         log = stop_server(proc)
-    assert ("LoRA adapters: a (rank 4), b (rank 8) in 1 device slots of rank 8, 46.0 KiB on the device; the others "
-            "wait in host memory until a request uses them") in log, log
+    assert ("LoRA adapters: a (rank 4), b (rank 8) in 1 device slots of rank 8, 64.0 KiB on the device; the others "
+            "wait in host memory until a request uses them; more load while serving (POST /v1/load_lora_adapter)")\
+        in log, log
 
 
 @pytest.fixture
