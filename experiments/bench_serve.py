@@ -16,17 +16,27 @@ arrivals the batches depend on timing, so a replay can meet a padded shape the
 previous one did not), and the XLA compilations that still fall in the timed
 run are counted and reported (with the steps that waited for one).
 
+With `--lora-adapters N`, more runs of (a) serve the trace with request i
+using adapter i mod N (freshly initialized, rank `--lora-rank`, on every
+linear weight), one run per `--max-loras` value: with fewer slots than
+adapters, the others wait in host memory and are written into a slot when a
+step needs them; the slot writes and their time are reported.
+
     python experiments/bench_serve.py                       # SmolLM2-135M, 64 requests at once
     python experiments/bench_serve.py --arrival poisson --rate 4
     python experiments/bench_serve.py --model tiny --num-requests 16 --hf-requests 0   # smoke run
+    python experiments/bench_serve.py --lora-adapters 8 --max-loras 1 2 4 8 --hf-requests 0
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import tempfile
 import time
 
+import jax
 import numpy as np
 
 from jmem.serve.draft import load_draft
@@ -69,6 +79,12 @@ class Config:
     """Draft model (preset, .gguf path or model directory with the model's vocabulary) for the speculation run."""
     speculative_layers: tuple[int, ...] = ()
     """Draft made of a copy of these layers of the model, for the speculation run."""
+    lora_adapters: int = 0
+    """> 0 adds runs of (a) where request i uses adapter i mod N of this many LoRA adapters."""
+    lora_rank: int = 16
+    """Rank of the --lora-adapters (on every linear weight)."""
+    max_loras: tuple[int, ...] = ()
+    """Device adapter slots, one run each (default: 1 and --lora-adapters)."""
 
 
 def check(cfg: Config) -> None:
@@ -88,6 +104,12 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--temperature={cfg.temperature}; accepted: 0..2")
     if not 0 <= cfg.hf_requests <= cfg.num_requests:
         raise ValueError(f"--hf-requests={cfg.hf_requests}; accepted: 0..{cfg.num_requests} (--num-requests)")
+    if cfg.lora_adapters < 0 or cfg.lora_rank < 1:
+        raise ValueError(f"--lora-adapters={cfg.lora_adapters} --lora-rank={cfg.lora_rank}; accepted: "
+                         "--lora-adapters >= 0 and --lora-rank >= 1")
+    if cfg.max_loras and (not cfg.lora_adapters or min(cfg.max_loras) < 1):
+        raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))}; accepted: slot counts >= 1, with "
+                         "--lora-adapters > 0")
     if cfg.num_blocks is not None and cfg.num_blocks < 1:
         raise ValueError(f"--num-blocks={cfg.num_blocks}; accepted: an integer >= 1, or unset (enough for the trace)")
 
@@ -131,9 +153,17 @@ COMPILES = CompileClock()
 
 def time_steps(engine: Engine) -> dict:
     """Time the engine's runner steps, split into steps that prefill (a sequence computes several
-    tokens) and decode-only steps: {kind: [steps, seconds]}."""
-    split = {"prefill": [0, 0.0], "decode": [0, 0.0]}
-    step = engine.runner.step
+    tokens) and decode-only steps, and the LoRA slot writes before steps: {kind: [count, seconds]}."""
+    split = {"prefill": [0, 0.0], "decode": [0, 0.0], "slot writes": [0, 0.0]}
+    step, load_adapters = engine.runner.step, engine.runner.load_adapters
+
+    def timed_load(names):
+        start, loads = time.monotonic(), engine.runner.adapter_slots.num_loads
+        load_adapters(names)
+        if engine.runner.adapter_slots.num_loads > loads:
+            jax.block_until_ready(engine.runner.state)
+            split["slot writes"][0] += engine.runner.adapter_slots.num_loads - loads
+            split["slot writes"][1] += time.monotonic() - start
 
     def timed(out):
         start = time.monotonic()
@@ -144,6 +174,7 @@ def time_steps(engine: Engine) -> dict:
         return res
 
     engine.runner.step = timed
+    engine.runner.load_adapters = timed_load
     return split
 
 
@@ -152,8 +183,9 @@ def runners(engine: Engine) -> list:
     return [engine.runner] + ([engine.drafter.runner] if engine.drafter is not None else [])
 
 
-def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
-    """Replay `trace` stepping the engine inline; per-token timestamps from the streams."""
+def run_engine(engine: Engine, trace, temperature: float = 0.0, adapters: list | None = None) -> dict:
+    """Replay `trace` stepping the engine inline; per-token timestamps from the streams. `adapters`: the
+    LoRA adapter of each request (None: the base model for all)."""
     split = time_steps(engine)
     compiles0, compile_s0 = COMPILES.count, COMPILES.seconds
     t0 = time.monotonic()
@@ -165,7 +197,7 @@ def run_engine(engine: Engine, trace, temperature: float = 0.0) -> dict:
             i = pending.pop(0)
             _, prompt, out = trace[i]
             sp = SamplingParams(max_tokens=out, temperature=temperature, seed=i, ignore_eos=True)
-            streams[i] = engine.add_request(prompt, sp)
+            streams[i] = engine.add_request(prompt, sp, adapter=None if adapters is None else adapters[i])
             times[i] = [trace[i][0]]
         if not engine.has_unfinished():
             time.sleep(min(0.01, max(0.0, trace[pending[0]][0] - now)))
@@ -229,6 +261,19 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
             "kv_util": float("nan"), "preemptions": 0, "compilations": 0, "steps": None}
 
 
+def write_adapters(model, n: int, rank: int, folder: str) -> dict[str, str]:
+    """`n` freshly initialized adapters of `rank` on every linear weight of `model`, saved in `folder`
+    ({name: path}); their B starts at zero as in training, which costs the same compute as trained ones."""
+    from jmem.lora import LINEAR_TARGETS, apply_lora, save_adapters
+
+    targets = [t for t in LINEAR_TARGETS if hasattr(model.layers, t)]
+    modules = {}
+    for i in range(n):
+        modules[f"lora{i}"] = os.path.join(folder, f"lora{i}.npz")
+        save_adapters(apply_lora(model, rank, targets=targets, seed=i), modules[f"lora{i}"])
+    return modules
+
+
 def pct(xs, q):
     return 1000 * float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -255,31 +300,41 @@ def main(cfg: Config) -> None:
     longest = max(len(p) + o for _, p, o in trace)
     blocks = cfg.num_blocks or sum(-(-(len(p) + o) // cfg.block_size) for _, p, o in trace)
     rows = {}
-    runs = [("(a) jmem continuous batching", False, 0), ("(b) jmem static batching", True, 0)]
+    runs = [("(a) jmem continuous batching", False, 0, None), ("(b) jmem static batching", True, 0, None)]
     draft = load_draft(model, cfg.speculative_model, cfg.speculative_layers, compute_dtype=cfg.compute_dtype)
     if cfg.num_speculative_tokens:
         how = ("n-gram" if draft is None else f"{draft.config.n_layers}-layer draft"
                + (f" {cfg.speculative_model}" if cfg.speculative_model else " (the model's layers)"))
-        runs.append((f"(a) + {how} speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens))
-    for name, static, k in runs:
+        runs.append((f"(a) + {how} speculation, k={cfg.num_speculative_tokens}", False, cfg.num_speculative_tokens,
+                     None))
+    N = cfg.lora_adapters
+    for slots in (cfg.max_loras or sorted({1, N})) if N else ():
+        runs.append((f"(a) + {N} LoRA adapters (rank {cfg.lora_rank}) in {slots} slot{'s' * (slots > 1)}", False, 0,
+                     slots))
+    adapter_dir = tempfile.TemporaryDirectory(prefix="bench_serve_lora_")
+    modules = write_adapters(model, N, cfg.lora_rank, adapter_dir.name)
+    adapters = [f"lora{i % N}" for i in range(len(trace))] if N else None
+    for name, static, k, slots in runs:
         ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
                             kv_cache_dtype=cfg.kv_cache_dtype, num_blocks=blocks, static_batching=static,
-                            enable_prefix_caching=False, num_speculative_tokens=k)
+                            enable_prefix_caching=False, num_speculative_tokens=k, max_loras=slots,
+                            max_lora_rank=cfg.lora_rank)
         def fresh_engine():
-            engine = Engine(model, tok, ecfg, draft_model=draft if k else None)
+            engine = Engine(model, tok, ecfg, draft_model=draft if k else None,
+                            lora_modules=modules if slots else None)
             engine.precompile()
             return engine
 
         for _ in range(3):  # warm-up: compiles the shapes the timed run uses
             compiles0 = COMPILES.count
             engine = fresh_engine()
-            run_engine(engine, trace, cfg.temperature)
+            run_engine(engine, trace, cfg.temperature, adapters if slots else None)
             for runner in runners(engine):
                 runner.finish_compilations()
             if COMPILES.count == compiles0:
                 break
-        rows[name] = run_engine(fresh_engine(), trace, cfg.temperature)
+        rows[name] = run_engine(fresh_engine(), trace, cfg.temperature, adapters if slots else None)
         print(name, {k: v for k, v in rows[name].items() if k not in ("ttft", "itl", "steps")}, flush=True)
     if cfg.hf_requests:
         hf = run_hf(cfg, trace, model_path, mcfg)
@@ -295,13 +350,13 @@ def main(cfg: Config) -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['tok_s']:.1f} | {pct(r['ttft'], 50):.0f} / {pct(r['ttft'], 99):.0f} | "
               f"{pct(r['itl'], 50):.1f} / {pct(r['itl'], 99):.1f} | {r['kv_util']:.1%} | {r['preemptions']:.0f} |")
-    print("\n| run | prefill steps: count / s | decode-only steps: count / s | compilations in the timed run: count / s "
-          "(steps that waited) |\n|---|---|---|---|")
+    print("\n| run | prefill steps: count / s | decode-only steps: count / s | LoRA slot writes: count / s | "
+          "compilations in the timed run: count / s (steps that waited) |\n|---|---|---|---|---|")
     for name, r in rows.items():
         if r["steps"]:
-            (np_, tp), (nd, td) = r["steps"]["prefill"], r["steps"]["decode"]
-            print(f"| {name} | {np_} / {tp:.1f} | {nd} / {td:.1f} | {r['compiled_in_run']} / {r['compile_s']:.1f} "
-                  f"({r['blocking_compilations']}) |")
+            (np_, tp), (nd, td), (nw, tw) = (r["steps"][k] for k in ("prefill", "decode", "slot writes"))
+            print(f"| {name} | {np_} / {tp:.1f} | {nd} / {td:.1f} | {nw} / {tw:.2f} | {r['compiled_in_run']} / "
+                  f"{r['compile_s']:.1f} ({r['blocking_compilations']}) |")
     for name, r in rows.items():
         if r.get("spec_proposed"):
             print(f"\n{name}: {r['spec_accepted']} of {r['spec_proposed']} proposed tokens accepted; "

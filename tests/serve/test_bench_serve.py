@@ -24,6 +24,10 @@ def _bench_serve():
     (dict(hf_requests=65), "--hf-requests=65; accepted: 0..64"),
     (dict(num_blocks=0), "--num-blocks=0; accepted: an integer >= 1, or unset"),
     (dict(num_blocks=-1), "--num-blocks=-1; accepted: an integer >= 1, or unset"),
+    (dict(lora_adapters=-1), "--lora-adapters=-1 --lora-rank=16; accepted: --lora-adapters >= 0 and --lora-rank >= 1"),
+    (dict(lora_adapters=2, lora_rank=0), "--lora-adapters=2 --lora-rank=0; accepted"),
+    (dict(max_loras=(2,)), "--max-loras 2; accepted: slot counts >= 1, with --lora-adapters > 0"),
+    (dict(lora_adapters=2, max_loras=(1, 0)), "--max-loras 1 0; accepted: slot counts >= 1"),
 ])
 def test_bad_flags_are_refused_before_loading(change, message):
     mod = _bench_serve()
@@ -38,3 +42,17 @@ def test_bench_serve_smoke(capsys):
                         hf_requests=0))
     out = capsys.readouterr().out
     assert "| (a) jmem continuous batching |" in out and "| (b) jmem static batching |" in out
+
+
+@pytest.mark.slow
+def test_bench_serve_with_more_lora_adapters_than_slots(capsys):
+    """Three adapters in one slot take turns (slot writes counted), in three slots never move."""
+    mod = _bench_serve()
+    mod.main(mod.Config(model="tiny", num_requests=6, prompt_len=(4, 20), output_len=(2, 6), max_num_seqs=4,
+                        hf_requests=0, lora_adapters=3, lora_rank=4))
+    out = capsys.readouterr().out
+    writes = {slots: re.search(rf"\| \(a\) \+ 3 LoRA adapters \(rank 4\) in {slots} \| \d+ / [\d.]+ \| "
+                               rf"\d+ / [\d.]+ \| (\d+) / ", out) for slots in ("1 slot", "3 slots")}
+    one, three = writes.values()
+    assert one and three, out
+    assert int(one.group(1)) >= 2 and int(three.group(1)) == 0
