@@ -384,7 +384,8 @@ def save_adapters(model, path) -> None:
 def read_adapters(path) -> tuple[dict, dict]:
     """(per-target metadata, arrays) of a file written by `save_adapters`, checked: one ValueError
     naming the file and what is wrong (missing, a directory, not such a file, metadata without a
-    positive integer rank, a finite alpha and a boolean rslora, arrays absent or of another rank)."""
+    positive integer rank, a finite alpha and a boolean rslora, arrays absent, of another rank, not real
+    floating point or not finite)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: an .npz file written by "
@@ -418,6 +419,12 @@ def read_adapters(path) -> tuple[dict, dict]:
         if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != rank or b.shape[-2] != rank:
             raise ValueError(f"adapter {path!r}: {name} A {a.shape} and B {b.shape} are not of its rank {rank}; "
                              "accepted: A [..., in, rank] and B [..., rank, out]")
+        for key, x in ((f"{name}.lora_a", a), (f"{name}.lora_b", b)):
+            if not np.issubdtype(x.dtype, np.floating):
+                raise ValueError(f"adapter {path!r}: {key} holds {x.dtype} values; accepted: real floating-point "
+                                 "arrays (as save_adapters writes)")
+            if not np.isfinite(x).all():  # one NaN would reach every row of a batched MultiLoRA matmul
+                raise ValueError(f"adapter {path!r}: {key} holds NaN or infinite values; accepted: finite weights")
     return meta, arrays
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,7 +29,7 @@ from jmem.serve.middleware import JSONBodies, RequireAPIKey
 from jmem.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest, chat_dicts,
                                  check_text, choice_seed)
-from jmem.serve.request import ContextTooLong
+from jmem.serve.request import ContextTooLong, UnknownAdapter
 
 log = logging.getLogger("jmem.serve")
 
@@ -231,6 +231,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                 except ValueError as e:
                     for s in streams:
                         engine.abort(s.request_id)
+                    if isinstance(e, UnknownAdapter):  # unloaded since check_model
+                        raise APIError(404, str(e), "model", code="model_not_found") from None
                     message = e.describe(max_tokens_param) if isinstance(e, ContextTooLong) else str(e)
                     param = getattr(e, "param", None)
                     param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param)
@@ -262,7 +264,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                 if o.finished:
                     pending.discard(i)
                 if o.error:
-                    raise APIError(500, o.error)
+                    if o.error_param == "model":  # its adapter was unloaded before it started
+                        raise APIError(404, o.error, "model", code="model_not_found")
+                    raise APIError(500 if o.error_param is None else 400, o.error, o.error_param)
                 yield i, o
         finally:
             for t in tasks:
@@ -322,6 +326,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         for ids in prompts:
             try:
                 out.append(list(zip(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, k, **lora(adapter)))))
+            except UnknownAdapter as e:
+                raise APIError(404, str(e), "model", code="model_not_found") from None
             except ValueError as e:
                 raise APIError(400, str(e), param) from None
         return out
@@ -386,9 +392,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             raise APIError(404, f"{request.url.path} is off on this server; accepted: a server started with "
                            "--allow-runtime-lora")
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
-        check_runtime_lora(request)
+    # The route's check runs before the body's: a server without the flag says so whatever the body.
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_runtime_lora)])
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         name = body.lora_name
         if name == model_name or name in adapters():
             what = "the base model's name" if name == model_name else "already loaded"
@@ -396,12 +402,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         try:  # reading the file takes a while: off the event loop
             await asyncio.to_thread(engine.load_adapter, name, body.lora_path)
         except ValueError as e:
-            raise APIError(400, str(e), "lora_path") from None
+            raise APIError(400, str(e), getattr(e, "param", None) or "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
-        check_runtime_lora(request)
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(check_runtime_lora)])
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         try:
             await asyncio.to_thread(engine.unload_adapter, body.lora_name)
         except LookupError as e:

@@ -29,7 +29,7 @@ from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, read_adapter, stack_adapters
 from jmem.serve.ngram import check_speculative_args
-from jmem.serve.request import Request, RequestError, SamplingParams, Status, check_fits
+from jmem.serve.request import Request, RequestError, SamplingParams, Status, UnknownAdapter, check_fits
 from jmem.serve.runner import ModelRunner, kv_cache_budget, resident_bytes
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 from jmem.serve.tensor_parallel import state_shardings
@@ -112,6 +112,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # the request field at fault (None: the engine failed, not the request)
 
 
 class RequestStream:
@@ -340,11 +341,15 @@ class Engine:
         does not fit the slots (its rank, targets or shapes)."""
         self._check_runtime_lora()
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"LoRA adapter name {name!r}; accepted: a non-empty string")
+            raise RequestError(f"LoRA adapter name {name!r}; accepted: a non-empty string", "lora_name")
         if name in self.adapters:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded; accepted: a new name, or unload it first")
+            raise RequestError(f"LoRA adapter {name!r} is already loaded; accepted: a new name, or unload it first",
+                               "lora_name")
         info = read_adapter(name, path, self.runner.state, self.config.max_lora_rank, next(self._adapter_versions))
-        self.runner.add_adapter(info)
+        try:
+            self.runner.add_adapter(info)
+        except ValueError as e:  # the same name loaded by another thread meanwhile
+            raise RequestError(str(e), "lora_name") from None
         log.info("LoRA adapter %s (rank %d, %s) loaded", name, info.rank, path)
 
     def unload_adapter(self, name: str) -> None:
@@ -452,10 +457,11 @@ class Engine:
                 info = self.adapters.get(a.adapter_id)
                 try:
                     if a.adapter_id is not None and (info is None or info.version != a.adapter_version):
-                        raise ValueError(f"LoRA adapter {a.adapter_id!r} was unloaded before the request started")
+                        raise UnknownAdapter(f"LoRA adapter {a.adapter_id!r} was unloaded before the request started")
                     self.scheduler.add_request(a)
                 except ValueError as e:
-                    b.put(RequestOutput(a.request_id, "", [], finished=True, finish_reason="error", error=str(e)))
+                    b.put(RequestOutput(a.request_id, "", [], finished=True, finish_reason="error", error=str(e),
+                                        error_param=getattr(e, "param", None)))
                     continue
                 self._streams[a.request_id] = b
                 self._detok[a.request_id] = _Detok(self.tokenizer, a.params)
@@ -594,7 +600,8 @@ class Engine:
                 if o.finished:
                     break
             results.append(RequestOutput(s.request_id, "".join(text), ids, lps, True, o.finish_reason,
-                                         o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, o.error))
+                                         o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, o.error,
+                                         o.error_param))
         return results
 
     # ------------------------------------------------------------------ background loop

@@ -137,8 +137,9 @@ jax.tree_util.register_pytree_with_keys_class(MultiLoRA)
 def _delta_onehot(x_ND, a_SDR, b_SRO, slots_N):
     S, _, R = a_SDR.shape
     h_NSR = jnp.einsum("nd,sdr->nsr", x_ND, a_SDR.astype(x_ND.dtype), preferred_element_type=jnp.float32)
-    keep_NS = jax.nn.one_hot(slots_N, S, dtype=jnp.float32)  # slot -1: an all-zero row
-    h_NSR = (h_NSR * keep_NS[:, :, None]).astype(x_ND.dtype)
+    keep_NS = slots_N[:, None] == jnp.arange(S)[None, :]  # slot -1: no column kept
+    # A select, not a product with the one-hot: another slot's overflow (inf * 0) cannot reach this row.
+    h_NSR = jnp.where(keep_NS[:, :, None], h_NSR, 0.0).astype(x_ND.dtype)
     return jnp.einsum("nsr,sro->no", h_NSR, b_SRO.astype(x_ND.dtype), preferred_element_type=jnp.float32)
 
 

@@ -19,6 +19,13 @@ class RequestError(ValueError):
         self.param = param
 
 
+class UnknownAdapter(RequestError):
+    """A request for a LoRA adapter the engine does not serve (any more); its field is the model."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "model")
+
+
 class ContextTooLong(RequestError):
     """prompt + max_tokens beyond the most tokens one request may hold."""
 

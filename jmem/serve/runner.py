@@ -45,7 +45,7 @@ from jmem.serve.lora import BASE_SLOT, AdapterInfo, MultiLoRA, with_slots
 from jmem.serve.lora_slots import AdapterSlots, state_with_adapters
 from jmem.serve.paged_cache import PagedKVCache, kv_bytes_per_token
 from jmem.serve.paged_decode import chunk_pages
-from jmem.serve.request import SamplingParams
+from jmem.serve.request import SamplingParams, UnknownAdapter
 from jmem.serve.scheduler import SchedulerOutput
 from jmem.serve.spec_decode import NO_DRAFT, verify_rows
 from jmem.serve.step_layout import TILE, build_layout, decode_shape, tiles_needed
@@ -349,10 +349,10 @@ class ModelRunner:
                               rows, _abstract(sarr), rows).compile()
 
     def check_adapter(self, adapter_id: str | None) -> None:
-        """ValueError if `adapter_id` is neither None (the base model) nor one of the adapters."""
+        """`UnknownAdapter` (a ValueError) if `adapter_id` is neither None (the base model) nor one of the adapters."""
         if adapter_id is not None and adapter_id not in self.adapters:
             known = ", ".join(self.adapters) or "none loaded"
-            raise ValueError(f"unknown LoRA adapter {adapter_id!r}; accepted: {known}")
+            raise UnknownAdapter(f"unknown LoRA adapter {adapter_id!r}; accepted: {known}")
 
     def slot_of(self, adapter_id: str | None) -> int:
         """The slot serving `adapter_id` now (BASE_SLOT for None); the adapter must be resident."""

@@ -75,6 +75,20 @@ def test_engine_error_mid_stream_is_an_sse_error_then_done(path, body):
     assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
 
 
+def test_a_request_whose_adapter_went_away_is_a_404():
+    """A request the engine fails because its LoRA adapter was unloaded after the request was checked (the
+    engine names the `model` field): 404 model_not_found, not a 500."""
+    def unloaded(rid, _ids):
+        return [RequestOutput(rid, "", [], finished=True, finish_reason="error", error_param="model",
+                              error="LoRA adapter 'x' was unloaded before the request started")]
+
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), unloaded), "m"))
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "LoRA adapter 'x' was unloaded before the request started", "type": "not_found_error",
+        "param": "model", "code": "model_not_found"}
+
+
 def test_an_unexpected_exception_is_a_500_in_openai_shape():
     """A bug in a route (here the engine raising a TypeError) answers 500 with OpenAI's error body,
     not Starlette's plain 'Internal Server Error'."""

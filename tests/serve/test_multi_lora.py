@@ -73,6 +73,22 @@ def test_batched_dot_matches_each_adapter_alone(impl, quantized):
         np.testing.assert_allclose(y[rows], np.asarray(dot(x, single))[rows], rtol=1e-5, atol=1e-5)
 
 
+def test_an_adapter_that_overflows_leaves_the_other_rows_alone():
+    """Slot 1's huge (finite) A overflows x @ A to inf; rows of slot 0 and base rows stay exact."""
+    D, O, R = 16, 8, 4
+    ks = jax.random.split(jax.random.key(3), 4)
+    w = jax.random.normal(ks[0], (D, O))
+    a = jnp.stack([jax.random.normal(ks[1], (D, R)), jnp.full((D, R), 1e38)])
+    b = jax.random.normal(ks[2], (2, R, O))
+    x = jax.random.normal(ks[3], (6, D))
+    slots = jnp.array([0, 1, -1, 0, 1, -1])
+    y = np.asarray(dot(x, MultiLoRA(w, a, b).with_slots(slots)))
+    keep = np.asarray(slots) != 1
+    assert np.isfinite(y[keep]).all()
+    np.testing.assert_allclose(y[keep], np.asarray(x @ w + (x @ a[0]) @ b[0] * (slots >= 0)[:, None])[keep],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_batched_dot_temp_memory_does_not_grow_beyond_the_stacked_adapters():
     """Compiler-measured temp bytes of the one-hot dot on 256 tokens of a 576 x 576 weight, rank 16:
     going from 2 to 8 adapters adds less temp memory than the 6 extra adapters' own weights, and far

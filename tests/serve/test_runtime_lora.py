@@ -1,5 +1,6 @@
 """LoRA adapters loaded and unloaded while serving: the engine, the slots, the HTTP routes."""
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from flax import nnx
@@ -115,7 +116,7 @@ def test_unloading_waits_for_no_request_and_cuts_none_short(model, files, want):
     engine.runner.add_adapter(read_adapter("b", files["a"], engine.runner.state, 8, version=99))
     engine.run_until_idle()
     o = stream.get()
-    assert o.finished and o.finish_reason == "error" and o.error == \
+    assert o.finished and o.finish_reason == "error" and o.error_param == "model" and o.error == \
         "LoRA adapter 'b' was unloaded before the request started"
     assert engine.kv.pool.num_used == 0
 
@@ -130,6 +131,15 @@ def test_runtime_loading_refusals(model, files, tmp_path):
     with pytest.raises(ValueError, match=r"adapter 'x' \(.*\) has wk A \(2, 32, 2\), B .* which do not fit the "
                                          r"model's wk weight \(2, 64, 32\)"):
         engine.load_adapter("x", str(random_adapter(other, tmp_path / "x.npz", 4, 2, ("wk",))))
+    bad = dict(np.load(files["c"]))
+    for key, value, message in (("wk.lora_a", np.nan, "NaN or infinite values; accepted: finite weights"),
+                                ("w_gate.lora_b", np.inf, "NaN or infinite values"),
+                                ("wk.lora_b", 1j, r"complex\d+ values; accepted: real floating-point arrays")):
+        broken = {**bad, key: bad[key] + 0 * value}  # complex for 1j
+        broken[key].flat[0] = value
+        np.savez(tmp_path / "bad.npz", **broken)
+        with pytest.raises(ValueError, match=rf"adapter '.*bad.npz': {key} holds {message}"):
+            engine.load_adapter("bad", str(tmp_path / "bad.npz"))
     for name in ("", None, 3):
         with pytest.raises(ValueError, match=f"LoRA adapter name {name!r}; accepted: a non-empty string"):
             engine.load_adapter(name, files["c"])
@@ -176,6 +186,8 @@ def test_http_routes_load_and_unload(model, files, want):
         assert e["param"] == "lora_path" and "'/nonexistent.npz' does not exist" in e["message"]
         e = error("/v1/load_lora_adapter", {"lora_name": "x"}, 400)
         assert e["param"] == "lora_path"
+        e = error("/v1/load_lora_adapter", {"lora_name": " ", "lora_path": files["a"]}, 400)
+        assert e["param"] == "lora_name" and e["message"] == "LoRA adapter name ' '; accepted: a non-empty string"
         e = error("/v1/unload_lora_adapter", {"lora_name": "x"}, 404)
         assert e["code"] == "model_not_found" and e["message"] == "LoRA adapter 'x' is not loaded; loaded: sql"
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
@@ -187,9 +199,10 @@ def test_http_routes_load_and_unload(model, files, want):
 
     fixed = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=40, **SMALL))
     with TestClient(create_app(fixed, "m")) as client:
-        r = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": files["b"]})
-        assert r.status_code == 404 and r.json()["error"]["message"] == (
-            "/v1/load_lora_adapter is off on this server; accepted: a server started with --allow-runtime-lora")
+        for body in ({"lora_name": "sql", "lora_path": files["b"]}, {}):  # whatever the body
+            r = client.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 404 and r.json()["error"]["message"] == (
+                "/v1/load_lora_adapter is off on this server; accepted: a server started with --allow-runtime-lora")
 
 
 def test_runtime_loading_under_tensor_parallelism(model, files, want):
