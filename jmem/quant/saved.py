@@ -21,11 +21,15 @@ never dequantizes: `jmem.load(DIR)` runs on the packed weights.
 
 Float leaves that stay unquantized (the embedding, an untied output head,
 the stacked norm scales) are stored no wider than needed, and still exactly:
-a float matrix is kept in the smallest of the GGML types Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0 (blocks along its last axis) and f16, bf16 that gives back every
-value bit for bit, and as it is when none does. A model read from a GGUF file whose embedding was Q8_0
-(SmolLM2's) so stores it in 8.5 bits a value, not the 32 of the float32 it
-was decoded to, and `jmem.load(DIR)` decodes it to the same float32 values.
+a float matrix is kept in the smallest of the GGML types Q4_0, Q4_K, Q4_1,
+Q5_0, Q5_1, Q8_0 (blocks of 32, or 256 for Q4_K, along its last axis) and
+f16, bf16 that gives back every value bit for bit, and as it is when none
+does. A model read from a GGUF file whose embedding was Q8_0 (SmolLM2's) so
+stores it in 8.5 bits a value, not the 32 of the float32 it was decoded to,
+and `jmem.load(DIR)` decodes it to the same float32 values; a Q4_K embedding
+(as in the Q4_K_M presets) stays Q4_K. The other K-quants are not tried:
+encoding their decoded values again seldom lands on the original scales, so
+it rarely gives the same values back.
 The manifest names such an array's stored form (`"stored_as"`); the format
 version is 2 when one is present, else 1 (which older readers also read).
 
@@ -54,8 +58,8 @@ from jmem.models.config import LlamaConfig
 FORMAT = "jmem-quantized-model"
 FORMAT_VERSION = 2  # 2: arrays may be stored narrower ("stored_as"); a directory without such arrays is 1
 SUPPORTED_VERSIONS = (1, 2)
-# Narrower exact forms tried for float matrices, smallest first (GGML blocks of 32 along the last axis).
-NARROW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Narrower exact forms tried for float matrices, fewest bits a value first (GGML blocks along the last axis).
+NARROW_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 NARROW_FLOATS = ("float16", "bfloat16")
 _PROBE_ROWS = 64  # a form is tried on the whole matrix only once it reproduces these rows
 MANIFEST = "jmem_model.json"
@@ -140,12 +144,13 @@ def _decode_narrow(stored: np.ndarray, form: str, shape, dtype) -> np.ndarray:
 
 def _narrow_form(a: np.ndarray, form: str) -> np.ndarray | None:
     """`a` in `form` when that gives back every value of `a` bit for bit, else None."""
+    from jmem.quant.ggml import FORMATS, resolve_qtype
     from jmem.quant.ggml_quantize import quantize
 
     if form in NARROW_FLOATS:
         stored = a.astype(jnp.dtype(form))
     else:
-        if a.shape[-1] % 32:
+        if a.shape[-1] % FORMATS[resolve_qtype(form)].block_size:
             return None
         stored = quantize(a.astype(np.float32), form)
     back = _decode_narrow(stored, form, a.shape, a.dtype)

@@ -203,6 +203,22 @@ def test_smollm2_rtn4_dir_matches_in_memory(tmp_path):
         in_memory.generate(["The capital of France is"], max_new_tokens=8)
 
 
+def test_embedding_decoded_from_q4_k_is_stored_as_q4_k(tmp_path):
+    """A GGUF whose embedding (256 wide: whole K-quant blocks) is Q4_K, as in the Q4_K_M presets: the
+    quantized directory stores those blocks and loads the same float32 values back."""
+    cfg = LlamaConfig.tiny(dim=256, n_heads=4, n_kv_heads=2, ffn_dim=256, norm_eps=float(np.float32(1e-5)))
+    src = tmp_path / "src.gguf"
+    write_gguf(str(src), cfg, random_model(cfg, 2), tokenizer_metadata=byte_tokenizer_metadata(),
+               qtype_by_tensor={"token_embd.weight": "Q4_K"})
+    src_lm = jmem.load(str(src))
+    qmodel = quantize(src_lm.model, "rtn", bits=4, group_size=32)
+    save_quantized(tmp_path / "q", qmodel, tokenizer=src_lm.tokenizer)
+    manifest = json.loads((tmp_path / "q" / MANIFEST).read_text())
+    leaf = manifest["leaves"]["embed.embedding"]
+    assert leaf["stored_as"] == "Q4_K" and leaf["dtype"] == "float32"
+    assert_same_state(qmodel, jmem.load(str(tmp_path / "q")).model)
+
+
 def test_float_embedding_is_stored_no_wider_than_needed(tiny, tmp_path):
     """An embedding read from a Q8_0 GGUF is stored as those Q8_0 blocks (8.5 bits a value, not the 32 of the
     float32 it was decoded to) and loads back bit for bit, generating as before; a float embedding that no
