@@ -32,6 +32,13 @@ def check_bool(name: str, value) -> None:
         raise ValueError(f"{name}={value!r}; accepted: True or False")
 
 
+def check_optimizer(tx, name: str = "optimizer") -> None:
+    """ValueError unless `tx` is an optax transformation (an object with `init` and `update`)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise ValueError(f"{name}={tx!r:.80}; accepted: an optax.GradientTransformation, e.g. optax.adamw(1e-3) or "
+                         "jmem.optim.make_optimizer('adafactor', 1e-3)")
+
+
 def is_number(value) -> bool:
     """A Python or NumPy integer or float, not a bool (finiteness is the caller's to check)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

@@ -324,7 +324,8 @@ class OffloadedTrainStep:
             is a shard of the host mesh (`host_mesh`).
         params: "none" or "host" (layer parameters in host memory, fetched per layer).
         disk: a `jmem.memory.disk_offload.DiskOptimizer` to run the update from files
-            instead of host arrays (ZeRO-Infinity); then `state.opt_state` is its small handle.
+            instead of host arrays (ZeRO-Infinity); then `state.opt_state` is its small handle, so `fns`
+            must be built with `jmem.memory.disk_offload.placeholder_transform()` as its optimizer.
 
     Raises:
         OffloadError: a multi-process run, ZeRO-3 (its parameters are gathered per layer on
@@ -337,10 +338,22 @@ class OffloadedTrainStep:
         if jax.process_count() > 1:
             raise OffloadError("optimizer offload runs in one process; got "
                                f"{jax.process_count()} processes (drop the offload flags or run one process)")
+        from jmem.parallel.zero import check_stage
+
+        zero = check_stage(zero)
+        if mesh is not None:
+            from jmem.parallel.mesh import check_mesh
+
+            check_mesh(mesh)
         if mesh is not None and zero >= 3:
-            raise OffloadError("optimizer offload with --zero 3 is not supported (the step gathers sharded "
-                               "parameters per layer on device); accepted: --zero 0, 1 or 2, with "
-                               "--offload-params host to keep the layer parameters in host memory")
+            raise OffloadError("optimizer offload with ZeRO-3 (zero=3, --zero 3) is not supported (the step gathers "
+                               "sharded parameters per layer on device); accepted: zero 0, 1 or 2, with "
+                               "params='host' (--offload-params host) to keep the layer parameters in host memory")
+        if disk is not None and not hasattr(abstract_state.opt_state, "updates"):
+            raise OffloadError("disk offload needs train functions built with the optimizer "
+                               "jmem.memory.disk_offload.placeholder_transform() (the state then holds a small "
+                               "handle; DiskOptimizer holds the real optimizer); got an optimizer state of type "
+                               f"{type(abstract_state.opt_state).__name__}")
         if fns.grads is None or fns.update is None:
             raise OffloadError("these train functions have no grads/update halves (build them with "
                                "jmem.train.make_train_fns)")

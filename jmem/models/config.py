@@ -113,6 +113,12 @@ class LlamaConfig:
 
         if self.attention_impl not in IMPLS:
             raise ValueError(f"LlamaConfig.attention_impl={self.attention_impl!r}; accepted: {', '.join(IMPLS)}")
+        from jmem.memory.remat import validate as validate_remat
+
+        try:
+            validate_remat(self.remat)
+        except ValueError as e:
+            raise ValueError(f"LlamaConfig.remat: {e}") from None
         if self.moe_experts < 0:
             raise ValueError(f"LlamaConfig.moe_experts={self.moe_experts} must be >= 0 (0: dense MLP)")
         if self.moe_experts:

@@ -15,7 +15,8 @@ from jmem.parallel.distributed import (DistributedError, ProcessInfo, check_same
                                       to_global)
 from jmem.parallel.gather import GatheredWeight, gather_on_use
 from jmem.parallel.hlo import collectives
-from jmem.parallel.mesh import AXES, DATA_AXES, MeshError, data_parallel_size, make_mesh, mesh_summary, parse_mesh
+from jmem.parallel.mesh import (AXES, DATA_AXES, MeshError, check_mesh, data_parallel_size, make_mesh, mesh_summary,
+                                parse_mesh)
 from jmem.parallel.pipeline import PipelineError, pipeline, pipeline_hidden, pipeline_lm_loss_fn, split_stages
 from jmem.parallel.pipeline_1f1b import (SCHEDULES, busiest_stage_matmul_flops, check_tick_collectives,
                                          pipeline_1f1b, pipeline_1f1b_lm_loss_fn, pipeline_1f1b_lm_value_and_grad,
@@ -33,7 +34,7 @@ __all__ = [
     "ACTIVATION_AXES", "activation_sharding", "active_activation_sharding", "AXES", "DATA_AXES", "GatheredWeight", "gather_on_use", "DistributedError", "PipelineError", "ProcessInfo", "initialize", "local_value",
     "pipeline", "pipeline_hidden", "pipeline_lm_loss_fn", "split_stages", "to_global", "DEFAULT_RULES", "MeshError", "ParallelState", "Rules", "ShardedTrainStep",
     "ShardingError", "ZERO_STAGES", "ZeroShardings", "ZeroStageError", "batch_sharding", "bytes_per_device",
-    "check_stage", "collectives", "constrain", "constrain_gradients", "data_parallel_size",
+    "check_mesh", "check_stage", "collectives", "constrain", "constrain_gradients", "data_parallel_size",
     "dp_accumulate_value_and_grad", "jit_train_step", "logical_tree", "make_mesh", "make_sharded_train_step",
     "mesh_summary", "model_loss_fn", "model_state_bytes", "parse_mesh", "shard", "shardings", "state_shardings", "zero_model_bytes",
     "zero_shardings",

@@ -44,6 +44,14 @@ class MeshError(ValueError):
     """A mesh spec that does not parse or does not match the devices."""
 
 
+def check_mesh(mesh, name: str = "mesh") -> Mesh:
+    """`mesh` itself when it is a `jax.sharding.Mesh`, else one MeshError naming what was passed."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"{name}={mesh!r:.80}; accepted: a jax.sharding.Mesh, e.g. jmem.parallel.make_mesh('data=8') "
+                        "(make_mesh turns a spec string into one)")
+    return mesh
+
+
 def parse_mesh(spec: "str | Mapping[str, int] | None") -> dict[str, int]:
     """`"data=2,fsdp=-1"` or `{"data": 2, "fsdp": -1}` -> `{"data": 2, "fsdp": -1}` (validated names).
 
@@ -130,7 +138,10 @@ def make_mesh(spec: "str | Mapping[str, int] | None" = None, devices: Sequence |
     Example:
         >>> mesh = make_mesh("fsdp=-1,tensor=2")
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is not None and not isinstance(devices, (list, tuple, np.ndarray)):
+        raise MeshError(f"devices={devices!r:.80}; accepted: a list of devices (e.g. jax.devices()[:4]), or None "
+                        "for all")
+    devices = list(jax.devices() if devices is None else np.ravel(np.asarray(devices, dtype=object)))
     for d, n in collections.Counter(devices).items():
         if n > 1:
             raise MeshError(f"device {d} is given {n} times; accepted: each device at most once")

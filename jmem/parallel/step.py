@@ -49,11 +49,11 @@ try:
 except ImportError:  # older JAX
     from jax.experimental.shard_map import shard_map
 
-from jmem.checks import check_int, loss_pair
+from jmem.checks import check_int, check_optimizer, loss_pair
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.distributed import to_global
 from jmem.parallel.gather import gather_on_use, is_weight_leaf
-from jmem.parallel.mesh import DATA_AXES
+from jmem.parallel.mesh import DATA_AXES, check_mesh
 from jmem.parallel.rules import (Rules, ShardingError, activation_sharding, active_activation_sharding, check_heads,
                                  without_axes)
 from jmem.parallel.zero import (ZeroShardings, check_stage, constrain_gradients, state_shardings, tree_shardings,
@@ -343,6 +343,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         >>> trainer = make_sharded_train_step(loss_fn, optax.adam(1e-3), params, make_mesh("fsdp=8"), zero=3)
         >>> state = trainer.init(params); state, m = trainer.step(state, batch)
     """
+    check_mesh(mesh)
+    check_optimizer(optimizer)
     stage = check_stage(zero)
     check_int("accum", accum, 1)
     rules = Rules.parse(rules)
@@ -428,6 +430,11 @@ def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int =
         `(jitted_step, state_shardings, batch_sharding)`; place the initial state with
         `jax.device_put(state, state_shardings)`.
     """
+    check_mesh(mesh)
+    zero = check_stage(zero)
+    if not (hasattr(abstract_state, "params") and hasattr(abstract_state, "opt_state")):
+        raise ValueError(f"abstract_state of type {type(abstract_state).__name__}; accepted: a state with params and "
+                         "opt_state fields, e.g. jax.eval_shape(lambda: fns.init_state(model))")
     sh = state_shardings(abstract_state, mesh, stage=zero, rules=rules, logical_axes=logical_axes)
     batch_sh = NamedSharding(mesh, batch_spec(mesh, rules))
     rep = NamedSharding(mesh, P())

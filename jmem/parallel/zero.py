@@ -40,7 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem.checks import is_int
+from jmem.checks import check_int, is_int
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.mesh import ZERO_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
@@ -261,6 +261,7 @@ def zero_model_bytes(n_params: int, *, stage: int, n: int, param_bytes: int = 4,
                      opt_bytes: int = 8) -> dict[str, float]:
     """The ZeRO paper's per-device model-state bytes: Psi=n_params, K=opt_bytes, N=n devices."""
     stage = check_stage(stage)
+    check_int("n", n, 1)
     return {
         "params": n_params * param_bytes / (n if stage >= 3 else 1),
         "grads": n_params * grad_bytes / (n if stage >= 2 else 1),

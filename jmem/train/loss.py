@@ -120,6 +120,7 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         (ce_sum f32[], count f32[], `jmem.models.moe.MoEStats` averaged over layers, or None
         for a dense model)
     """
+    check_lm_batch(batch)
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
@@ -130,6 +131,23 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         (h_BTE, _), stats = model.hidden(batch["inputs"]), None
     s, c = chunked_cross_entropy(h_BTE, batch["targets"], batch["mask"], model.logits_from_hidden, chunk)
     return s, c, stats
+
+
+def check_lm_batch(batch) -> None:
+    """ValueError unless `batch` is {"inputs", "targets", "mask"} of one [B, T] shape with integer ids
+    (checked on shapes and dtypes, so also while tracing)."""
+    keys = ("inputs", "targets", "mask")
+    if not isinstance(batch, dict) or any(k not in batch for k in keys):
+        got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"language-model batch {got}; accepted: a dict with 'inputs', 'targets' and 'mask' "
+                         "arrays of shape [batch, seq] (jmem.data.Batches makes them)")
+    shapes = {k: tuple(jnp.shape(batch[k])) for k in keys}
+    if len(shapes["inputs"]) != 2 or len(set(shapes.values())) != 1:
+        raise ValueError(f"language-model batch shapes {shapes}; accepted: 'inputs', 'targets' and 'mask' all "
+                         "of one shape [batch, seq]")
+    for k in ("inputs", "targets"):
+        if not jnp.issubdtype(jnp.result_type(batch[k]), jnp.integer):
+            raise ValueError(f"batch[{k!r}] of dtype {jnp.result_type(batch[k])}; accepted: integer token ids")
 
 
 def router_loss(model, stats) -> jax.Array:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jmem.checks import loss_pair
+from jmem.checks import check_optimizer, loss_pair
 from jmem.lora import combine, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite
@@ -141,12 +141,17 @@ def make_train_fns(
     Returns:
         `TrainFns(init_state, step, eval_loss, merge)`.
     """
+    from jmem.parallel.zero import check_stage
+
+    check_optimizer(tx, "tx")
+    zero = check_stage(zero)
     graphdef, _, rest, treedef = split_params(model)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     config = getattr(model, "config", None)
     if mesh is not None:
         from jmem import parallel as par
 
+        par.check_mesh(mesh)
         if hasattr(config, "n_heads"):  # before any trace: a mesh that cuts a head is refused here
             par.check_heads(config.n_heads, config.n_kv_heads, rules, mesh)
         from jmem.parallel.pipeline_1f1b import check_zero_fits_schedule

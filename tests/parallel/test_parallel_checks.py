@@ -175,3 +175,64 @@ def test_train_script_1f1b_with_zero3_passes_the_tick_check_and_matches_one_devi
     got = losses(["--mesh", "stage=2,fsdp=4", "--zero", "3", "--pipeline-stages", "2", "--microbatches", "2",
                   "--pipeline-schedule", "1f1b"])
     np.testing.assert_allclose(got, losses([]), rtol=1e-5)
+
+
+def test_library_entry_points_refuse_bad_arguments_in_one_error(tmp_path):
+    """What a user's own code may pass wrongly: a mesh spec string or None for a mesh, a ZeRO stage out of
+    range (make_train_fns ran such a step before), no optimizer, a params dict for a train state, a single
+    device for a device list, a bad remat policy in the config, disk offload without its placeholder
+    optimizer, and a malformed language-model batch; each is one error naming the value."""
+    from jmem.memory.disk_offload import DiskOptimizer
+    from jmem.memory.offload import OffloadedTrainStep, OffloadError
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    loss_fn, params = par.model_loss_fn(model)
+    mesh = par.make_mesh("data=8")
+    for bad in ("data=8", None):
+        with pytest.raises(par.MeshError, match=re.escape(f"mesh={bad!r}; accepted: a jax.sharding.Mesh, e.g. "
+                                                          "jmem.parallel.make_mesh('data=8')")):
+            par.make_sharded_train_step(loss_fn, optax.sgd(0.1), params, bad)
+    with pytest.raises(par.MeshError, match="mesh='data=8'; accepted: a jax.sharding.Mesh"):
+        make_train_fns(model, optax.sgd(0.1), mesh="data=8")
+    for bad in (5, -1, 2.5, "3", None):
+        with pytest.raises(par.ZeroStageError, match=re.escape(f"zero={bad!r} is not a ZeRO stage; accepted: 0, 1, 2")):
+            make_train_fns(model, optax.sgd(0.1), mesh=mesh, zero=bad)
+    with pytest.raises(ValueError, match=r"optimizer=None; accepted: an optax.GradientTransformation"):
+        par.make_sharded_train_step(loss_fn, None, params, mesh)
+    with pytest.raises(ValueError, match=r"tx=None; accepted: an optax.GradientTransformation"):
+        make_train_fns(model, None)
+    fns = make_train_fns(model, optax.sgd(0.1), mesh=mesh)
+    with pytest.raises(ValueError, match="abstract_state of type dict; accepted: a state with params and opt_state"):
+        par.jit_train_step(fns.step, params, mesh)
+    with pytest.raises(par.ZeroStageError, match="zero=4 is not a ZeRO stage"):
+        par.jit_train_step(fns.step, jax.eval_shape(lambda: fns.init_state(model)), mesh, zero=4)
+    with pytest.raises(par.MeshError, match="devices=CpuDevice.*; accepted: a list of devices"):
+        par.make_mesh("data=1", devices=jax.devices()[0])
+    with pytest.raises(ValueError, match="n=0; accepted: an integer >= 1"):
+        par.zero_model_bytes(100, stage=1, n=0)
+    with pytest.raises(ValueError, match="LlamaConfig.remat: unknown remat policy 'bogus'; accepted: none, full"):
+        LlamaConfig.tiny(remat="bogus")
+
+    plain = make_train_fns(model, optax.adamw(1e-2))
+    abstract = jax.eval_shape(lambda: plain.init_state(model))
+    with pytest.raises(par.ZeroStageError, match="zero=4 is not a ZeRO stage"):
+        OffloadedTrainStep(plain, abstract, mesh=mesh, zero=4)
+    with pytest.raises(OffloadError, match=r"disk offload needs train functions built with the optimizer "
+                                           r"jmem.memory.disk_offload.placeholder_transform\(\)"):
+        OffloadedTrainStep(plain, abstract, disk=DiskOptimizer(optax.adamw(1e-2), abstract.params,
+                                                               str(tmp_path / "opt")))
+
+    ids = jnp.zeros((8, 16), jnp.int32)
+    good = {"inputs": ids, "targets": ids, "mask": jnp.ones((8, 16))}
+    trainer = par.make_sharded_train_step(loss_fn, optax.sgd(0.1), params, mesh)
+    state = trainer.init(params)
+    for batch, message in (
+            ({k: v for k, v in good.items() if k != "mask"}, r"language-model batch \['inputs', 'targets'\]; accepted: "
+                                                              "a dict with 'inputs', 'targets' and 'mask'"),
+            ({**good, "targets": ids[:, :8]}, r"batch shapes \{'inputs': \(8, 16\), 'targets': \(8, 8\), 'mask': "
+                                               r"\(8, 16\)\}; accepted: .* all of one shape \[batch, seq\]"),
+            ({k: v[:, 0] for k, v in good.items()}, r"batch shapes \{'inputs': \(8,\)"),
+            ({**good, "inputs": ids.astype(jnp.float32)}, r"batch\['inputs'\] of dtype float32; accepted: integer")):
+        with pytest.raises(ValueError, match=message):
+            trainer.step(state, batch)
+    trainer.step(state, good)
