@@ -120,11 +120,13 @@ class Rules:
                 raise ShardingError(f"sharding rule for {name!r} is given twice; give each logical axis once")
             seen.add(name)
             table[name] = _mesh_axes(name, axes)
+        for name in extra_names:  # known from now on; without a rule, replicated
+            table.setdefault(name, ())
         given = {name for name, _ in items}
         return cls(tuple(sorted(table.items())), WHERE_DIVISIBLE - given)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
-        """Mesh axes of one logical name (empty for None or unknown names)."""
+        """Mesh axes of one logical name (empty for None or a name without a rule)."""
         if logical is None:
             return ()
         return dict(self.table).get(logical, ())
@@ -138,8 +140,18 @@ class Rules:
         leaves a dimension it does not divide whole.
 
         Raises:
-            ShardingError: `shape[i]` is not divisible by the size of its mesh axes.
+            ShardingError: `shape[i]` is not divisible by the size of its mesh axes, an unknown logical
+                name (a typo would leave the dim whole without a word), or more names than dims.
         """
+        known = dict(self.table)
+        unknown = [a for a in logical_axes if a is not None and a not in known]
+        if unknown:
+            raise ShardingError(f"{name}: unknown logical axis {unknown[0]!r}; accepted: None, one of "
+                                f"{', '.join(known)}, or a name of one's own given to "
+                                "Rules.parse(..., extra_names=...)")
+        if shape is not None and len(logical_axes) != len(shape):
+            raise ShardingError(f"{name}: {len(logical_axes)} logical axes {tuple(logical_axes)} for an array of "
+                                f"shape {tuple(shape)}; accepted: one name (or None) per dim")
         used: set[str] = set()
         out = []
         for i, logical in enumerate(logical_axes):

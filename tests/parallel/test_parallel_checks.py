@@ -236,3 +236,22 @@ def test_library_entry_points_refuse_bad_arguments_in_one_error(tmp_path):
         with pytest.raises(ValueError, match=message):
             trainer.step(state, batch)
     trainer.step(state, good)
+
+
+def test_a_logical_axis_typo_or_count_is_one_sharding_error():
+    """A typo in a logical name left that dim whole without a word; one name too many was XLA's error."""
+    mesh = par.make_mesh("data=8")
+    with pytest.raises(par.ShardingError, match="activation: unknown logical axis 'batchh'; accepted: None, one of "
+                                                "batch, embed, .*extra_names"):
+        par.constrain(jnp.ones((8, 4)), ("batchh", "embed"), None, mesh)
+    with pytest.raises(par.ShardingError, match=r"activation: 3 logical axes \('batch', 'length', 'embed'\) for an "
+                                                r"array of shape \(8, 4\); accepted: one name \(or None\) per dim"):
+        par.constrain(jnp.ones((8, 4)), ("batch", "length", "embed"), None, mesh)
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    _, params = par.model_loss_fn(model)
+    with pytest.raises(par.ShardingError, match="unknown logical axis 'embedd'"):
+        par.shardings(params, None, mesh, logical_axes={"layers.wq.kernel": ("layers", "embedd", "heads")})
+    # A name of one's own, declared: replicated without a rule, split with one.
+    rules = par.Rules.parse("ffn=data", extra_names=("ffn", "own"))
+    assert par.Rules.parse(None, extra_names=("own",)).spec(("own", None)) == P(None, None)
+    assert rules.spec(("ffn", "own"), (8, 4), mesh) == P("data", None)
