@@ -39,6 +39,23 @@ def check_optimizer(tx, name: str = "optimizer") -> None:
                          "jmem.optim.make_optimizer('adafactor', 1e-3)")
 
 
+def check_targets(targets, names) -> tuple:
+    """`targets` (a name, or a list or tuple of names) as a tuple: non-empty, each among `names`, none twice;
+    else one ValueError naming the value and the accepted names."""
+    accepted = f"names among {', '.join(names)}"
+    if not isinstance(targets, (str, list, tuple)):
+        raise ValueError(f"targets={targets!r}; accepted: a name or a list of {accepted}")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets:
+        raise ValueError(f"targets is empty; accepted: {accepted}")
+    for i, name in enumerate(targets):
+        if name not in names:
+            raise ValueError(f"unknown target {name!r}; accepted: {accepted}")
+        if name in targets[:i]:
+            raise ValueError(f"target {name!r} is listed twice in targets={targets}; accepted: distinct {accepted}")
+    return targets
+
+
 def is_number(value) -> bool:
     """A Python or NumPy integer or float, not a bool (finiteness is the caller's to check)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import as_python_scalar, check_bool, is_int, is_number
+from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
 from jmem.sampling import seed_key
@@ -199,17 +199,10 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     Example:
         >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
     """
-    accepted = f"names among {', '.join(LINEAR_TARGETS + ('head',))}"
-    if not isinstance(targets, (str, list, tuple)):
-        raise ValueError(f"targets={targets!r}; accepted: a name or a list of {accepted}")
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    if not targets:
-        raise ValueError(f"targets is empty; accepted: {accepted}")
-    for i, name in enumerate(targets):  # every name and setting checked before any work
+    targets = check_targets(targets, LINEAR_TARGETS + ("head",))
+    for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
-        if name in targets[:i]:
-            raise ValueError(f"target {name!r} is listed twice in targets={targets}; accepted: distinct {accepted}")
     check_settings(alpha, dropout, rslora, dtype)
     check_bool("inplace", inplace)
     key = seed_key(seed, "LoRA seed")
@@ -370,10 +363,19 @@ def adapter_arrays(model) -> dict[str, np.ndarray]:
 
 
 def save_adapters(model, path) -> None:
-    """Write the adapters alone (A, B and their hyper-parameters) to an .npz file."""
+    """Write the adapters alone (A, B and their hyper-parameters) to the .npz file `path` (its folder must
+    exist; an existing file is replaced)."""
     loras = _lora_vars(model)
     if not loras:
         raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
+    path = os.fspath(path)
+    if not path.endswith(".npz"):  # numpy would write PATH.npz, which load_adapters(PATH) then misses
+        raise ValueError(f"LoRA adapter path {path!r}; accepted: a file name ending in .npz")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"LoRA adapter path {path!r}: its folder does not exist; accepted: a path in an "
+                         "existing folder")
+    if os.path.isdir(path):
+        raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: a file name ending in .npz")
     meta = {n: {"alpha": lo.alpha, "dropout": lo.dropout, "rslora": lo.rslora, "rank": lo.rank,
                 "dtype": str(lo.lora_a.dtype), "dtype_b": str(lo.lora_b.dtype)}
             for n, lo in ((n, v.get_value()) for n, v in loras.items())}

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import is_int, is_number
+from jmem.checks import check_bool, check_targets, is_int, is_number
 from jmem.models.dot import dot
 from jmem.quant.qtensor import check_finite
 from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
@@ -181,13 +181,10 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
         raise ValueError(f"give exactly one of rank={rank!r} or keep={keep!r}")
     if keep is not None and (not is_number(keep) or not 0 < keep < 1):
         raise ValueError(f"keep={keep!r}; accepted: the fraction of each matrix's parameters to keep, in (0, 1)")
-    if isinstance(targets, str):
-        targets = (targets,)
+    targets = check_targets(targets, LINEARS)
     weights = model.layers.weights()
     plan = {}
     for name in targets:
-        if name not in LINEARS:
-            raise ValueError(f"unknown target {name!r}; accepted: {', '.join(LINEARS)}")
         w = weights.get(name)
         if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"target {name!r} holds a {type(w).__name__}; accepted: float kernels "
@@ -232,6 +229,7 @@ def factorize(model, rank: int | None = None, *, keep: float | None = None, targ
     """
     plan = _plan(model, rank, keep, targets)
     check_damp(damp)
+    check_bool("inplace", inplace)
     ids = None
     if calibration is not None:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import is_number
+from jmem.checks import check_bool, check_targets, is_number
 from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import stack_records
 from jmem.quant.api import describe_quantized
@@ -438,7 +438,9 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
         >>> logits, _ = pruned(ids_BT)
     """
     spec = check_spec(method, sparsity, pattern)
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    targets = check_targets(targets, LINEARS)
+    check_bool("pack", pack)
+    check_bool("inplace", inplace)
     weights = check_fits(model, spec, targets)
     ids = None
     if method == "wanda":

@@ -1,5 +1,7 @@
 """LoRA adapters: the leaf, QLoRA on an NF4 base, trainable filter, merge, save/load."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,12 @@ def test_merge_and_save_load(trained, tmp_path):
     merged = merge(model)
     assert isinstance(merged.layers.wq.kernel.get_value(), jax.Array)
     np.testing.assert_allclose(_forward(merged, ids), out, rtol=1e-4, atol=1e-4)
+    for bad, message in ((tmp_path / "adapters", "; accepted: a file name ending in .npz"),
+                         (tmp_path / "missing" / "a.npz", ": its folder does not exist"),
+                         (tmp_path, "; accepted: a file name ending in .npz")):
+        with pytest.raises(ValueError, match=re.escape(f"LoRA adapter path {str(bad)!r}{message}")):
+            save_adapters(model, bad)
+    assert list(tmp_path.iterdir()) == []  # numpy wrote PATH.npz for a path without the suffix
     path = tmp_path / "adapters.npz"
     save_adapters(model, path)
     fresh = quantize(Llama(CFG, rngs=nnx.Rngs(0)), "nf4")
@@ -158,7 +166,7 @@ def test_dropout_and_bad_inputs():
     assert not np.allclose(dot(x, train_lora[0]), eval_y)
     set_dropout_key(model, None)
     np.testing.assert_array_equal(dot(x, model.layers.wq.kernel.get_value()[0]), eval_y)
-    with pytest.raises(ValueError, match="unknown LoRA target 'wz'"):
+    with pytest.raises(ValueError, match="unknown target 'wz'; accepted: names among wq, wk"):
         apply_lora(model, targets=("wz",))
     from jmem.models.config import PRESETS
 

@@ -257,7 +257,11 @@ def test_wanda_beats_magnitude_with_outlier_channels(outlier_model, data):
     (dict(pattern="2:4", sparsity=0.7), r"contradicts"),
     (dict(method="sparsegpt"), r"unknown pruning method 'sparsegpt'"),
     (dict(method="wanda"), r"needs calibration"),
-    (dict(targets=("head",)), r"targets \['head'\]"),
+    (dict(targets=("head",)), r"unknown target 'head'; accepted: names among wq, wk, wv, wo, w_gate, w_up, w_down"),
+    (dict(targets=None), r"targets=None; accepted: a name or a list of names among wq"),
+    (dict(targets=("wq", "wq")), r"target 'wq' is listed twice"),
+    (dict(inplace="false"), r"inplace='false'; accepted: True or False"),
+    (dict(pack="no"), r"pack='no'; accepted: True or False"),
 ])
 def test_errors(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
