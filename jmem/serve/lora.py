@@ -281,15 +281,18 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     return served, infos
 
 
+def target_of(path) -> str:
+    """The linear target (wq, ..., w_down) a `MultiLoRA` leaf's key path in a model state passes through."""
+    return next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEAR_TARGETS)
+
+
 def slot_layout(state) -> dict[str, tuple]:
     """target -> (weight shape, slot dtype, slot rank) of the `MultiLoRA` leaves in `state` (a model state)."""
     layout = {}
 
     def visit(path, leaf):
         if isinstance(leaf, MultiLoRA):
-            target = next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path)
-                          if n in LINEAR_TARGETS)
-            layout[target] = (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank)
+            layout[target_of(path)] = (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank)
         return leaf
 
     jax.tree_util.tree_map_with_path(visit, state, is_leaf=_is_multi)
@@ -306,13 +309,10 @@ def read_adapter(name: str, path: str, state, max_lora_rank: int, version: int =
 def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterInfo:
     """`AdapterInfo` of one read adapter file, its arrays laid out as `layout` (`slot_layout`) says."""
     host = {}
-    for t, m in meta.items():
+    for t in meta:  # ranks are checked against max_lora_rank when read (check_adapter_files)
         if t not in layout:
             raise ValueError(f"adapter {name!r} ({path}) targets {t}, which the served adapter slots do not hold; "
                              f"accepted: adapters targeting {', '.join(layout)}")
-        if m["rank"] > layout[t][2]:
-            raise ValueError(f"adapter {name!r} ({path}) has rank {m['rank']} on {t}, above the slots' rank "
-                             f"{layout[t][2]}; accepted: ranks up to {layout[t][2]}")
     for t, (shape, dtype, R) in layout.items():
         *lead, n_in, n_out = shape
         if t not in meta:
@@ -340,5 +340,5 @@ def adapter_bytes(tree) -> int:
     return sum(x.adapter_nbytes for x in leaves if _is_multi(x))
 
 
-__all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "read_adapter", "slot_layout", "with_slots",
+__all__ = ["MultiLoRA", "AdapterInfo", "stack_adapters", "read_adapter", "slot_layout", "target_of", "with_slots",
            "has_multi_lora", "adapter_bytes", "check_adapter_files", "BASE_SLOT", "IMPLS"]

@@ -19,8 +19,7 @@ from typing import Iterable
 
 import jax
 
-from jmem.lora import LINEAR_TARGETS
-from jmem.serve.lora import MultiLoRA
+from jmem.serve.lora import MultiLoRA, target_of
 
 
 class AdapterSlots:
@@ -99,7 +98,7 @@ def state_with_adapters(state, loads: list[tuple[int, dict]]):
     def write(path, leaf):
         if not isinstance(leaf, MultiLoRA):
             return leaf
-        target = next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEAR_TARGETS)
+        target = target_of(path)
         a_all, b_all = leaf.lora_a, leaf.lora_b
         for slot, arrays in loads:
             a, b = arrays[target]
