@@ -311,8 +311,8 @@ def main(cfg: Config) -> None:
     for slots in (cfg.max_loras or sorted({1, N})) if N else ():
         runs.append((f"(a) + {N} LoRA adapters (rank {cfg.lora_rank}) in {slots} slot{'s' * (slots > 1)}", False, 0,
                      slots))
-    adapter_dir = tempfile.TemporaryDirectory(prefix="bench_serve_lora_")
-    modules = write_adapters(model, N, cfg.lora_rank, adapter_dir.name)
+    adapter_dir = tempfile.TemporaryDirectory(prefix="bench_serve_lora_") if N else None
+    modules = write_adapters(model, N, cfg.lora_rank, adapter_dir.name) if N else None
     adapters = [f"lora{i % N}" for i in range(len(trace))] if N else None
     for name, static, k, slots in runs:
         ecfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

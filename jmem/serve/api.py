@@ -396,9 +396,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_runtime_lora)])
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         name = body.lora_name
-        if name == model_name or name in adapters():
-            what = "the base model's name" if name == model_name else "already loaded"
-            raise APIError(400, f"lora_name {name!r} is {what}; accepted: a new name", "lora_name")
+        if name == model_name:  # the engine knows its adapters' names, not the served model's
+            raise APIError(400, f"lora_name {name!r} is the base model's name; accepted: a new name", "lora_name")
         try:  # reading the file takes a while: off the event loop
             await asyncio.to_thread(engine.load_adapter, name, body.lora_path)
         except ValueError as e:

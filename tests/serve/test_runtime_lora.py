@@ -179,7 +179,8 @@ def test_http_routes_load_and_unload(model, files, want):
             return r.json()["error"]
 
         e = error("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": files["a"]}, 400)
-        assert e["param"] == "lora_name" and e["message"] == "lora_name 'sql' is already loaded; accepted: a new name"
+        assert e["param"] == "lora_name" and e["message"] == ("LoRA adapter 'sql' is already loaded; accepted: a new "
+                                                              "name, or unload it first")
         e = error("/v1/load_lora_adapter", {"lora_name": "m", "lora_path": files["a"]}, 400)
         assert e["message"] == "lora_name 'm' is the base model's name; accepted: a new name"
         e = error("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent.npz"}, 400)
