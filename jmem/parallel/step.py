@@ -83,12 +83,13 @@ def check_batch(batch, mesh: Mesh, rules=None, accum: int = 1) -> None:
     x microbatches."""
     d = math.prod(mesh.shape[a] for a in batch_axes(mesh, rules))
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
-        if not np.ndim(x):
+        shape = getattr(x, "shape", None) or np.shape(x)  # arrays and ShapeDtypeStructs
+        if not shape:
             raise ShardingError(f"batch{jax.tree_util.keystr(path)} is a scalar; accepted: every batch leaf an "
                                 "array with a leading batch dimension (pass constants through the loss function)")
-        if x.shape[0] % (d * accum):
+        if shape[0] % (d * accum):
             raise ShardingError(
-                f"batch size {x.shape[0]} is not divisible by data-parallel size {d} x accum {accum} = {d * accum} "
+                f"batch size {shape[0]} is not divisible by data-parallel size {d} x accum {accum} = {d * accum} "
                 f"(mesh axes {'+'.join(batch_axes(mesh, rules)) or 'none'})")
 
 
@@ -262,6 +263,23 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+def check_like(tree, abstract, what: str) -> None:
+    """Raise a ShardingError unless `tree` has the structure, shapes and dtypes of `abstract`
+    (those a step was built and sharded for), naming the first path that differs."""
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    want = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(abstract)]
+    if paths != want:
+        extra, missing = sorted(set(paths) - set(want)), sorted(set(want) - set(paths))
+        raise ShardingError(f"{what} have other leaves than the step was built for: unexpected {extra[:3]}, "
+                            f"missing {missing[:3]}" if extra or missing else
+                            f"{what} have the step's leaves in another tree structure")
+    for path, x, a in zip(paths, jax.tree.leaves(tree), jax.tree.leaves(abstract)):
+        dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+        if tuple(np.shape(x)) != tuple(a.shape) or dtype != a.dtype:
+            raise ShardingError(f"{what}{path} is {dtype}{list(np.shape(x))}; the step was built for "
+                                f"{a.dtype}{list(a.shape)}")
+
+
 @dataclasses.dataclass
 class ShardedTrainStep:
     """What `make_sharded_train_step` returns.
@@ -401,6 +419,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
                        donate_argnums=(0,) if donate else ())
 
     def init(p):
+        check_like(p, abs_params, "params")
         return init_jit(to_global(p, zs.params))
 
     compiled: dict = {}
@@ -428,7 +447,8 @@ def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int =
 
     Returns:
         `(jitted_step, state_shardings, batch_sharding)`; place the initial state with
-        `jax.device_put(state, state_shardings)`.
+        `jax.device_put(state, state_shardings)`. `jitted_step(state, batch)` and its
+        `.lower(state, batch)` first check that the batch divides into the data axes.
     """
     check_mesh(mesh)
     zero = check_stage(zero)
@@ -442,7 +462,35 @@ def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int =
         step_fn = _in_activation_sharding(step_fn, Rules.parse(rules), mesh)
     jitted = jax.jit(step_fn, in_shardings=(sh, batch_sh), out_shardings=(sh, rep),
                      donate_argnums=(0,) if donate else ())
-    return jitted, sh, batch_sh
+    return BatchCheckedStep(jitted, mesh, rules), sh, batch_sh
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchCheckedStep:
+    """A jitted `(state, batch)` step that first checks the batch against the mesh's data axes
+    (one ShardingError naming the sizes, where jit would raise its IndivisibleError). Calling,
+    `lower` and `trace` check; other attributes are the jitted function's."""
+
+    jitted: Callable
+    mesh: Mesh
+    rules: Any = None
+
+    def __call__(self, state, batch):
+        check_batch(batch, self.mesh, self.rules)
+        return self.jitted(state, batch)
+
+    def lower(self, state, batch):
+        check_batch(batch, self.mesh, self.rules)
+        return self.jitted.lower(state, batch)
+
+    def trace(self, state, batch):
+        check_batch(batch, self.mesh, self.rules)
+        return self.jitted.trace(state, batch)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "jitted":  # copy/pickle probe these before `jitted` is set
+            raise AttributeError(name)
+        return getattr(self.jitted, name)
 
 
 def model_loss_fn(model, *, chunk: int | None = None):

@@ -238,6 +238,36 @@ def test_library_entry_points_refuse_bad_arguments_in_one_error(tmp_path):
     trainer.step(state, good)
 
 
+def test_steps_refuse_params_and_batches_they_were_not_built_for():
+    """`ShardedTrainStep.init` took params of another shape or dtype and built a state the step was not
+    compiled or sharded for; `jit_train_step`'s step met an indivisible batch with JAX's IndivisibleError."""
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    loss_fn, params = par.model_loss_fn(model)
+    mesh = par.make_mesh("data=8")
+    trainer = par.make_sharded_train_step(loss_fn, optax.sgd(0.1), params, mesh)
+    w = params["embed"]["embedding"]
+    for bad, message in (
+            ({**params, "embed": {"embedding": w.T}}, re.escape(
+                f"params['embed']['embedding'] is float32{list(w.T.shape)}; the step was built for "
+                f"float32{list(w.shape)}")),
+            ({**params, "embed": {"embedding": w.astype(jnp.bfloat16)}}, r"is bfloat16\[.*built for float32"),
+            ({**params, "extra": w}, r"params have other leaves than the step was built for: unexpected "
+                                     r"\[\"\['extra'\]\"\], missing \[\]")):
+        with pytest.raises(par.ShardingError, match=message):
+            trainer.init(bad)
+
+    fns = make_train_fns(model, optax.sgd(0.1), mesh=mesh)
+    state = fns.init_state(model)
+    step, sh, _ = par.jit_train_step(fns.step, jax.eval_shape(lambda: state), mesh)
+    ids = jnp.zeros((6, 16), jnp.int32)
+    batch = {"inputs": ids, "targets": ids, "mask": jnp.ones((6, 16))}
+    message = re.escape("batch size 6 is not divisible by data-parallel size 8 x accum 1 = 8")
+    with pytest.raises(par.ShardingError, match=message):
+        step(jax.device_put(state, sh), batch)
+    with pytest.raises(par.ShardingError, match=message):
+        step.lower(jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
+
+
 def test_a_logical_axis_typo_or_count_is_one_sharding_error():
     """A typo in a logical name left that dim whole without a word; one name too many was XLA's error."""
     mesh = par.make_mesh("data=8")
