@@ -57,8 +57,8 @@ class Config:
 
 def parse_method(name: str, sparsity: float) -> tuple[str, float | None, str | None]:
     """`"wanda-2:4"` -> ("wanda", None, "2:4"); `"magnitude"` -> ("magnitude", sparsity, None)."""
-    method, _, pattern = name.partition("-")
-    if method not in METHODS:
+    method, dash, pattern = name.partition("-")
+    if method not in METHODS or (dash and not pattern):
         raise ValueError(f"--methods: unknown method {name!r}; accepted: float, "
                          f"{', '.join(METHODS)}, or METHOD-N:M (e.g. wanda-2:4)")
     if not pattern:

@@ -339,6 +339,9 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
         >>> params, opt, metrics = step(params, opt, nnx.state(teacher), batch)
     """
     temperature, alpha = check_distill_args(temperature, alpha, kind)
+    if chunk is not None and (not is_int(chunk) or chunk <= 0):  # its divisibility waits for the batch's length
+        raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer dividing the sequence length, "
+                         "or None")
     vs, vt = _vocab(student), _vocab(teacher)
     if alpha > 0 and vs is not None and vt is not None and vs != vt:
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; accepted: equal vocabularies")

@@ -335,6 +335,9 @@ def test_vocab_mismatch_and_layer_errors():
         distill_loss_sum(student, teacher, batch)
     with pytest.raises(ValueError, match="vocab_size=96 differs"):
         make_distill_fns(student, teacher, None)
+    for chunk in (-3, 0, 2.5):  # refused when built, not at the first step
+        with pytest.raises(ValueError, match=rf"^distillation chunk={chunk}; accepted: a positive integer dividing"):
+            make_distill_fns(student, student, optax.sgd(0.1), chunk=chunk)
     for layers, match in [([0, 2], r"out of range .* \[0, 2\)"), ([-1], "out of range"), ([1, 1], r"repeat \[1\]"),
                           ([], "empty"), ([0.5], "not an integer"),
                           (1, r"^student layers=1; accepted: a sequence of distinct indices in \[0, 2\)$")]:

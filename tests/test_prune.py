@@ -287,6 +287,7 @@ def _eval_script():
 @pytest.mark.parametrize("argv,match", [
     (["--methods", "wanda-3:2"], "error: --methods 'wanda-3:2'"),
     (["--methods", "sparsegpt"], "error: --methods: unknown method 'sparsegpt'"),
+    (["--methods", "magnitude-"], "error: --methods: unknown method 'magnitude-'; accepted: float, "),
     (["--windows", "0"], "error: --windows 0"),
     (["--sparsity", "1.0"], "error: --sparsity 1.0"),
     (["--methods", "wanda", "--calibration", "0"], "error: --calibration 0"),
