@@ -205,13 +205,24 @@ class Checkpointer:
             CheckpointWriteError: the write failed (e.g. no space left); its partial folder is
                 removed and the earlier steps are intact.
         """
+        if self.read_only:
+            raise CheckpointWriteError(f"checkpoint step {step} was not written: {self.directory} was opened "
+                                       "read_only; accepted: Checkpointer(directory) to save")
         check_int("step", step, 0)
         flat = flatten_state(state)
         if not flat:
             raise ValueError(f"checkpoint: the state {type(state).__name__} holds no arrays; "
                              f"accepted: a pytree with at least one leaf")
         self._refuse_foreign()
-        meta = {**meta, "structure": meta.get("structure") or structure_fingerprint(state), "step": int(step)}
+        # Typed PRNG keys go to disk as their key data, their implementation named in the meta.
+        keys = {k: str(jax.random.key_impl(v)) for k, v in flat.items() if _is_key(v)}
+        flat = {k: jax.random.key_data(v) if k in keys else v for k, v in flat.items()}
+        meta = {**meta, "structure": meta.get("structure") or structure_fingerprint(state), "step": int(step),
+                **({"prng_impls": keys} if keys else {})}
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint meta is not JSON ({e}); accepted: a dict of JSON values") from None
         try:
             with _quiet_orbax_threads():
                 self.manager.save(
@@ -246,7 +257,19 @@ class Checkpointer:
         if step not in self._steps()[0]:
             raise CheckpointMismatchError(f"{self.directory} holds no jmem checkpoint of step {step}")
         flat_t = flatten_state(template)
-        self._check_template(step, flat_t)
+        keys = {k: v for k, v in flat_t.items() if _is_key(v)}
+        impls = (self.read_meta(step) or {}).get("prng_impls", {}) if keys else {}
+        for k, v in keys.items():
+            if k not in impls:
+                raise CheckpointMismatchError(f"checkpoint {self.directory / str(step)} does not match the template: "
+                                              f"{k} is a PRNG key in the template, not in the checkpoint")
+            stored = jax.eval_shape(lambda: jax.random.key(0, impl=impls[k])).dtype
+            if stored != v.dtype:
+                raise CheckpointMismatchError(f"checkpoint {self.directory / str(step)} does not match the template: "
+                                              f"{k} is a {stored} ({impls[k]}) key in the checkpoint, {v.dtype} in "
+                                              "the template")
+        stored_t = {k: jax.eval_shape(jax.random.key_data, v) if k in keys else v for k, v in flat_t.items()}
+        self._check_template(step, stored_t)
 
         def abstract(x):
             sharding = getattr(x, "sharding", None)
@@ -254,9 +277,10 @@ class Checkpointer:
 
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore({k: abstract(v) for k, v in flat_t.items()})))["state"]
+                state=ocp.args.StandardRestore({k: abstract(v) for k, v in stored_t.items()})))["state"]
         except Exception as e:
             raise self._damaged(step, e) from e
+        restored = {k: jax.random.wrap_key_data(v, impl=impls[k]) if k in keys else v for k, v in restored.items()}
         leaves = [_like(flat_t[k], restored[k]) for k in flat_t]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
 
@@ -301,6 +325,11 @@ def _quiet_orbax_threads():
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key array (`jax.random.key`), or its ShapeDtypeStruct."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _dtype_of(x: Any):

@@ -61,12 +61,19 @@ class MixedGGMLWeight(PackedRows):
     @classmethod
     def from_layers(cls, raws: list[np.ndarray], qtypes: list, in_features: int) -> "MixedGGMLWeight":
         """Stack per-layer raw blocks u8[out, row_bytes(type_i)] of the given types."""
+        raws, qtypes = list(raws), list(qtypes)
+        if not raws or len(raws) != len(qtypes):
+            raise ValueError(f"MixedGGMLWeight.from_layers: {len(raws)} layers and {len(qtypes)} types; accepted: "
+                             "one block type per layer, at least one layer")
         types = tuple(dict.fromkeys(ggml.resolve_qtype(q) for q in qtypes))
         for r, q in zip(raws, qtypes):
             want = _row_bytes(ggml.resolve_qtype(q), in_features)
             if r.dtype != np.uint8 or r.ndim != 2 or r.shape[1] != want:
                 raise ValueError(f"MixedGGMLWeight layer of type {ggml.resolve_qtype(q).name} must be u8[out, {want}] "
                                  f"for {in_features} inputs; got {r.dtype}{list(r.shape)}")
+        rows = [r.shape[0] for r in raws]
+        if len(set(rows)) > 1:
+            raise ValueError(f"MixedGGMLWeight.from_layers: layers of {rows} rows; accepted: one output size")
         width = max(r.shape[1] for r in raws)
         out = raws[0].shape[0]
         raw = np.zeros((len(raws), out, width), np.uint8)

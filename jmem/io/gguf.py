@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jmem.checks import is_int
 from jmem.models.config import LlamaConfig
 
 log = logging.getLogger("jmem.io")
@@ -162,14 +163,20 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
             raise GGUFError(f"{gf.path}: required key {key} is missing")
         return m[key]
 
-    dim = int(require(f"{arch}.embedding_length"))
-    n_heads = int(require(f"{arch}.attention.head_count"))
-    head_dim = int(m.get(f"{arch}.attention.key_length", dim // n_heads))
+    def count(key, default=None):  # a size: a positive integer
+        value = require(key) if default is None else m.get(key, default)
+        if not is_int(value) or value < 1:
+            raise GGUFError(f"{gf.path}: {key}={value!r}; accepted: an integer >= 1")
+        return int(value)
+
+    dim = count(f"{arch}.embedding_length")
+    n_heads = count(f"{arch}.attention.head_count")
+    head_dim = count(f"{arch}.attention.key_length", dim // n_heads or dim)
     vocab = m.get(f"{arch}.vocab_size") or len(require("tokenizer.ggml.tokens"))
     return LlamaConfig(
-        vocab_size=int(vocab), dim=dim, n_layers=int(require(f"{arch}.block_count")), n_heads=n_heads,
-        n_kv_heads=int(m.get(f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
-        ffn_dim=int(require(f"{arch}.feed_forward_length")), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+        vocab_size=int(vocab), dim=dim, n_layers=count(f"{arch}.block_count"), n_heads=n_heads,
+        n_kv_heads=count(f"{arch}.attention.head_count_kv", n_heads), head_dim=head_dim,
+        ffn_dim=count(f"{arch}.feed_forward_length"), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in gf.tensors,
         max_seq_len=int(m.get(f"{arch}.context_length", 2048)), **{**_rope_fields(gf, arch, head_dim), **overrides})
@@ -277,8 +284,19 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     }
     if not config.tie_embeddings:
         weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
+    used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
+        f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in BLOCK_TENSORS.values()}
+    unused = sorted(set(gf.tensors) - used)
+    if unused:  # e.g. block_count below the blocks stored: a shallower model would load without a word
+        names = ", ".join(unused[:4]) + (f" (and {len(unused) - 4} more)" if len(unused) > 4 else "")
+        raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "
+                        f"{gf.architecture} model; accepted: a file whose tensors match its metadata")
     for ours, theirs in BLOCK_TENSORS.items():
         tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]
+        odd = [i for i, t in enumerate(tensors) if t.shape != tensors[0].shape]
+        if odd:
+            raise GGUFError(f"{gf.path}: tensor blk.{odd[0]}.{theirs}.weight has shape {list(tensors[odd[0]].shape)}, "
+                            f"blk.0.{theirs}.weight {list(tensors[0].shape)}; accepted: one shape in every block")
         heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
         qtypes = {t.qtype for t in tensors}
         if packed and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:

@@ -384,6 +384,12 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             raise ValueError(f"{tname}: row length {shape[1]} is not a multiple of the {target} block size "
                              f"{fmt.block_size}; choose another type for this tensor")
         plan.append((tname, t, target))
+    if isinstance(qtype_by_tensor, Mapping):  # a typo in a pattern would leave its matrices in their own type
+        names = [tname for tname, t, _ in plan if isinstance(t, _Matrix)]
+        unmatched = [p for p in qtype_by_tensor if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
+        if unmatched:
+            raise ValueError(f"qtype_by_tensor patterns {unmatched} match no matrix; accepted: patterns of the "
+                             f"matrices' names ({', '.join(names[:3])}, ..., e.g. 'blk.*.ffn_down.weight')")
     counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
     if file_type is None and isinstance(qtype_by_tensor, str):
         file_type = qtype_by_tensor

@@ -106,7 +106,10 @@ def test_bad_step_or_empty_state_is_refused_before_any_write(tmp_path):
         ck.save(-1, {"w": jnp.ones(3)}, META)
     with pytest.raises(ValueError, match=r"holds no arrays; accepted: a pytree with at least one leaf"):
         ck.save(1, {}, META)
-    assert ck.latest_step() is None
+    for meta in ({**META, "lr": np.float32(1e-3)}, {**META, "lr": float("nan")}):  # refused once the write began
+        with pytest.raises(ValueError, match=r"^checkpoint meta is not JSON \(.*\); accepted: a dict of JSON values$"):
+            ck.save(1, {"w": jnp.ones(3)}, meta)
+    assert ck.latest_step() is None and not (tmp_path / "ck").exists()
     for step in range(5):  # None keeps every step
         ck.save(np.int64(step), {"w": jnp.ones(3)}, META)
     assert ck.latest_step() == 4 and ck._steps()[0] == [0, 1, 2, 3, 4]
@@ -144,3 +147,37 @@ def test_a_failed_write_is_one_error_and_leaves_the_earlier_steps(tmp_path):
     ck.save(2, {"w": np.zeros(4, np.float32)}, {"model": "m"})  # a later save into the same directory works
     assert ck.latest_step() == 2
     ck.close()
+
+
+def test_read_only_checkpointer_writes_nothing(tmp_path):
+    """`read_only=True` saved a step (and created a missing directory) although it promised not to."""
+    from jmem.io.checkpoint import CheckpointWriteError
+
+    d = tmp_path / "ck"
+    Checkpointer(d).save(0, {"w": jnp.ones(3)}, META)
+    for where in (d, tmp_path / "absent"):
+        with pytest.raises(CheckpointWriteError, match=rf"^checkpoint step 1 was not written: {where} was opened "
+                                                       r"read_only; accepted: Checkpointer\(directory\) to save$"):
+            Checkpointer(where, read_only=True).save(1, {"w": jnp.zeros(3)}, META)
+    assert Checkpointer(d).steps() == [0] and not (tmp_path / "absent").exists()
+    np.testing.assert_array_equal(Checkpointer(d, read_only=True).restore({"w": jnp.zeros(3)})["w"], np.ones(3))
+
+
+def test_typed_prng_keys_round_trip(tmp_path):
+    """A `jax.random.key` leaf saved, then failed to restore inside numpy's dtype parsing."""
+    import jax
+
+    state = {"w": jnp.ones(3), "key": jax.random.key(3), "rbg": jax.random.key(4, impl="rbg")}
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(0, state, META)
+    for template in (state, jax.eval_shape(lambda: state)):
+        back = ck.restore(template)
+        for name in ("key", "rbg"):
+            assert back[name].dtype == state[name].dtype
+            np.testing.assert_array_equal(jax.random.key_data(back[name]), jax.random.key_data(state[name]))
+    with pytest.raises(CheckpointMismatchError, match=r"rbg is a key<rbg> \(rbg\) key in the checkpoint, key<urbg> "
+                                                      "in the template"):
+        ck.restore({**state, "rbg": jax.random.key(0, impl="unsafe_rbg")})
+    ck.save(1, {"w": jnp.ones(3), "key": jnp.zeros(2, jnp.uint32), "rbg": jnp.zeros(4, jnp.uint32)}, META)
+    with pytest.raises(CheckpointMismatchError, match="key is a PRNG key in the template, not in the checkpoint"):
+        ck.restore(state, step=1)

@@ -199,3 +199,18 @@ def test_packed_load_warns_when_float_and_block_layers_mix(tmp_path, caplog):
     assert lines == ["packed=True: layers.wv.kernel (attn_v) mixes float and block types across layers (F16,Q4_0); "
                      "held as float32: 16,384 bytes instead of 5,248 packed (+11,136)"]
     assert lm.model.layers.wv.kernel.get_value().dtype == np.float32
+
+
+def test_mixed_weight_refuses_layers_and_types_that_do_not_pair():
+    """One layer with two types was kept (zip cut the list; layer_types then named two layers), and
+    layers of different row counts or none at all were numpy errors."""
+    from jmem.io.ggml_mixed import MixedGGMLWeight
+    from jmem.quant.ggml_weight import GGMLWeight
+
+    w = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    q8, q4 = (np.asarray(GGMLWeight.from_float(w, t).raw) for t in ("Q8_0", "Q4_0"))
+    for raws, types, message in (([q8], ["Q8_0", "Q4_0"], "1 layers and 2 types"), ([], [], "0 layers and 0 types"),
+                                 ([q8, q4[:8]], ["Q8_0", "Q4_0"], r"layers of \[16, 8\] rows; accepted: one output")):
+        with pytest.raises(ValueError, match=rf"^MixedGGMLWeight.from_layers: {message}"):
+            MixedGGMLWeight.from_layers(raws, types, in_features=64)
+    assert MixedGGMLWeight.from_layers([q8, q4], ["Q8_0", "Q4_0"], in_features=64).layer_types() == ["Q8_0", "Q4_0"]

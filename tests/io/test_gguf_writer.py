@@ -168,6 +168,11 @@ def test_bad_requests_raise_before_writing(tiny, tmp_path):
         write_gguf(path, cfg, model, tokenizer_metadata=meta)
     with pytest.raises(ValueError, match="config expects"):
         write_gguf(path, cfg.replace(ffn_dim=96), model, tokenizer_metadata=byte_tokenizer_metadata())
+    # A pattern with a typo wrote every matrix in its own type without a word.
+    with pytest.raises(ValueError, match=re.escape("qtype_by_tensor patterns ['blk.*.ffn_dwn.weight'] match no "
+                                                   "matrix; accepted: patterns of the matrices' names (")):
+        write_gguf(path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   qtype_by_tensor={"blk.*.ffn_down.weight": "Q8_0", "blk.*.ffn_dwn.weight": "Q8_0"})
     assert not path.exists()
 
 
@@ -356,3 +361,33 @@ def test_output_path_is_checked_before_encoding(tiny, tmp_path, monkeypatch):
     monkeypatch.undo()
     write_gguf(tmp_path / "new" / "sub" / "m.gguf", cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
     assert jmem.load(str(tmp_path / "new" / "sub" / "m.gguf")).config == cfg
+
+
+def test_metadata_that_does_not_match_the_tensors_is_one_error(tiny, tmp_path):
+    """A block_count below the stored blocks loaded a shallower model without a word; a head count of 0
+    was a ZeroDivisionError; one block's tensor of another shape was numpy's stacking error."""
+    import dataclasses
+
+    from jmem.io.gguf import GGUFError, GGUFTensor, config_from_gguf, llama_weights
+
+    cfg, model, _ = tiny
+    path = str(tmp_path / "t.gguf")
+    write_gguf(path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    gf = read_gguf(path)
+    shallower = dataclasses.replace(gf, metadata={**gf.metadata, "llama.block_count": cfg.n_layers - 1})
+    with pytest.raises(GGUFError, match=re.escape(
+            f"t.gguf: tensors blk.{cfg.n_layers - 1}.attn_k.weight, blk.{cfg.n_layers - 1}.attn_norm.weight, ")):
+        llama_weights(shallower, config_from_gguf(shallower))
+    for key, value in (("llama.attention.head_count", 0), ("llama.block_count", -1),
+                       ("llama.attention.head_count_kv", 1.5), ("llama.feed_forward_length", "64")):
+        bad = dataclasses.replace(gf, metadata={**gf.metadata, key: value})
+        with pytest.raises(GGUFError, match=re.escape(f"t.gguf: {key}={value!r}; accepted: an integer >= 1")):
+            config_from_gguf(bad)
+    norm = gf.tensors["blk.1.attn_norm.weight"]
+    odd = dataclasses.replace(gf, tensors={**gf.tensors, norm.name: GGUFTensor(norm.name, "F32", (7,),
+                                                                                 np.zeros(7, np.float32))})
+    with pytest.raises(GGUFError, match=re.escape(
+            f"t.gguf: tensor blk.1.attn_norm.weight has shape [7], blk.0.attn_norm.weight [{cfg.dim}]; "
+            "accepted: one shape in every block")):
+        llama_weights(odd, cfg)
+    llama_weights(gf, config_from_gguf(gf))

@@ -1,5 +1,7 @@
 """Tokenizers: the GGUF BPE round trip and specials, the byte tokenizer, chat templates."""
 
+import re
+
 from jmem.io.tokenizer import ByteTokenizer
 from tests.helpers import smollm2
 
@@ -126,6 +128,10 @@ def test_missing_vocabulary_is_one_error():
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(TokenizerError, match="required key tokenizer.ggml.tokens is missing"):
         GGUFTokenizer(meta)
+    for merges, bad in ((["h e", "he"], "[1]='he'"), ([3], "[0]=3")):  # was a TypeError inside `tokenizers`
+        with pytest.raises(TokenizerError, match=re.escape(f"tokenizer.ggml.merges{bad}; accepted: two tokens joined "
+                                                           "by one space")):
+            GGUFTokenizer(_with_tokens(["he"], [1], **{"tokenizer.ggml.merges": merges}))
 
 
 @pytest.mark.parametrize("text", ["a<|eos|>b", "<|bos|>", "<|pad|> héllo", "👍🏽\r\n\x00", ""])
