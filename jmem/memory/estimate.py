@@ -56,29 +56,24 @@ import numpy as np
 from jmem.checks import is_int
 from jmem.memory.measure import format_bytes, tree_bytes
 
-_DTYPE_BYTES = {"f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2}
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 BASE_FORMATS = ("nf4", "int8", "fp8", "rtn")
 
 
-def _bytes_of(dtype) -> int:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r}; accepted: {', '.join(_DTYPE_BYTES)}")
-        return _DTYPE_BYTES[dtype]
-    return np.dtype(dtype).itemsize
-
-
 def _dtype(dtype) -> np.dtype:
+    """A floating dtype from a name ("f32", "bf16", "f16" or the long names) or a dtype object."""
     import jax.numpy as jnp
 
     names = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
              "f16": jnp.float16, "float16": jnp.float16}
-    if isinstance(dtype, str):
-        _bytes_of(dtype)  # one clear error for an unknown name
-        return np.dtype(names[dtype])
-    return np.dtype(dtype)
+    try:
+        dt = np.dtype(names[dtype] if isinstance(dtype, str) else dtype)
+    except (KeyError, TypeError):
+        dt = None
+    if dt not in {np.dtype(d) for d in names.values()}:
+        raise ValueError(f"dtype {dtype!r}; accepted: {', '.join(names)} or one of those dtypes")
+    return dt
 
 
 def param_shapes(config, param_dtype=None) -> dict:
@@ -297,7 +292,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         if not lora_rank:
             raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
     tx = make_optimizer(optimizer, 1e-3, **(optimizer_kw or {}))
-    c = _bytes_of(compute_dtype or config.compute_dtype)
+    optimizer = optimizer.strip().lower()  # as make_optimizer reads it
+    c = _dtype(compute_dtype or config.compute_dtype).itemsize
 
     shapes = param_shapes(config, param_dtype)
     frozen = None

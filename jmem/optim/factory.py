@@ -23,7 +23,8 @@ OPTIMIZERS = {
 # optax's own constructors check nothing: a b2 of 2 or a negative eps silently trains wrong.
 _OPTAX_CHECKS = {
     "adamw": {"b1": checks.decay, "b2": checks.decay, "eps": checks.non_negative, "eps_root": checks.non_negative,
-              "weight_decay": checks.rate},
+              "weight_decay": checks.rate,
+              "mu_dtype": lambda who, name, v: checks.float_dtype(who, name, v, none_ok=True)},
     "sgd": {"momentum": lambda who, name, v: checks.decay(who, name, v, none_ok=True)},
 }
 

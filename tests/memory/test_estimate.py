@@ -123,6 +123,13 @@ def test_remat_and_accumulation_order_and_bad_input():
         estimate(CFG, 8, 128, remat="everything")
     with pytest.raises(ValueError, match="estimate: config='tiny'; accepted: a jmem.models.LlamaConfig"):
         estimate("tiny", 8, 128)
+    # The optimizer name as make_optimizer reads it (case and spaces); dtypes as names or dtype objects.
+    assert estimate(CFG, 8, 128, optimizer=" Adam8bit") == estimate(CFG, 8, 128, optimizer="adam8bit")
+    assert estimate(CFG, 8, 128, compute_dtype=jnp.bfloat16) == bf16
+    for bad in ("int8", jnp.int8, "fp8", None.__class__):
+        with pytest.raises(ValueError, match=r"^dtype .*; accepted: f32, float32, bf16, bfloat16, f16, float16 or "
+                                             "one of those dtypes$"):
+            estimate(CFG, 8, 128, compute_dtype=bad)
 
 
 def test_auto_attention_estimate_follows_the_compile_target():

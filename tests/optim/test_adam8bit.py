@@ -144,7 +144,11 @@ def test_make_optimizer_names_and_errors():
                               ("adamw", {"b1": -1.0}, "adamw b1=-1.0; accepted: a value in [0, 1)"),
                               ("adamw", {"eps": -1.0}, "adamw eps=-1.0; accepted: a finite number >= 0"),
                               ("adamw", {"weight_decay": -1.0}, "adamw weight_decay=-1.0; accepted: a finite"),
-                              ("sgd", {"momentum": 2.0}, "sgd momentum=2.0; accepted: None or a value in [0, 1)")]:
+                              ("sgd", {"momentum": 2.0}, "sgd momentum=2.0; accepted: None or a value in [0, 1)"),
+                              # an int8 first moment truncated to 0 at every step
+                              ("adamw", {"mu_dtype": "int8"}, "adamw mu_dtype='int8'; accepted: None or a floating "
+                                                              "dtype")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             make_optimizer(name, 1e-2, **kw)
     make_optimizer("sgd", 1e-2, momentum=None), make_optimizer("adamw", 1e-2, b1=0.0, weight_decay=0.1)
+    make_optimizer("adamw", 1e-2, mu_dtype=jnp.bfloat16), make_optimizer("adamw", 1e-2, mu_dtype=None)
