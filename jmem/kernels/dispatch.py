@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.checks import check_bool
+from jmem.kernels.scale import split_scale
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -107,6 +108,9 @@ def _check(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"attention: {name} has dtype {x.dtype}; accepted: a floating dtype")
+    if not q.dtype == k.dtype == v.dtype:  # the kernels take one dtype: refused on every platform alike
+        raise ValueError(f"attention: q {q.dtype}, k {k.dtype}, v {v.dtype}; accepted: one floating dtype for all "
+                         "three (cast them first)")
 
 
 def _per_row(name: str, value, batch: int, most: int | None = None):
@@ -193,7 +197,9 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
 
     `impl="auto"` picks Pallas when the platform being compiled for
     (`target_platform()`) is a GPU or TPU, else XLA. `sm_scale` may be a
-    Python/NumPy/JAX scalar or a traced one for every impl.
+    Python/NumPy/JAX scalar or a traced one for every impl. q, k and v share
+    one floating dtype, and every impl refuses the same inputs; no query rows
+    give an empty output.
 
     The Pallas flash kernel runs only without `kv_lengths` and with `q_offset`
     None or concretely 0. Otherwise `"pallas"` and `"auto"` run the XLA path,
@@ -206,6 +212,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     """
     _check(q, k, v)
     check_bool("attention: causal", causal)
+    split_scale("attention", q, sm_scale, q.shape[-1])  # checks the scale as every kernel does
     kernel_ok = _zero(q_offset) and kv_lengths is None
     q_offset = _per_row("q_offset", q_offset, q.shape[0])
     kv_lengths = _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1])
@@ -213,6 +220,8 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
         impl = resolve_impl(impl) if kernel_ok else "xla"
+    if q.shape[1] == 0:  # no query rows: nothing to attend, on every impl
+        return jnp.zeros(q.shape, q.dtype)
     if impl == "pallas" and kernel_ok:
         from jmem.kernels.flash_attention import flash_attention
 

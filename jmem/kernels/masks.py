@@ -266,6 +266,9 @@ class BlockInfo:
 @functools.lru_cache(maxsize=64)
 def _block_info(mask: Mask, q_len: int, kv_len: int, block_q: int, block_k: int) -> BlockInfo:
     mask.check(q_len, kv_len)
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{type(mask).__name__}.block_info: {name}={value!r}; accepted: an integer >= 1")
     nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
     status = np.zeros((nq, nk), np.int8)
     tile_id = np.full((nq, nk), -1, np.int32)

@@ -82,6 +82,12 @@ def test_concrete_scalar_scales_are_floats():
             flash_attention(q, k, v, sm_scale=bad, interpret=True)
         with pytest.raises(ValueError, match=r"sparse_attention: sm_scale=.*accepted: None or one finite real scalar"):
             sparse_attention(q, k, v, MASK, sm_scale=bad, interpret=True)
+        for impl in ("xla", "reference", "auto"):  # the plain path gave all-NaN outputs
+            with pytest.raises(ValueError, match=r"^attention: sm_scale=.*accepted: None or one finite real scalar"):
+                attention(q, k, v, sm_scale=bad, impl=impl)
+    for bad in ("a", np.ones(2)):  # were a TypeError and a broadcasting error on the plain path
+        with pytest.raises(ValueError, match=r"^attention: sm_scale=.*accepted: None or one real scalar"):
+            attention(q, k, v, sm_scale=bad, impl="xla")
 
 
 def test_integer_inputs_and_zero_kv_heads_are_refused():
@@ -105,6 +111,10 @@ def test_integer_inputs_and_zero_kv_heads_are_refused():
     for impl in ("xla", "pallas"):
         with pytest.raises(ValueError, match="q_heads=4 must be a multiple of kv_heads=0"):
             attention(q, none, none, impl=impl)
+        # Mixed dtypes ran on the plain path (a CPU's "auto") and failed on the kernel's (a GPU's).
+        with pytest.raises(ValueError, match=r"^attention: q bfloat16, k float32, v float32; accepted: one floating "
+                                             r"dtype for all three \(cast them first\)$"):
+            attention(q.astype(jnp.bfloat16), k, v, impl=impl)
 
 
 def _runs_kernel(**kw):
@@ -131,6 +141,11 @@ def test_empty_batch_gives_empty_outputs():
     outs.append(ragged_paged_attention(*args, interpret=True))
     assert ragged_paged_attention_reference(*args).shape == (0, 2, 16)
     assert [(o.shape, o.dtype) for o in outs] == [(q.shape, q.dtype)] * 3 + [((0, 2, 16), q.dtype)] * 2
+    # No query rows: empty on every impl (the kernel's path refused them, the plain path did not).
+    q0, k1 = z(1, 0, 2, 16), z(1, 8, 1, 16)
+    for impl in ("xla", "reference", "pallas"):
+        out = attention(q0, k1, k1, impl=impl)
+        assert (out.shape, out.dtype) == (q0.shape, q0.dtype)
 
 
 def test_sizes_and_counts_must_be_integers_and_lists_are_arrays():

@@ -102,3 +102,11 @@ def test_bad_masks_raise():
     for q_len in (-3, 2.5, 0):
         with pytest.raises(ValueError, match=f"mask needs integers q_len >= 1 and kv_len >= 1; got q_len={q_len}"):
             sparse_attention_stats(Causal(), q_len, 16)
+
+
+def test_block_info_refuses_a_block_size_below_one():
+    for kw, name in ((dict(block_q=0, block_k=16), "block_q=0"), (dict(block_q=16, block_k=-1), "block_k=-1"),
+                     (dict(block_q=16, block_k=2.0), "block_k=2.0")):
+        with pytest.raises(ValueError, match=rf"^Causal.block_info: {name}; accepted: an integer >= 1$"):
+            Causal().block_info(10, 10, **kw)
+    assert Causal().block_info(10, 10, 16, 16) is not None
