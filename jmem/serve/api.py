@@ -552,15 +552,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                 raise APIError(400, f"the chat prompt is {len(ids)} tokens; the maximum context is "
                                f"{engine.max_request_tokens} tokens, prompt and at least one generated token",
                                "messages")
-            max_tokens = min(engine.max_request_tokens - len(ids), 512)
+            max_tokens = engine.max_request_tokens - len(ids)  # the rest of the context, as in vLLM
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         extra = {} if body.prompt_logprobs is None else {
             "prompt_logprobs": vllm_prompt_logprobs(
                 (await prompt_logprobs([ids], body.prompt_logprobs, adapter, param="messages"))[0], body.prompt_logprobs)}
-        # Only an explicit max_tokens can overflow the context here (the prompt alone was checked).
-        streams = submit([ids], params, body.n, rid, adapter, prompt_param=param, max_tokens_param=param)
+        streams = submit([ids], params, body.n, rid, adapter, prompt_param="messages", max_tokens_param=param)
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}
 
         if body.stream:

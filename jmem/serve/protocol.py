@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, field_validator
 
 from jmem.serve.request import RequestError, SamplingParams
 
@@ -80,6 +80,10 @@ NOT_IMPLEMENTED = {
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
     "echo": (False,),  # chat only (a completion request declares it): vLLM's echo of the last message
+    "response_format": ({"type": "text"},),  # completions (chat declares it)
+    "structured_outputs": (), "guided_whitespace_pattern": (), "return_tokens_as_token_ids": (False,),
+    "priority": (0,),  # scheduling is first come, first served
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
     # OpenAI chat parameters for outputs this server does not produce
     "modalities": (["text"],), "audio": (), "reasoning_effort": (),
 }
@@ -117,6 +121,13 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: StrictBool = False
     min_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
+
+    @field_validator("n", "stream", "echo", "logprobs", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """OpenAI marks these nullable: an explicit null (sent by clients generated from its spec)
+        means the default, as in vLLM."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def check_supported(self) -> None:
         """APIError(400) for a known parameter this server accepts but does not implement."""

@@ -31,7 +31,8 @@ class ContextTooLong(RequestError):
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
         self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
-        super().__init__(self.describe(), "prompt")
+        # The prompt when it alone leaves no room for a token, else the requested output length.
+        super().__init__(self.describe(), "prompt" if prompt_tokens >= limit else "max_tokens")
 
     def describe(self, max_tokens_name: str = "max_tokens") -> str:
         total = self.prompt_tokens + self.max_tokens

@@ -198,3 +198,71 @@ def test_the_server_starts_an_engine_not_started_yet():
         pass
     assert not engine.start()  # a loop started by its owner is left running
     engine.stop()
+
+
+class FittingEngine(ScriptedEngine):
+    """Checks the request against the context as the real engine does, and records its parameters."""
+
+    max_request_tokens = 1024
+
+    def __init__(self):
+        super().__init__(ByteTokenizer(), echo_one_token)
+        self.params = []
+
+    def add_request(self, prompt_ids, params, request_id=None, loop=None):
+        from jmem.serve.request import check_fits
+
+        check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
+        self.params.append(params)
+        return super().add_request(prompt_ids, params, request_id, loop)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context():
+    """It stopped at 512 tokens whatever the context; vLLM's default is the rest of the context."""
+    engine = FittingEngine()
+    client = TestClient(create_app(engine, "m"))
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    prompt = client.post("/tokenize", json=CHAT).json()["count"]
+    assert engine.params[-1].max_tokens == engine.max_request_tokens - prompt
+
+
+def test_a_request_beyond_the_context_names_what_to_shorten():
+    """The prompt when it alone fills the context, else the output length (param named the other one)."""
+    client = TestClient(create_app(FittingEngine(), "m"))
+    for path, body, param in (
+            ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2000}, "max_tokens"),
+            ("/v1/completions", {"model": "m", "prompt": "x" * 1100, "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {**CHAT, "max_tokens": 2000}, "max_tokens"),
+            ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2000}, "max_completion_tokens"),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 1100}], "max_tokens": 2},
+             "messages")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
+        assert "exceeds the maximum context of 1024 tokens" in r.json()["error"]["message"]
+
+
+def test_nullable_fields_take_null_and_output_changing_extras_are_refused():
+    """`stream`, `n`, `echo` and chat's `logprobs` are nullable in OpenAI's spec (clients generated from it
+    send null): null is the default. vLLM parameters that change the output and are not implemented here
+    (completions' response_format, a request's chat template, a priority) were accepted and ignored."""
+    client = TestClient(create_app(FittingEngine(), "m"))
+    for path, body in (("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": None,
+                                            "n": None, "echo": None, "logprobs": None}),
+                       ("/v1/chat/completions", {**CHAT, "max_tokens": 1, "stream": None, "n": None,
+                                                 "logprobs": None, "priority": 0, "chat_template_kwargs": {}})):
+        r = client.post(path, json=body)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.json()
+    for path, name, value in (("/v1/completions", "response_format", {"type": "json_object"}),
+                              ("/v1/completions", "return_tokens_as_token_ids", True),
+                              ("/v1/completions", "priority", 5),
+                              ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+                              ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
+                              ("/v1/chat/completions", "documents", [{"text": "x"}])):
+        body = {**CHAT, "max_tokens": 1} if "chat" in path else {"model": "m", "prompt": "hi", "max_tokens": 1}
+        r = client.post(path, json={**body, name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.json())
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

@@ -310,7 +310,11 @@ def test_abort_frees_blocks_and_errors():
     assert kv.pool.num_used == 0 and not sched.has_unfinished()
     with pytest.raises(ContextTooLong, match="exceeds the maximum context of 32") as e:
         sched.add_request(Request("c", list(range(30)), SamplingParams(max_tokens=5)))
-    assert e.value.param == "prompt" and (e.value.prompt_tokens, e.value.max_tokens, e.value.limit) == (30, 5, 32)
+    # The prompt leaves room for 2 tokens: the output length is at fault; a prompt that fills the context is.
+    assert e.value.param == "max_tokens" and (e.value.prompt_tokens, e.value.max_tokens, e.value.limit) == (30, 5, 32)
+    with pytest.raises(ContextTooLong) as full:
+        sched.add_request(Request("c", list(range(32)), SamplingParams(max_tokens=1)))
+    assert full.value.param == "prompt"
     assert e.value.describe("max_completion_tokens").startswith("prompt (30 tokens) + max_completion_tokens (5) = 35")
     with pytest.raises(RequestError, match="empty") as e:
         sched.add_request(Request("d", []))
