@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from flax import nnx
 
 from jmem.checks import check_int, is_int
@@ -94,6 +95,11 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 1)
+        if self.max_model_len is not None and not is_int(self.max_model_len):  # its range: the model's (Engine)
+            raise ValueError(f"max_model_len={self.max_model_len!r}; accepted: an integer in 1..the model's "
+                             "max_seq_len, or None")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("prompt_lookup_max", self.prompt_lookup_max, 0)  # >= 1 with speculation (Engine checks)
 
@@ -393,6 +399,13 @@ class Engine:
                     loop: asyncio.AbstractEventLoop | None = None, adapter: str | None = None) -> RequestStream:
         """Queue a request (thread-safe); ValueError for bad parameters, an unknown adapter or a prompt
         that cannot fit. `adapter`: a LoRA adapter name given to the engine, None for the base model."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params of type {type(params).__name__}; accepted: a jmem.serve.SamplingParams", "params")
+        if hasattr(prompt_ids, "__array__"):  # a NumPy or JAX array of ids
+            prompt_ids = np.asarray(prompt_ids).tolist()
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise RequestError(f"prompt of type {type(prompt_ids).__name__}; accepted: a list of integer token ids",
+                               "prompt")
         params.validate()
         self.runner.check_adapter(adapter)
         rid = request_id or f"req-{next(self._ids)}"
@@ -494,6 +507,7 @@ class Engine:
             res = self.runner.step(out)
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
+            self.kv.discard_unwritten()  # its blocks were not written: no prefix hits on them
             for seq in out.seqs:
                 self._fail(seq.request.request_id, f"internal error: {e}")
             return
@@ -513,7 +527,11 @@ class Engine:
             while self._token_times and now - self._token_times[0][0] > 10.0:
                 self._token_times.popleft()
         for req in touched:
-            self._emit(req)
+            try:
+                self._emit(req)
+            except Exception as e:  # e.g. the tokenizer failing: the request ends, its stream hears of it
+                log.exception("engine output of request %r failed", req.request_id)
+                self._fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
 
     def _emit(self, req: Request) -> None:
         rid = req.request_id
@@ -636,6 +654,7 @@ class Engine:
                 self.step()
             except Exception:  # keep serving: fail what was running, go on
                 log.exception("engine loop error")
+                self.kv.discard_unwritten()
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._fail(req.request_id, "internal error in the engine loop")
 

@@ -153,6 +153,10 @@ class KVCacheManager:
                 self.pool.cache_block(bid, h)
         self._unwritten.clear()
 
+    def discard_unwritten(self) -> None:
+        """After a step that failed: the blocks it would have filled never become prefix hits."""
+        self._unwritten.clear()
+
     def free(self, req: Request) -> None:
         """Release every block of `req` (tail first) and forget it."""
         blocks = self.req_blocks.pop(req.request_id, [])

@@ -1,6 +1,7 @@
 """Paged runner and engine on the tiny model, checked against the model's own full forward pass."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -403,3 +404,62 @@ def test_engine_budget_does_not_count_resident_weights_twice(model, monkeypatch)
     assert engine.weight_bytes > 0
     per_block = kv_bytes_per_token(model.config, "auto", 8) * 8
     assert engine.kv.pool.num_blocks == (32 * MiB - 8 * MiB) // per_block - 1  # one spare page
+
+
+def test_a_failed_step_or_output_ends_its_requests_and_leaves_no_stale_prefix(model, reference):
+    """A step that raised left its blocks' prefix hashes pending: a later request reusing the id had its
+    other prompt cached under them, and a third request got wrong tokens from the 'hit'. An exception
+    while emitting (the tokenizer's decode) left the stream without a final output forever."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
+    x, y = prompts(21, 1)[0] + list(range(20)), list(range(100, 120))
+    real_step, calls = engine.runner.step, []
+
+    def fails_once(out):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real_step(out)
+
+    engine.runner.step = fails_once
+    s = engine.add_request(x, greedy(), request_id="A")
+    engine.step()
+    last = s.get_nowait()
+    assert last.finish_reason == "error" and "device lost" in last.error
+    engine.add_request(y, greedy(), request_id="A")
+    engine.run_until_idle()
+    [o] = engine.generate([x], greedy())
+    assert o.token_ids == reference(tuple(x), 8)[0]
+    assert engine.kv.pool.num_used == 0
+
+    class BadDecode(ByteTokenizer):
+        def decode(self, ids, skip_special=True):
+            if len(ids) >= 3:
+                raise UnicodeError("cannot decode")
+            return super().decode(ids, skip_special)
+
+    engine = Engine(model, BadDecode(), EngineConfig(num_blocks=16, **SMALL))
+    [o] = engine.generate([[1, 2, 3]], greedy(max_tokens=6))
+    assert o.finish_reason == "error" and "UnicodeError: cannot decode" in o.error
+    assert engine.kv.pool.num_used == 0 and not engine._streams and not engine._detok
+
+
+def test_engine_arguments_of_the_wrong_kind_are_one_error(model):
+    tok = ByteTokenizer()
+    for kw, message in ((dict(num_blocks=-3), "num_blocks=-3; accepted: an integer >= 1"),
+                        (dict(num_blocks=2.5), "num_blocks=2.5; accepted: an integer >= 1"),
+                        (dict(num_blocks=True), "num_blocks=True; accepted: an integer >= 1"),
+                        (dict(max_model_len=40.5), "max_model_len=40.5; accepted: an integer in 1..the model's"),
+                        (dict(max_model_len="64"), "max_model_len='64'; accepted: an integer")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            EngineConfig(**kw)
+    engine = Engine(model, tok, EngineConfig(num_blocks=16, **SMALL))
+    for prompt, message in ((None, "prompt of type NoneType; accepted: a list of integer token ids"),
+                            ("abc", "prompt of type str; accepted: a list of integer token ids")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            engine.add_request(prompt, greedy())
+    for params in (None, {"max_tokens": 4}):
+        with pytest.raises(ValueError, match="^params of type .*; accepted: a jmem.serve.SamplingParams$"):
+            engine.add_request([1, 2], params)
+    # Arrays of ids are ids (a JAX array was refused as holding "Array(1, dtype=int32)").
+    [a, b] = engine.generate([jnp.asarray([1, 2, 3]), np.asarray([1, 2, 3])], greedy(max_tokens=3))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 3
