@@ -15,7 +15,7 @@ import tyro
 
 def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             chat: bool = False, draft: str | None = None, draft_k: int = 4) -> None:
+             chat: bool = False, draft: str | None = None, draft_k: int | None = None) -> None:
     """Print a completion of PROMPT.
 
     Args:
@@ -29,7 +29,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         chat: Wrap the prompt in the model's chat template as a user message.
         draft: A smaller model with the same tokenizer: speculative decoding, DRAFT_K proposals per pass
             of MODEL (same output distribution; acceptance printed on stderr). Temperature only.
-        draft_k: Draft proposals per target pass.
+        draft_k: Draft proposals per target pass (with --draft; 4 when unset).
     """
     import jmem
     from jmem.lm import model_source
@@ -37,6 +37,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
     if draft is not None and (top_k is not None or top_p is not None):
         raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
+    if draft is None and draft_k is not None:
+        raise ValueError(f"--draft-k={draft_k} without --draft; accepted: --draft-k with a --draft model")
     model_source(model, "--model")
     if draft is not None:
         model_source(draft, "--draft")
@@ -51,7 +53,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
             else tok.encode(prompt)
         draft_lm = jmem.load(draft)
         check_same_tokens(tok, draft_lm.tokenizer, f"--draft {draft!r}")
-        out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=draft_k,
+        out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=4 if draft_k is None else draft_k,
                                           temperature=temperature, seed=seed, eos_id=tok.eos_id)
         print(tok.decode(out[0]))
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "
@@ -65,7 +67,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                    draft_k: int) -> None:
+                    draft_k: int | None) -> None:
     """generate's numeric flags, before the model loads."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={max_new_tokens}; accepted: an integer >= 0")
@@ -75,7 +77,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
         raise ValueError(f"--top-k={top_k}; accepted: an integer >= 1, or unset (off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p={top_p}; accepted: a number in (0, 1], or unset (off)")
-    if draft_k < 1:
+    if draft_k is not None and draft_k < 1:
         raise ValueError(f"--draft-k={draft_k}; accepted: an integer >= 1")
 
 

@@ -134,6 +134,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     """
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("chunk", chunk, 1)  # 0 decode steps per call would never finish
+    # Not many decode steps past the last token asked for (a power of two: few compiled chunk sizes).
+    chunk = min(chunk, 1 << max(max_new_tokens - 1, 0).bit_length())
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params={params!r:.80}; accepted: a jmem.generate.SamplingParams "
                          "(e.g. SamplingParams(temperature=0.7))")
@@ -180,5 +182,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             if stop is not None:
                 keep = stop(i, out[i])
                 if keep is not None:
+                    if not is_int(keep) or not 0 <= keep <= len(out[i]):
+                        raise ValueError(f"stop(row={i}, ids) returned {keep!r}; accepted: None, or how many of "
+                                         f"the row's {len(out[i])} ids to keep (0..{len(out[i])})")
                     out[i], done[i] = out[i][:keep], True
     return out

@@ -34,9 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import as_python_scalar, check_int, is_number
+from jmem.checks import as_python_scalar, check_int, is_int, is_number
 from jmem.generate import check_prompt_ids
+from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
+from jmem.models.config import LlamaConfig
 from jmem.sampling import GREEDY_BELOW, seed_key
 
 
@@ -152,14 +154,19 @@ def _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev_B, last_B, pos
     return out_BK1, n_B, new_prev_B, next_B, pos_B + n_B + 1, t_cache, d_cache
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature, seed) -> tuple[np.ndarray, jax.Array]:
+def _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id) -> tuple[np.ndarray, jax.Array]:
     """The prompts' lengths and the seed's key, once every argument is checked."""
+    for name, model in (("target", target), ("draft", draft)):
+        if not isinstance(getattr(model, "config", None), LlamaConfig):
+            raise ValueError(f"{name}={model!r:.60}; accepted: a jmem.models.Llama model")
     tc, dc = target.config, draft.config
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "
                          "accepted: models sharing one tokenizer")
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("k", k, 1)
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < tc.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r}; accepted: a token id in 0..{tc.vocab_size - 1}, or None")
     temperature = as_python_scalar(temperature)
     if not (is_number(temperature) and np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
@@ -193,7 +200,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     Example:
         >>> out, stats = speculative_generate(target, draft, [[1, 2, 3]], 32, k=4)
     """
-    lengths, key = _check(target, draft, prompts, max_new_tokens, k, temperature, seed)
+    lengths, key = _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id)
     if max_new_tokens == 0:
         return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0, 0)
     B, T = len(prompts), -(-int(lengths.max()) // 16) * 16
@@ -205,6 +212,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     temp = jnp.float32(temperature if not greedy else 1.0)
     t_def, t_state = nnx.split(target)
     d_def, d_state = nnx.split(draft)
+    t_state, d_state = (without_dropout(s) if has_dropout_keys(s) else s for s in (t_state, d_state))  # inference
     ids_j, len_j = jnp.asarray(ids), jnp.asarray(lengths)
     logits_BV, t_cache = _prefill(t_def, t_state, ids_j, len_j, ContiguousKVCache.create(target.config, B, max_len))
     _, d_cache = _prefill(d_def, d_state, ids_j, len_j, ContiguousKVCache.create(draft.config, B, max_len))

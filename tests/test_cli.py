@@ -109,6 +109,7 @@ def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatc
     (["--top-k", "0"], "--top-k=0; accepted: an integer >= 1, or unset (off)"),
     (["--max-new-tokens", "-1"], "--max-new-tokens=-1; accepted: an integer >= 0"),
     (["--draft", "tiny", "--draft-k", "0"], "--draft-k=0; accepted: an integer >= 1"),
+    (["--draft-k", "3"], "--draft-k=3 without --draft; accepted: --draft-k with a --draft model"),  # was ignored
     (["--draft", "/missing/draft.gguf"], "--draft '/missing/draft.gguf' is neither a file nor a directory nor a "
                                          "known name; accepted: a .gguf path"),
     (["--draft", "tinyy"], "--draft 'tinyy' is neither"),

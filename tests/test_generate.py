@@ -208,3 +208,19 @@ def test_empty_inputs_name_the_problem(lm):
     for shape in ((0, 4), (2, 0)):
         with pytest.raises(ValueError, match=r"batch >= 1 and seq >= 1; got \(%d, %d\)" % shape):
             lm.logits(np.zeros(shape, np.int32))
+
+
+def test_stop_callback_result_is_checked_and_chunks_end_near_the_last_token(lm, monkeypatch):
+    """A stop callback returning -1 dropped the last token without a word (a float: a slicing TypeError);
+    chunk=4000 for one new token ran 4000 decode steps."""
+    import jmem.generate as gen
+
+    for keep in (-1, 1.5, 99):
+        with pytest.raises(ValueError, match=re.escape(f"stop(row=0, ids) returned {keep!r}; accepted: None, or how "
+                                                       "many of the row's 3 ids to keep (0..3)")):
+            generate_ids(lm.model, [[1, 2]], 3, stop=lambda i, ids, keep=keep: keep)
+    assert generate_ids(lm.model, [[1, 2]], 3, stop=lambda i, ids: 1) == [generate_ids(lm.model, [[1, 2]], 3)[0][:1]]
+    calls, decode = [], gen._decode
+    monkeypatch.setattr(gen, "_decode", lambda *a, steps, **kw: calls.append(steps) or decode(*a, steps=steps, **kw))
+    want = generate_ids(lm.model, [[1, 2]], 3, chunk=4)
+    assert generate_ids(lm.model, [[1, 2]], 3, chunk=4000) == want and calls == [4, 4]

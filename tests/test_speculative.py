@@ -115,12 +115,30 @@ def test_sampling_runs_stops_at_eos_and_is_seeded(models):
     (dict(prompts=[[]]), "prompt 0 has no tokens"),
     (dict(prompts=[[1, 10_000]]), "prompt 0 holds 10000; accepted: integer token ids"),
     (dict(max_new_tokens=10_000), "exceeds the models' context"),
+    (dict(eos_id=-1), "eos_id=-1; accepted: a token id in 0..258, or None"),  # ran, and never matched
+    (dict(eos_id="x"), "eos_id='x'; accepted: a token id"),
+    (dict(draft="draft"), "draft='draft'; accepted: a jmem.models.Llama model"),
 ])
 def test_bad_input_is_one_clear_error(models, kwargs, expected):
     target, draft = models
-    args = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
+    args = dict(prompts=PROMPTS, max_new_tokens=4, draft=draft) | kwargs
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        speculative_generate(target, draft, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+        speculative_generate(target, args.pop("draft"), args.pop("prompts"), args.pop("max_new_tokens"), **args)
     other = Llama(LlamaConfig.tiny(vocab_size=300), rngs=nnx.Rngs(2))
     with pytest.raises(ValueError, match="draft vocab_size=300 differs"):
         speculative_generate(target, other, PROMPTS, 4)
+
+
+def test_lora_dropout_keys_do_not_reach_inference():
+    """A model still carrying LoRA dropout keys (set for training) drafted and verified with dropout on,
+    so greedy speculation was not the target's greedy continuation; generate_ids drops the keys."""
+    from jmem.lora import LoRA, apply_lora, set_dropout_key
+
+    target = apply_lora(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), rank=4, dropout=0.5)
+    for var in (target.layers.wq.kernel, target.layers.wv.kernel):  # B = 0 would make the adapters no-ops
+        lo = var.get_value()
+        var.set_value(LoRA(lo.base, lo.lora_a, jnp.full_like(lo.lora_b, 0.5), lo.alpha, lo.dropout, lo.rslora))
+    clean = generate_ids(target, PROMPTS, 12)
+    set_dropout_key(target, jax.random.key(1))
+    assert generate_ids(target, PROMPTS, 12) == clean
+    assert speculative_generate(target, target, PROMPTS, 12, k=3)[0] == clean

@@ -47,9 +47,12 @@ class ContiguousKVCache:
     def create(cls, config, batch: int, max_len: int, dtype=None, per_layer: bool = False) -> "ContiguousKVCache":
         """Zeroed cache; `per_layer=True` keeps one `[batch, max_len, kv_heads, head_dim]` array per
         layer (for the unrolled layer loop) instead of one stacked array."""
+        from jmem.checks import check_int
         from jmem.models.config import as_dtype
 
-        dtype = dtype or as_dtype(config.compute_dtype)
+        check_int("batch", batch, 1)
+        check_int("max_len", max_len, 1)
+        dtype = as_dtype(dtype or config.compute_dtype)
         shape = (batch, max_len, config.n_kv_heads, config.head_dim)
         impl = "xla" if config.attention_impl in ("auto", "pallas") else config.attention_impl
         if per_layer:
@@ -77,10 +80,16 @@ class ContiguousKVCache:
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
         k_BSKD, v_BSKD = layer_arrays
         S, T = k_BSKD.shape[1], q_BTHD.shape[1]
+        if k_BSKD.shape[0] != k_BTKD.shape[0] or k_BSKD.shape[2:] != k_BTKD.shape[2:]:
+            raise ValueError(f"the KV cache holds [batch, kv_heads, head_dim] = {[k_BSKD.shape[0], *k_BSKD.shape[2:]]}, "
+                             f"the model writes {[k_BTKD.shape[0], *k_BTKD.shape[2:]]}; accepted: a cache created "
+                             "for this model's config and batch")
         try:  # concrete positions are checked; traced ones (under jit) only by their count
-            last = int(np.max(np.asarray(positions_BT)))
+            first, last = int(np.min(np.asarray(positions_BT))), int(np.max(np.asarray(positions_BT)))
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-            last = None
+            first = last = None
+        if first is not None and first < 0:
+            raise ValueError(f"position {first} is negative; accepted: positions 0..{S - 1}")
         if T > S or (last is not None and last >= S):
             shown = f"positions up to {last}" if last is not None else f"{T} new tokens"
             raise ValueError(f"{shown} do not fit a KV cache of max_len={S} (writes past it would be lost); "

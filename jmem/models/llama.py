@@ -297,6 +297,8 @@ class Llama(nnx.Module):
             return constrain(x, ACTIVATION_AXES), (new_layer, stats)
 
         layers = None if cache is None else cache.layer_arrays()
+        if layers is not None:
+            _check_cache_layers(layers, per_layer is not None, cfg.n_layers)
         if per_layer is not None:
             x, (new_layers, stats_L) = _unrolled(body, x, per_layer, layers)
         else:
@@ -338,6 +340,19 @@ def unstack_layers(model: Llama, fuse: bool = True) -> list[dict]:
                 w[fused] = jnp.concatenate([w.pop(n) for n in names], axis=-1)
         out.append(w)
     return out
+
+
+def _check_cache_layers(layers, unrolled: bool, n_layers: int) -> None:
+    """One ValueError for a cache of another depth or form than the layer loop that reads it."""
+    listed = isinstance(layers, list)
+    if listed and not unrolled:
+        raise ValueError("a KV cache in per-layer form needs the per-layer weights; accepted: "
+                         "model.hidden(..., layers=unstack_layers(model)) with it, or a stacked cache "
+                         "(ContiguousKVCache.create(..., per_layer=False))")
+    depth = len(layers) if listed else min(x.shape[0] for x in jax.tree.leaves(layers))
+    if depth != n_layers:
+        raise ValueError(f"the KV cache has {depth} layers, the model {n_layers}; accepted: a cache created for "
+                         "this model's config")
 
 
 def _unrolled(body, x, per_layer: list, cache_layers):

@@ -38,6 +38,31 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     assert bool(jnp.all(jnp.isnan(logits[1]))) and not bool(jnp.any(jnp.isnan(logits[0])))
 
 
+def test_a_cache_that_does_not_fit_the_model_is_one_error(tiny):
+    """A cache of another config (depth, heads, batch) or form was an error from inside JAX's scan or
+    broadcasting; a negative position was written and read without a word; a dtype name was a TypeError."""
+    cfg, ids = tiny.config, jnp.ones((1, 3), jnp.int32)
+    for cache, message in (
+            (ContiguousKVCache.create(cfg.replace(n_layers=3), 1, 16), "the KV cache has 3 layers, the model 2"),
+            (ContiguousKVCache.create(cfg.replace(head_dim=8), 1, 16),
+             r"the KV cache holds \[batch, kv_heads, head_dim\] = \[1, 2, 8\], the model writes \[1, 2, 16\]"),
+            (ContiguousKVCache.create(cfg, 2, 16), r"holds \[batch, kv_heads, head_dim\] = \[2, 2, 16\]"),
+            (ContiguousKVCache.create(cfg, 1, 16, per_layer=True), "a KV cache in per-layer form needs the per-layer "
+                                                                    "weights")):
+        with pytest.raises(ValueError, match=message):
+            tiny(ids, cache=cache)
+    with pytest.raises(ValueError, match=r"position -3 is negative; accepted: positions 0..15"):
+        tiny(ids, positions=jnp.arange(-3, 0)[None], cache=ContiguousKVCache.create(cfg, 1, 16))
+    for kw, message in ((dict(batch=-1), "batch=-1"), (dict(max_len=0), "max_len=0")):
+        with pytest.raises(ValueError, match=f"{message}; accepted: an integer >= 1"):
+            ContiguousKVCache.create(cfg, **{"batch": 1, "max_len": 16, **kw})
+    bf16 = ContiguousKVCache.create(cfg, 1, 16, dtype="bf16")
+    assert bf16.k.dtype == jnp.bfloat16
+    a, _ = tiny.hidden(ids, cache=ContiguousKVCache.create(cfg, 1, 16, per_layer=True), layers=unstack_layers(tiny))
+    b, _ = tiny.hidden(ids, cache=ContiguousKVCache.create(cfg, 1, 16))
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("per_layer_cache", [True, False])
 def test_unrolled_per_layer_path_equals_scan(tiny, per_layer_cache):
     """`hidden(..., layers=unstack_layers(model))` (the CPU decode path) equals the scanned blocks,
