@@ -94,7 +94,10 @@ def cache_dir() -> pathlib.Path:
 def tokenizer_id(tokenizer) -> str:
     """A stable identity of a tokenizer for the cache key: its name and vocabulary size, its
     GGUF `tokenizer.*` fields when it keeps them (the vocabulary, merges and special ids), and
-    how it encodes a probe of words, digits, whitespace, line breaks and non-ASCII text."""
+    how it encodes a probe of words, digits, whitespace, line breaks, every printable ASCII and
+    Latin-1 character, and other non-ASCII text. Two tokenizers of one name and vocabulary size,
+    without GGUF fields, that differ only on text outside the probe share a key: give them
+    different `name`s, or tokenize with `cache=False`."""
     name = getattr(tokenizer, "name", None) or type(tokenizer).__name__
     vocab = getattr(tokenizer, "vocab_size", None)
     h = hashlib.sha256(f"{name}|{vocab}|".encode())
@@ -110,7 +113,8 @@ def tokenizer_id(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-_PROBE = "The quick brown fox; 12345 67.890 Ünïcödé 漢字 🙂\n\tTab  two  spaces\r\n\n   indented\nEND"
+_PROBE = ("The quick brown fox; 12345 67.890 Ünïcödé 漢字 🙂\n\tTab  two  spaces\r\n\n   indented\nEND\n"
+          + " ".join(map(chr, range(33, 127))) + "\n" + " ".join(map(chr, range(161, 256))))
 """Text whose encoding tells tokenizers apart that share a name and vocabulary size."""
 
 

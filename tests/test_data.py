@@ -70,6 +70,20 @@ def test_cache_key_tells_apart_tokenizers_and_document_lists(tmp_path):
     assert len(one) == 5 and len(two) == 6
 
 
+def test_cache_key_tells_apart_tokenizers_differing_on_one_character(tmp_path):
+    """Tokenizers that differ on a letter the probe text lacked ('z') shared a cache file."""
+    class OneLetter(ByteTokenizer):
+        name = "ByteTokenizer"  # the same name and vocabulary size: only the encoding tells them apart
+
+        def encode(self, text, add_bos=None):
+            return [self.vocab_size - 1 if i == ord("z") else i for i in super().encode(text, add_bos)]
+
+    docs = ["zebra zone " * 20]
+    plain = tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS)
+    other = tokenize_documents(docs, OneLetter(), bos=BOS, eos=EOS)
+    assert plain[1] == ord("z") and other[1] == ByteTokenizer.vocab_size - 1
+
+
 class AsciiOnlyTokenizer(ByteTokenizer):
     """A narrow alphabet: refuses text it has no tokens for."""
 

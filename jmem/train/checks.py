@@ -42,6 +42,10 @@ def validate(cfg: TrainConfig) -> Policy:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every={cfg.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if not 0 <= cfg.seed < 2**32:  # the init's PRNG key holds 32 bits: seeds 2**32 apart would share it
+        raise ValueError(f"--seed={cfg.seed}; accepted: an integer in 0..{2**32 - 1}")
+    if cfg.loss_chunk is not None and cfg.loss_chunk < 1:
+        raise ValueError(f"--loss-chunk={cfg.loss_chunk}; accepted: an integer >= 1 (positions per chunk), or unset")
     if cfg.warmup is not None and not 0 <= cfg.warmup <= cfg.steps:
         raise ValueError(f"--warmup={cfg.warmup} must be in 0..--steps={cfg.steps}")
     _validate_floats(cfg)
@@ -68,7 +72,8 @@ def validate(cfg: TrainConfig) -> Policy:
         _validate_resume(cfg)
     _validate_log(cfg)
     if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
-        raise ValueError(f"--data {cfg.data!r}: no such file (give a UTF-8 text file, or 'default')")
+        what = "is a directory" if pathlib.Path(cfg.data).expanduser().is_dir() else "no such file"
+        raise ValueError(f"--data {cfg.data!r}: {what} (give a UTF-8 text file, or 'default')")
     _validate_parallel(cfg)
     _validate_lora(cfg)
     _validate_offload(cfg, policy)

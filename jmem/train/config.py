@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from jmem.checks import is_int
+
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
 """Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
@@ -118,6 +122,24 @@ class TrainConfig:
     """Dropout on each adapter's input in training steps, 0 <= p < 1 (never in evaluation or inference)."""
     quantize_base: str | None = None
     """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
+
+    def __post_init__(self):
+        """Each field of its annotated kind (NumPy scalars become Python ones, so the config stays JSON for
+        checkpoints and logs); the ranges are checked by `jmem.train.checks.validate`."""
+        for f in dataclasses.fields(self):
+            value, kinds = getattr(self, f.name), f.type.split(" | ")
+            if value is None and "None" in kinds:
+                continue
+            if "int" in kinds and is_int(value):
+                object.__setattr__(self, f.name, int(value))
+            elif "float" in kinds and (is_int(value) or isinstance(value, (float, np.floating))):
+                object.__setattr__(self, f.name, float(value))
+            elif "bool" in kinds and isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, f.name, bool(value))
+            elif not ("str" in kinds and isinstance(value, str)):
+                accepted = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
+                raise ValueError(f"--{f.name.replace('_', '-')}={value!r}; accepted: "
+                                 + " or ".join(accepted.get(k, k) for k in kinds))
 
     @property
     def warmup_steps(self) -> int:

@@ -45,7 +45,10 @@ from jmem.train.setup import MEANING_SETTINGS, Run, build, state_settings_diff, 
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run did: per-step train losses (by absolute step), eval losses, memory."""
+    """What a run did: train losses, eval losses, memory.
+
+    `losses[k]` is the loss of the step that starts from k steps done (0-based: the log's
+    `"step": k + 1` line); `eval_losses[n]` is evaluated after n steps (as the log's `"step"`)."""
 
     losses: dict[int, float]
     eval_losses: dict[int, float]

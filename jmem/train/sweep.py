@@ -229,6 +229,14 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
     schedule, remat, precision, accum; optimizer fastest)."""
     remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules = map(
         list, (remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules))
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"--{name}={value!r}; accepted: an integer >= 1")
+    for name, values in (("remat", remats), ("precision", precisions), ("accum", accums), ("optimizer", optimizers),
+                         ("mesh", meshes), ("zero", zeros), ("microbatches", microbatches),
+                         ("pipeline-schedule", schedules)):
+        if not values:  # an empty product would return no records and say nothing
+            raise ValueError(f"--{name}: an empty list; accepted: at least one value")
     # Every combination before the first compile: a late bad value would lose the compiles before it.
     validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros, microbatches=microbatches,
                   schedules=schedules, pipeline_stages=pipeline_stages, rules=rules, attention=attention, mc=mc)

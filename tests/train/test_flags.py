@@ -4,6 +4,7 @@ memory table's matmul count. Nothing here compiles a train step."""
 
 import dataclasses
 import gc
+import re
 import types
 
 import jax
@@ -125,9 +126,28 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--precision", "p=f32,c=bf16,o=bf16"], "--precision='p=f32,c=bf16,o=bf16' asks for bfloat16 outputs; "
                                              "accepted: o=f32"),
     (["--stop-after", "2"], "--stop-after 2 needs --ckpt-dir (the checkpoint --resume continues from"),
+    # Seeds 2**32 apart shared the init's key; chunk 0 failed while tracing the step.
+    (["--seed", str(2**32 + 1)], "--seed=4294967297; accepted: an integer in 0..4294967295"),
+    (["--loss-chunk", "0"], "--loss-chunk=0; accepted: an integer >= 1 (positions per chunk), or unset"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
+
+
+def test_config_fields_of_the_wrong_kind_are_refused_and_numpy_scalars_become_python():
+    """From Python: NumPy integers made the checkpoint meta and the log unwritable after training; a float
+    step count failed after compiling (or checkpointed at odd steps); a string was a TypeError in a check."""
+    cfg = TrainConfig(model="tiny", steps=np.int64(3), batch=np.int32(2), lr=1, seed=np.uint32(2))
+    assert (type(cfg.steps), type(cfg.batch), type(cfg.lr), type(cfg.seed)) == (int, int, float, int)
+    for kw, message in ((dict(steps=2.5), "--steps=2.5; accepted: an integer"),
+                        (dict(ckpt_every=1.5), "--ckpt-every=1.5; accepted: an integer"),
+                        (dict(steps=True), "--steps=True; accepted: an integer"),
+                        (dict(lr="1e-3"), "--lr='1e-3'; accepted: a number"),
+                        (dict(warmup=1.5), "--warmup=1.5; accepted: an integer or None"),
+                        (dict(data=None), "--data=None; accepted: a string"),
+                        (dict(resume=1), "--resume=1; accepted: True or False")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            TrainConfig(**kw)
 
 
 def test_pipeline_stages_without_a_mesh_name_the_flag_not_a_mesh_never_given():

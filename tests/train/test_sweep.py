@@ -1,6 +1,7 @@
 """`experiments/memory_sweep.py`: records with the documented keys; bad lists fail in one line."""
 
 import json
+import re
 
 import pytest
 
@@ -114,6 +115,13 @@ def test_sweep_checks_every_combination_before_compiling(monkeypatch):
     with pytest.raises(ValueError, match=r"^--microbatches=3: .*; accepted: --batch a multiple of 4 x 1 x 3 = 12$"):
         sweep_mod.sweep(PRESETS["tiny"](), batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1],
                         optimizers=["adamw"], meshes=["stage=2,data=4"], pipeline_stages=2, microbatches=[2, 3])
+    # Sizes and empty lists from Python (a ZeroDivisionError deep in the step, or no records and no word).
+    one = dict(batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1], optimizers=["adamw"])
+    for change, message in ((dict(batch=0), "--batch=0; accepted: an integer >= 1"),
+                            (dict(seq=16.5), "--seq=16.5; accepted: an integer >= 1"),
+                            (dict(remats=[]), "--remat: an empty list; accepted: at least one value")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            sweep_mod.sweep(PRESETS["tiny"](), **{**one, **change})
 
 
 @pytest.mark.parametrize("flag", ["--out", "--md", "--png"])
