@@ -53,7 +53,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
             else tok.encode(prompt)
         draft_lm = jmem.load(draft)
         check_same_tokens(tok, draft_lm.tokenizer, f"--draft {draft!r}")
-        out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=4 if draft_k is None else draft_k,
+        k = 4 if draft_k is None else draft_k
+        out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=k,
                                           temperature=temperature, seed=seed, eos_id=tok.eos_id)
         print(tok.decode(out[0]))
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "

@@ -99,7 +99,8 @@ class GGUFTokenizer:
         self.metadata = {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}  # to save it again
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         types: list[int] = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in metadata.get("tokenizer.ggml.merges", [])]
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else ()
+                  for m in metadata.get("tokenizer.ggml.merges", [])]
         bad = next((i for i, m in enumerate(merges) if len(m) != 2), None)
         if bad is not None:
             raise TokenizerError(f"tokenizer.ggml.merges[{bad}]={metadata['tokenizer.ggml.merges'][bad]!r}; accepted: "

@@ -81,9 +81,9 @@ class ContiguousKVCache:
         k_BSKD, v_BSKD = layer_arrays
         S, T = k_BSKD.shape[1], q_BTHD.shape[1]
         if k_BSKD.shape[0] != k_BTKD.shape[0] or k_BSKD.shape[2:] != k_BTKD.shape[2:]:
-            raise ValueError(f"the KV cache holds [batch, kv_heads, head_dim] = {[k_BSKD.shape[0], *k_BSKD.shape[2:]]}, "
-                             f"the model writes {[k_BTKD.shape[0], *k_BTKD.shape[2:]]}; accepted: a cache created "
-                             "for this model's config and batch")
+            held, written = [k_BSKD.shape[0], *k_BSKD.shape[2:]], [k_BTKD.shape[0], *k_BTKD.shape[2:]]
+            raise ValueError(f"the KV cache holds [batch, kv_heads, head_dim] = {held}, the model writes {written}; "
+                             "accepted: a cache created for this model's config and batch")
         try:  # concrete positions are checked; traced ones (under jit) only by their count
             first, last = int(np.min(np.asarray(positions_BT))), int(np.max(np.asarray(positions_BT)))
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
