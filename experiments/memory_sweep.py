@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.preset not in PRESETS:
             raise ValueError(f"unknown preset {cfg.preset!r}; accepted: {', '.join(PRESETS)}")
-        for flag, v in (("--batch", cfg.batch), ("--seq", cfg.seq), ("--pipeline-stages", cfg.pipeline_stages)):
-            if v < 1:
-                raise ValueError(f"{flag} {v}; accepted: a positive integer")
+        if cfg.pipeline_stages < 1:
+            raise ValueError(f"--pipeline-stages {cfg.pipeline_stages}; accepted: a positive integer")
         check_image_path(cfg.png, "--png")
         accums = []
         for a in parse_list(cfg.accum, "accum"):
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)
         # Every value of every list, in every combination, before the first compile (at bench-8l each
         # compile takes minutes): one line naming the flag, not a failure midway through the sweep.
-        validate_grid(cfg.batch, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
+        validate_grid(cfg.batch, seq=cfg.seq, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
                       pipeline_stages=cfg.pipeline_stages, mc=PRESETS[cfg.preset](), **grid)
         # Outputs after the flags, before compiling: a path that cannot be written fails now, not after the sweep.
         out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.checks import check_bool
-from jmem.kernels.scale import split_scale
+from jmem.kernels.scale import check_scale
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -212,7 +212,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     """
     _check(q, k, v)
     check_bool("attention: causal", causal)
-    split_scale("attention", q, sm_scale, q.shape[-1])  # checks the scale as every kernel does
+    check_scale("attention", sm_scale)  # as every kernel checks it
     kernel_ok = _zero(q_offset) and kv_lengths is None
     q_offset = _per_row("q_offset", q_offset, q.shape[0])
     kv_lengths = _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1])

@@ -32,13 +32,24 @@ def split_scale(name: str, q, sm_scale, head_dim: int):
     Example:
         >>> q, scale = split_scale("flash_attention", q, sm_scale, q.shape[-1])
     """
+    scale = check_scale(name, sm_scale)
     if sm_scale is None:
         return q, float(head_dim) ** -0.5
+    if scale is None:  # traced
+        return (q * sm_scale.reshape(())).astype(q.dtype), 1.0
+    return q, scale
+
+
+def check_scale(name: str, sm_scale) -> float | None:
+    """ValueError naming `sm_scale` unless it is None, one real scalar (returned as a finite float), or a
+    traced real scalar (None is returned: its value is not known)."""
+    if sm_scale is None:
+        return None
     if isinstance(sm_scale, jax.core.Tracer):
         real = jnp.issubdtype(sm_scale.dtype, jnp.floating) or jnp.issubdtype(sm_scale.dtype, jnp.integer)
         if sm_scale.size != 1 or not real:
             raise ValueError(f"{name}: sm_scale is a traced {sm_scale.dtype}{list(sm_scale.shape)}; accepted: one real scalar")
-        return (q * sm_scale.reshape(())).astype(q.dtype), 1.0
+        return None
     try:
         value = np.asarray(sm_scale)
     except Exception as e:  # noqa: BLE001 - anything that is not array-like is a bad scale
@@ -48,4 +59,4 @@ def split_scale(name: str, q, sm_scale, head_dim: int):
     scale = float(value.reshape(()))
     if not np.isfinite(scale):  # every logit would be NaN or infinite
         raise ValueError(f"{name}: sm_scale={sm_scale!r}; accepted: None or one finite real scalar")
-    return q, scale
+    return scale

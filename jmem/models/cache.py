@@ -85,7 +85,8 @@ class ContiguousKVCache:
             raise ValueError(f"the KV cache holds [batch, kv_heads, head_dim] = {held}, the model writes {written}; "
                              "accepted: a cache created for this model's config and batch")
         try:  # concrete positions are checked; traced ones (under jit) only by their count
-            first, last = int(np.min(np.asarray(positions_BT))), int(np.max(np.asarray(positions_BT)))
+            host = np.asarray(positions_BT)
+            first, last = int(host.min()), int(host.max())
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
             first = last = None
         if first is not None and first < 0:

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import is_int, is_number
 
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
@@ -132,7 +132,7 @@ class TrainConfig:
                 continue
             if "int" in kinds and is_int(value):
                 object.__setattr__(self, f.name, int(value))
-            elif "float" in kinds and (is_int(value) or isinstance(value, (float, np.floating))):
+            elif "float" in kinds and is_number(value):
                 object.__setattr__(self, f.name, float(value))
             elif "bool" in kinds and isinstance(value, (bool, np.bool_)):
                 object.__setattr__(self, f.name, bool(value))

@@ -87,8 +87,8 @@ def _named(flag: str, value, check: Callable, *args, accepted: str):
 
 
 def validate_grid(batch: int, remats, precisions, accums, optimizers, target: str | None, meshes=(None,),
-                  zeros=(0,), *, microbatches=(1,), schedules=("gpipe",), pipeline_stages: int = 1, rules: str = "",
-                  attention: str | None = None, mc: LlamaConfig | None = None) -> None:
+                  zeros=(0,), *, seq: int, microbatches=(1,), schedules=("gpipe",), pipeline_stages: int = 1,
+                  rules: str = "", attention: str | None = None, mc: LlamaConfig | None = None) -> None:
     """Every value of every list, and every combination of them, checked before the first compile
     with the checks the train step uses (`jmem.train.checks`, `jmem.parallel`).
 
@@ -102,6 +102,14 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
     from jmem.train.checks import check_batch_split, rules_for, train_policy
 
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"--{name}={value!r}; accepted: an integer >= 1")
+    for name, values in (("remat", remats), ("precision", precisions), ("accum", accums), ("optimizer", optimizers),
+                         ("mesh", meshes), ("zero", zeros), ("microbatches", microbatches),
+                         ("pipeline-schedule", schedules)):
+        if not values:  # an empty product would return no records and say nothing
+            raise ValueError(f"--{name}: an empty list; accepted: at least one value")
     for r in remats:
         _named("--remat", r, validate_remat, r,
                accepted=f"{', '.join(POLICIES)}, or a spec 'name=remat|device|offload,...'")
@@ -229,17 +237,9 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
     schedule, remat, precision, accum; optimizer fastest)."""
     remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules = map(
         list, (remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules))
-    for name, value in (("batch", batch), ("seq", seq)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"--{name}={value!r}; accepted: an integer >= 1")
-    for name, values in (("remat", remats), ("precision", precisions), ("accum", accums), ("optimizer", optimizers),
-                         ("mesh", meshes), ("zero", zeros), ("microbatches", microbatches),
-                         ("pipeline-schedule", schedules)):
-        if not values:  # an empty product would return no records and say nothing
-            raise ValueError(f"--{name}: an empty list; accepted: at least one value")
     # Every combination before the first compile: a late bad value would lose the compiles before it.
-    validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros, microbatches=microbatches,
-                  schedules=schedules, pipeline_stages=pipeline_stages, rules=rules, attention=attention, mc=mc)
+    validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros, seq=seq,
+                  microbatches=microbatches, schedules=schedules, pipeline_stages=pipeline_stages, rules=rules, attention=attention, mc=mc)
     out = []
     for mesh, zero, micro, schedule, remat, precision, accum, optimizer in itertools.product(
             meshes, zeros, microbatches, schedules, remats, precisions, accums, optimizers):
