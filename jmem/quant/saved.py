@@ -296,7 +296,8 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
 
     Raises:
         QuantizedDirError: the directory is not new/empty, a leaf type or tokenizer
-            that cannot be saved; raised before anything is written.
+            that cannot be saved; raised before anything is written. A write that fails
+            later (a full disk) removes what it wrote.
 
     Example:
         >>> save_quantized("/tmp/q4", qmodel, tokenizer=lm.tokenizer,
@@ -304,7 +305,9 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
     """
     from jmem.io.checkpoint import Checkpointer
 
-    out = check_new_dir(path)
+    from jmem.io.paths import undo_on_failure
+
+    check_new_dir(path, "path")
     tok = _tokenizer_entry(tokenizer, tokenizer_metadata)
     quant = _quant_entry(quantization)
     arrays: dict[str, Any] = {}
@@ -324,15 +327,15 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
         "bytes": n_bytes,
         "tokenizer": tok,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(out / ARRAYS, max_to_keep=1, this_process_only=True)
-    try:
-        ckpt.save(0, arrays, {"format": FORMAT, "format_version": manifest["format_version"]})
-    finally:
-        ckpt.close()
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest))
-    tmp.replace(out / MANIFEST)  # the manifest appears only once the arrays are on disk
+    with undo_on_failure(path, "path", directory=True) as out:  # a failed write leaves no partial directory
+        ckpt = Checkpointer(out / ARRAYS, max_to_keep=1, this_process_only=True)
+        try:
+            ckpt.save(0, arrays, {"format": FORMAT, "format_version": manifest["format_version"]})
+        finally:
+            ckpt.close()
+        tmp = out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest))
+        tmp.replace(out / MANIFEST)  # the manifest appears only once the arrays are on disk
     return manifest
 
 
@@ -348,7 +351,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a quantized model directory, after checking its format and version.
 
     Raises:
-        QuantizedDirError: no manifest, unreadable JSON, another format, an unknown version.
+        QuantizedDirError: no manifest, unreadable JSON, another format, an unknown version, a
+            missing entry or one of the wrong kind.
     """
     p = pathlib.Path(path)
     if not p.is_dir():
@@ -368,7 +372,17 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if version not in SUPPORTED_VERSIONS:
         raise QuantizedDirError(f"{mf}: format_version {version!r} is not supported; accepted: "
                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))} (written by a newer jmem?)")
+    for key in ("config", "leaves", "arrays", "tokenizer"):
+        if not isinstance(manifest.get(key), dict):
+            raise QuantizedDirError(f"{mf}: {key!r} is {_kind(manifest.get(key))}; accepted: a JSON object "
+                                    "(a damaged or hand-edited manifest: write the directory again)")
+    if not isinstance(manifest.get("bytes"), int):
+        raise QuantizedDirError(f"{mf}: 'bytes' is {_kind(manifest.get('bytes'))}; accepted: an integer")
     return manifest
+
+
+def _kind(value) -> str:
+    return "missing" if value is None else f"a JSON {type(value).__name__} ({str(value)[:40]!r})"
 
 
 def config_from_manifest(manifest: Mapping, **overrides) -> LlamaConfig:
@@ -379,7 +393,10 @@ def config_from_manifest(manifest: Mapping, **overrides) -> LlamaConfig:
     if unknown:
         raise QuantizedDirError(f"{MANIFEST}: config fields {unknown} are unknown to this jmem "
                                 "(written by a newer one?)")
-    return LlamaConfig(**{**fields, **overrides})
+    try:
+        return LlamaConfig(**{**fields, **overrides})
+    except (TypeError, ValueError) as e:  # a hand-edited value of the wrong kind
+        raise QuantizedDirError(f"{MANIFEST}: its config does not build a model ({e})") from None
 
 
 def tokenizer_from_manifest(manifest: Mapping):
@@ -389,34 +406,53 @@ def tokenizer_from_manifest(manifest: Mapping):
     if tok.get("kind") == "byte":
         return ByteTokenizer()
     if tok.get("kind") == "gguf":
+        if not isinstance(tok.get("metadata"), dict):
+            raise QuantizedDirError(f"{MANIFEST}: a 'gguf' tokenizer without its 'metadata' object")
         return GGUFTokenizer(tok["metadata"])
     raise QuantizedDirError(f"{MANIFEST}: tokenizer kind {tok.get('kind')!r}; accepted: 'byte', 'gguf'")
 
 
 def load_weights(path: str | os.PathLike, manifest: Mapping) -> dict[str, Any]:
     """`{state path: array or quantized leaf}` restored from the directory's arrays (bit-exact)."""
-    from jmem.io.checkpoint import Checkpointer
+    from jmem.io.checkpoint import Checkpointer, CheckpointMismatchError
 
     specs = manifest["arrays"]
     wanted: dict[str, Any] = {}
-    for node in manifest["leaves"].values():
-        _array_specs(node, wanted)
-    missing = sorted(set(wanted) - set(specs))
-    if missing:
-        raise QuantizedDirError(f"{MANIFEST}: leaves refer to arrays it does not list: {missing[:3]}")
-    template = {k: jax.ShapeDtypeStruct(tuple(specs[k]["shape"]), jnp.dtype(specs[k]["dtype"])) for k in wanted}
+    try:
+        for node in manifest["leaves"].values():
+            _array_specs(node, wanted)
+        missing = sorted(set(wanted) - set(specs))
+        if missing:
+            raise QuantizedDirError(f"{MANIFEST}: leaves refer to arrays it does not list: {missing[:3]}")
+        template = {k: jax.ShapeDtypeStruct(tuple(specs[k]["shape"]), jnp.dtype(specs[k]["dtype"]))
+                    for k in wanted}
+    except (KeyError, TypeError, AttributeError) as e:  # an entry missing or of the wrong kind
+        raise QuantizedDirError(f"{MANIFEST}: a leaf or array entry is malformed ({type(e).__name__}: {e}); "
+                                "write the directory again") from None
     ckpt = Checkpointer(pathlib.Path(path) / ARRAYS, read_only=True)  # loading leaves the directory as it is
     try:
         if ckpt.latest_step() is None:
             raise QuantizedDirError(f"{path}: {ARRAYS}/ holds no saved arrays (an interrupted write?)")
         arrays = ckpt.restore(template, step=0)
+    except CheckpointMismatchError as e:  # its advice is a training run's
+        msg = str(e)
+        if " does not match the template: " in msg:
+            raise QuantizedDirError(f"{path}: {ARRAYS}/ does not hold the arrays {MANIFEST} lists: "
+                                    f"{msg.split(' does not match the template: ', 1)[1]}") from None
+        why = msg.split(" is damaged or unreadable ", 1)[-1].split("; accepted:")[0]
+        raise QuantizedDirError(f"{path}: {ARRAYS}/ is damaged or unreadable {why}; accepted: a complete "
+                                "directory (write it again, e.g. `jmem quantize --out DIR`)") from None
     finally:
         ckpt.close()
     # Orbax returns arrays committed to one device; hand back uncommitted ones, as a GGUF
     # load does, so jit places them freely (a mesh's shardings, a shared compile cache).
     for k in list(arrays):
         arrays[k] = jnp.asarray(np.asarray(arrays.pop(k)))
-    return {k: _decode(node, arrays) for k, node in manifest["leaves"].items()}
+    try:
+        return {k: _decode(node, arrays) for k, node in manifest["leaves"].items()}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise QuantizedDirError(f"{MANIFEST}: a leaf entry is malformed ({type(e).__name__}: {e}); "
+                                "write the directory again") from None
 
 
 @dataclasses.dataclass(frozen=True)

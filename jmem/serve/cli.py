@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -60,12 +59,12 @@ class ServeArgs:
     """Largest request body; a larger one is answered 413 before it is parsed."""
     shutdown_timeout: int = 30
     """Seconds SIGTERM/Ctrl-C waits for running requests to finish before it ends them and exits."""
-    param_dtype: str = "f32"
-    """Dtype of unquantized parameters."""
+    param_dtype: str | None = None
+    """Dtype of unquantized parameters (unset: a quantized directory's own, else f32)."""
     packed: bool = False
     """Keep a GGUF file's block-quantized matrices packed (decoded inside the step) instead of float."""
-    compute_dtype: str = "f32"
-    """Dtype of activations."""
+    compute_dtype: str | None = None
+    """Dtype of activations (unset: a quantized directory's own, else f32)."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
     attention_impl: str = "auto"
@@ -115,16 +114,18 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
     from jmem.lm import PACKAGED_MODELS, model_source
-    from jmem.models.config import PRESETS, as_dtype
+    from jmem.models.config import as_dtype
     from jmem.serve.paged_cache import ATTENTION_IMPLS, KV_DTYPES
 
     if args.log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
-    if args.packed and args.model not in PACKAGED_MODELS and (args.model in PRESETS or os.path.isdir(args.model)):
+    if args.packed and model_source(args.model, "--model")[0] != "gguf":
         raise ValueError(f"--packed keeps a GGUF file's blocks packed; model {args.model!r} is not a GGUF file "
                          f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or "
                          f"{', '.join(PACKAGED_MODELS)}")
     for flag, value in (("--param-dtype", args.param_dtype), ("--compute-dtype", args.compute_dtype)):
+        if value is None:
+            continue
         try:
             as_dtype(value)
         except ValueError as e:
@@ -165,7 +166,8 @@ def check_args(args: ServeArgs) -> None:
 def check_tensor_parallel_args(args: ServeArgs) -> None:
     """`--tensor-parallel-size` against the local devices and a preset's head counts (a model file's
     heads, and how its quantized weights split, are checked once it loads)."""
-    from jmem.models.config import PRESETS, get_config
+    from jmem.lm import model_source
+    from jmem.models.config import get_config
     from jmem.serve.tensor_parallel import check_tensor_parallel
 
     tp = args.tensor_parallel_size
@@ -177,7 +179,7 @@ def check_tensor_parallel_args(args: ServeArgs) -> None:
         n = jax.local_device_count()
         if tp > n:
             raise ValueError(f"exceeds the {n} local {jax.default_backend()} devices; accepted: 1..{n}")
-        if args.model in PRESETS:
+        if model_source(args.model, "--model")[0] == "preset":
             check_tensor_parallel(get_config(args.model), tp)
     except ValueError as e:
         msg = str(e).removeprefix(f"tensor_parallel_size={tp}: ")
@@ -260,12 +262,13 @@ def _check_max_model_len(args: ServeArgs, context: int) -> None:
 def build_engine(args: ServeArgs):
     """Load the model and build the engine described by `args`; returns (engine, model name)."""
     import jmem
-    from jmem.models.config import PRESETS, get_config
+    from jmem.lm import model_source
+    from jmem.models.config import get_config
     from jmem.serve.draft import load_draft
     from jmem.serve.engine import Engine, EngineConfig
 
     check_args(args)
-    if args.model in PRESETS:  # known without loading; a model file's context is read as it loads
+    if model_source(args.model, "--model")[0] == "preset":  # known now; a model file's context is read as it loads
         _check_max_model_len(args, get_config(args.model).max_seq_len)
     lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
     _check_max_model_len(args, lm.config.max_seq_len)
@@ -277,8 +280,10 @@ def build_engine(args: ServeArgs):
                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                        allow_runtime_lora=args.allow_runtime_lora, tensor_parallel_size=args.tensor_parallel_size,
                        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max)
+    draft_packed = args.packed and args.speculative_model is not None \
+        and model_source(args.speculative_model, "--speculative-model")[0] == "gguf"  # where it applies
     draft = load_draft(lm.model, args.speculative_model, args.speculative_layers, tokenizer=lm.tokenizer,
-                       param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
+                       param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=draft_packed)
     return Engine(lm.model, lm.tokenizer, cfg, lora_modules=lora_modules(args), draft_model=draft), args.model
 
 

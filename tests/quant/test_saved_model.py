@@ -248,3 +248,117 @@ def test_float_embedding_is_stored_no_wider_than_needed(tiny, tmp_path):
     leaf = manifest["leaves"]["embed.embedding"]
     assert "stored_as" not in leaf and manifest["arrays"][leaf["array"]]["dtype"] == "float32"
     assert manifest["format_version"] == 1  # nothing narrowed: readable by readers of version 1
+
+
+def test_load_keeps_the_dtypes_the_directory_was_saved_with(tmp_path):
+    cfg = LlamaConfig.tiny(param_dtype="bf16", compute_dtype="bf16")
+    qmodel = quantize(random_model(cfg, 0), "int8")
+    ids = np.arange(1, 9, dtype=np.int32)[None]
+    save_quantized(tmp_path / "q", qmodel, tokenizer=ByteTokenizer())
+    lm = jmem.load(str(tmp_path / "q"))
+    assert (lm.config.param_dtype, lm.config.compute_dtype) == ("bf16", "bf16")
+    np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
+    asked = jmem.load(str(tmp_path / "q"), compute_dtype="f32")  # what the caller names wins
+    assert (asked.config.param_dtype, asked.config.compute_dtype) == ("bf16", "f32")
+
+
+def test_a_saved_model_wins_over_the_preset_of_its_name(tiny, tmp_path, monkeypatch):
+    """`jmem quantize --out small` then `--model small` runs the saved model, not the random preset,
+    as `jmem info small` describes it; `~` is expanded as `save_quantized` expands it."""
+    from jmem.lm import model_source
+
+    cfg, model, ids = tiny
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    qmodel = quantize(model, "int8")
+    save_quantized("small", qmodel, tokenizer=ByteTokenizer())
+    save_quantized("~/q", qmodel, tokenizer=ByteTokenizer())
+    assert model_source("small") == ("directory", "small")
+    assert model_source("tiny") == ("preset", "tiny")
+    (tmp_path / "tiny").mkdir()  # a directory that holds no model leaves the preset's name alone
+    assert model_source("tiny") == ("preset", "tiny")
+    for name in ("small", "~/q"):
+        lm = jmem.load(name)
+        assert lm.config == cfg
+        np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
+
+
+def test_a_failed_save_removes_what_it_wrote(tiny, tmp_path, monkeypatch):
+    from jmem.io.checkpoint import Checkpointer
+
+    cfg, model, _ = tiny
+    qmodel = quantize(model, "int8")
+    save = Checkpointer.save
+
+    def disk_full(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Checkpointer, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_quantized(tmp_path / "out" / "q", qmodel, tokenizer=ByteTokenizer())
+    assert list(tmp_path.iterdir()) == []  # the directories made for it go too
+    monkeypatch.setattr(Checkpointer, "save", save)
+    save_quantized(tmp_path / "out" / "q", qmodel, tokenizer=ByteTokenizer())  # a retry finds the path free
+    assert jmem.load(str(tmp_path / "out" / "q")).config == cfg
+
+
+def _edit_manifest(out, edit):
+    manifest = json.loads((out / MANIFEST).read_text())
+    edit(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("leaves"), "'leaves' is missing; accepted: a JSON object"),
+    (lambda m: m.update(arrays=[1]), "'arrays' is a JSON list"),
+    (lambda m: m.update(tokenizer={"kind": "gguf"}), "a 'gguf' tokenizer without its 'metadata' object"),
+    (lambda m: m["config"].update(n_layers="2"), "its config does not build a model"),
+    (lambda m: m["leaves"]["norm.scale"].pop("array"), "arrays/ does not hold the arrays jmem_model.json lists: "
+                                                         "norm.scale is in the checkpoint but not in the template"),
+    (lambda m: m["leaves"]["layers.wq.kernel"].pop("aux"), "a leaf entry is malformed"),
+    (lambda m: m["arrays"]["norm.scale"].pop("shape"), "a leaf or array entry is malformed"),
+])
+def test_a_damaged_manifest_is_one_error_line(tiny, tmp_path, capsys, edit, message):
+    cfg, model, _ = tiny
+    out = tmp_path / "q"
+    save_quantized(out, quantize(model, "int8"), tokenizer=ByteTokenizer())
+    _edit_manifest(out, edit)
+    with pytest.raises(QuantizedDirError, match=message) as e:
+        jmem.load(str(out))
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(out), "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.strip().count("\n") == 0, err
+
+
+def test_damaged_arrays_say_to_write_the_directory_again(tiny, tmp_path):
+    cfg, model, _ = tiny
+    out = tmp_path / "q"
+    save_quantized(out, quantize(model, "int8"), tokenizer=ByteTokenizer())
+    for f in (out / "arrays").rglob("*"):
+        if f.is_file() and f.stat().st_size > 10_000:
+            f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(QuantizedDirError, match=r"arrays/ is damaged or unreadable .*accepted: a complete "
+                                                r"directory \(write it again") as e:
+        jmem.load(str(out))
+    assert "--ckpt-dir" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_packed_weights_must_have_the_shapes_the_config_builds(tiny, tmp_path):
+    cfg, model, _ = tiny
+    out = tmp_path / "q"
+    save_quantized(out, quantize_gguf_blocks(model, "q8_0")[0], tokenizer=ByteTokenizer())
+    _edit_manifest(out, lambda m: m["config"].update(ffn_dim=2 * cfg.ffn_dim))
+    with pytest.raises(ValueError, match=rf"weight layers.w_down.kernel has shape \(2, {cfg.ffn_dim}, {cfg.dim}\), "
+                                         rf"the model expects \(2, {2 * cfg.ffn_dim}, {cfg.dim}\)"):
+        jmem.load(str(out))
+
+
+def test_packed_applies_to_gguf_files_only(tiny, tmp_path):
+    cfg, model, _ = tiny
+    save_quantized(tmp_path / "q", quantize(model, "int8"), tokenizer=ByteTokenizer())
+    for name, kind in (("tiny", "preset"), (str(tmp_path / "q"), "directory")):
+        with pytest.raises(ValueError, match=f"packed=True keeps a GGUF file's blocks packed; model .* is a {kind}"):
+            jmem.load(name, packed=True)
