@@ -34,7 +34,7 @@ from jmem.data import load_documents
 from jmem.experiment import check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
-from jmem.quant.api import resolve_group_size
+from jmem.quant.api import method_kwargs, resolve_group_size
 from jmem.quant.ggml_weight import quantize_gguf_blocks
 from jmem.train.loss import window_perplexity
 
@@ -68,7 +68,8 @@ class Config:
     calib_windows: int = 16
     """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
     symmetric: bool = False
-    """Scale-only grids for rtn/gptq/awq; the default adds a zero point per group, as the GPTQ and AWQ papers do."""
+    """Scale-only grids for rtn/int8/gptq/awq; the default adds a zero point per group (per channel for int8), as
+    the GPTQ and AWQ papers do."""
     act_order: bool = True
     """GPTQ column order by decreasing Hessian diagonal."""
     batch: int = 4
@@ -180,14 +181,14 @@ def main(cfg: Config) -> list[dict]:
             model = base
         elif m in PLAIN:
             method, bits = PLAIN[m]
-            model = quantize(base, method, bits=bits, group_size=cfg.group_size, symmetric=cfg.symmetric,
-                             log=print)
+            model = quantize(base, method, bits=bits, log=print,
+                             **method_kwargs(method, group_size=cfg.group_size, symmetric=cfg.symmetric))
             extra["group_sizes"] = group_sizes(model)
         elif m in CALIBRATED:
             method, bits = CALIBRATED[m]
-            model = quantize(base, method, bits=bits, group_size=cfg.group_size, calibration=calib,
-                             symmetric=cfg.symmetric, act_order=cfg.act_order, max_seqs=cfg.calib_windows,
-                             log=lambda line: print(line, flush=True))
+            model = quantize(base, method, bits=bits, log=lambda line: print(line, flush=True), **method_kwargs(
+                method, group_size=cfg.group_size, calibration=calib, symmetric=cfg.symmetric,
+                act_order=cfg.act_order, max_seqs=cfg.calib_windows))
             extra["group_sizes"] = group_sizes(model)
         else:
             model, used = quantize_gguf_blocks(base, GGUF[m], log=print)

@@ -63,6 +63,10 @@ def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs
         calibration = np.asarray(stream, np.int32)
     parts = calibration if isinstance(calibration, (list, tuple)) else [calibration]
     parts = [np.asarray(c) for c in parts]
+    deep = next((c.shape for c in parts if c.ndim > (1 if isinstance(calibration, (list, tuple)) else 2)), None)
+    if deep is not None:
+        raise ValueError(f"calibration token ids of shape {deep}; accepted: an int array [B, T] or a list of "
+                         "1-D int arrays (or texts with a tokenizer)")
     bad = next((c.dtype for c in parts if c.size and not np.issubdtype(c.dtype, np.integer)), None)
     if bad is not None:
         raise ValueError(f"calibration token ids of dtype {bad}; accepted: integer ids (or texts with a tokenizer)")

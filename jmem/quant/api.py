@@ -27,7 +27,7 @@ from flax import nnx
 from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
 from jmem.calibrate import STAGES as GPTQ_STAGES
 from jmem.calibrate import stack_records
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int
 from jmem.models.llama import Blocks
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
@@ -138,6 +138,10 @@ def check_float_model(model) -> dict:
     group's scale (GPTQ would spread it over the column), so it is refused
     naming the weight and its layers.
     """
+    experts = getattr(getattr(model, "config", None), "moe_experts", 0)
+    if experts:
+        raise ValueError(f"the model's MLP is a mixture of {experts} experts, whose expert weights quantize() does "
+                         "not handle; accepted: a dense model (moe_experts=0)")
     weights = model.layers.weights()
     for name in LINEARS:
         kind = describe_quantized(weights.get(name))
@@ -149,9 +153,51 @@ def check_float_model(model) -> dict:
     return weights
 
 
+# Arguments that only some methods read: (methods, why the others do not, the default and the values
+# that also mean "not set"); `jmem quantize`'s METHOD_FLAGS is the same table for its flags.
+METHOD_ARGS = {
+    "group_size": (("rtn", "gptq", "awq"), "its block or channel layout is fixed", (128, None, -1)),
+    "symmetric": (("rtn", "int8", "gptq", "awq"), "its format fixes its scaling", (None, True)),
+    "act_order": (("gptq",), "only gptq orders columns", (False,)),
+    "calibration": (CALIBRATED, "it does not calibrate", (None,)),
+    "tokenizer": (CALIBRATED, "it does not calibrate", (None,)),
+    "seq_len": (CALIBRATED, "it does not calibrate", (512,)),
+    "max_seqs": (CALIBRATED, "it does not calibrate", (32,)),
+}
+
+
+def method_kwargs(method: str, **kwargs) -> dict:
+    """The `quantize` keyword arguments among `kwargs` that `method` reads (a caller holding every
+    option, such as a command line, passes the rest only where they apply)."""
+    return {k: v for k, v in kwargs.items() if k not in METHOD_ARGS or method in METHOD_ARGS[k][0]}
+
+
+def _check_applies(method: str, **values) -> None:
+    """Refuse an argument, set away from its default, that `method` does not read."""
+    for name, value in values.items():
+        methods, why, unset = METHOD_ARGS[name]
+        if method not in methods and not any(_is(value, u) for u in unset):
+            shown = f"{name}={value!r}" if isinstance(value, (bool, int, float, np.generic)) else f"{name}="
+            raise ValueError(f"{shown} does not apply to method {method!r} ({why}); accepted: {name} only with "
+                             f"method {' / '.join(methods)}, else {unset[0]!r}")
+
+
+def _is(value, default) -> bool:
+    """`value` is `default` (None, a bool or an int), NumPy scalars included."""
+    if default is None:
+        return value is None
+    if isinstance(default, bool):
+        return isinstance(value, (bool, np.bool_)) and bool(value) == default
+    return is_int(value) and value == default
+
+
 def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
     if method not in METHOD_BITS:
         raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
+    if symmetric is not None and not isinstance(symmetric, (bool, np.bool_)):
+        raise ValueError(f"symmetric={symmetric!r}; accepted: True (scale only), False (scale and zero point) or "
+                         "None (True)")
+    check_bool("act_order", act_order)
     if bits is None:
         bits = DEFAULT_BITS.get(method, 4)
     if not is_int(bits) or bits not in METHOD_BITS[method]:
@@ -264,9 +310,12 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
       calibration: gptq/awq only (refused for the other methods): text(s)
         (with `tokenizer`) or token ids (int [B, T] or a list of 1-D arrays).
       tokenizer: anything with `.encode(text)` returning ids or an object with `.ids`.
-      symmetric: scale only (default) or scale + zero point per group.
+      symmetric: scale only (default) or scale + zero point per group
+        (rtn, int8, gptq, awq).
       act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
+      An argument that the method does not read, set away from its default,
+      is refused (as `jmem quantize` refuses the flag).
       inplace: modify `model` instead of a copy.
       log: optional callable taking one progress line per calibrated layer and
         per group-size substitution (e.g. `print`); default: this module's
@@ -281,15 +330,18 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         >>> logits, _ = qmodel(ids_BT)
     """
     spec = _check(model, method, bits, group_size, symmetric, act_order)
-    if method not in CALIBRATED and calibration is not None:
-        raise ValueError(f"calibration= does not apply to method {method!r} (it does not calibrate); accepted: "
-                         f"calibration only with method {' / '.join(CALIBRATED)}, else None")
+    _check_applies(method, group_size=group_size, symmetric=symmetric, act_order=act_order, calibration=calibration,
+                   tokenizer=tokenizer, seq_len=seq_len, max_seqs=max_seqs)
     for line in spec.substitutions:
         (log or logger.warning)(f"{method}: {line}")
     ids = None
     if method in CALIBRATED:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
         check_calibration_ids(ids, model.config.vocab_size)
+        if ids.shape[1] > model.config.max_seq_len:
+            raise ValueError(f"calibration windows of {ids.shape[1]} tokens exceed the model's context of "
+                             f"{model.config.max_seq_len}; accepted: seq_len (or the T of [B, T] ids) <= "
+                             f"{model.config.max_seq_len}")
     if not inplace:
         model = nnx.clone(model)
     layers: Blocks = model.layers
@@ -308,9 +360,10 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
     layer_fn = _gptq_layer if spec.method == "gptq" else _awq_layer
     names = LINEARS + (("attn_norm", "mlp_norm") if spec.method == "awq" else ())
 
-    def rewrite(cfg, w, x, positions):
+    def rewrite(cfg, w, x, positions):  # the layer runs in f32; its leaves keep the model's dtypes
         wq = layer_fn(cfg, w, x, positions, spec)
-        return wq, {n: (wq[n] if n in LINEARS else wq[n].astype(weights[n].dtype)) for n in names}
+        return wq, {n: (wq[n].with_dtype(weights[n].dtype) if n in LINEARS else wq[n].astype(weights[n].dtype))
+                    for n in names}
 
     return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label=spec.method))
 

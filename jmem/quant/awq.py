@@ -185,8 +185,9 @@ def awq_quantize(w, x, bits: int = 4, group_size: int | None = 128, symmetric: b
     """
     check_finite(w, "the weight w")
     check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
+    dtype = jnp.asarray(w).dtype
     w = jnp.asarray(w, jnp.float32)
     s = awq_scale(x, [w], bits, group_size, symmetric)
     ws = w * s[:, None]
     c = awq_clip(jnp.asarray(x, jnp.float32) / s, ws, bits, group_size, symmetric) if clip else None
-    return InputScaled(IntTensor.quantize(ws, bits, group_size, symmetric, clip=c), 1.0 / s)
+    return InputScaled(IntTensor.quantize(ws, bits, group_size, symmetric, clip=c).with_dtype(dtype), 1.0 / s)

@@ -243,7 +243,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.io.gguf import GGUFFile
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.quant import quantize
-    from jmem.quant.api import check_float_model, group_sizes
+    from jmem.quant.api import check_float_model, group_sizes, method_kwargs
     from jmem.quant.ggml import fallback_lines, fitting_qtype
     from jmem.quant.ggml_weight import quantize_gguf_blocks
     from jmem.quant.saved import save_quantized
@@ -274,9 +274,9 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             return write(lm.model, method)
         qmodel, _ = quantize_gguf_blocks(lm.model, method, log=print)
     else:
-        qmodel = quantize(lm.model, method, bits=args.bits, group_size=args.group_size, calibration=docs,
-                          tokenizer=lm.tokenizer, symmetric=args.symmetric, act_order=args.act_order,
-                          max_seqs=args.calibration_windows, log=print)
+        qmodel = quantize(lm.model, method, bits=args.bits, log=print, **method_kwargs(
+            method, group_size=args.group_size, calibration=docs, tokenizer=lm.tokenizer, symmetric=args.symmetric,
+            act_order=args.act_order, max_seqs=args.calibration_windows))
         if kind == "gguf":
             return write(qmodel, args.store_type)
     save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,  # a GGUF tokenizer carries its own fields

@@ -8,9 +8,9 @@ not-yet-quantized columns through row i of the upper Cholesky factor of H^-1.
 Updates are applied lazily per block of 128 columns, so the large rank-128
 update is one matmul.
 
-The column loop is compiled (`jax.lax.fori_loop`, float32; the Cholesky
-factorisation runs in float64 NumPy); a plain NumPy loop beside it is the
-reference it is tested against.
+The column loop and the Cholesky factorisation of the dampened Hessian run
+compiled in float32, as in the paper's implementation (`jax.lax.fori_loop`);
+a plain NumPy loop beside it is the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg  # noqa: F401  (cho_solve)
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int, is_number
 from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, check_scale_range, group_params
 
 BLOCK = 128
@@ -31,6 +31,8 @@ DAMP = 0.01
 
 def hessian(x) -> np.ndarray:
     """`2 X^T X / n` (f64[in, in]) from inputs `x[..., in]`; the 1/n keeps the dampening scale-free."""
+    if np.ndim(x) == 0:
+        raise ValueError(f"GPTQ calibration inputs of shape {np.shape(x)}; accepted: an array x[..., in]")
     if np.shape(x)[0] == 0 or np.size(x) == 0:
         raise ValueError("GPTQ needs at least one calibration token; got an empty input")
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, np.shape(x)[-1])
@@ -66,7 +68,9 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
       act_order: quantize columns by decreasing Hessian diagonal. Group
         parameters are then fixed up front from the original weight, so the
         stored groups stay contiguous in the original order.
-      damp: fraction of the mean Hessian diagonal added to the diagonal.
+      damp: fraction of the mean Hessian diagonal added to the diagonal, a
+        finite number >= 0. Dead channels take that mean as their diagonal,
+        so scaling the calibration inputs changes nothing.
       block: columns per lazy batch update, a positive integer (whole
         groups; the compiled loop uses the nearest size that divides `in`).
       reference: run the plain NumPy loop instead of the compiled one.
@@ -84,6 +88,10 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
     group_size = check_group_size(n_in, group_size, bits)
     if np.shape(h) != (n_in, n_in):
         raise ValueError(f"Hessian shape {np.shape(h)} does not match the weight's input dimension {n_in}")
+    check_bool("symmetric", symmetric)
+    check_bool("act_order", act_order)
+    if not (is_number(damp) and np.isfinite(damp) and damp >= 0):
+        raise ValueError(f"damp={damp!r}; accepted: a finite number >= 0 (a fraction of the mean Hessian diagonal)")
     if not is_int(block) or block < 1:
         raise ValueError(f"block={block!r}; accepted: a positive integer (columns per lazy update)")
     check_finite(w, "the weight w")
@@ -96,8 +104,11 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
 
     W = w.astype(np.float32).T.copy()  # [out, in]: one column per input feature
     H = np.array(h, np.float64, copy=True)
+    if np.any(np.diag(H) < 0):
+        raise ValueError("the Hessian h has negative diagonal entries; accepted: a positive semi-definite "
+                         "Hessian, e.g. hessian(x) of the calibration inputs")
     dead = np.diag(H) == 0
-    H[dead, dead] = 1.0
+    H[dead, dead] = np.mean(np.diag(H)[~dead])  # the scale of the live channels, not a constant
     W[:, dead] = 0.0
 
     n_groups = n_in // group_size

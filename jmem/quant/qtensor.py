@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int
 from jmem.models.dot import check_row_split
 
 # Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
@@ -142,6 +142,10 @@ class IntTensor(QTensor):
         children = (self.packed, self.scale) if self.zero is None else (self.packed, self.scale, self.zero)
         return children, (self.bits, self.dtype.name, self.zero is None)
 
+    def with_dtype(self, dtype) -> IntTensor:
+        """The same codes and scales, decoding to `dtype` when no other is asked."""
+        return IntTensor(self.packed, self.scale, self.zero, self.bits, dtype)
+
     @classmethod
     def tree_unflatten(cls, aux, children):
         bits, dtype, symmetric = aux
@@ -224,6 +228,7 @@ class IntTensor(QTensor):
         """
         check_weight_shape(w, f"{bits}-bit integer quantization")
         check_int_bits(bits)
+        check_bool("symmetric", symmetric)
         check_finite(w, "the weight w")
         w = jnp.asarray(w)
         group_size = check_group_size(w.shape[-2], group_size, bits)

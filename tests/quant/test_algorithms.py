@@ -47,10 +47,28 @@ def test_gptq_zero_point_and_per_channel(layer):
         assert _rel_err(q, x_eval, w) < _rel_err(rtn_quantize(w, 4, g, symmetric=False), x_eval, w)
 
 
+def test_gptq_with_a_dead_channel_does_not_depend_on_the_input_scale(layer):
+    """A channel that is zero in every calibration token takes the live channels' scale, so scaling the
+    inputs (which scales H) leaves the result alone, as without one; a constant fill swamped small inputs."""
+    x_cal, x_eval, w = layer
+    x_cal, x_eval = x_cal.copy(), x_eval.copy()
+    x_cal[:, 5] = x_eval[:, 5] = 0.0
+    errs = [_rel_err(gptq_quantize(w, hessian(x_cal * c), 4, G), x_eval, w) for c in (1.0, 1e-3)]
+    np.testing.assert_allclose(errs[1], errs[0], rtol=0.05)
+    assert errs[1] < _rel_err(rtn_quantize(w, 4, G), x_eval, w) / 2
+
+
 def test_gptq_bad_inputs(layer):
     x_cal, _, w = layer
     with pytest.raises(ValueError, match="empty"):
         hessian(np.zeros((0, N_IN), np.float32))
+    with pytest.raises(ValueError, match=r"shape \(\); accepted: an array x\[..., in\]"):
+        hessian(np.float32(1))
+    for damp in ("0.01", -0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"damp=.*; accepted: a finite number >= 0"):
+            gptq_quantize(w, hessian(x_cal), 4, G, damp=damp)
+    with pytest.raises(ValueError, match="negative diagonal entries"):
+        gptq_quantize(w, -hessian(x_cal), 4, G)
     with pytest.raises(ValueError, match="group_size=48"):
         gptq_quantize(w, hessian(x_cal), 4, 48)
     with pytest.raises(ValueError, match="bits=5"):
@@ -69,3 +87,19 @@ def test_compiled_gptq_matches_numpy_reference(layer):
         fast, ref = gptq_quantize(w, h, **kw), gptq_quantize(w, h, reference=True, **kw)
         assert float(np.mean(np.asarray(fast.codes()) != np.asarray(ref.codes()))) <= 1e-3, kw
         np.testing.assert_allclose(_rel_err(fast, x_eval, w), _rel_err(ref, x_eval, w), rtol=0.05)
+
+
+def test_symmetric_and_act_order_are_booleans(layer):
+    x_cal, _, w = layer
+    for kwargs in (dict(symmetric=None), dict(symmetric="no"), dict(act_order="yes")):
+        name, value = next(iter(kwargs.items()))
+        with pytest.raises(ValueError, match=f"{name}={value!r}; accepted: True or False"):
+            gptq_quantize(w, hessian(x_cal), 4, G, **kwargs)
+    with pytest.raises(ValueError, match="symmetric='no'; accepted: True or False"):
+        rtn_quantize(w, 4, G, symmetric="no")
+
+
+def test_awq_keeps_the_weight_dtype(layer):
+    x_cal, _, w = layer
+    q = awq_quantize(jnp.asarray(w, jnp.bfloat16), x_cal, 4, G)
+    assert q.dtype == jnp.bfloat16 and q.dequantize().dtype == jnp.bfloat16

@@ -1,5 +1,7 @@
 """`jmem.quant.quantize` on the tiny Llama model."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,7 +49,7 @@ def test_plain_methods(model, data):
     expect = {"rtn": (IntTensor, 0.16), "int8": (IntTensor, 0.27), "nf4": (NF4Tensor, 0.16), "fp8": (FP8Tensor, 0.27)}
     errs = {}
     for method, (cls, max_ratio) in expect.items():
-        q = quantize(model, method, group_size=32)
+        q = quantize(model, method, **({"group_size": 32} if method == "rtn" else {}))
         w = q.layers.weights()
         assert all(isinstance(w[n], cls) and w[n].shape == model.layers.weights()[n].shape for n in LINEARS)
         assert weight_bytes(q) / float_bytes <= max_ratio, method
@@ -163,6 +165,35 @@ def test_calibration_is_refused_by_methods_that_do_not_calibrate(model, data, me
     assert METHOD_FLAGS["--calibration"][1] == CALIBRATED
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="nf4", group_size=32), "group_size=32 does not apply to method 'nf4' (its block or channel layout "
+                                        "is fixed); accepted: group_size only with method rtn / gptq / awq, else 128"),
+    (dict(method="int8", group_size=64), "group_size=64 does not apply to method 'int8'"),
+    (dict(method="fp8", symmetric=False), "symmetric=False does not apply to method 'fp8' (its format fixes its "
+                                          "scaling)"),
+    (dict(method="rtn", act_order=True), "act_order=True does not apply to method 'rtn' (only gptq orders columns)"),
+    (dict(method="nf4", tokenizer=_ByteTokenizer()), "tokenizer= does not apply to method 'nf4'"),
+    (dict(method="rtn", max_seqs=8), "max_seqs=8 does not apply to method 'rtn' (it does not calibrate)"),
+    (dict(method="gptq", symmetric="no"), "symmetric='no'; accepted: True (scale only), False (scale and zero "
+                                          "point) or None (True)"),
+    (dict(method="gptq", act_order=1), "act_order=1; accepted: True or False"),
+])
+def test_arguments_the_method_does_not_read_are_refused(model, kwargs, message):
+    """As `jmem quantize` refuses the flag: nothing set away from its default is silently dropped."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        quantize(model, **kwargs)
+
+
+def test_method_arguments_agree_with_the_command_line_flags():
+    from jmem.quant.api import METHOD_ARGS
+    from jmem.quant.cli import METHOD_FLAGS
+
+    for flag, (field, methods, why) in METHOD_FLAGS.items():
+        if field in METHOD_ARGS:
+            assert METHOD_ARGS[field][:2] == (methods, why), flag
+    assert {"group_size", "symmetric", "act_order", "calibration"} <= {f for f, _, _ in METHOD_FLAGS.values()}
+
+
 def test_group_size_substitution():
     """A model whose width 96 the requested group 64 does not divide (MLP width 128 it does)."""
     cfg = LlamaConfig.tiny(dim=96, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)
@@ -195,3 +226,22 @@ def test_tensor_level_group_size_is_strict():
         gptq_quantize(w, x.T @ x, 4, 64)
     with pytest.raises(ValueError, match=msg):
         awq_scale(jnp.asarray(x), [jnp.asarray(w)], 4, 64)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_quantized_leaves_keep_the_model_dtype(data, method):
+    """A bf16 model's quantized kernels decode to bf16 whatever the method (the calibrated layers run in f32)."""
+    calib, ids = data
+    model = Llama(CFG.replace(param_dtype="bf16"), rngs=nnx.Rngs(0))
+    kwargs = dict(calibration=calib[:2, :32]) if method != "rtn" else {}
+    q = quantize(model, method, bits=4, group_size=32, **kwargs)
+    w = q.layers.weights()
+    assert {w[n].dtype for n in LINEARS} == {jnp.dtype(jnp.bfloat16)}, method
+    assert w["attn_norm"].dtype == jnp.bfloat16
+
+
+def test_mixture_of_experts_models_are_refused_in_one_line():
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^the model's MLP is a mixture of 4 experts, whose expert weights "
+                                         r"quantize\(\) does not handle; accepted: a dense model \(moe_experts=0\)$"):
+        quantize(moe, "rtn", bits=4)

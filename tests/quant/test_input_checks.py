@@ -91,6 +91,16 @@ def test_calibration_ids_outside_the_vocabulary(model):
         quantize(model, "gptq", bits=4, group_size=32, calibration=np.ones((2, 16), np.int32), max_seqs=0)
 
 
+def test_calibration_windows_fit_the_model(model):
+    ctx = model.config.max_seq_len
+    with pytest.raises(ValueError, match=rf"calibration windows of {ctx + 8} tokens exceed the model's context of "
+                                         rf"{ctx}; accepted: seq_len \(or the T of \[B, T\] ids\) <= {ctx}"):
+        quantize(model, "gptq", bits=4, group_size=32, calibration=np.ones((1, ctx + 8), np.int32))
+    with pytest.raises(ValueError, match=r"calibration token ids of shape \(2, 2, 8\); accepted: an int array "
+                                         r"\[B, T\] or a list of 1-D int arrays"):
+        quantize(model, "awq", bits=4, group_size=32, calibration=np.ones((2, 2, 8), np.int32))
+
+
 def test_fitting_qtype_follows_llama_cpp():
     assert [fitting_qtype(t, 576).name for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")] == \
         ["IQ4_NL", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0"]

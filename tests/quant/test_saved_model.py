@@ -17,6 +17,7 @@ from jmem.quant import FP8Tensor, IntTensor, NF4Tensor, quantize
 from jmem.cli import info
 from jmem.cli import main
 from jmem.quant.ggml_weight import GGMLWeight, quantize_gguf_blocks
+from jmem.quant.api import method_kwargs
 from jmem.quant.saved import MANIFEST, QuantizedDirError, describe, save_quantized
 from tests.helpers import logits_of, random_model
 
@@ -103,9 +104,9 @@ def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case
     # The same quantization in memory.
     src_lm = jmem.load(src)
     kwargs = {k: v for k, v in spec.items() if k != "method"}
-    calibration = [calib.read_text()] if calibrated else None
-    qmodel = quantize(src_lm.model, spec["method"], **kwargs, calibration=calibration,
-                      tokenizer=src_lm.tokenizer, max_seqs=2)
+    if calibrated:
+        kwargs.update(calibration=[calib.read_text()], tokenizer=src_lm.tokenizer, max_seqs=2)
+    qmodel = quantize(src_lm.model, spec["method"], **method_kwargs(spec["method"], **kwargs))
     in_memory = LM(qmodel, src_lm.tokenizer)
 
     lm = jmem.load(str(out))

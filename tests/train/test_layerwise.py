@@ -245,7 +245,7 @@ def test_moe_model_all_layers_active_equals_the_plain_step(data):
 def test_qlora_nf4_base_with_one_active_layer(data):
     from jmem.quant import quantize
 
-    base = quantize(Llama(LlamaConfig.tiny(n_layers=L, remat="full"), rngs=nnx.Rngs(3)), "nf4", group_size=64)
+    base = quantize(Llama(LlamaConfig.tiny(n_layers=L, remat="full"), rngs=nnx.Rngs(3)), "nf4")
     model = apply_lora(base, rank=4, alpha=8.0, targets=("wq", "wv", "w_down"))
     fns = make_layerwise_fns(model, optax.adam(1e-2), 1, period=1, seed=3, adapters_only=True)
     state = fns.init_state(model)
