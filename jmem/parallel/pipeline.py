@@ -35,7 +35,7 @@ class PipelineError(ValueError):
 
 def split_stages(stacked, n_stages: int, *, name: str = "layers"):
     """`[L, ...]` leaves -> `[S, L/S, ...]` (stage s gets a contiguous run of layers)."""
-    _check_stages(n_stages)
+    check_stages(n_stages)
 
     def one(x):
         if x.shape[0] % n_stages:
@@ -46,12 +46,21 @@ def split_stages(stacked, n_stages: int, *, name: str = "layers"):
     return jax.tree.map(one, stacked)
 
 
-def _check_stages(n_stages) -> None:
+def check_stages(n_stages) -> None:
     if not is_int(n_stages) or n_stages < 1:
         raise PipelineError(f"n_stages={n_stages!r}; accepted: an integer >= 1")
 
 
-def _check_stage_axis(n_stages: int, mesh: Mesh | None, stage_axis: str) -> None:
+def check_dense(model, schedule: str) -> None:
+    """PipelineError for an MoE model: a stage's blocks would drop their router statistics (the aux and
+    z losses) and route per microbatch, a different objective than the model's."""
+    experts = getattr(getattr(model, "config", None), "moe_experts", 0)
+    if experts:
+        raise PipelineError(f"the {schedule} pipeline schedule supports dense models only (this one's MLP is a "
+                            f"mixture of {experts} experts); accepted: dense models")
+
+
+def check_stage_axis(n_stages: int, mesh: Mesh | None, stage_axis: str) -> None:
     """Stages and the stage axis agree (as `pipeline_1f1b` requires): fewer stages leave stage devices idle,
     more run several stages per device one after another, only lengthening the bubble."""
     size = n_stages if mesh is None else mesh.shape.get(stage_axis, 1)
@@ -71,8 +80,8 @@ def split_microbatches(x, n_microbatches: int):
     (a collective only some devices reach). The inverse is `merge_microbatches`.
     """
     B = x.shape[0]
-    if n_microbatches < 1 or B % n_microbatches:
-        raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
+    if not is_int(n_microbatches) or n_microbatches < 1 or B % n_microbatches:
+        raise PipelineError(f"microbatches={n_microbatches!r} must be an integer >= 1 dividing the batch {B}")
     return x.reshape((B // n_microbatches, n_microbatches) + x.shape[1:]).swapaxes(0, 1)
 
 
@@ -108,7 +117,13 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
     """
     n_stages = jax.tree.leaves(stage_params)[0].shape[0]
     n_micro = x_M.shape[0]
-    _check_stage_axis(n_stages, mesh, stage_axis)
+    if n_micro < 1:
+        raise PipelineError(f"x_M of shape {x_M.shape} holds no microbatch; accepted: [M, micro, ...] with M >= 1")
+    check_stage_axis(n_stages, mesh, stage_axis)
+    out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], stage_params), x_M[0])
+    if getattr(out, "shape", None) != x_M.shape[1:] or getattr(out, "dtype", None) != x_M.dtype:
+        raise PipelineError(f"stage_fn maps a microbatch {x_M.dtype}{list(x_M.shape[1:])} to {out}; accepted: a "
+                            "stage_fn returning one array of its input's shape and dtype (it feeds the next stage)")
     stage_params = _constrain(stage_params, mesh, stage_axis)
     run = jax.vmap(stage_fn)
     if remat:
@@ -159,8 +174,9 @@ def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: 
 
     cfg = model.config
     B, T = ids_BT.shape
-    _check_stages(n_stages)
-    _check_stage_axis(n_stages, mesh, "stage")
+    check_dense(model, "gpipe")
+    check_stages(n_stages)
+    check_stage_axis(n_stages, mesh, "stage")
     if not is_int(n_microbatches) or n_microbatches < 1 or B % n_microbatches:
         raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
     _check_micro_rows(B, n_microbatches)
@@ -197,8 +213,9 @@ def pipeline_lm_loss_fn(model, *, n_stages: int, n_microbatches: int, mesh: Mesh
 
     from jmem.train.loss import chunked_cross_entropy
 
-    _check_stages(n_stages)
-    _check_stage_axis(n_stages, mesh, "stage")
+    check_dense(model, "gpipe")
+    check_stages(n_stages)
+    check_stage_axis(n_stages, mesh, "stage")
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     treedef = jax.tree.structure(param_state)

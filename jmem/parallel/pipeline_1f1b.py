@@ -52,7 +52,7 @@ tick branches hold such a collective (train.py runs it after compiling).
 
 Bubble: every stage is busy 2M of the 2(M + S - 1) ticks, the same
 (S - 1)/(M + S - 1) fraction as GPipe, but an idle tick computes nothing (GPipe's
-bubble ticks compute on zeros). Any M >= 1 works; M >= S is where the memory
+bubble ticks run their stage on a real microbatch and discard the result). Any M >= 1 works; M >= S is where the memory
 bound (S microbatches' stored activations instead of M) pays off. Matmul FLOPs
 of the schedule: `busiest_stage_matmul_flops`.
 
@@ -73,7 +73,8 @@ from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jmem.checks import is_int
-from jmem.parallel.pipeline import PipelineError, pipeline_lm_loss_fn, split_microbatches, split_stages
+from jmem.parallel.pipeline import (PipelineError, check_dense, check_stage_axis, check_stages, pipeline_lm_loss_fn,
+                                    split_microbatches, split_stages)
 from jmem.parallel.residuals import split_residuals
 from jmem.parallel.rules import active_activation_sharding, check_heads
 
@@ -332,8 +333,9 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     `jax.value_and_grad` of the unpipelined summed cross-entropy.
 
     Raises:
-        PipelineError: an MoE model, microbatches not a positive integer, or a remat policy that
-            offloads residuals to host memory.
+        PipelineError: an MoE model, stages or microbatches not a positive integer, no mesh or
+            one whose stage axis is not `n_stages` long, or a remat policy that offloads residuals
+            to host memory.
         ShardingError (at trace time): the mesh would split an attention head
             (`jmem.parallel.rules.check_heads`, under the rules of the enclosing
             `activation_sharding`, else the defaults).
@@ -346,8 +348,12 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
     from jmem.train.loss import chunked_cross_entropy
 
     cfg = model.config
-    if getattr(cfg, "moe_experts", 0):
-        raise PipelineError("the 1f1b pipeline schedule supports dense models only; accepted: dense models")
+    check_dense(model, "1f1b")
+    check_stages(n_stages)
+    if not isinstance(mesh, Mesh):
+        raise PipelineError(f"mesh={mesh!r:.80}; accepted: a jax.sharding.Mesh (the 1f1b schedule places its "
+                            f"stages on its {stage_axis!r} axis), e.g. jmem.parallel.make_mesh('stage=2')")
+    check_stage_axis(n_stages, mesh, stage_axis)
     if not is_int(n_microbatches) or n_microbatches < 1:
         raise PipelineError(f"microbatches={n_microbatches!r} must be an integer >= 1")
     if "offload" in str(cfg.remat):

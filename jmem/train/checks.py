@@ -6,6 +6,7 @@ cost one line and no time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 
@@ -16,6 +17,8 @@ from jmem.memory.remat import validate as validate_remat
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.config import OPTIMIZERS, TrainConfig
 from jmem.train.plot import check_image_path
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a flag left unset
 
 
 def train_policy(precision: str) -> Policy:
@@ -255,6 +258,11 @@ def _validate_layerwise(cfg: TrainConfig) -> None:
     if cfg.layerwise_schedule not in SCHEDULES:
         raise ValueError(f"--layerwise-schedule {cfg.layerwise_schedule!r}; accepted: {', '.join(SCHEDULES)}")
     if not cfg.layerwise:
+        for flag, field in (("--layerwise-period", "layerwise_period"), ("--layerwise-schedule", "layerwise_schedule")):
+            value = getattr(cfg, field)
+            if value != _DEFAULTS[field]:
+                raise ValueError(f"{flag} {value} needs --layerwise N (it sets how the active layers change); "
+                                 f"accepted: {flag} with --layerwise > 0")
         return
     if cfg.pipeline_stages > 1 or cfg.num_processes not in (None, 1):
         # The layer-wise step runs its own layer scan (not the pipeline's); several processes: not verified.
@@ -327,6 +335,9 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
         raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
                          f"for gradient accumulation)")
+    if cfg.pipeline_schedule != _DEFAULTS["pipeline_schedule"] and cfg.pipeline_stages == 1:
+        raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} needs --pipeline-stages > 1; accepted: "
+                         "--pipeline-schedule with a pipeline")
     if cfg.pipeline_stages == 1 and mesh.get("stage", 1) != 1:
         raise ValueError(f"--mesh {cfg.mesh!r} has a stage axis but --pipeline-stages is 1 (the stage axis would "
                          f"only replicate work); give --pipeline-stages equal to its size, or drop stage")

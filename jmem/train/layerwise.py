@@ -8,7 +8,10 @@ are frozen for that period. Gradients and optimizer state then exist only for
 the active layers, so their memory is `n_active / L` of full training's for
 the layer part. When the period ends, a new set is drawn and the optimizer
 state of the layer part is reset (the leaving layers' state is dropped, the
-arriving layers' state starts fresh).
+arriving layers' moments start from zero). The optimizer's step counter is
+shared and carries on, so bias correction does not restart with them: with
+Adam an arriving layer's first updates late in a run are several times a fresh
+Adam's (docs/design.md, "Layer-wise training").
 
 How it stays one compiled program: the active layer indices are a traced
 `i32[n_active]` computed in the step from the step counter, so a new draw

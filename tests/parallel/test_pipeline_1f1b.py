@@ -89,7 +89,7 @@ def test_microbatches_are_strided_so_a_sharded_batch_stays_spread():
     x_sharded = jax.device_put(jnp.asarray(x, jnp.float32), jax.NamedSharding(mesh, jax.P("data")))
     split = jax.jit(lambda a: split_microbatches(a, 4))
     assert split(x_sharded).sharding.spec[:2] == (None, "data")
-    with pytest.raises(par.PipelineError, match="microbatches=3 must be >= 1 and divide the batch 16"):
+    with pytest.raises(par.PipelineError, match="microbatches=3 must be an integer >= 1 dividing the batch 16"):
         split_microbatches(x, 3)
 
 

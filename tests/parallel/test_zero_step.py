@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jmem import parallel as par
 from jmem.memory.hlo_flops import matmul_flops
 from jmem.models import Llama, LlamaConfig
+from jmem.parallel.pipeline import split_microbatches
 from tests.helpers import counting_batches, train_sharded
 
 STEPS, B, T = 5, 16, 16
@@ -112,6 +113,41 @@ def test_pipeline_errors(tiny):
             par.pipeline_hidden(model, np.zeros((4, 8), np.int32), n_stages=bad, n_microbatches=2)
         with pytest.raises(par.PipelineError, match=rf"n_stages={bad}; accepted: an integer >= 1"):
             par.split_stages({"w": np.zeros((4, 3))}, bad)
+    for bad in (2.0, "2"):
+        with pytest.raises(par.PipelineError, match=rf"microbatches={bad!r} must be an integer >= 1"):
+            split_microbatches(np.zeros((4, 3)), bad)
+
+
+def test_pipeline_refuses_what_it_cannot_schedule():
+    w = {"w": jnp.ones((2, 3, 3))}
+    with pytest.raises(par.PipelineError, match=r"x_M of shape \(0, 2, 3\) holds no microbatch"):
+        par.pipeline(lambda p, x: x @ p["w"], w, jnp.zeros((0, 2, 3)))
+    with pytest.raises(par.PipelineError, match=r"stage_fn maps a microbatch float32\[2, 3\] to .*accepted: a "
+                                                r"stage_fn returning one array of its input's shape and dtype"):
+        par.pipeline(lambda p, x: x[:, :2], w, jnp.zeros((4, 2, 3)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelines_refuse_mixture_of_experts_models(schedule):
+    """A stage's blocks would drop the router losses and route per microbatch: another objective."""
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    mesh = par.make_mesh("stage=2,data=4")
+    with pytest.raises(par.PipelineError, match=rf"the {schedule} pipeline schedule supports dense models only "
+                                                r"\(this one's MLP is a mixture of 4 experts\)"):
+        par.schedule_lm_loss_fn(schedule, moe, n_stages=2, n_microbatches=2, mesh=mesh)
+    if schedule == "gpipe":
+        with pytest.raises(par.PipelineError, match="supports dense models only"):
+            par.pipeline_hidden(moe, np.zeros((4, 8), np.int32), n_stages=2, n_microbatches=2)
+
+
+def test_1f1b_checks_stages_and_mesh_when_built(tiny):
+    model = tiny[0]
+    with pytest.raises(par.PipelineError, match=r"mesh=None; accepted: a jax.sharding.Mesh \(the 1f1b schedule "
+                                                r"places its stages on its 'stage' axis\)"):
+        par.pipeline_1f1b_lm_loss_fn(model, n_stages=2, n_microbatches=2, mesh=None)
+    with pytest.raises(par.PipelineError, match=r"n_stages=0; accepted: an integer >= 1"):
+        par.pipeline_1f1b_lm_value_and_grad(model, n_stages=0, n_microbatches=2,
+                                            mesh=par.make_mesh("stage=2,data=4"))
 
 
 @pytest.mark.parametrize("spec,n_stages", [("stage=4,data=2", 2), ("stage=2,data=4", 4), ("data=8", 2)])
