@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem.io.paths import prepare_output, remove_unused_dirs
+from jmem.kernels.flash_attention.kernel import effective_block
 from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
 
 
@@ -244,7 +245,10 @@ def run(cfg: Config) -> list[dict]:
     row("jmem flash_attention fwd+bwd", lambda: jmem_flash(True), flops=3.5 * flops, note=fshape)
     for bq, bk, w in cfg.tiles():
         tiles = dict(block_q=bq, block_k=bk, num_warps=w)
-        name = f"jmem flash_attention (block {bq}x{bk}, {w} warps)"
+        # The kernel shrinks a tile longer than the sequence: the row names the tile it runs.
+        run_q, run_k = effective_block(bq, T, "block_q"), effective_block(bk, T, "block_k")
+        asked = "" if (run_q, run_k) == (bq, bk) else f", asked {bq}x{bk}"
+        name = f"jmem flash_attention (block {run_q}x{run_k}{asked}, {w} warps)"
         row(f"{name} fwd", lambda t=tiles: jmem_flash(**t), flops=flops, note=fshape)
         row(f"{name} fwd+bwd", lambda t=tiles: jmem_flash(True, **t), flops=3.5 * flops, note=fshape)
     for im in dict.fromkeys((impl, "xla")):

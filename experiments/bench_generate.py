@@ -39,7 +39,8 @@ class Args:
     skip_hf: bool = False
     """Time jmem alone (when torch/transformers are not installed)."""
     threads: int = 2
-    """CPU threads for torch."""
+    """CPU threads for torch (the HF side). JAX's XLA uses every core, so give the machine's core count for a
+    like-for-like speed-up (docs/benchmarks.md's runs: 2 cores, 2 threads)."""
 
 
 def validate(args: Args) -> None:

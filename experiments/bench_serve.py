@@ -44,14 +44,19 @@ from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import SamplingParams
 
+MAX_TRACE_S = 3600  # longest Poisson trace (it is replayed in real time, three times or more)
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """Serving benchmark: jmem continuous vs static batching vs HF transformers one request at a time."""
+
     model: str = "smollm2-135m"
     """Preset or .gguf path."""
     random_weights: bool = False
     """Use the preset's architecture with random weights (no model file needed; speed only)."""
     num_requests: int = 64
+    """Requests in the trace."""
     arrival: str = "burst"
     """burst (all at t=0) or poisson."""
     rate: float = 4.0
@@ -61,17 +66,23 @@ class Config:
     output_len: tuple[int, int] = (16, 128)
     """Output tokens, uniform in [lo, hi] (EOS ignored, so lengths are exact)."""
     max_num_seqs: int = 32
+    """Sequences per engine step (as `jmem serve --max-num-seqs`)."""
     max_num_batched_tokens: int = 256
+    """Tokens per engine step (as `jmem serve --max-num-batched-tokens`)."""
     block_size: int = 16
+    """Tokens per KV block."""
     kv_cache_dtype: str = "auto"
+    """KV cache dtype: auto, bf16, fp8_e4m3 or int8."""
     num_blocks: int | None = None
     """KV pool size in blocks; default: enough for every request at once."""
     compute_dtype: str = "f32"
+    """Activation dtype of the jmem runs and of HF's (f32 or bf16)."""
     temperature: float = 0.0
     """0 decodes greedily; above 0 every request samples (no top-k/top-p), as OpenAI's default of 1 does."""
     hf_requests: int = 8
     """Requests of the trace run through HF transformers (0 skips); its tokens/s is over these."""
     seed: int = 0
+    """Seed of the trace (prompts, lengths, arrivals) and of sampling."""
     num_speculative_tokens: int = 0
     """> 0 adds a run of (a) with speculation proposing this many tokens: n-gram prompt lookup, or the draft
     model of --speculative-model / --speculative-layers."""
@@ -89,14 +100,17 @@ class Config:
 
 def check(cfg: Config) -> None:
     """One clear `ValueError` for a flag out of range, before the model loads."""
-    if cfg.num_requests < 1:
-        raise ValueError(f"--num-requests={cfg.num_requests}; accepted: >= 1")
+    for flag, value in (("--num-requests", cfg.num_requests), ("--max-num-seqs", cfg.max_num_seqs),
+                        ("--max-num-batched-tokens", cfg.max_num_batched_tokens), ("--block-size", cfg.block_size)):
+        if value < 1:
+            raise ValueError(f"{flag}={value}; accepted: an integer >= 1")
     check_speculative_args(cfg.num_speculative_tokens, flags=True, draft_model=cfg.speculative_model,
                            draft_layers=cfg.speculative_layers)
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
-    if cfg.arrival == "poisson" and not cfg.rate > 0:
-        raise ValueError(f"--rate={cfg.rate}; accepted: > 0 arrivals per second")
+    if cfg.arrival == "poisson" and not (cfg.rate > 0 and cfg.num_requests / cfg.rate <= MAX_TRACE_S):
+        raise ValueError(f"--rate={cfg.rate}; accepted: > 0 arrivals per second, with --num-requests / --rate at "
+                         f"most {MAX_TRACE_S} s (the trace is replayed in real time)")
     for flag, (lo, hi) in (("--prompt-len", cfg.prompt_len), ("--output-len", cfg.output_len)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{flag} {lo} {hi}; accepted: LO HI with 1 <= LO <= HI")
@@ -107,11 +121,27 @@ def check(cfg: Config) -> None:
     if cfg.lora_adapters < 0 or cfg.lora_rank < 1:
         raise ValueError(f"--lora-adapters={cfg.lora_adapters} --lora-rank={cfg.lora_rank}; accepted: "
                          "--lora-adapters >= 0 and --lora-rank >= 1")
-    if cfg.max_loras and (not cfg.lora_adapters or min(cfg.max_loras) < 1):
-        raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))}; accepted: slot counts >= 1, with "
+    if cfg.max_loras and (not cfg.lora_adapters or not 1 <= min(cfg.max_loras) <= max(cfg.max_loras)
+                          <= cfg.lora_adapters):
+        raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))}; accepted: slot counts in "
+                         f"1..--lora-adapters, with --lora-adapters > 0")
+    if cfg.lora_rank != 16 and not cfg.lora_adapters:
+        raise ValueError(f"--lora-rank {cfg.lora_rank} needs --lora-adapters N; accepted: --lora-rank with "
                          "--lora-adapters > 0")
     if cfg.num_blocks is not None and cfg.num_blocks < 1:
         raise ValueError(f"--num-blocks={cfg.num_blocks}; accepted: an integer >= 1, or unset (enough for the trace)")
+
+
+def check_model(cfg: Config, mcfg) -> None:
+    """The flags that depend on the loaded model: the trace fits its context, HF can run the same model."""
+    longest = cfg.prompt_len[1] + cfg.output_len[1]
+    if longest > mcfg.max_seq_len:
+        raise ValueError(f"--prompt-len {cfg.prompt_len[1]} + --output-len {cfg.output_len[1]} (the longest "
+                         f"request) exceeds the context of {cfg.model!r} ({mcfg.max_seq_len} tokens); accepted: "
+                         f"HI values summing to at most {mcfg.max_seq_len}")
+    if cfg.hf_requests and mcfg.moe_experts:
+        raise ValueError(f"--hf-requests {cfg.hf_requests} with the mixture-of-experts model {cfg.model!r}: the HF "
+                         "run builds a dense Llama, other work; accepted: --hf-requests 0")
 
 
 def make_trace(cfg: Config, tokenizer):
@@ -232,11 +262,9 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
         return None
     torch.manual_seed(0)
     if model_path and not cfg.random_weights:
-        import os
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
                                                                   gguf_file=os.path.basename(model_path))
-    else:
+    else:  # a preset or a quantized directory: the same architecture, random float weights (the same work)
         hf_cfg = transformers.LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim,
                                           intermediate_size=mcfg.ffn_dim, num_hidden_layers=mcfg.n_layers,
                                           num_attention_heads=mcfg.n_heads, num_key_value_heads=mcfg.n_kv_heads,
@@ -244,6 +272,9 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
                                           tie_word_embeddings=mcfg.tie_embeddings)
         model = transformers.LlamaForCausalLM(hf_cfg)
     model.eval()
+    from jmem.models.config import as_dtype
+
+    model = model.to(getattr(torch, np.dtype(as_dtype(cfg.compute_dtype)).name))  # the jmem runs' dtype
     sub = trace[: cfg.hf_requests]
     sample = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else \
         dict(do_sample=False)
@@ -284,10 +315,11 @@ def main(cfg: Config) -> None:
 
     check(cfg)
 
-    from jmem.lm import PACKAGED_MODELS, packaged_model_path
+    from jmem.lm import model_source
     from jmem.models import Llama, get_config
 
-    model_path = packaged_model_path(cfg.model) if cfg.model in PACKAGED_MODELS and not cfg.random_weights else None
+    kind, path = model_source(cfg.model, "--model")
+    model_path = path if kind == "gguf" and not cfg.random_weights else None  # HF reads the same file
     if cfg.random_weights:
         from jmem.io.tokenizer import ByteTokenizer
 
@@ -296,6 +328,7 @@ def main(cfg: Config) -> None:
     else:
         lm = jmem.load(cfg.model, compute_dtype=cfg.compute_dtype)
         model, tok, mcfg = lm.model, lm.tokenizer, lm.config
+    check_model(cfg, mcfg)
     trace = make_trace(cfg, tok)
     longest = max(len(p) + o for _, p, o in trace)
     blocks = cfg.num_blocks or sum(-(-(len(p) + o) // cfg.block_size) for _, p, o in trace)
@@ -327,8 +360,8 @@ def main(cfg: Config) -> None:
             return engine
 
         for _ in range(3):  # warm-up: compiles the shapes the timed run uses
+            engine = fresh_engine()  # its precompiled shapes are not the replay's
             compiles0 = COMPILES.count
-            engine = fresh_engine()
             run_engine(engine, trace, cfg.temperature, adapters if slots else None)
             for runner in runners(engine):
                 runner.finish_compilations()
@@ -348,8 +381,10 @@ def main(cfg: Config) -> None:
     print("| run | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV util | preemptions |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['tok_s']:.1f} | {pct(r['ttft'], 50):.0f} / {pct(r['ttft'], 99):.0f} | "
-              f"{pct(r['itl'], 50):.1f} / {pct(r['itl'], 99):.1f} | {r['kv_util']:.1%} | {r['preemptions']:.0f} |")
+        ttft = f"{pct(r['ttft'], 50):.0f} / {pct(r['ttft'], 99):.0f}" if r["ttft"] else "-"
+        itl = f"{pct(r['itl'], 50):.1f} / {pct(r['itl'], 99):.1f}" if r["itl"] else "-"
+        util = "-" if np.isnan(r["kv_util"]) else f"{r['kv_util']:.1%}"
+        print(f"| {name} | {r['tok_s']:.1f} | {ttft} | {itl} | {util} | {r['preemptions']:.0f} |")
     print("\n| run | prefill steps: count / s | decode-only steps: count / s | LoRA slot writes: count / s | "
           "compilations in the timed run: count / s (steps that waited) |\n|---|---|---|---|---|")
     for name, r in rows.items():
@@ -372,7 +407,7 @@ if __name__ == "__main__":
     import tyro
 
     try:
-        main(tyro.cli(Config))
+        main(tyro.cli(Config, description=__doc__))
     except ValueError as e:  # a flag the model or the engine refuses: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -125,6 +125,12 @@ def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
             raise ValueError(f"{flag} {v}; accepted: an integer >= {least}")
     if cfg.num_global > cfg.seq:
         raise ValueError(f"--num-global {cfg.num_global} is larger than --seq {cfg.seq}; accepted: 0..{cfg.seq}")
+    if cfg.bigbird_block > cfg.seq:
+        raise ValueError(f"--bigbird-block {cfg.bigbird_block} is larger than --seq {cfg.seq}; accepted: 1..{cfg.seq}")
+    n_blocks = -(-cfg.seq // cfg.bigbird_block)
+    if cfg.num_random >= n_blocks:  # every key block: the bigbird row would be the dense one
+        raise ValueError(f"--num-random {cfg.num_random} covers all {n_blocks} key blocks of --seq {cfg.seq} "
+                         f"(--bigbird-block {cfg.bigbird_block}); accepted: 0..{n_blocks - 1}")
     text = "\n\n".join(load_documents(cfg.text, "--text"))
     if cfg.out is not None:
         prepare_output(cfg.out, "--out")
@@ -140,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text, planned, impl = validate(cfg)
         lm = jmem.load(cfg.model)
+        if cfg.seq > lm.config.max_seq_len:
+            raise ValueError(f"--seq {cfg.seq} exceeds the context of {cfg.model!r} ({lm.config.max_seq_len} "
+                             f"tokens); accepted: 2..{lm.config.max_seq_len}")
         ids = np.asarray(lm.tokenizer.encode(text), np.int32)
         if ids.size < cfg.seq * cfg.chunks:
             raise ValueError(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "

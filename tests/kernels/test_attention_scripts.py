@@ -25,6 +25,9 @@ def bench():
     (["--chunks", "-1"], "--chunks -1; accepted: an integer >= 1"),
     (["--impl", "foo"], "--impl 'foo'; accepted: auto, pallas, reference"),
     (["--seq", "64", "--num-global", "100"], "--num-global 100 is larger than --seq 64"),
+    (["--seq", "32", "--bigbird-block", "64"], "--bigbird-block 64 is larger than --seq 32; accepted: 1..32"),
+    (["--seq", "128", "--bigbird-block", "32", "--num-random", "4"],
+     "--num-random 4 covers all 4 key blocks of --seq 128 (--bigbird-block 32); accepted: 0..3"),
     (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
 ])
 def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, capsys):
@@ -32,6 +35,12 @@ def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, ca
     rc = sparse.main(argv if "--out" in argv else [*argv, "--out", str(tmp_path / "s.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+
+def test_sparse_eval_seq_beyond_the_context(sparse, tmp_path, capsys):
+    rc = sparse.main(["--model", "tiny", "--seq", "600", "--chunks", "1", "--out", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == "error: --seq 600 exceeds the context of 'tiny' (512 tokens); accepted: 2..512", err
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -12,7 +12,13 @@ def _bench_serve():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_requests=0), "--num-requests=0; accepted: >= 1"),
+    (dict(num_requests=0), "--num-requests=0; accepted: an integer >= 1"),
+    (dict(block_size=0), "--block-size=0; accepted: an integer >= 1"),  # was a ZeroDivisionError
+    (dict(max_num_seqs=0), "--max-num-seqs=0; accepted: an integer >= 1"),
+    (dict(arrival="poisson", rate=1e-9), "--rate=1e-09; accepted: > 0 arrivals per second, with --num-requests / "
+                                         "--rate at most 3600 s"),
+    (dict(lora_adapters=2, max_loras=(4,)), "--max-loras 4; accepted: slot counts in 1..--lora-adapters"),
+    (dict(lora_rank=8), "--lora-rank 8 needs --lora-adapters N"),
     (dict(num_speculative_tokens=-1), "--num-speculative-tokens=-1; accepted: >= 0"),
     (dict(speculative_layers=(0,)), "--num-speculative-tokens=0; accepted: >= 1 with a draft model"),
     (dict(num_speculative_tokens=2, speculative_layers=(0,), speculative_model="/models/my_draft"),
@@ -26,13 +32,25 @@ def _bench_serve():
     (dict(num_blocks=-1), "--num-blocks=-1; accepted: an integer >= 1, or unset"),
     (dict(lora_adapters=-1), "--lora-adapters=-1 --lora-rank=16; accepted: --lora-adapters >= 0 and --lora-rank >= 1"),
     (dict(lora_adapters=2, lora_rank=0), "--lora-adapters=2 --lora-rank=0; accepted"),
-    (dict(max_loras=(2,)), "--max-loras 2; accepted: slot counts >= 1, with --lora-adapters > 0"),
-    (dict(lora_adapters=2, max_loras=(1, 0)), "--max-loras 1 0; accepted: slot counts >= 1"),
+    (dict(max_loras=(2,)), "--max-loras 2; accepted: slot counts in 1..--lora-adapters, with --lora-adapters > 0"),
+    (dict(lora_adapters=2, max_loras=(1, 0)), "--max-loras 1 0; accepted: slot counts in 1..--lora-adapters"),
 ])
 def test_bad_flags_are_refused_before_loading(change, message):
     mod = _bench_serve()
     with pytest.raises(ValueError, match=re.escape(message)):
         mod.check(mod.Config(**change))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(prompt_len=(4, 500), output_len=(2, 20)), "--prompt-len 500 + --output-len 20 (the longest request) "
+                                                    "exceeds the context of 'tiny' (512 tokens)"),
+    (dict(model="tiny-moe", hf_requests=2), "--hf-requests 2 with the mixture-of-experts model 'tiny-moe': the HF "
+                                            "run builds a dense Llama, other work; accepted: --hf-requests 0"),
+])
+def test_flags_that_do_not_fit_the_model_are_refused_by_flag_name(change, message):
+    mod = _bench_serve()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mod.main(mod.Config(**{"model": "tiny", "num_requests": 4, "hf_requests": 0, **change}))
 
 
 @pytest.mark.slow
