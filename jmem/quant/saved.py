@@ -514,8 +514,12 @@ def describe(path: str | os.PathLike) -> str:
     m = read_manifest(path)
     c = config_from_manifest(m)
     q = m.get("quantization") or {}
-    types = Counter(node.get("type") or (f"{node['dtype']} (stored {node['stored_as']})" if "stored_as" in node
-                                         else m["arrays"][node["array"]]["dtype"]) for node in m["leaves"].values())
+    try:
+        types = Counter(node.get("type") or (f"{node['dtype']} (stored {node['stored_as']})" if "stored_as" in node
+                                             else m["arrays"][node["array"]]["dtype"]) for node in m["leaves"].values())
+    except (KeyError, TypeError, AttributeError) as e:
+        raise QuantizedDirError(f"{MANIFEST}: a leaf entry is malformed ({type(e).__name__}: {e}); "
+                                "write the directory again") from None
     n_params = c.num_params
     spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
     return "\n".join([

@@ -332,6 +332,11 @@ def test_a_damaged_manifest_is_one_error_line(tiny, tmp_path, capsys, edit, mess
         main(["generate", "--model", str(out), "--max-new-tokens", "1"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.strip().count("\n") == 0, err
+    try:  # `jmem info DIR` reads the manifest alone: it describes it or says in one line what is wrong
+        main(["info", str(out)])
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and err.startswith("jmem: error: ") and err.strip().count("\n") == 0, err
 
 
 def test_damaged_arrays_say_to_write_the_directory_again(tiny, tmp_path):
