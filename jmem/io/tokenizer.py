@@ -6,8 +6,12 @@ Both expose `encode(text) -> list[int]`, `encode_chat(rendered_chat) -> list[int
 
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 from typing import Any
 
+import jinja2.ext
 import jinja2.sandbox
 
 # llama.cpp pre-tokenizer names -> the regex split used before byte-level BPE.
@@ -30,17 +34,42 @@ def _raise_exception(message):
     raise TokenizerError(f"chat template: {message}")
 
 
-def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """Templates' `tojson` as HF's: characters kept as they are (Jinja's own escapes non-ASCII and HTML)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (HF marks assistant tokens with it): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _chat_template(template: str) -> jinja2.Template:
+    """The compiled template, in a sandbox with the helpers HF's chat templates use: `raise_exception`,
+    `strftime_now`, `tojson`, loop controls (`break`, `continue`) and the `generation` block."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env.from_string(template)
+
+
+def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"chat messages {messages!r}; accepted: a list of {{'role': str, 'content': str}} dicts")
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"chat message {m!r}; accepted: a dict with a string 'role' and a string 'content'")
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **extra)
+        return _chat_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               **extra)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
 

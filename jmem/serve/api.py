@@ -131,6 +131,8 @@ class TokenBytes:
     def _lookup(self, i: int) -> bytes:
         pieces = getattr(self.tok, "tokens", None)
         if pieces is not None:
+            if i >= len(pieces):  # a model's padded vocabulary rows: no text, as the tokenizer decodes them
+                return b""
             piece = pieces[i]
             if i in self.special or any(c not in self.alphabet for c in piece):
                 return piece.encode("utf-8")
@@ -290,16 +292,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    def completion_logprobs(lps, at=None):
+    def completion_logprobs(lps, at=None, hidden=()):
         """OpenAI's completions logprobs of `(token id, (logprob, top) | None)` pairs (None: a prompt's
         first token, which has no context). Offsets count characters of the decoded bytes: from 0, or
         continuing `at`, a stream's `[offset, UTF-8 decoder]` (a character split over two chunks has
-        the offsets it has in one response)."""
+        the offsets it has in one response). Ids in `hidden` (special tokens the text skips) add
+        nothing to the text, so the offsets keep indexing it."""
         tokens, token_lps, tops, offsets = [], [], [], []
         at = [0, codecs.getincrementaldecoder("utf-8")(errors="replace")] if at is None else at
         for tid, entry in lps:
             tokens.append(token_bytes.text(tid)), offsets.append(at[0])
-            at[0] += len(at[1].decode(token_bytes(tid)))
+            if tid not in hidden:
+                at[0] += len(at[1].decode(token_bytes(tid)))
             lp, top = entry[:2] if entry is not None else (None, None)
             token_lps.append(lp)
             # The k most likely, and always the token itself (OpenAI: up to logprobs + 1 entries).
@@ -508,13 +512,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
         echoes = [tok.decode(ids, skip_special=False) if body.echo else "" for ids in prompts]
         echo_of = [echoes[k // n] for k in range(len(streams))]
+        hidden = token_bytes.special if body.skip_special_tokens else frozenset()  # tokens the text leaves out
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             offsets = [[len(e), codecs.getincrementaldecoder("utf-8")(errors="replace")] for e in echo_of]
 
             def choice(i, o):
-                lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i]) \
+                lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i], hidden) \
                     if body.logprobs is not None else None
                 if not (o.text or o.finished or lp):
                     return None
@@ -530,9 +535,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         if collected is None:
             return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
+        def all_logprobs(i):  # the echoed prompt's (its text as given), then the output's
+            at = [0, codecs.getincrementaldecoder("utf-8")(errors="replace")]
+            head, tail = completion_logprobs(echo_scored[i // n], at), completion_logprobs(lps[i], at, hidden)
+            return {k: head[k] + tail[k] for k in head}
+
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
-                    "logprobs": completion_logprobs(echo_scored[i // n] + lps[i]) if body.logprobs is not None
-                    else None, "finish_reason": finals[i].finish_reason, **extra[i // n]} for i in range(len(streams))]
+                    "logprobs": all_logprobs(i) if body.logprobs is not None else None,
+                    "finish_reason": finals[i].finish_reason, **extra[i // n]} for i in range(len(streams))]
         return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 
     @app.post("/v1/chat/completions")

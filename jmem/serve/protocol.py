@@ -242,7 +242,7 @@ class ChatMessage(BaseModel):
                 raise APIError(400, f"message content part {part!r} is not supported; accepted: "
                                "{'type': 'text', 'text': ...}", param)
             parts.append(check_text(part["text"], param))
-        return "".join(parts)
+        return "\n".join(parts)  # text parts on lines of their own, as vLLM joins them
 
 
 def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -167,3 +167,18 @@ def test_a_draft_with_other_tokens_is_refused_naming_the_first_difference():
                             "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], 1]})
     with pytest.raises(ValueError, match="vocabulary has 260 tokens, the model's 259"):
         check_same_tokens(tok, longer)
+
+
+@pytest.mark.parametrize("template, expected", [
+    # HF's tojson keeps non-ASCII and HTML characters (Jinja's own escapes them: "\u65e5", "\u003cb\u003e").
+    ("{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}", '"日本 <b>&\'x\'"'),
+    ("{% for m in messages %}{{ m['content'] | tojson(ensure_ascii=True) }}{% endfor %}",
+     '"\\u65e5\\u672c <b>&\'x\'"'),
+    ("{% for m in messages %}{{ m['role'] }}{% break %}{% endfor %}", "user"),  # loop controls
+    ("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}", "日本 <b>&'x'"),
+    ("{{ strftime_now('%Y') | length }}", "4"),
+])
+def test_chat_templates_have_the_helpers_hf_gives_them(template, expected):
+    """Templates other models ship (Llama 3, Qwen) use these; each rendered as transformers renders it."""
+    tok = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.chat_template": template})
+    assert tok.apply_chat_template([{"role": "user", "content": "日本 <b>&'x'"}]) == expected

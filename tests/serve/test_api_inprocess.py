@@ -151,6 +151,44 @@ def test_token_bytes_of_partial_characters(gguf_tokenizer):
     assert b"".join(byte_tb(i) for i in ByteTokenizer().encode(text)) == text.encode()
 
 
+def special_then_text(rid, ids):
+    """Two control tokens (`<|im_start|>`, id 1), which the text skips, then "Hi" (id 26843)."""
+    lps = [(-0.5, [(1, -0.5)]), (-0.5, [(1, -0.5)]), (-0.25, [(26843, -0.25)])]
+    return [RequestOutput(rid, "Hi", [1, 1, 26843], lps, finished=True, finish_reason="length",
+                          num_prompt_tokens=len(ids), num_output_tokens=3)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_index_the_text_when_special_tokens_are_skipped(gguf_tokenizer, stream):
+    """vLLM: a skipped special token adds no text, so the offsets stay inside `text` (they ran 12 chars on)."""
+    client = TestClient(create_app(ScriptedEngine(gguf_tokenizer, special_then_text), "m"))
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "logprobs": 0, "stream": stream}
+    if stream:
+        chunks = [json.loads(line[6:]) for line in sse_lines(client, "/v1/completions", body)[:-1]]
+        lp = chunks[0]["choices"][0]["logprobs"]
+    else:
+        lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["<|im_start|>", "<|im_start|>", "Hi"] and lp["text_offset"] == [0, 0, 0]
+    kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False, "stream": False}).json()
+    assert kept["choices"][0]["logprobs"]["text_offset"] == [0, 12, 24]  # the text then holds them
+
+
+def test_token_bytes_of_padded_vocabulary_rows_are_empty(gguf_tokenizer):
+    """A model's vocabulary may be padded past its tokenizer's list; those ids decode to nothing."""
+    from jmem.serve.api import TokenBytes
+
+    n = len(gguf_tokenizer.tokens)
+    assert TokenBytes(gguf_tokenizer)(n + 8) == b"" and gguf_tokenizer.decode([n + 8]) == ""
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines():
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo_one_token), "m"))
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    as_parts = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    joined = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a\nb"}]}).json()
+    assert as_parts["tokens"] == joined["tokens"]
+
+
 def test_bodies_must_be_json_and_not_too_large():
     """A POST body that is not declared JSON is one 400 naming its Content-Type, one over the limit a 413,
     both in OpenAI's shape before the body is parsed; a body sent in chunks is counted as it arrives."""
