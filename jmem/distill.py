@@ -164,7 +164,9 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         (hs_BTE, _), stats = student.hidden(inputs), None
     if need_kl:
         teacher = _frozen(teacher)
-        ht_BTE = jax.lax.stop_gradient(teacher.hidden(inputs)[0])
+        # An MoE teacher routes every token (inference), so its targets do not depend on the batch.
+        moe = getattr(getattr(teacher, "config", None), "moe_experts", 0)
+        ht_BTE = jax.lax.stop_gradient((teacher.hidden(inputs, dropless=True) if moe else teacher.hidden(inputs))[0])
     else:
         ht_BTE = None
 

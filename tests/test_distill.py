@@ -436,3 +436,14 @@ def test_script_saves_a_student_that_serves_as_the_teachers_draft(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err == f"error: --save-student {str(out)!r} is a non-empty directory; accepted: a new or empty directory " \
                   "(nothing is overwritten)", err
+
+
+def test_an_moe_teacher_gives_each_row_the_targets_it_gives_it_alone():
+    """The teacher runs dropless (inference): with capacity routing its targets depended on the batch."""
+    teacher = Llama(LlamaConfig.tiny_moe(vocab_size=CFG.vocab_size, moe_capacity_factor=0.5), rngs=nnx.Rngs(1))
+    student = Llama(CFG, rngs=nnx.Rngs(2))
+    batch = _batch(np.random.default_rng(0), 2, 16, CFG.vocab_size, masked=False)
+    both, _ = distill_loss_sum(student, teacher, batch, alpha=1.0)
+    alone = [distill_loss_sum(student, teacher, {k: v[i:i + 1] for k, v in batch.items()}, alpha=1.0)[0]
+             for i in range(2)]
+    np.testing.assert_allclose(float(both), float(sum(alone)), rtol=1e-5)

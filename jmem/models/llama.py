@@ -316,6 +316,8 @@ class Llama(nnx.Module):
         return dot(h_BTE, self.head.kernel.get_value()).astype(jnp.float32)
 
     def __call__(self, ids_BT, positions=None, cache=None):
+        """`(logits, cache)`. Without a cache an MoE model routes with its capacity factor, as in training
+        (a row's logits may depend on the rows batched with it); `hidden(..., dropless=True)` does not."""
         h, cache = self.hidden(ids_BT, positions, cache)
         return self.logits_from_hidden(h), cache
 

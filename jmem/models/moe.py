@@ -132,8 +132,11 @@ def _top_k_gates(logits_NX, top_k: int, normalize: bool):
     return probs_NX, gate_NK, idx_NK
 
 
-def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE) -> tuple[int, int, int]:
+def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT=None) -> tuple[int, int, int]:
     """(B, T, E), or one ValueError naming the first shape that does not fit the others."""
+    if token_mask_BT is not None and len(x_BTE.shape) == 3 and tuple(token_mask_BT.shape) != tuple(x_BTE.shape[:2]):
+        raise ValueError(f"token_mask_BT of shape {tuple(token_mask_BT.shape)}; accepted: [batch, seq] = "
+                         f"{list(x_BTE.shape[:2])}, the input's")
     if len(x_BTE.shape) != 3:
         raise ValueError(f"moe input of shape {tuple(x_BTE.shape)}; accepted: [batch, seq, embed]")
     B, T, E = x_BTE.shape
@@ -181,7 +184,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
     gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
-    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE)
+    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT)
     if dropless:
         return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize,
                                 token_mask_BT=token_mask_BT)
@@ -220,7 +223,7 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     X = router_EX.shape[-1]
     check_moe(X, top_k, 1.0)
     gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
-    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE)
+    B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT)
     x_NE = x_BTE.reshape(B * T, E)
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)

@@ -567,7 +567,7 @@ def _prompt_logprobs_fn(graphdef, state, ids_T, k: int, slots_T, split: bool):
 
 
 def _prompt_logprobs(model, ids_T, k: int):
-    h_TE = model.hidden(ids_T[None])[0][0]
+    h_TE = model.hidden(ids_T[None], dropless=True)[0][0]  # an MoE model scores as it decodes: no token dropped
     C = 8  # T is a multiple of 8 (`_fine_bucket(T, 16)`)
     targets_T = jnp.concatenate([ids_T[1:], ids_T[:1]])  # the last position's target is padding
 

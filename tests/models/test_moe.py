@@ -1,5 +1,7 @@
 """MoE block: routing with capacity against a dense per-token reference, losses, sharding on `expert`."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,6 +231,11 @@ def test_mismatched_shapes_and_helper_arguments_are_one_clear_error():
             fn(x, w["router"], three["gate"], three["up"], three["down"])
         with pytest.raises(ValueError, match=r"^moe input of shape \(4, 8\); accepted: \[batch, seq, embed\]"):
             fn(x[0], w["router"], w["gate"], w["up"], w["down"])
+        # A [seq, batch] mask of the same size masked the wrong tokens without a word.
+        for mask in (jnp.ones((4, 1)), jnp.ones((1, 5)), jnp.ones((4,))):
+            with pytest.raises(ValueError, match=rf"^token_mask_BT of shape {re.escape(str(mask.shape))}; accepted: "
+                                                 r"\[batch, seq\] = \[1, 4\], the input's$"):
+                fn(x, w["router"], w["gate"], w["up"], w["down"], token_mask_BT=mask)
     logits = jnp.zeros((6, 4))
     with pytest.raises(ValueError, match=r"^moe top_k=5; accepted: an integer in 1\.\.n_experts=4$"):
         route(logits, 5, 2)

@@ -149,6 +149,18 @@ def test_a_dropped_engine_is_freed_while_its_compilations_wait(model):
     _background_compiler().submit(lambda: None).result()  # the queued shapes ran as no-ops
 
 
+def test_moe_prompt_logprobs_are_dropless_as_decoding_is():
+    """Capacity routing dropped tokens of the (padded) prompt: scores then depended on the length bucket."""
+    moe = Llama(LlamaConfig.tiny_moe(moe_capacity_factor=0.5), rngs=nnx.Rngs(0))
+    engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
+    [ids] = prompts(20, 1)
+    got = engine.prompt_logprobs(ids, k=1)
+    h = moe.hidden(jnp.asarray([ids]), dropless=True)[0]
+    lsm = np.asarray(jax.nn.log_softmax(moe.logits_from_hidden(h)[0], -1))
+    np.testing.assert_allclose([got[t][0] for t in range(1, len(ids))],
+                               [lsm[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4)
+
+
 def test_prompt_logprobs_equal_the_full_forward(model):
     engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
     [ids] = prompts(11, 1)
