@@ -63,6 +63,7 @@ def validate(cfg: TrainConfig) -> Policy:
     check_divisible(cfg.batch, cfg.accum)
     if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
         raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+    preset_config(cfg)  # the --moe-* flags against a preset (a model file's once it loads)
     _validate_model_file(cfg)
     if cfg.stop_after is not None and cfg.stop_after < 1:
         raise ValueError(f"--stop-after={cfg.stop_after} must be >= 1")
@@ -273,7 +274,7 @@ def _validate_layerwise(cfg: TrainConfig) -> None:
                          f"supported (layer-wise training already keeps optimizer state for the active layers "
                          f"alone); accepted: --offload-optimizer none")
     if cfg.model in PRESETS:
-        check_layerwise_fits(cfg, PRESETS[cfg.model]())
+        check_layerwise_fits(cfg, preset_config(cfg))
 
 
 def check_layerwise_fits(cfg: TrainConfig, mc: LlamaConfig) -> None:
@@ -311,7 +312,7 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise ValueError(f"--lora-targets {shown}; accepted: distinct names among {', '.join(LORA_TARGETS)}, "
                              "comma-separated")
         mlp = [t for t in names if t in ("w_gate", "w_up", "w_down")]
-        if mlp and cfg.model in PRESETS and PRESETS[cfg.model]().moe_experts:
+        if mlp and cfg.model in PRESETS and preset_config(cfg).moe_experts:
             raise ValueError(f"--lora-targets {','.join(mlp)} with --model {cfg.model}: its MLP is a mixture of experts, "
                              "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo, head "
                              "(e.g. --lora-targets wq,wk,wv,wo)")
@@ -358,13 +359,41 @@ def _validate_parallel(cfg: TrainConfig) -> None:
             raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
                              f"step ({cfg.batch // cfg.accum})")
         if cfg.model in PRESETS:
-            mc = PRESETS[cfg.model]()
+            mc = preset_config(cfg)
             if mc.n_layers % cfg.pipeline_stages:
                 raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
                                  f"of --model {cfg.model}")
             if mc.moe_experts:
                 raise ValueError(f"--pipeline-stages with the MoE model {cfg.model!r} is not supported; "
                                  f"accepted: dense models")
+
+
+def preset_config(cfg: TrainConfig) -> LlamaConfig | None:
+    """The config of a preset --model with the --moe-* flags applied (None for a model file)."""
+    if cfg.model not in PRESETS:
+        return None
+    base = PRESETS[cfg.model]()
+    check_moe_flags(cfg, base, random_init=cfg.model != "smollm2-135m")
+    return base.replace(**cfg.moe_overrides())
+
+
+def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = False) -> None:
+    """The --moe-* flags given against the model they change (`base`): --moe-experts builds the experts of a
+    random-init preset; the others need an MoE model; every value in its range (`LlamaConfig`'s checks)."""
+    given = cfg.moe_overrides()
+    if not given:
+        return
+    shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items())
+    if cfg.moe_experts is not None and not random_init:
+        raise ValueError(f"--moe-experts {cfg.moe_experts} would replace the trained MLP of --model {cfg.model}; "
+                         "accepted: --moe-experts with a random-init preset (tiny, small, bench-8l, tiny-moe)")
+    if not given.get("moe_experts", base.moe_experts):
+        raise ValueError(f"{shown}: the model's MLP is dense; accepted: the --moe-* flags with an MoE model "
+                         "(--model tiny-moe, or a preset with --moe-experts N)")
+    try:
+        base.replace(**given)
+    except ValueError as e:
+        raise ValueError(f"{shown}: {e}") from None
 
 
 def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = None) -> None:
@@ -375,7 +404,7 @@ def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = 
         return
     from jmem import parallel as par
 
-    mc = model_config if model_config is not None else PRESETS[cfg.model]()
+    mc = model_config if model_config is not None else preset_config(cfg)
     shown = cfg.mesh if cfg.mesh else par.mesh.format_mesh(dict(getattr(sizes, "shape", sizes)))
     par.check_heads(mc.n_heads, mc.n_kv_heads, rules_for(cfg), sizes,
                     what=f"--mesh {shown} with --model {cfg.model}: ")

@@ -10,6 +10,8 @@ from jmem.checks import is_int, is_number
 
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
+# The --moe-* flags that take a value (unset: the model's own); --moe-dropless is a switch.
+MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_capacity_factor", "moe_aux_weight", "moe_z_weight")
 """Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
 
 
@@ -74,6 +76,19 @@ class TrainConfig:
     """When the run finishes: with --lora-rank, the adapters to this .npz file (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`)."""
     loss_chunk: int | None = None
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
+
+    moe_experts: int | None = None
+    """Mixture of experts: this many experts replace every block's MLP of a preset model (random init; unset: the preset's own, tiny-moe has 4)."""
+    moe_top_k: int | None = None
+    """MoE: experts each token is routed to (unset: the model's, 2)."""
+    moe_capacity_factor: float | None = None
+    """MoE: places per expert in training relative to an even split of the routed tokens; the rest are dropped (unset: the model's, 1.25)."""
+    moe_dropless: bool = False
+    """MoE: route every token to its experts in training too (grouped matmuls, nothing dropped)."""
+    moe_aux_weight: float | None = None
+    """MoE: weight of the load-balancing loss (unset: the model's, 0.01)."""
+    moe_z_weight: float | None = None
+    """MoE: weight of the router z-loss (unset: the model's, 0.001)."""
     progress: bool = True
     """Show a progress bar (plain lines every 10 steps when off)."""
     mesh: str | None = None
@@ -122,6 +137,13 @@ class TrainConfig:
     """Dropout on each adapter's input in training steps, 0 <= p < 1 (never in evaluation or inference)."""
     quantize_base: str | None = None
     """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
+
+    def moe_overrides(self) -> dict:
+        """The model-config fields the --moe-* flags set (those given)."""
+        out = {name: getattr(self, name) for name in MOE_FLAGS if getattr(self, name) is not None}
+        if self.moe_dropless:
+            out["moe_dropless"] = True
+        return out
 
     def __post_init__(self):
         """Each field of its annotated kind (NumPy scalars become Python ones, so the config stays JSON for

@@ -17,8 +17,8 @@ from jmem.data import BYTE_VOCAB, ByteTokenizer, PackedDataset, load_documents
 from jmem.io.checkpoint import structure_fingerprint
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.models.config import PRESETS, LlamaConfig
-from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_seq,
-                               check_seq_split, rules_for, validate)
+from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_moe_flags,
+                               check_seq, check_seq_split, rules_for, validate)
 from jmem.train.config import TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
 
@@ -98,6 +98,7 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     )
     if cfg.loss_chunk is not None:
         overrides["loss_chunk"] = cfg.loss_chunk
+    overrides.update(cfg.moe_overrides())  # checked by `validate` (a preset) or below (a model file)
     if cfg.model in PRESETS and cfg.model != "smollm2-135m":
         from jmem.models.llama import Llama
 
@@ -112,6 +113,7 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
 
     lm = jmem.load(cfg.model, param_dtype=overrides["param_dtype"], compute_dtype=overrides["compute_dtype"])
     check_seq(cfg, lm.config.max_seq_len)
+    check_moe_flags(cfg, lm.config)
     mc = lm.config.replace(**overrides)
     # The loaded module keeps its weights; this run's remat and loss chunk are config.
     lm.model.config = mc

@@ -120,6 +120,12 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--layerwise-period", "5"], "--layerwise-period 5 needs --layerwise N (it sets how the active layers change)"),
     (["--layerwise-schedule", "top-down"], "--layerwise-schedule top-down needs --layerwise N"),
     (["--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs --pipeline-stages > 1"),
+    (["--moe-top-k", "1"], "--moe-top-k 1: the model's MLP is dense; accepted: the --moe-* flags with an MoE model"),
+    (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-experts 4 --moe-top-k 5: moe top_k=5; accepted: an integer in "
+                                                 "1..n_experts=4"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "0"], "moe capacity_factor=0.0; accepted: a finite number > 0"),
+    (["--moe-experts", "4", "--moe-aux-weight", "-1"], "LlamaConfig.moe_aux_weight=-1.0; accepted: a finite number"),
+    (["--moe-experts", "-2"], "--moe-experts -2: LlamaConfig.moe_experts=-2 must be >= 0"),
     (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
      "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),

@@ -357,3 +357,22 @@ def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "and step 1 ran out of memory; accepted: settings that fit, e.g. a smaller --batch or --seq" in lines[0]
+
+
+def test_moe_flags_make_and_shape_the_experts(tmp_path):
+    """--moe-experts builds a preset's experts; --moe-top-k, --moe-dropless and the loss weights reach the model."""
+    from jmem.models.config import LlamaConfig
+    from jmem.train.checks import preset_config, validate
+
+    cfg = dataclasses.replace(BASE, steps=2, moe_experts=4, moe_top_k=1, moe_dropless=True, moe_aux_weight=0.05,
+                              log=str(tmp_path / "log.jsonl"))
+    validate(cfg)
+    mc = preset_config(cfg)
+    assert (mc.moe_experts, mc.moe_top_k, mc.moe_dropless, mc.moe_aux_weight) == (4, 1, True, 0.05)
+    assert mc.moe_capacity_factor == LlamaConfig().moe_capacity_factor  # unset: the model's own
+    train(cfg, out=io.StringIO())
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "moe_aux_loss" in r]
+    assert len(steps) == 2 and all(r["moe_dropped"] == 0 for r in steps)  # dropless: nothing dropped
+    with pytest.raises(ValueError, match="--moe-experts 4 would replace the trained MLP of --model smollm2-135m"):
+        validate(dataclasses.replace(BASE, model="smollm2-135m", moe_experts=4))
