@@ -296,6 +296,9 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
              max_seqs: int = 32, inplace: bool = False, log=None):
     """Quantize the linear layers of a jmem Llama model.
 
+    An argument that the method does not read, set away from its default, is
+    refused (as `jmem quantize` refuses the flag), never silently dropped.
+
     Args:
       model: a `jmem.models.Llama` (layers stacked on a leading axis).
       method: rtn, int8 (per channel), nf4 (double quantization), fp8 (e4m3,
@@ -314,8 +317,6 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         (rtn, int8, gptq, awq).
       act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
-      An argument that the method does not read, set away from its default,
-      is refused (as `jmem quantize` refuses the flag).
       inplace: modify `model` instead of a copy.
       log: optional callable taking one progress line per calibrated layer and
         per group-size substitution (e.g. `print`); default: this module's

@@ -386,7 +386,8 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
     shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items())
     if cfg.moe_experts is not None and not random_init:
         raise ValueError(f"--moe-experts {cfg.moe_experts} would replace the trained MLP of --model {cfg.model}; "
-                         "accepted: --moe-experts with a random-init preset (tiny, small, bench-8l, tiny-moe)")
+                         f"accepted: --moe-experts with a random-init preset "
+                         f"({', '.join(n for n in PRESETS if n != 'smollm2-135m')})")
     if not given.get("moe_experts", base.moe_experts):
         raise ValueError(f"{shown}: the model's MLP is dense; accepted: the --moe-* flags with an MoE model "
                          "(--model tiny-moe, or a preset with --moe-experts N)")
