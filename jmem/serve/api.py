@@ -496,7 +496,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                  if body.prompt_logprobs is not None else {} for sc in scored]
         if echo_only:
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
-                        "logprobs": completion_logprobs(echo_scored[k]) if body.logprobs is not None else None,
+                        "stop_reason": None, "logprobs": completion_logprobs(echo_scored[k]) if body.logprobs is not None else None,
                         **extra[k]}
                        for k, ids in enumerate(prompts) for j in range(n)]
             base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
@@ -524,9 +524,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                 if not (o.text or o.finished or lp):
                     return None
                 return {"index": i, "text": o.text, "logprobs": lp,
-                        "finish_reason": o.finish_reason if o.finished else None}
+                        "finish_reason": o.finish_reason if o.finished else None,
+                        "stop_reason": o.stop_reason if o.finished else None}
 
-            opening = [{"index": i, "text": e, "finish_reason": None,
+            opening = [{"index": i, "text": e, "finish_reason": None, "stop_reason": None,
                         "logprobs": completion_logprobs(echo_scored[i // n]) if body.logprobs is not None else None}
                        for i, e in enumerate(echo_of) if e]
             return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
@@ -542,7 +543,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
 
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
                     "logprobs": all_logprobs(i) if body.logprobs is not None else None,
-                    "finish_reason": finals[i].finish_reason, **extra[i // n]} for i in range(len(streams))]
+                    "finish_reason": finals[i].finish_reason, "stop_reason": finals[i].stop_reason, **extra[i // n]}
+                   for i in range(len(streams))]
         return {**base, "choices": choices, "usage": usage(n_prompt, finals.values())}
 
     @app.post("/v1/chat/completions")
@@ -580,10 +582,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                 if not (o.text or o.finished or lp):
                     return None
                 return {"index": i, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
-                        "finish_reason": o.finish_reason if o.finished else None}
+                        "finish_reason": o.finish_reason if o.finished else None,
+                        "stop_reason": o.stop_reason if o.finished else None}
 
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None} for i in range(body.n)]
+                        "finish_reason": None, "stop_reason": None} for i in range(body.n)]
             return stream_response(streams, request, {**base, "object": "chat.completion.chunk"}, len(ids),
                                    include_usage, opening, choice)
 
@@ -593,7 +596,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         texts, lps, finals = collected
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                     "logprobs": chat_logprobs(lps[i]) if body.logprobs else None,
-                    "finish_reason": finals[i].finish_reason} for i in range(body.n)]
+                    "finish_reason": finals[i].finish_reason, "stop_reason": finals[i].stop_reason}
+                   for i in range(body.n)]
         return {**base, "choices": choices, "usage": usage(len(ids), finals.values()), **extra}
 
     posts = frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))

@@ -15,7 +15,7 @@ import concurrent.futures
 import itertools
 import logging
 import queue
-import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -119,6 +119,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_param: str | None = None  # the request field at fault (None: the engine failed, not the request)
+    stop_reason: str | int | None = None  # as vLLM: the stop string or stop token id that ended it (EOS: None)
 
 
 class RequestStream:
@@ -158,6 +159,19 @@ class RequestStream:
         return item
 
 
+def _stop_reason(req: Request, detok: "_Detok"):
+    """vLLM's `stop_reason` of a finished request: the stop string matched, else the stop token id that
+    ended it, else None (EOS, the length limit, an abort)."""
+    if detok.matched is not None:
+        return detok.matched
+    ids = req.output_token_ids
+    if req.status is not Status.FINISHED_STOPPED or not ids:
+        return None
+    if ids[-1] in req.eos_token_ids and not req.params.ignore_eos:
+        return None
+    return ids[-1] if ids[-1] in req.params.stop_token_ids else None
+
+
 class _Detok:
     """Incremental text of one request, with stop strings and held-back partial characters.
 
@@ -177,6 +191,7 @@ class _Detok:
         self.sent = 0
         self.num_ids = 0  # output tokens already emitted
         self.unchecked = 0  # characters no stop string may end within (those before min_tokens)
+        self.matched: str | None = None  # the stop string that ended the output
         self._settled_ids, self._settled_text = 0, ""  # decode(ids[:settled_ids]), whole characters
 
     def _text(self, ids: list[int]) -> str:
@@ -200,10 +215,10 @@ class _Detok:
             text = text[:end]
         if not check_stop:
             self.unchecked = len(text)
-        hits = [(i, len(s)) for s in (self.stop if check_stop else ())
+        hits = [(i, len(s), s) for s in (self.stop if check_stop else ())
                 if (i := text.find(s, max(0, self.sent - len(s), self.unchecked - len(s) + 1))) >= 0]
-        if hits:  # the output ends at the earliest stop string, whichever is listed first
-            at, length = min(hits)
+        if hits:  # the output ends at the earliest stop string (the shortest of those starting there)
+            at, length, self.matched = min(hits)
             text = text[: at + length if self.include_stop else at]
             out = text[self.sent :]
             self.sent = len(text)
@@ -414,7 +429,8 @@ class Engine:
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids)
         self._check_ids("logit_bias", list(params.logit_bias or ()))
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        # Unseeded: 63 fresh bits from the OS (a program's random.seed() does not make requests repeat).
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
                       adapter_version=0 if adapter is None else getattr(self.adapters.get(adapter), "version", -1),
                       seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
@@ -567,7 +583,8 @@ class Engine:
         lp = req.output_logprobs[first:] if req.params.logprobs is not None else []
         reason = ("stop" if hit_stop else req.status.value) if finished else None
         out = RequestOutput(rid, "".join(deltas), ids[first:], lp, finished, reason,
-                            req.num_prompt_tokens, len(ids), req.num_cached_tokens)
+                            req.num_prompt_tokens, len(ids), req.num_cached_tokens,
+                            stop_reason=_stop_reason(req, detok) if finished else None)
         if finished:
             self._streams.pop(rid, None)
             self._detok.pop(rid, None)
@@ -620,7 +637,7 @@ class Engine:
                     break
             results.append(RequestOutput(s.request_id, "".join(text), ids, lps, True, o.finish_reason,
                                          o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, o.error,
-                                         o.error_param))
+                                         o.error_param, o.stop_reason))
         return results
 
     # ------------------------------------------------------------------ background loop

@@ -181,6 +181,28 @@ def test_token_bytes_of_padded_vocabulary_rows_are_empty(gguf_tokenizer):
     assert TokenBytes(gguf_tokenizer)(n + 8) == b"" and gguf_tokenizer.decode([n + 8]) == ""
 
 
+def stopped_by_string(rid, ids):
+    return [RequestOutput(rid, "a", [97], num_output_tokens=1),
+            RequestOutput(rid, "b", [98], finished=True, finish_reason="stop", num_prompt_tokens=len(ids),
+                          num_output_tokens=2, stop_reason="\n\n")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_choices_carry_the_stop_reason(path, body, stream):
+    """vLLM's `stop_reason`: the stop string or token id that ended a choice, null before its end."""
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), stopped_by_string), "m"))
+    body = {"model": "m", "max_tokens": 4, "stream": stream, **body}
+    if stream:
+        chunks = [json.loads(line[6:]) for line in sse_lines(client, path, body)[:-1]]
+        reasons = [(c["finish_reason"], c["stop_reason"]) for chunk in chunks for c in chunk["choices"]]
+        assert reasons[-1] == ("stop", "\n\n") and all(r == (None, None) for r in reasons[:-1])
+    else:
+        [choice] = client.post(path, json=body).json()["choices"]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "\n\n")
+
+
 def test_text_parts_of_a_message_are_joined_by_newlines():
     client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo_one_token), "m"))
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]

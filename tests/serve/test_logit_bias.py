@@ -100,7 +100,7 @@ def test_min_tokens_bans_stop_ids_and_stop_strings_until_reached(engine, forward
     free = reference(forward, p, 12)
     stop_id = free[1]
     [early] = engine.generate([p], greedy(12, stop_token_ids=[stop_id]))
-    assert early.token_ids == free[:2] and early.finish_reason == "stop"
+    assert early.token_ids == free[:2] and (early.finish_reason, early.stop_reason) == ("stop", stop_id)
     # The stop id cannot be drawn before 5 tokens: the reference bans it there too.
     [o] = engine.generate([p], greedy(12, stop_token_ids=[stop_id], min_tokens=5))
     want = reference(forward, p, 12, lambda s: {stop_id: -np.inf} if s < 5 else {}, stop_ids=(stop_id,), min_tokens=5)
@@ -109,15 +109,17 @@ def test_min_tokens_bans_stop_ids_and_stop_strings_until_reached(engine, forward
     eos = engine.eos_ids[0]
     [o] = engine.generate([p], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6,
                                               logit_bias={eos: 100.0}))
-    assert len(o.token_ids) == 6 and eos not in o.token_ids and o.finish_reason == "length"
+    assert len(o.token_ids) == 6 and eos not in o.token_ids and (o.finish_reason, o.stop_reason) == ("length", None)
+    [o] = engine.generate([p], SamplingParams(max_tokens=6, temperature=0.0, logit_bias={eos: 100.0}))
+    assert (o.token_ids, o.finish_reason, o.stop_reason) == ([eos], "stop", None)  # EOS: no stop_reason (vLLM)
     # A stop string met before min_tokens does not end the output; the first ending in a token from
     # min_tokens on does (as vLLM). Forced to "x" every token: stop "xx" at min_tokens 4 cuts 4 tokens
     # to "xx" (the match ending in the 4th).
     x = tok.encode("x")[0]
     [o] = engine.generate([p], greedy(10, stop=["xx"], min_tokens=4, logit_bias={x: 100.0}))
-    assert (o.text, o.token_ids, o.finish_reason) == ("xx", [x] * 4, "stop")
-    [o] = engine.generate([p], greedy(10, stop=["xx"], logit_bias={x: 100.0}))
-    assert (o.text, o.token_ids, o.finish_reason) == ("", [x] * 2, "stop")
+    assert (o.text, o.token_ids, o.finish_reason, o.stop_reason) == ("xx", [x] * 4, "stop", "xx")
+    [o] = engine.generate([p], greedy(10, stop=["xxx", "xx"], logit_bias={x: 100.0}))
+    assert (o.text, o.token_ids, o.finish_reason, o.stop_reason) == ("", [x] * 2, "stop", "xx")
 
 
 def test_min_tokens_with_speculation_gives_the_same_tokens(model):

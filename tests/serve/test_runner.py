@@ -475,3 +475,16 @@ def test_engine_arguments_of_the_wrong_kind_are_one_error(model):
     # Arrays of ids are ids (a JAX array was refused as holding "Array(1, dtype=int32)").
     [a, b] = engine.generate([jnp.asarray([1, 2, 3]), np.asarray([1, 2, 3])], greedy(max_tokens=3))
     assert a.token_ids == b.token_ids and len(a.token_ids) == 3
+
+
+def test_unseeded_requests_do_not_follow_the_program_random_seed(model):
+    """Unseeded sampling drew its seed from Python's `random`: a program seeding it repeated every request."""
+    import random
+
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, **SMALL))
+    outs = []
+    for _ in range(2):
+        random.seed(0)
+        [o] = engine.generate(prompts(3, 1), SamplingParams(max_tokens=16, temperature=1.0))
+        outs.append(o.token_ids)
+    assert outs[0] != outs[1]
