@@ -496,7 +496,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                  if body.prompt_logprobs is not None else {} for sc in scored]
         if echo_only:
             choices = [{"index": k * n + j, "text": tok.decode(ids, skip_special=False), "finish_reason": "length",
-                        "stop_reason": None, "logprobs": completion_logprobs(echo_scored[k]) if body.logprobs is not None else None,
+                        "stop_reason": None,
+                        "logprobs": completion_logprobs(echo_scored[k]) if body.logprobs is not None else None,
                         **extra[k]}
                        for k, ids in enumerate(prompts) for j in range(n)]
             base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model}
