@@ -34,16 +34,20 @@ another model or setup, --resume with no checkpoint or no steps left,
 `--zero 4`, a mesh that does not match the device count, an unknown --offload-optimizer or
 --offload-params, disk offload without --offload-dir, offload with --zero 3) end
 with one line on stderr and exit status 2; nothing is written.
-Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint).
+Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint); 1 when a write failed
+(a full disk) or, in a multi-process run, a step failed (another process stopped), with one line.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import tyro
 
 from jmem.io.checkpoint import CheckpointWriteError
+from jmem.memory.disk_offload import OffloadWriteError
+from jmem.parallel.distributed import DistributedRunError
 from jmem.train import TrainConfig, train
 
 
@@ -54,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as e:  # e.g. a full disk: the earlier checkpoints are intact
+    except (CheckpointWriteError, OffloadWriteError) as e:  # e.g. a full disk: the earlier checkpoints are intact
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except DistributedRunError as e:  # another process stopped: JAX's exit would wait for it, then abort
+        print(f"error: {e}", file=sys.stderr)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
     return 130 if result.interrupted else 0
 
 

@@ -27,11 +27,18 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pathlib
 import re
 import shutil
 from typing import Any, NamedTuple
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +49,17 @@ from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
 
 _META = "chunks.json"
+_LOCK = ".lock"  # held (a POSIX record lock) by the process whose optimizer uses the directory
 _CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # every name `_chunk_file` makes
 
 
 def _chunk_file(c: int, j: int) -> str:
     """The file of chunk `c`'s `j`-th state array."""
     return f"chunk{c:05d}_{j}.npy"
+
+
+class OffloadWriteError(OSError):
+    """The state files could not be written (e.g. the disk is full): the step did not happen."""
 
 
 class DiskState(NamedTuple):
@@ -81,6 +93,35 @@ def check_snapshot(source) -> None:
                            f"with the checkpoint)")
 
 
+def _lock_directory(path: pathlib.Path):
+    """An open lock file on `path`, or OffloadError when another process holds it."""
+    if fcntl is None:
+        return None
+    f = open(path / _LOCK, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per process: this one may open it again
+    except OSError:
+        f.close()
+        raise OffloadError(f"offload directory {path} is in use by another running process's optimizer state "
+                           "(two runs would overwrite each other's files); accepted: a directory of its own for "
+                           "each run") from None
+    return f
+
+
+def _reserve(f: pathlib.Path) -> None:
+    """Allocate the whole file now (a memmap's file is sparse until its pages are written)."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        with open(f, "r+b") as fh:
+            os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: written as before
+            return
+        raise OffloadWriteError(e.errno, f"cannot write the optimizer state file {f} ({e.strerror}); the step "
+                                "did not happen (free space, then resume from the latest checkpoint)") from None
+
+
 class DiskOptimizer:
     """An optax transformation whose state lives in files, updated chunk by chunk.
 
@@ -92,7 +133,8 @@ class DiskOptimizer:
         layer_chunks: split stacked `layers` leaves into one chunk per layer (else one per leaf).
 
     Raises:
-        OffloadError: `directory` exists and is not a directory.
+        OffloadError: `directory` exists and is not a directory, or another process's optimizer
+            uses it (two runs rewriting one set of files would corrupt each other's state).
     """
 
     def __init__(self, tx: optax.GradientTransformation, train, directory: str, *, clip: float = 0.0,
@@ -103,6 +145,7 @@ class DiskOptimizer:
         if path.exists() and not path.is_dir():
             raise OffloadError(f"offload directory {self.directory} exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_directory(path)
         self._treedef = jax.tree.structure(train, is_leaf=lambda x: x is None)
         leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
         paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(train, is_leaf=lambda x: x is None)]
@@ -175,6 +218,7 @@ class DiskOptimizer:
     def _write(self, c: int, leaves):
         for f, x in zip(self._files(c), leaves):
             mm = np.lib.format.open_memmap(f, mode="w+", dtype=x.dtype, shape=x.shape)
+            _reserve(f)  # a full disk is an error here, not a SIGBUS when the mapped pages are written
             mm[...] = np.asarray(x)
             mm.flush()
             del mm

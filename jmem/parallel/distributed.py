@@ -32,6 +32,11 @@ class DistributedError(ValueError):
     """Missing or inconsistent multi-host settings."""
 
 
+class DistributedRunError(RuntimeError):
+    """A step of a multi-process run failed (most often: another process stopped); this process stops too.
+    JAX's exit-time shutdown would wait for the stopped process, so a command ends with `os._exit`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
     """Where this process sits after `initialize`."""

@@ -329,9 +329,17 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                     interrupted = True
                     break
         except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            raise ValueError(_out_of_memory(report, f"step {step + 1} ran out of memory")) from None
+            if "RESOURCE_EXHAUSTED" in str(e):
+                raise ValueError(_out_of_memory(report, f"step {step + 1} ran out of memory")) from None
+            if jax.process_count() > 1:  # the others wait for this one, or this one for a stopped one
+                from jmem.parallel.distributed import DistributedRunError
+
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise DistributedRunError(
+                    f"process {jax.process_index()}: step {step + 1} failed ({first}); in a run of "
+                    f"{jax.process_count()} processes this most often means another one stopped. This one stops "
+                    f"too; start them all again with --resume to continue from the latest checkpoint") from None
+            raise
         finally:
             bar.close()
         final = int(state.step)

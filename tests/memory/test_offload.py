@@ -283,8 +283,8 @@ def test_disk_snapshot_never_deletes_files_it_did_not_write(tmp_path):
     small.place({"head": params["head"]})
     bigger.snapshot(str(tmp_path / "snap"))
     small.snapshot(str(tmp_path / "snap"))
-    names = [sorted(p.name for p in (tmp_path / d).iterdir()) for d in ("snap", "opt3")]
-    assert names[0] == names[1]
+    names = [sorted(p.name for p in (tmp_path / d).iterdir() if p.name != ".lock") for d in ("snap", "opt3")]
+    assert names[0] == names[1]  # the state files (the live directory's lock is no state)
     small.restore(str(tmp_path / "snap"))
 
 
@@ -314,3 +314,43 @@ def test_disk_offload_step_frees_device_and_host_state(tmp_path):
     assert abs(opt_bytes - disk.total_bytes) <= 4 * len(disk.chunks)  # the same state, now in files
     state, metrics = trainer(state, _batches()[0])
     assert np.isfinite(float(metrics["loss"])) and int(state.opt_state.updates) == 1
+
+
+def test_a_disk_state_directory_in_use_by_another_process_is_refused(tmp_path):
+    """Two runs rewriting one directory's files corrupted each other's state (one of them silently)."""
+    import subprocess
+    import sys
+
+    params = {"head": np.ones((4, 3), np.float32)}
+    (tmp_path / "opt").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "opt" / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OffloadError, match=r"offload directory .*opt is in use by another running process's "
+                                               r"optimizer state"):
+            DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    finally:
+        holder.kill()
+        holder.wait()
+    first = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))  # free again; this process may reopen
+    DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt")).place(params)
+    del first
+
+
+def test_a_full_disk_is_one_error_not_a_bus_error(tmp_path, monkeypatch):
+    """The memmapped files were sparse: a full disk surfaced as SIGBUS when their pages were written."""
+    import errno
+    import os
+
+    from jmem.memory.disk_offload import OffloadWriteError
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    params = {"head": np.ones((4, 3), np.float32)}
+    disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    with pytest.raises(OffloadWriteError, match=r"cannot write the optimizer state file .*No space left on device"):
+        disk.place(params)

@@ -134,3 +134,17 @@ def test_disk_offload_snapshot_is_written_before_its_checkpoint(tmp_path, monkey
                           offload_optimizer="disk", offload_dir=str(tmp_path / "state"), ckpt_dir=str(ck)),
               out=io.StringIO())
     assert Checkpointer(ck).latest_step() == 1 and (ck / "offload_optimizer" / "1" / "chunks.json").is_file()
+
+
+def test_a_full_disk_under_disk_offload_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    rc, err = run_train_script(["--model", "tiny", "--steps", "2", "--batch", "4", "--seq", "16", "--no-progress",
+                                "--offload-optimizer", "disk", "--offload-dir", str(tmp_path / "opt")], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "cannot write the optimizer state file" in lines[0], err

@@ -198,3 +198,37 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
     steps = [int(o.split("interrupted at step ")[1].split(";")[0]) for o in outs if "interrupted at step " in o]
     assert len(steps) == 2 and steps[0] == steps[1], outs[0][-2000:] + outs[1][-2000:]
     assert Checkpointer(tmp_path / "ck").latest_step() == steps[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_killed_mid_run_stops_the_other_with_one_line(tmp_path, victim):
+    """SIGKILL of one process (the coordinator or not): the other ends with one error line and exit
+    status 1, soon, instead of a traceback, JAX's shutdown barrier waiting on the dead peer and an abort."""
+    import signal
+    import time
+
+    from tests.helpers import free_port
+
+    coord, log = f"127.0.0.1:{free_port()}", tmp_path / "log.jsonl"
+    args = TWO_PROCESS_BASE + ["--steps", "5000", "--log", str(log)]
+    procs = [subprocess.Popen(args + ["--coordinator", coord, "--num-processes", "2", "--process-id", str(i)],
+                              env=_device_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    survivor = procs[1 - victim]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and (not log.exists() or log.read_text().count('"loss"') < 3):
+            time.sleep(0.5)
+        procs[victim].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        _, err = survivor.communicate(timeout=120)
+        waited = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert survivor.returncode == 1 and len(errors) == 1, err[-3000:]
+    assert f"error: process {1 - victim}: step " in errors[0] and "start them all again with --resume" in errors[0]
+    assert waited < 60, waited
