@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 
 import jax
 import optax
@@ -284,6 +285,14 @@ def _digest(*arrays) -> str:
 _PER_PROCESS = ("process_id", "init_timeout", "log", "plot", "progress", "offload_dir", "data")
 
 
+def shared_flags(cfg: TrainConfig) -> dict:
+    """The flags every process of a job must agree on, by flag name; paths in normal form (`run/` and
+    `./run` are one directory)."""
+    paths = ("model", "ckpt_dir", "save")
+    return {f"--{k.replace('_', '-')}": os.path.normpath(os.path.expanduser(v)) if k in paths and v else v
+            for k, v in dataclasses.asdict(cfg).items() if k not in _PER_PROCESS}
+
+
 def build(cfg: TrainConfig) -> Run:
     """Validate, join a multi-host job when asked, make the mesh, then build model,
     data, optimizer and the train functions."""
@@ -293,8 +302,7 @@ def build(cfg: TrainConfig) -> Run:
 
         par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.init_timeout)
         # Before the first collective: processes on different flags would wait on each other forever.
-        par.check_same_settings({f"--{k.replace('_', '-')}": v for k, v in dataclasses.asdict(cfg).items()
-                                 if k not in _PER_PROCESS}, "flags")
+        par.check_same_settings(shared_flags(cfg), "flags")
     mesh = mesh_for(cfg)
     mc, model, tok, tx, fns = _cached_fns(_program_key(cfg), mesh)
     vocab = getattr(tok, "vocab_size", None)

@@ -280,3 +280,13 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     assert on_mesh[-1] == "  (estimated: the whole step on one device, unsharded)"
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
     assert report_mod.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
+
+
+def test_processes_compare_paths_in_normal_form():
+    """`--ckpt-dir /x/run/` on one process and `/x/run` on another name one directory: not a difference."""
+    from jmem.train.setup import shared_flags
+
+    a = shared_flags(TrainConfig(model="tiny", ckpt_dir="/x/run/", save="out/./model"))
+    b = shared_flags(TrainConfig(model="tiny", ckpt_dir="/x/run", save="out/model"))
+    assert a == b and a["--ckpt-dir"] == "/x/run" and "--process-id" not in a
+    assert shared_flags(TrainConfig(model="tiny", lr=1e-2)) != shared_flags(TrainConfig(model="tiny"))
