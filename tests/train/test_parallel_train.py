@@ -203,8 +203,9 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_process_killed_mid_run_stops_the_other_with_one_line(tmp_path, victim):
-    """SIGKILL of one process (the coordinator or not): the other ends with one error line and exit
-    status 1, soon, instead of a traceback, JAX's shutdown barrier waiting on the dead peer and an abort."""
+    """SIGKILL of one process: the other ends soon, instead of printing a traceback and waiting about 70 s in
+    JAX's shutdown barrier for the dead peer. It ends with one error line and exit status 1; when the dead one
+    is process 0, which runs the coordination service, JAX's runtime may end it first (its own message)."""
     import signal
     import time
 
@@ -228,7 +229,10 @@ def test_a_process_killed_mid_run_stops_the_other_with_one_line(tmp_path, victim
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    assert waited < 60, waited
+    if victim == 0 and "Terminating process because the JAX distributed service detected fatal errors" in err:
+        assert survivor.returncode != 0, err[-3000:]
+        return
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert survivor.returncode == 1 and len(errors) == 1, err[-3000:]
     assert f"error: process {1 - victim}: step " in errors[0] and "start them all again with --resume" in errors[0]
-    assert waited < 60, waited
