@@ -125,7 +125,7 @@ def check(cfg: Config) -> None:
                           <= cfg.lora_adapters):
         raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))}; accepted: slot counts in "
                          f"1..--lora-adapters, with --lora-adapters > 0")
-    if cfg.lora_rank != 16 and not cfg.lora_adapters:
+    if cfg.lora_rank != Config.lora_rank and not cfg.lora_adapters:  # set away from its default
         raise ValueError(f"--lora-rank {cfg.lora_rank} needs --lora-adapters N; accepted: --lora-rank with "
                          "--lora-adapters > 0")
     if cfg.num_blocks is not None and cfg.num_blocks < 1:

@@ -150,6 +150,14 @@ def model_source(name_or_path: str, flag: str = "model") -> tuple[str, str]:
                      f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
 
 
+def check_packed(packed: bool, kind: str, name: str, flag: str = "packed=True") -> None:
+    """ValueError naming `flag` when `packed` asks to keep blocks packed for a model that is not a GGUF file
+    (`kind` from `model_source`): a preset or a quantized directory loads as it is."""
+    if packed and kind != "gguf":
+        raise ValueError(f"{flag} keeps a GGUF file's blocks packed; model {str(name)!r} is a {kind} (it loads as it "
+                         f"is); accepted: {flag} with a .gguf path or {', '.join(PACKAGED_MODELS)}")
+
+
 def _is_gguf(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -176,10 +184,7 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
     kind, path = model_source(name_or_path)
-    if packed and kind != "gguf":
-        raise ValueError(f"packed=True keeps a GGUF file's blocks packed; model {str(name_or_path)!r} is a {kind} "
-                         f"(it loads as it is); accepted: packed=True with a .gguf path or "
-                         f"{', '.join(PACKAGED_MODELS)}")
+    check_packed(packed, kind, name_or_path)
     dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
     if kind == "directory":
         from jmem.quant.saved import load_quantized

@@ -113,16 +113,14 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
-    from jmem.lm import PACKAGED_MODELS, model_source
+    from jmem.lm import check_packed, model_source
     from jmem.models.config import as_dtype
     from jmem.serve.paged_cache import ATTENTION_IMPLS, KV_DTYPES
 
     if args.log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
-    if args.packed and model_source(args.model, "--model")[0] != "gguf":
-        raise ValueError(f"--packed keeps a GGUF file's blocks packed; model {args.model!r} is not a GGUF file "
-                         f"(a preset or a quantized directory loads as it is); accepted: a .gguf path or "
-                         f"{', '.join(PACKAGED_MODELS)}")
+    kind = model_source(args.model, "--model")[0]  # a missing file or package: one error naming the flag
+    check_packed(args.packed, kind, args.model, "--packed")
     for flag, value in (("--param-dtype", args.param_dtype), ("--compute-dtype", args.compute_dtype)):
         if value is None:
             continue
@@ -156,7 +154,6 @@ def check_args(args: ServeArgs) -> None:
 
     check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,
                            draft_model=args.speculative_model, draft_layers=args.speculative_layers)
-    model_source(args.model, "--model")
     if args.speculative_model is not None:
         model_source(args.speculative_model, "--speculative-model")
     lora_modules(args)  # each adapter file read and its rank checked

@@ -6,7 +6,6 @@ cost one line and no time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 
@@ -17,8 +16,6 @@ from jmem.memory.remat import validate as validate_remat
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.config import OPTIMIZERS, TrainConfig
 from jmem.train.plot import check_image_path
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a flag left unset
 
 
 def train_policy(precision: str) -> Policy:
@@ -261,7 +258,7 @@ def _validate_layerwise(cfg: TrainConfig) -> None:
     if not cfg.layerwise:
         for flag, field in (("--layerwise-period", "layerwise_period"), ("--layerwise-schedule", "layerwise_schedule")):
             value = getattr(cfg, field)
-            if value != _DEFAULTS[field]:
+            if value != getattr(TrainConfig, field):  # set away from its default
                 raise ValueError(f"{flag} {value} needs --layerwise N (it sets how the active layers change); "
                                  f"accepted: {flag} with --layerwise > 0")
         return
@@ -336,7 +333,7 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     if cfg.microbatches > 1 and cfg.pipeline_stages == 1:
         raise ValueError(f"--microbatches={cfg.microbatches} needs --pipeline-stages > 1 (use --accum "
                          f"for gradient accumulation)")
-    if cfg.pipeline_schedule != _DEFAULTS["pipeline_schedule"] and cfg.pipeline_stages == 1:
+    if cfg.pipeline_schedule != TrainConfig.pipeline_schedule and cfg.pipeline_stages == 1:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} needs --pipeline-stages > 1; accepted: "
                          "--pipeline-schedule with a pipeline")
     if cfg.pipeline_stages == 1 and mesh.get("stage", 1) != 1:

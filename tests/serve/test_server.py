@@ -642,8 +642,8 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
     assert cli_error(capsys, "--api-key", "").startswith(
         "jmem serve: error: --api-key='' would leave the server open (an unset variable in --api-key \"$KEY\"?)")
     assert cli_error(capsys, "--packed") == (
-        "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is not a GGUF file (a preset "
-        "or a quantized directory loads as it is); accepted: a .gguf path or smollm2-135m")
+        "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is a preset (it loads as it "
+        "is); accepted: --packed with a .gguf path or smollm2-135m")
 
 
 def test_cli_cannot_listen_is_one_line_before_loading(capsys, caplog, monkeypatch):
