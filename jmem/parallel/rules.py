@@ -458,10 +458,11 @@ def kernel_per_device(fn, args, in_axes, out_axes):
 
     GSPMD has no rule to split a Pallas call (a custom call: its operands are replicated onto every
     device, and a TPU compile of one inside a sharded program fails), so inside an
-    `activation_sharding` block the call goes through a `jax.shard_map`: each device runs `fn` on its own slice of the logical axes `in_axes` (one
-    tuple per arg; `out_axes` for the result, sliced alike). A mesh axis splits every dim that
-    asks for it or none (query and kv heads must split alike): one that does not divide a dim is
-    left out. Inside a `shard_map` manual over some axes (a 1F1B pipeline's stage axis), the
+    `activation_sharding` block the call goes through a `jax.shard_map`: each device runs `fn` on its
+    own slice of the logical axes `in_axes` (one tuple per arg; `out_axes` for the result, sliced
+    alike). Dims at the same position of the args correspond (query heads and kv heads), so a mesh
+    axis splits them all or none: one that a dim's rule does not name while another arg's does (rule
+    'kv_heads=none' beside 'heads=tensor'), or that does not divide a dim, is left out. Inside a `shard_map` manual over some axes (a 1F1B pipeline's stage axis), the
     others split the call the same way, in a nested `shard_map`. Outside a block it is `fn(*args)`.
     """
     active = _ACTIVE.get()
@@ -470,11 +471,15 @@ def kernel_per_device(fn, args, in_axes, out_axes):
     rules, mesh = active
     manual = _manual_axes()
     drop: set[str] = set(manual)
+    by_position: dict[int, list[set[str]]] = {}
     for x, axes in zip(args, in_axes):
-        for dim, name in zip(x.shape, axes):
+        for pos, (dim, name) in enumerate(zip(x.shape, axes)):
             split = [a for a in rules.mesh_axes(name) if mesh.shape.get(a, 1) > 1 and a not in manual]
+            by_position.setdefault(pos, []).append(set(split))
             if split and dim % math.prod(mesh.shape[a] for a in split):
                 drop.update(split)
+    for splits in by_position.values():  # an axis that splits one arg's dim splits the others' too
+        drop.update(set.union(*splits) - set.intersection(*splits))
     rules = without_axes(rules, tuple(drop))
     in_specs = tuple(rules.spec(axes, x.shape, mesh, name="kernel input") for x, axes in zip(args, in_axes))
     if all(entry is None for spec in in_specs for entry in spec):

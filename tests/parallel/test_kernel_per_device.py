@@ -63,6 +63,19 @@ def test_an_axis_that_does_not_divide_is_left_out():
     np.testing.assert_array_equal(out, fn(q, k))
 
 
+@pytest.mark.parametrize("rules", ["kv_heads=none", "heads=none"])
+def test_query_and_kv_heads_split_alike_or_not_at_all(rules):
+    """A rule that leaves kv heads whole while query heads split (the remedy `check_heads` names for
+    kv heads that do not divide) would pair each device's query heads with the wrong kv heads: the
+    heads stay whole in the kernel call, and training matches one device."""
+    model = _model("pallas")
+    loss_fn, params = par.model_loss_fn(model)
+    batches = counting_batches(model.config.vocab_size, 2, B, T, seed=0)
+    ref, *_ = train_sharded(loss_fn, params, par.make_mesh(devices=jax.devices()[:1]), batches)
+    losses, *_ = train_sharded(loss_fn, params, par.make_mesh("data=4,tensor=2"), batches, rules=rules)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["auto", "xla"])
 def test_cpu_auto_and_xla_take_no_shard_map(impl):
     assert "shard_map" not in _jaxpr_text(_model(impl), par.make_mesh("data=4,tensor=2"))
