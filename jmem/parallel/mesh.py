@@ -142,6 +142,9 @@ def make_mesh(spec: "str | Mapping[str, int] | None" = None, devices: Sequence |
         raise MeshError(f"devices={devices!r:.80}; accepted: a list of devices (e.g. jax.devices()[:4]), or None "
                         "for all")
     devices = list(jax.devices() if devices is None else np.ravel(np.asarray(devices, dtype=object)))
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise MeshError(f"devices={devices!r:.80}; accepted: a non-empty list of jax devices (e.g. "
+                        "jax.devices()[:4]), or None for all")
     for d, n in collections.Counter(devices).items():
         if n > 1:
             raise MeshError(f"device {d} is given {n} times; accepted: each device at most once")

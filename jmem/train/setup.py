@@ -61,7 +61,13 @@ def mesh_for(cfg: TrainConfig):
         if jax.device_count() % cfg.pipeline_stages:
             raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} needs a multiple of {cfg.pipeline_stages} "
                              f"devices, one stage per device group; there are {jax.device_count()}")
-    mesh = par.make_mesh(spec)
+    try:
+        mesh = par.make_mesh(spec)
+    except par.MeshError as e:
+        if spec == cfg.mesh:
+            raise
+        raise par.MeshError(f"--mesh {cfg.mesh!r} with --pipeline-stages={cfg.pipeline_stages} adds the stage "
+                            f"axis: {e}") from None
     if cfg.pipeline_stages > 1 and mesh.shape["stage"] != cfg.pipeline_stages:
         raise ValueError(f"mesh {par.mesh_summary(mesh)} has stage={mesh.shape['stage']}, "
                          f"not --pipeline-stages={cfg.pipeline_stages}")

@@ -36,6 +36,12 @@ def test_make_mesh_errors(spec, match):
         par.make_mesh(spec)
 
 
+@pytest.mark.parametrize("devices", [[], [0, 1]])
+def test_make_mesh_refuses_devices_that_are_not_devices(devices):
+    with pytest.raises(par.MeshError, match="accepted: a non-empty list of jax devices"):
+        par.make_mesh("data=2", devices=devices)
+
+
 def test_rules_defaults_overrides_and_specs():
     mesh = par.make_mesh("fsdp=4,tensor=2")
     rules = par.Rules.parse("embed=fsdp,vocab=tensor")

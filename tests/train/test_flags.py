@@ -86,6 +86,8 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--warmup", "30", "--steps", "20"], "--warmup=30 must be in 0..--steps=20"),
     (["--warmup", "-1"], "--warmup=-1 must be in 0..--steps=200"),
     (["--mesh", "stage=2,data=4"], "has a stage axis but --pipeline-stages is 1"),
+    (["--mesh", "data=4,tensor=2", "--pipeline-stages", "2"],
+     "--mesh 'data=4,tensor=2' with --pipeline-stages=2 adds the stage axis: mesh stage=2,data=4,tensor=2 needs 16"),
     (["--process-id", "1"], "process_id=1 needs coordinator and num_processes as well"),
     (["--num-processes", "2"], "num_processes=2 needs coordinator and process_id as well"),
     (["--remat", "offload", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
