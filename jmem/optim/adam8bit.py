@@ -15,12 +15,18 @@ Codes (`code=`):
                              values near zero: seven decades below the block
                              maximum, with 2^i linearly spaced values in the
                              i-th decade from the bottom (larger decades get
-                             finer steps). Signed for the first moment,
-                             unsigned for the second.
+                             finer steps). Signed for the first moment
+                             (with both -1 and +1, so a block's largest value
+                             is exact whatever its sign), unsigned for the
+                             second.
     ``"linear"``             absmax-linear int8 (255 levels for the first
-                             moment, 256 for the second). The second moment is
-                             stored as sqrt(v) here, which halves its dynamic
-                             range, because linear codes round small v to zero.
+                             moment, 256 for the second).
+
+With either code the second moment is stored as sqrt(v), whose dynamic range
+is the gradients' own, as the first moment's is: v itself spans twice the
+decades, so a code that keeps an element's first moment would round its v to
+zero, and the next update `m / (sqrt(v) + eps)` would be thousands of times
+AdamW's.
 
 The update uses the freshly computed (unquantized) moments of this step; only
 what is carried to the next step is quantized.
@@ -50,9 +56,9 @@ CODES = ("dynamic", "linear")
 def dynamic_code(signed: bool) -> np.ndarray:
     """The sorted 256-entry dynamic code in [-1, 1] (signed) or [0, 1] (unsigned).
 
-    Signed: 0, 1, and +-(2^i midpoints of [0.1, 1] scaled by 10^(i-6)), i=0..6
-    (127 magnitudes). Unsigned: 0, 1, and 2^i midpoints scaled by 10^(i-7),
-    i=1..7 (254 magnitudes).
+    Signed: 0, +-1, and +-(2^i midpoints of [0.1, 1] scaled by 10^(i-6)), i=0..6
+    (127 magnitudes; the smallest positive one gives way to -1). Unsigned: 0, 1,
+    and 2^i midpoints scaled by 10^(i-7), i=1..7 (254 magnitudes).
     """
     decades = range(0, 7) if signed else range(1, 8)
     top = 6 if signed else 7
@@ -61,7 +67,7 @@ def dynamic_code(signed: bool) -> np.ndarray:
         edges = np.linspace(0.1, 1.0, 2**i + 1)
         mags.append((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - top))
     mags = np.concatenate(mags)
-    values = np.concatenate([[0.0, 1.0], mags, -mags] if signed else [[0.0, 1.0], mags])
+    values = np.concatenate([[0.0, 1.0, -1.0], mags[1:], -mags] if signed else [[0.0, 1.0], mags])
     values = np.sort(values).astype(np.float32)
     assert values.size == 256, values.size
     return values
@@ -151,10 +157,24 @@ def dequantize(q: QuantizedMoment, shape, *, signed: bool, code: str = "dynamic"
     return x_NB.reshape(-1)[:size].reshape(shape)
 
 
+def quantize_second_moment(v, *, code: str = "dynamic", block_size: int = 256) -> QuantizedMoment:
+    """Adam's second moment `v` (>= 0) in 8 bits, stored as sqrt(v) (see the module docstring).
+
+    `v` is clamped to f32's largest value first: a finite gradient above ~1.8e19 squares to inf, and
+    an inf block scale would make every other moment of the block 0 * inf = NaN.
+    """
+    return quantize(jnp.sqrt(jnp.minimum(v, F32_MAX)), signed=False, code=code, block_size=block_size)
+
+
+def dequantize_second_moment(q: QuantizedMoment, shape, *, code: str = "dynamic") -> jax.Array:
+    """Inverse of `quantize_second_moment`: f32 `v` of `shape`."""
+    return jnp.square(dequantize(q, shape, signed=False, code=code))
+
+
 class ScaleByAdam8bitState(NamedTuple):
     """Adam moments; per leaf a `QuantizedMoment` (large leaves) or an f32 array.
 
-    For the second moment in "linear" mode, the quantized value is sqrt(v).
+    A quantized second moment holds sqrt(v) (`quantize_second_moment`).
     """
 
     count: jax.Array
@@ -209,13 +229,11 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, 
             """One block: dequantize its moments, update them, requantize (under `lax.map`)."""
             g_B, mu_B, mu_s, nu_B, nu_s = args
             m = dequantize(QuantizedMoment(mu_B[None], mu_s[None]), g_B.shape, signed=True, code=code)
-            v = dequantize(QuantizedMoment(nu_B[None], nu_s[None]), g_B.shape, signed=False, code=code)
-            m, v = moments(g_B, m, v * v if code == "linear" else v)
-            # A finite gradient above ~1.8e19 squares to inf: an inf block scale would make every other
-            # moment of the block 0 * inf = NaN.
-            v = jnp.minimum(v, F32_MAX)
+            v = dequantize_second_moment(QuantizedMoment(nu_B[None], nu_s[None]), g_B.shape, code=code)
+            m, v = moments(g_B, m, v)
+            v = jnp.minimum(v, F32_MAX)  # as stored (a gradient above ~1.8e19 squares to inf)
             qm = quantize(m, signed=True, code=code, block_size=block_size)
-            qv = quantize(jnp.sqrt(v) if code == "linear" else v, signed=False, code=code, block_size=block_size)
+            qv = quantize_second_moment(v, code=code, block_size=block_size)
             return step(m, v), qm.codes[0], qm.scales[0], qv.codes[0], qv.scales[0]
 
         for g, mu, nu in zip(treedef.flatten_up_to(updates), treedef.flatten_up_to(state.mu),

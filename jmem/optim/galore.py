@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import optax
 
 from jmem.optim import checks
-from jmem.optim.adam8bit import QuantizedMoment, dequantize, quantize
+from jmem.optim.adam8bit import QuantizedMoment, dequantize, dequantize_second_moment, quantize, quantize_second_moment
 
 MOMENTS = ("f32", "8bit")
 DEFAULT_EXCLUDE = ("embed", "head")
@@ -240,10 +240,16 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
         return jnp.zeros(shape, jnp.float32)
 
     def load(mom, shape, signed):
-        return dequantize(mom, shape, signed=signed) if isinstance(mom, QuantizedMoment) else mom
+        if not isinstance(mom, QuantizedMoment):
+            return mom
+        return dequantize(mom, shape, signed=True) if signed else dequantize_second_moment(mom, shape)
 
     def store(x, signed):
-        return quantize(x, signed=signed, block_size=block_size) if eight(x.shape) else x
+        if not eight(x.shape):
+            return x
+        if signed:
+            return quantize(x, signed=True, block_size=block_size)
+        return quantize_second_moment(x, block_size=block_size)
 
     def init(params):
         plans, treedef = galore_plan(params, rank, rule=rule)
