@@ -273,11 +273,14 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
         if proj:
             periodic = state.count % update_proj_gap == 0
             # A matrix whose basis is all zero has never had one (or had its state reset, as a
-            # layer-wise schedule does for newly trained layers): it gets one on this step.
+            # layer-wise schedule does for newly trained layers): it gets one on this step. An all-zero
+            # gradient (LoRA's A on its first step, B being zero) has no subspace: its SVD would fix
+            # arbitrary axes until the next periodic refresh, so the basis stays as it was.
             unset = [jnp.all(old_bases[i] == 0, axis=(-2, -1), keepdims=True) for i in proj]
 
             def fresh(gs, olds, unset):
-                return [jnp.where(periodic | u, _basis(g, plans[i].side, rank, svd_batch_size).astype(basis_dtype), o)
+                return [jnp.where((periodic | u) & jnp.any(g != 0, axis=(-2, -1), keepdims=True),
+                                  _basis(g, plans[i].side, rank, svd_batch_size).astype(basis_dtype), o)
                         for g, o, u, i in zip(gs, olds, unset, proj)]
 
             def keep(_, olds, unset):

@@ -142,6 +142,25 @@ def test_a_reset_layer_gets_a_fresh_basis_between_refreshes(galore_run):
     np.testing.assert_array_equal(after.basis["layers"]["v"], state.basis["layers"]["v"])
     assert len(galore_run["traces"]) == 1
 
+def test_a_zero_gradient_leaves_the_basis_unset():
+    """LoRA's A has a zero gradient on its first step (B starts at zero): the SVD of zeros fixed the first
+    coordinate axes as the basis, and A could not move outside them until the next periodic refresh. The
+    basis now waits for a gradient; layers of a stack each wait for their own."""
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.zeros((64, 8)), "layers": {"w": jnp.zeros((2, 64, 8))}}
+    tx = galore(1e-2, rank=2, update_proj_gap=200, weight_decay=0.0)
+    state = tx.init(params)
+    stacked = np.stack([np.zeros((64, 8)), rng.normal(size=(64, 8))]).astype(np.float32)
+    _, state = tx.update({"a": jnp.zeros((64, 8)), "layers": {"w": jnp.asarray(stacked)}}, state, params)
+    assert not np.any(state[0].basis["a"]) and not np.any(state[0].basis["layers"]["w"][0])
+    assert np.any(state[0].basis["layers"]["w"][1])
+    cols = np.zeros((64, 8), np.float32)
+    cols[:, 6:] = rng.normal(size=(64, 2))  # a gradient in the last two columns only
+    g = {"a": jnp.asarray(cols), "layers": {"w": jnp.asarray(np.stack([cols, cols]))}}
+    u, state = tx.update(g, state, params)
+    assert np.abs(np.asarray(u["a"])[:, 6:]).sum() > 0 and np.abs(np.asarray(u["layers"]["w"][0])[:, 6:]).sum() > 0
+
+
 def test_full_rank_leaves_run_plain_adam_equal_to_optax_adam():
     """rank >= min(m, n) everywhere: no leaf is projected, and with scale 1 it is Adam."""
     shapes = {"layers": {"w": (2, 8, 12)}, "m": (12, 8), "norm": (12,), "embed": (20, 8)}
