@@ -15,7 +15,8 @@ scale, exactly as if the layers were stored separately.
 Rules (`factor_rule=`):
 
     ``"stacked"`` (default)  leaves under a ``layers`` key (the stacked scan
-                             axis) have their leading axis as a batch axis;
+                             axis) have their leading axis as a batch axis
+                             (a `[L]` leaf holds one scalar per layer);
                              then as ``"last_two"`` on the rest.
     ``"last_two"``           all axes but the last two are batch axes; the last
                              two are factored when both are at least
@@ -97,7 +98,7 @@ def stacked_rule(min_dim_size_to_factor: int = 128, stacked_key: str = "layers")
     inner = last_two_rule(min_dim_size_to_factor)
 
     def rule(path, shape):
-        if stacked_key in path and len(shape) >= 2:
+        if stacked_key in path and len(shape) >= 1:
             sub = inner(path, shape[1:])
             fact = None if sub.factored is None else (sub.factored[0] + 1, sub.factored[1] + 1)
             return Layout(sub.batch_ndim + 1, fact)
@@ -170,7 +171,8 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
     Args:
         factor_rule: see the module docstring.
         decay_rate: second-moment decay `1 - (t+1)^-decay_rate`.
-        decay_offset: step at which a fine-tuning run restarts the schedule.
+        decay_offset: step at which a fine-tuning run restarts the schedule; before it (a fresh
+            state's steps) the schedule is at its start.
         eps: added to g^2.
         state_dtype: floating dtype of the statistics (f32 recommended).
 
@@ -200,7 +202,7 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
     def update(updates, state, params=None):
         del params
         layouts, treedef = _layouts(rule, updates)
-        beta = _decay_rate(state.count - decay_offset, decay_rate)
+        beta = _decay_rate(jnp.maximum(state.count - decay_offset, 0), decay_rate)
         outs, rows, cols, full = [], [], [], []
         leaves = zip(treedef.flatten_up_to(updates), treedef.flatten_up_to(state.v_row),
                      treedef.flatten_up_to(state.v_col), treedef.flatten_up_to(state.v), layouts)

@@ -74,18 +74,23 @@ def test_state_bytes_and_bf16_momentum():
     assert extra == 2 * n_params + 4  # bf16 momentum: 2 bytes per parameter, + its step count
 
 
-def test_stacked_layers_are_factored_per_layer():
-    """A stacked [L, in, out] leaf updates exactly like L separate 2-D leaves."""
-    L, n_in, n_out = 3, 16, 24
+@pytest.mark.parametrize("shape", [(16, 24), (24,), ()], ids=["matrix", "vector", "scalar"])
+def test_stacked_layers_are_factored_per_layer(shape):
+    """A stacked [L, ...] leaf updates exactly like L separate leaves (a `[L]` leaf took its clipping and
+    parameter scale over the whole stack: one layer's update was 100x its own)."""
+    L = 3
     rng = np.random.default_rng(1)
-    stacked = {"layers": {"w": jnp.asarray(rng.normal(size=(L, n_in, n_out)), jnp.float32)}}
-    grads = [{"layers": {"w": jnp.asarray(rng.normal(size=(L, n_in, n_out)) * (1 + 3 * np.arange(L))[:, None, None],
+    scales = (10.0 ** np.arange(L)).reshape((L,) + (1,) * len(shape))
+    stacked = {"layers": {"w": jnp.asarray(rng.normal(size=(L, *shape)) * scales, jnp.float32)}}
+    grads = [{"layers": {"w": jnp.asarray(rng.normal(size=(L, *shape)) * (1 + 3 * np.arange(L)).reshape(scales.shape),
                                           jnp.float32)}} for _ in range(3)]
     tx = adafactor(0.01, min_dim_size_to_factor=16)
     got, _ = _run(tx, stacked, grads)
     for i in range(L):
         sep, _ = _run(tx, {"w": stacked["layers"]["w"][i]}, [{"w": g["layers"]["w"][i]} for g in grads])
         np.testing.assert_allclose(got["layers"]["w"][i], sep["w"], rtol=2e-5, atol=1e-6)
+    if len(shape) < 2:
+        return
     # optax's rule on a stacked leaf factors over (in, out) of the whole stack:
     # different statistics, so different updates.
     flat, _ = _run(adafactor(0.01, factor_rule="optax", min_dim_size_to_factor=16), stacked, grads)
@@ -119,6 +124,18 @@ def test_bad_factoring_and_offset_settings_are_refused_at_build(kwargs, match):
     """Refused when the optimizer is built (were a TypeError at init or update, or accepted)."""
     with pytest.raises(ValueError, match=match):
         adafactor(0.01, **kwargs)
+
+
+def test_a_decay_offset_beyond_the_state_count_starts_the_schedule():
+    """With a fresh state the steps before `decay_offset` raised a negative step to a negative power: NaN
+    from step 0, for good. Each of them is the schedule's first step now (v = g^2), as a fresh state's is."""
+    params, grads = _problem({"w": (8, 8)})
+    tx, fresh = adafactor(0.01, decay_offset=2), adafactor(0.01)
+    state = tx.init(params)
+    for g in grads[:2]:
+        u, state = tx.update(g, state, params)
+        want, _ = fresh.update(g, fresh.init(params), params)
+        np.testing.assert_allclose(u["w"], want["w"], rtol=1e-6)
 
 
 def test_numpy_integer_factoring_and_offset_settings_are_accepted():
