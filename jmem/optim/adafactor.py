@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 from jmem.optim import checks
+from jmem.optim.paths import leaf_paths
 
 
 class Layout(NamedTuple):
@@ -122,17 +123,10 @@ def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> Fac
     return RULES[rule](min_dim_size_to_factor)
 
 
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _layouts(rule: FactorRule, tree):
     """A tree of `Layout`s (as opaque leaves in a list) matching `tree`."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [rule(tuple(_key_name(k) for k in path), tuple(x.shape)) for path, x in with_path], treedef
+    leaves, treedef = leaf_paths(tree)
+    return [rule(path, tuple(x.shape)) for path, x in leaves], treedef
 
 
 def _block_axes(x, layout: Layout) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
     Example:
         >>> tx = make_optimizer("adafactor", 1e-2, momentum=0.9)
     """
-    key = name.strip().lower() if isinstance(name, str) else name
+    key = name.strip().lower() if isinstance(name, str) else None
     if key not in OPTIMIZERS:
         raise UnknownOptimizerError(f"optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
     checks.learning_rate(key, lr, none_ok=key == "adafactor")

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 from jmem.optim import checks
+from jmem.optim.paths import leaf_paths
 from jmem.optim.adam8bit import QuantizedMoment, dequantize, dequantize_second_moment, quantize, quantize_second_moment
 
 MOMENTS = ("f32", "8bit")
@@ -83,13 +84,6 @@ def default_rule(exclude: "str | tuple[str, ...]" = DEFAULT_EXCLUDE) -> ProjectR
     return lambda path, shape: len(shape) >= 2 and not any(k in exclude for k in path)
 
 
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def leaf_plan(path: tuple, shape: tuple, rank: int, rule: ProjectRule) -> Plan:
     """The `Plan` of one leaf: projected on its smaller side when the rule accepts it and
     `rank < min(m, n)` of its last two axes, else plain Adam."""
@@ -115,8 +109,8 @@ def galore_plan(tree, rank: int, *, exclude: "str | tuple[str, ...]" = DEFAULT_E
         >>> sum(p.side is not None for p in plans)   # projected matrices
     """
     rule = default_rule(exclude) if rule is None else rule
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [leaf_plan(tuple(_key_name(k) for k in path), tuple(x.shape), rank, rule) for path, x in with_path], treedef
+    leaves, treedef = leaf_paths(tree)
+    return [leaf_plan(path, tuple(x.shape), rank, rule) for path, x in leaves], treedef
 
 
 def _top_vectors(g_BMN, side: str, rank: int, batch_size: int | None = 0):

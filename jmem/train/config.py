@@ -44,7 +44,7 @@ class TrainConfig:
     optimizer: str = "adafactor"
     """Optimizer: adamw, adafactor, adam8bit, galore, sgd."""
     weight_decay: float = 0.0
-    """Decoupled weight decay, >= 0 (adamw, adam8bit, galore; 0: none)."""
+    """Decoupled weight decay, >= 0 (adamw, adam8bit, galore; 0: none); norm scales and biases are not decayed."""
     galore_rank: int = 128
     """GaLore projection rank, >= 1 (--optimizer galore): weight matrices with both sides > rank keep rank-sized Adam moments; other leaves, the embeddings and the head use Adam."""
     galore_gap: int = 200

@@ -133,14 +133,14 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -
     `mesh`, the incoming gradients get their ZeRO-stage sharding (not for an
     offloaded optimizer, which runs on the host). `clip=False` leaves clipping
     out (disk offload clips the whole gradient before its chunks)."""
-    from jmem.optim.factory import make_optimizer
+    from jmem.optim import decay_mask, make_optimizer
 
     warmup = cfg.warmup_steps
     schedule = optax.warmup_cosine_decay_schedule(
         0.0 if warmup else cfg.lr, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1
     )
     # Always passed: the constructors' own defaults (1e-4) would decay a run that asked for none.
-    kw = {"weight_decay": cfg.weight_decay} if cfg.optimizer in DECAYING else {}
+    kw = {"weight_decay": cfg.weight_decay, "mask": decay_mask} if cfg.optimizer in DECAYING else {}
     if cfg.optimizer == "galore":
         kw.update(rank=cfg.galore_rank, update_proj_gap=cfg.galore_gap, scale=cfg.galore_scale)
     if cfg.optimizer == "adafactor" and cfg.lora_rank > 0:

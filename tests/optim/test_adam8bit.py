@@ -176,6 +176,8 @@ def test_make_optimizer_names_and_errors():
     make_optimizer("adafactor", 1e-2, momentum=0.9)
     with pytest.raises(UnknownOptimizerError, match="adamw, adafactor, adam8bit, galore, sgd"):
         make_optimizer("adam9bit", 1e-3)
+    with pytest.raises(UnknownOptimizerError, match=r"optimizer \['adamw'\]; accepted: adamw"):
+        make_optimizer(["adamw"], 1e-3)
     with pytest.raises(ValueError, match="does not accept momentumm"):
         make_optimizer("adafactor", 1e-3, momentumm=0.9)
     with pytest.raises(ValueError, match="optimizer 'adamw' does not accept learning_rate; accepted: b1"):

@@ -33,17 +33,20 @@ def _one_update(tx, params, grads):
     return update(params, grads)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adam8bit"])
-def test_weight_decay_zero_means_none(optimizer):
+@pytest.mark.parametrize("optimizer", ["adamw", "adam8bit", "galore"])
+def test_weight_decay_zero_means_none_and_spares_norms(optimizer):
     rng = np.random.default_rng(0)
-    params = {"w": jnp.asarray(rng.normal(size=(64, 64)) + 3.0, jnp.float32)}  # 4096: adam8bit's 8-bit path
+    params = {"w": jnp.asarray(rng.normal(size=(64, 64)) + 3.0, jnp.float32),  # 4096: adam8bit's 8-bit path
+              "layers": {"attn_norm": {"scale": jnp.ones((2, 64))}}, "norm": {"scale": jnp.ones(64)}}
     zero = jax.tree.map(jnp.zeros_like, params)
     cfg = TrainConfig(optimizer=optimizer, lr=0.1, warmup=0, clip=1.0, weight_decay=0.0)
     same = _one_update(make_tx(cfg, F32), params, zero)
-    np.testing.assert_array_equal(np.asarray(same["w"]), np.asarray(params["w"]))
+    jax.tree.map(np.testing.assert_array_equal, same, params)
     shrunk = _one_update(make_tx(dataclasses.replace(cfg, weight_decay=0.1), F32), params, zero)
-    # Decoupled decay at the peak rate: p - lr * wd * p.
+    # Decoupled decay at the peak rate: p - lr * wd * p; normalization scales are not decayed.
     np.testing.assert_allclose(np.asarray(shrunk["w"]), np.asarray(params["w"]) * (1 - 0.1 * 0.1), rtol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, {k: shrunk[k] for k in ("layers", "norm")},
+                 {k: params[k] for k in ("layers", "norm")})
 
 
 def _sgd_rates(cfg: TrainConfig, n: int) -> list[float]:
