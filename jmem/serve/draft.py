@@ -136,8 +136,9 @@ class DraftProposer:
         for s in out.seqs:
             req = s.request
             end = s.start + s.num_tokens - len(s.draft_token_ids)  # the step's real tokens end here
-            # A preempted request restarts lower; a prefix hit is trusted to hold the draft's K/V too.
-            start = min(self.num_computed.get(req.request_id, 0), s.start)
+            # A preempted request restarts lower; a prefix hit is trusted to hold the draft's K/V too
+            # (a new request starts where the target's step does, after its cached blocks).
+            start = min(self.num_computed.get(req.request_id, s.start), s.start)
             first.append(ScheduledSeq(_DraftView(req.request_id, req.all_token_ids), start, end - start,
                                       s.block_ids))
         res = self.runner.step(SchedulerOutput(first))

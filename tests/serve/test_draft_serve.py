@@ -86,6 +86,24 @@ def test_draft_equal_to_the_target_has_every_proposal_kept(target):
     assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
 
 
+def test_a_prefix_hit_skips_the_drafts_cached_tokens_too(target):
+    """A new request whose prompt hits the prefix cache fed its whole prompt to the draft again: a draft step
+    larger than the token budget (and than any precompiled shape). The draft starts after the cached blocks
+    as the target does, and its K/V there is valid: a draft equal to the target has every proposal kept."""
+    copy = nnx.merge(*nnx.split(target))
+    engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=copy)
+    shared = prompts(4, 0)
+    engine.generate(shared[:1], greedy(4))
+    fed = []
+    step = engine.drafter.runner.step
+    engine.drafter.runner.step = lambda out: fed.append([(s.start, s.num_tokens) for s in out.seqs]) or step(out)
+    got = engine.generate(shared[1:], greedy(12))[0]
+    assert got.num_cached_tokens == 16 and fed[0] == [(16, len(shared[1]) - 16)]
+    assert got.token_ids == reference(target, shared[1:], 12)[0][0]
+    m = engine.metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"] > 0
+
+
 def test_sampled_requests_with_a_draft_are_seeded(target):
     ps = prompts(2, 3)
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(5)]
