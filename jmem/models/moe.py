@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from jmem.checks import check_int, is_int, is_number
@@ -199,9 +200,10 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     # dispatch, whose size grows with the square of the tokens.
     in_XCE = fix(jnp.zeros((X * cap, E), dt).at[slot_NK.reshape(-1)].add(
         jnp.repeat(x_NE, top_k, axis=0), mode="drop").reshape(X, cap, E))
-    g_XCF = jnp.einsum("xce,xef->xcf", in_XCE, gate_XEF.astype(dt))
-    u_XCF = jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(dt))
-    out_XCE = fix(jnp.einsum("xcf,xfe->xce", jax.nn.silu(g_XCF) * u_XCF, down_XFE.astype(dt)))
+    g_XCF = checkpoint_name(jnp.einsum("xce,xef->xcf", in_XCE, gate_XEF.astype(dt)), "mlp_gate")
+    u_XCF = checkpoint_name(jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(dt)), "mlp_up")
+    h_XCF = checkpoint_name(jax.nn.silu(g_XCF) * u_XCF, "mlp_hidden")
+    out_XCE = fix(jnp.einsum("xcf,xfe->xce", h_XCF, down_XFE.astype(dt)))
     out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
@@ -231,9 +233,10 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     order_Q = jnp.argsort(expert_Q, stable=True)  # assignment ids grouped by expert
     sizes_X = jnp.bincount(expert_Q, length=X).astype(jnp.int32)
     in_QE = jnp.take(x_NE, order_Q // top_k, axis=0)
-    g_QF = jax.lax.ragged_dot(in_QE, gate_XEF.astype(x_NE.dtype), sizes_X)
-    u_QF = jax.lax.ragged_dot(in_QE, up_XEF.astype(x_NE.dtype), sizes_X)
-    out_QE = jax.lax.ragged_dot(jax.nn.silu(g_QF) * u_QF, down_XFE.astype(x_NE.dtype), sizes_X)
+    g_QF = checkpoint_name(jax.lax.ragged_dot(in_QE, gate_XEF.astype(x_NE.dtype), sizes_X), "mlp_gate")
+    u_QF = checkpoint_name(jax.lax.ragged_dot(in_QE, up_XEF.astype(x_NE.dtype), sizes_X), "mlp_up")
+    h_QF = checkpoint_name(jax.nn.silu(g_QF) * u_QF, "mlp_hidden")
+    out_QE = jax.lax.ragged_dot(h_QF, down_XFE.astype(x_NE.dtype), sizes_X)
     out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
     valid_N = None if token_mask_BT is None else token_mask_BT.reshape(B * T) != 0
