@@ -53,7 +53,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int
 from jmem.memory.measure import format_bytes, tree_bytes
 
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
@@ -196,23 +196,27 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
     n = sizes.named
     if policy in ("none", None):
         return sizes.full_layer, 0
-    base = n["layer_input"]  # the checkpointed function's input is always kept
+
+    def kept(names) -> int:
+        # The checkpointed function's input is kept anyway (`base`); nothing in the backward pass reads
+        # mlp_out (it is only added to the residual stream, the next layer's input): XLA keeps neither twice.
+        return sum(n[k] for k in names if k not in ("layer_input", "mlp_out"))
+
+    base = n["layer_input"]
     if policy == "full":
         return base, 0
     if policy == "minimal" or policy == "dots_no_batch":
-        return base + sum(n[k] for k in MINIMAL_NAMES), 0
+        return base + kept(MINIMAL_NAMES), 0
     if policy == "save_dot_except_mlp":
-        return base + sum(n[k] for k in ATTENTION_DOT_NAMES), 0
+        return base + kept(ATTENTION_DOT_NAMES), 0
     if policy == "dots":
         # Every matmul output, including the f32 attention scores (one T^2 copy).
         scores = config.n_heads * seq * 4 if sizes.attention_internal > config.n_heads * 4 else 0
-        return base + sum(n[k] for k in MINIMAL_NAMES) + n["attention"] + scores, 0
+        return base + kept(MINIMAL_NAMES) + n["attention"] + scores, 0
     if policy == "offload":
-        return base, sum(n[k] for k in MINIMAL_NAMES)
+        return base, kept(MINIMAL_NAMES)
     spec = parse_spec(policy)
-    dev = sum(n[k] for k, v in spec.items() if v == "device")
-    host = sum(n[k] for k, v in spec.items() if v == "offload")
-    return base + dev, host
+    return base + kept(k for k, v in spec.items() if v == "device"), kept(k for k, v in spec.items() if v == "offload")
 
 
 def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dtype=None, compute_dtype=None,
@@ -282,29 +286,31 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         raise ValueError(f"accum={accum!r} does not divide batch={batch}; accepted: a divisor of batch")
     if optimizer_kw is not None and not isinstance(optimizer_kw, Mapping):
         raise ValueError(f"optimizer_kw={optimizer_kw!r}; accepted: a dict of the optimizer's keywords, or None")
+    check_bool("master_weights", master_weights)
     lora_targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)  # one str: one name
     bad = [t for t in lora_targets if t not in LINEAR_NAMES]
     if bad:
         raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")
+    lora_targets = tuple(dict.fromkeys(lora_targets))  # a name given twice is one adapter
+    if lora_rank and not lora_targets:
+        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of {', '.join(LINEAR_NAMES)}")
     if quantize_base is not None:
         if quantize_base not in BASE_FORMATS:
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
         if not lora_rank:
             raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
+    if base_group_size is not None and quantize_base != "rtn":
+        raise ValueError(f"base_group_size={base_group_size!r} with quantize_base={quantize_base!r}, which has no "
+                         "group size; accepted: None, or quantize_base='rtn'")
     tx = make_optimizer(optimizer, 1e-3, **(optimizer_kw or {}))
     optimizer = optimizer.strip().lower()  # as make_optimizer reads it
     c = _dtype(compute_dtype or config.compute_dtype).itemsize
 
-    shapes = param_shapes(config, param_dtype)
+    shapes, base, adapters = _param_trees(config, param_dtype, lora_rank, lora_targets, quantize_base,
+                                          base_group_size, lora_dtype)
     frozen = None
     if lora_rank:
-        base = shapes
-        if quantize_base is not None:
-            layers = {k: dict(v) for k, v in shapes["layers"].items()}
-            for name in LINEAR_NAMES:
-                layers[name]["kernel"] = _quantized_shapes(layers[name]["kernel"], quantize_base, base_group_size)
-            base = {**shapes, "layers": layers}
-        trainable = _lora_shapes(shapes, int(lora_rank), lora_targets, _dtype(lora_dtype))
+        trainable = adapters
         frozen = tree_bytes(base)
     else:
         trainable = shapes
@@ -358,6 +364,31 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     if frozen is not None:
         out = {"trainable": train_bytes, "frozen": frozen, **out}
     return out
+
+
+def _param_trees(config, param_dtype, lora_rank, lora_targets, quantize_base, base_group_size, lora_dtype):
+    """(float parameter shapes, the base as stored (quantized layer kernels with `quantize_base`), the
+    LoRA adapters' shapes or None)."""
+    shapes = param_shapes(config, param_dtype)
+    if not lora_rank:
+        return shapes, shapes, None
+    base = shapes
+    if quantize_base is not None:
+        layers = {k: dict(v) for k, v in shapes["layers"].items()}
+        for name in LINEAR_NAMES:
+            layers[name]["kernel"] = _quantized_shapes(layers[name]["kernel"], quantize_base, base_group_size)
+        base = {**shapes, "layers": layers}
+    return shapes, base, _lora_shapes(shapes, int(lora_rank), lora_targets, _dtype(lora_dtype))
+
+
+def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
+                      quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> int:
+    """Bytes of the stacked layers' parameters as a training run holds them (what `--offload-params host`
+    moves off the device): the base's layer weights, quantized with `quantize_base`, and the LoRA
+    adapters (every one sits in a layer). Arguments as `estimate`'s."""
+    _, base, adapters = _param_trees(config, param_dtype, lora_rank, tuple(dict.fromkeys(lora_targets)),
+                                     quantize_base, base_group_size, lora_dtype)
+    return tree_bytes(base["layers"]) + (tree_bytes(adapters) if adapters is not None else 0)
 
 
 def format_estimate(est: dict, title: str = "estimate") -> str:

@@ -33,10 +33,9 @@ def estimate_bytes(run: Run) -> dict[str, int]:
     if cfg.offload_optimizer != "none":
         off["optimizer"], off["update"] = est["optimizer"], est["update"]
     if cfg.offload_params != "none":
-        from jmem.memory.estimate import param_shapes
-        from jmem.memory.measure import tree_bytes
+        from jmem.memory.estimate import layer_param_bytes
 
-        off["params"] = tree_bytes(param_shapes(mc, run.policy.param)["layers"])
+        off["params"] = layer_param_bytes(mc, run.policy.param, **lora)
     for key, b in off.items():
         est[key] -= b
         est["total"] -= b

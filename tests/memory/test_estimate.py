@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jmem.memory.estimate import estimate, format_estimate, param_shapes
+from jmem.memory.estimate import estimate, format_estimate, layer_param_bytes, param_shapes
 from jmem.memory.measure import measure, tree_bytes
 from jmem.models import Llama, LlamaConfig
 from jmem.optim import make_optimizer
@@ -68,13 +68,14 @@ def test_no_remat_estimate_within_15_percent_of_measured_train_step():
 
 
 def _train_step_estimate_ratio(**flags):
-    """(estimate, estimate total / compiled total) of `experiments/train.py`'s step, no remat, f32."""
+    """(estimate, estimate total / compiled total) of `experiments/train.py`'s step, f32, no remat unless
+    `flags` name one."""
     from jmem.train import TrainConfig
     from jmem.train.loop import estimate_bytes
     from jmem.train.setup import build
 
-    cfg = TrainConfig(steps=1, optimizer="adamw", progress=False, eval_every=0, remat="none", precision="f32",
-                      **flags)
+    flags = {"remat": "none", **flags}
+    cfg = TrainConfig(steps=1, optimizer="adamw", progress=False, eval_every=0, precision="f32", **flags)
     run = build(cfg)
     state = jax.eval_shape(lambda: run.fns.init_state(run.model))
     measured = measure(jax.jit(run.fns.step, donate_argnums=0), state, run.data.batch(0, cfg.batch, cfg.seed))
@@ -98,6 +99,40 @@ def test_lora_estimate_within_15_percent_of_measured_train_step(targets):
     """A LoRA step saves only the matmul inputs an adapted weight reads: with wq, wv adapted the
     norms' outputs, the attention output and the MLP hidden state are not kept across layers."""
     _, ratio = _train_step_estimate_ratio(model="small", batch=4, seq=128, lora_rank=8, lora_targets=targets)
+    assert 0.85 <= ratio <= 1.15
+
+
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_targets="wq,wv"), dict(lora_rank=4, quantize_base="nf4")])
+def test_layer_param_bytes_are_the_runs_layers(lora):
+    """What --offload-params host moves off the device, as the memory table subtracts it: the float layers'
+    size was subtracted whatever the run held, and a QLoRA run's estimated params came out negative."""
+    from jmem.train import TrainConfig
+    from jmem.train.report import estimate_bytes
+    from jmem.train.setup import build
+
+    cfg = TrainConfig(model="tiny", steps=1, progress=False, eval_every=0, precision="f32", optimizer="adamw",
+                      offload_optimizer="host", offload_params="host", **lora)
+    run = build(cfg)
+    state = jax.eval_shape(lambda: run.fns.init_state(run.model))
+    layers = tree_bytes(state.params["layers"])
+    targets = tuple(lora.get("lora_targets", "wq,wk,wv,wo,w_gate,w_up,w_down").split(","))
+    assert layer_param_bytes(LlamaConfig.tiny(), jnp.float32, **{**lora, "lora_targets": targets}) == layers
+    est = estimate_bytes(run)
+    assert est["params"] == tree_bytes(state.params) - layers > 0
+
+
+@pytest.mark.parametrize("policy", ["layer_input=device", "mlp_out=device", "layer_input=offload,mlp_out=offload"])
+def test_names_xla_keeps_anyway_or_never_add_nothing(policy):
+    """The layer's input is kept by every policy, and nothing in the backward pass reads mlp_out: saving
+    either compiles to what `full` does (measured), so the estimate adds nothing for them."""
+    full = estimate(CFG, 8, 128, remat="full")
+    assert estimate(CFG, 8, 128, remat=policy) == full
+
+
+def test_moe_minimal_remat_estimate_within_15_percent_of_measured_train_step():
+    """The experts' gate, up and hidden activations carry the MLP's remat names (they were untagged: every
+    MLP name did nothing on an MoE model while the estimate counted them)."""
+    _, ratio = _train_step_estimate_ratio(model="tiny-moe", batch=4, seq=64, remat="minimal")
     assert 0.85 <= ratio <= 1.15
 
 
@@ -159,6 +194,10 @@ def test_auto_attention_estimate_follows_the_compile_target():
     (dict(trained_layers=5), "trained_layers=5; accepted: 1..4 (the model's layers)"),
     (dict(optimizer_kw=[1]), "optimizer_kw=[1]; accepted: a dict of the optimizer's keywords, or None"),
     (dict(lora_rank=4, lora_targets="wx"), "lora_targets ['wx']; accepted: wq, wk"),
+    (dict(lora_rank=4, lora_targets=()), "lora_rank=4 with no lora_targets; accepted: one or more of wq, wk"),
+    (dict(master_weights="no"), "master_weights='no'; accepted: True or False"),
+    (dict(lora_rank=4, quantize_base="nf4", base_group_size=7),
+     "base_group_size=7 with quantize_base='nf4', which has no group size; accepted: None, or quantize_base='rtn'"),
 ])
 def test_bad_arguments_name_themselves(kw, message):
     args = {"batch": 8, "seq": 128, **kw}
@@ -167,6 +206,8 @@ def test_bad_arguments_name_themselves(kw, message):
 
 
 def test_one_lora_target_as_a_string_and_numpy_trained_layers():
+    assert estimate(CFG, 8, 128, lora_rank=4, lora_targets=("wq", "wq")) == estimate(CFG, 8, 128, lora_rank=4,
+                                                                                      lora_targets="wq")
     assert estimate(CFG, 8, 128, lora_rank=4, lora_targets="wq") == estimate(CFG, 8, 128, lora_rank=4,
                                                                              lora_targets=("wq",))
     assert estimate(CFG, 8, 128, trained_layers=np.int64(2)) == estimate(CFG, 8, 128, trained_layers=2)
