@@ -293,7 +293,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")
     lora_targets = tuple(dict.fromkeys(lora_targets))  # a name given twice is one adapter
     if lora_rank and not lora_targets:
-        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of {', '.join(LINEAR_NAMES)}")
+        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
+                         f"{', '.join(LINEAR_NAMES)}")
     if quantize_base is not None:
         if quantize_base not in BASE_FORMATS:
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
