@@ -118,8 +118,8 @@ def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> Fac
                                             shapes=True)
     if callable(rule):
         return rule
-    if rule not in RULES:
-        raise ValueError(f"factor_rule={rule!r}; accepted: {', '.join(RULES)} or a callable (path, shape) -> Layout")
+    if not isinstance(rule, str) or rule not in RULES:
+        raise ValueError(f"adafactor factor_rule={rule!r}; accepted: {', '.join(RULES)} or a callable (path, shape) -> Layout")
     return RULES[rule](min_dim_size_to_factor)
 
 
@@ -167,7 +167,7 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
         decay_rate: second-moment decay `1 - (t+1)^-decay_rate`.
         decay_offset: step at which a fine-tuning run restarts the schedule; before it (a fresh
             state's steps) the schedule is at its start.
-        eps: added to g^2.
+        eps: added to g^2 (> 0 for `adafactor`: with 0, a zero gradient divides 0 by 0).
         state_dtype: floating dtype of the statistics (f32 recommended).
 
     Raises:
@@ -308,7 +308,7 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     Raises:
         ValueError: a bad setting, before anything is built: learning_rate not None, a finite
             number >= 0 or a schedule, momentum outside [0, 1), clipping_threshold or decay_rate
-            not finite > 0, eps or weight_decay_rate not finite >= 0, min_dim_size_to_factor
+            not finite > 0, eps not finite > 0, weight_decay_rate not finite >= 0, min_dim_size_to_factor
             not an integer >= 1, decay_offset not an integer >= 0, state_dtype or
             momentum_dtype not a floating dtype, an unknown factor_rule name.
     """
@@ -316,7 +316,7 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
     checks.decay("adafactor", "momentum", momentum, none_ok=True)
     checks.positive("adafactor", "clipping_threshold", clipping_threshold, none_ok=True)
     checks.positive("adafactor", "decay_rate", decay_rate)
-    checks.non_negative("adafactor", "eps", eps)
+    checks.positive("adafactor", "eps", eps)  # 0: a zero gradient's rsqrt(0) spreads NaN through its block
     checks.rate("adafactor", "weight_decay_rate", weight_decay_rate, none_ok=True)
     checks.float_dtype("adafactor", "momentum_dtype", momentum_dtype, none_ok=True)
     get_rule(factor_rule, min_dim_size_to_factor)  # a bad rule name or min_dim_size_to_factor, before the chain

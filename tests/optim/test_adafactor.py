@@ -107,6 +107,8 @@ def test_rules_and_bad_names():
     assert get_rule("optax")((), (512, 4, 256)) == Layout(0, (2, 0))
     with pytest.raises(ValueError, match="stacked, last_two, optax"):
         adafactor(0.01, factor_rule="biggest")
+    with pytest.raises(ValueError, match="^adafactor factor_rule=3; accepted: stacked"):
+        adafactor(0.01, factor_rule=3)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -119,6 +121,7 @@ def test_rules_and_bad_names():
     (dict(decay_offset=-1), "^adafactor decay_offset=-1; accepted: an integer >= 0$"),
     (dict(decay_offset=1.5), "^adafactor decay_offset=1.5; accepted"),
     (dict(decay_offset=None), "^adafactor decay_offset=None; accepted"),
+    (dict(eps=0.0), "^adafactor eps=0.0; accepted: a finite number > 0$"),
 ])
 def test_bad_factoring_and_offset_settings_are_refused_at_build(kwargs, match):
     """Refused when the optimizer is built (were a TypeError at init or update, or accepted)."""
