@@ -7,7 +7,9 @@ for both moments instead of 8, i.e. ~25% of AdamW's state (the idea of
 Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization").
 Parameters with fewer than `min_8bit_size` elements (norm scales, biases)
 keep f32 moments: they are a negligible share of memory and the most
-sensitive to error.
+sensitive to error. The size is the leaf's: a layer stack's norm scales
+(`[layers, dim]`, 17,280 values in SmolLM2-135M) reach the default and are
+quantized, in blocks that may span two layers.
 
 Codes (`code=`):
 
