@@ -190,6 +190,14 @@ def get_policy(spec: "str | Policy") -> Policy:
     return Policy.parse(spec)
 
 
+def global_norm(tree) -> jax.Array:
+    """f32[] L2 norm of every floating leaf of `tree`, summed in f32 (an f16 sum of squares overflows
+    above a norm of 256 and loses elements below 1e-4)."""
+    leaves = [jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)
+              if _is_float(jnp.asarray(x).dtype)]
+    return jnp.sqrt(sum(leaves, jnp.zeros((), jnp.float32)))
+
+
 def all_finite(tree) -> jax.Array:
     """bool[] True when every floating leaf of `tree` is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(jnp.asarray(x).dtype)]
@@ -246,11 +254,19 @@ class DynamicLossScale:
                             jax.tree.map(jnp.asarray, tree))
 
     def unscale(self, tree):
-        """Divides floating leaves (the grads; Python numbers too) by the scale, computed in f32."""
+        """Divides floating leaves (the grads; Python numbers too) by the scale, computed in f32.
+
+        f16 leaves come back in f32: scaled, a small gradient fits f16, unscaled it may lie below
+        f16's range (6e-8) and round to 0 (PyTorch's GradScaler refuses to unscale f16 gradients
+        for this reason). Other floating leaves keep their dtype."""
         inv = 1.0 / self.scale_value
-        return jax.tree.map(
-            lambda x: (x.astype(jnp.float32) * inv).astype(x.dtype) if _is_float(x.dtype) else x,
-            jax.tree.map(jnp.asarray, tree))
+
+        def one(x):
+            if not _is_float(x.dtype):
+                return x
+            return (x.astype(jnp.float32) * inv).astype(jnp.float32 if x.dtype == jnp.float16 else x.dtype)
+
+        return jax.tree.map(one, jax.tree.map(jnp.asarray, tree))
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """New loss scale: backoff (and reset the counter) when not finite; grow

@@ -67,7 +67,7 @@ from jmem.checks import is_int
 from jmem.lora import LoRA, combine, set_dropout_key, trainable_split, with_dropout
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.measure import tree_bytes
-from jmem.memory.precision import NoOpLossScale, all_finite
+from jmem.memory.precision import NoOpLossScale, all_finite, global_norm
 from jmem.memory.remat import get_policy
 from jmem.models.config import as_dtype
 from jmem.models.llama import block_and_stats, rms_norm
@@ -344,7 +344,7 @@ def make_layerwise_fns(
                                       new[LAYERS], state.params[LAYERS], is_leaf=lambda a: a is None)
         metrics = {
             "loss": loss_sum / n_tokens,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": global_norm(grads),
             "finite": finite,
             "loss_scale": ls.scale_value,
         }

@@ -32,7 +32,7 @@ from flax import nnx
 from jmem.checks import check_optimizer, loss_pair
 from jmem.lora import combine, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
-from jmem.memory.precision import NoOpLossScale, all_finite
+from jmem.memory.precision import NoOpLossScale, all_finite, global_norm
 from jmem.train.loss import lm_loss_terms, router_loss
 
 
@@ -238,7 +238,7 @@ def make_train_fns(
     def prepare_fn(grads, ls):
         grads = ls.unscale(grads)
         finite = all_finite(grads)
-        metrics = {"grad_norm": optax.tree.norm(grads), "finite": finite, "loss_scale": ls.scale_value}
+        metrics = {"grad_norm": global_norm(grads), "finite": finite, "loss_scale": ls.scale_value}
         return grads, metrics, ls.adjust(finite)
 
     def update_fn(grads, opt_state, train):

@@ -15,6 +15,7 @@ from jmem.memory.precision import (
     PrecisionError,
     all_finite,
     cast_floating,
+    global_norm,
     loss_scale_for,
     skip_nonfinite,
     with_master_weights,
@@ -108,6 +109,25 @@ def test_dynamic_loss_scale_grows_and_backs_off():
     np.testing.assert_array_equal(ls.unscale(ls.scale(g))["a"], g["a"])
     assert isinstance(loss_scale_for("bf16"), NoOpLossScale)
     assert isinstance(loss_scale_for("f16"), DynamicLossScale)
+
+
+def test_f16_gradients_unscale_into_f32():
+    """Scaled by 2^15, a gradient of 1e-9 is 3.3e-5 in f16; unscaled back into f16 it was 0 (and values below
+    6e-5 lost bits): f16 leaves come back in f32, other dtypes keep theirs."""
+    ls = DynamicLossScale.create(2.0**15)
+    scaled = {"h": jnp.array([1e-9 * 2**15, 3.0], jnp.float16), "b": jnp.array([2.0], jnp.bfloat16),
+              "i": jnp.array([3], jnp.int32)}
+    out = ls.unscale(scaled)
+    assert out["h"].dtype == jnp.float32 and out["b"].dtype == jnp.bfloat16 and out["i"].dtype == jnp.int32
+    np.testing.assert_allclose(out["h"], np.asarray(scaled["h"], np.float32) / 2**15, rtol=1e-6)
+    assert float(out["h"][0]) > 0.9e-9
+
+
+def test_global_norm_sums_in_f32():
+    g = {"a": jnp.full((1000,), 300.0, jnp.float16), "b": jnp.full((1000,), 1e-4, jnp.float16)}
+    want = np.sqrt(1000 * 300.0**2 + 1000 * float(np.float16(1e-4)) ** 2)
+    np.testing.assert_allclose(float(global_norm(g)), want, rtol=1e-6)
+    np.testing.assert_allclose(float(global_norm({"b": g["b"]})), np.sqrt(1000) * float(np.float16(1e-4)), rtol=1e-6)
 
 
 def test_fp16_overflow_step_is_skipped_and_counted():
