@@ -303,8 +303,10 @@ class NoOpLossScale:
 
 
 def loss_scale_for(policy: "Policy | str", **kw):
-    """`DynamicLossScale.create(**kw)` when the policy needs it, else `NoOpLossScale()`."""
-    return DynamicLossScale.create(**kw) if Policy.parse(policy).needs_loss_scale else NoOpLossScale()
+    """`DynamicLossScale.create(**kw)` when the policy needs it, else `NoOpLossScale()`; `kw` is checked
+    either way (a bad setting is one ValueError whatever the policy)."""
+    scale = DynamicLossScale.create(**kw)
+    return scale if Policy.parse(policy).needs_loss_scale else NoOpLossScale()
 
 
 class SkipNonFiniteState(NamedTuple):

@@ -109,6 +109,8 @@ def test_dynamic_loss_scale_grows_and_backs_off():
     np.testing.assert_array_equal(ls.unscale(ls.scale(g))["a"], g["a"])
     assert isinstance(loss_scale_for("bf16"), NoOpLossScale)
     assert isinstance(loss_scale_for("f16"), DynamicLossScale)
+    with pytest.raises(ValueError, match="^DynamicLossScale: initial_scale=-1.0; accepted"):
+        loss_scale_for("bf16", initial_scale=-1.0)
 
 
 def test_f16_gradients_unscale_into_f32():
