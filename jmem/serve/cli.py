@@ -161,8 +161,9 @@ def check_args(args: ServeArgs) -> None:
 
 
 def check_tensor_parallel_args(args: ServeArgs) -> None:
-    """`--tensor-parallel-size` against the local devices and a preset's head counts (a model file's
-    heads, and how its quantized weights split, are checked once it loads)."""
+    """`--tensor-parallel-size` against the local devices and the head counts of a preset `--model` or
+    `--speculative-model` (a model file's heads, and how its quantized weights split, are checked once
+    it loads)."""
     from jmem.lm import model_source
     from jmem.models.config import get_config
     from jmem.serve.tensor_parallel import check_tensor_parallel
@@ -176,8 +177,13 @@ def check_tensor_parallel_args(args: ServeArgs) -> None:
         n = jax.local_device_count()
         if tp > n:
             raise ValueError(f"exceeds the {n} local {jax.default_backend()} devices; accepted: 1..{n}")
-        if model_source(args.model, "--model")[0] == "preset":
-            check_tensor_parallel(get_config(args.model), tp)
+        for flag, name in (("--model", args.model), ("--speculative-model", args.speculative_model)):
+            if name is not None and model_source(name, flag)[0] == "preset":
+                try:
+                    check_tensor_parallel(get_config(name), tp)
+                except ValueError as e:
+                    detail = str(e).removeprefix(f"tensor_parallel_size={tp}: ")
+                    raise ValueError(detail if flag == "--model" else f"with {flag} {name}: {detail}") from None
     except ValueError as e:
         msg = str(e).removeprefix(f"tensor_parallel_size={tp}: ")
         raise ValueError(f"--tensor-parallel-size={tp}: {msg}") from None

@@ -266,12 +266,16 @@ class Engine:
                              f"(the model's context length)")
         tp = config.tensor_parallel_size
         mesh = None
-        if tp != 1:  # refusals before the weights move: sizes here, unsplittable leaves below
+        # Refusals before the weights move: sizes here (True equals 1 but is no size), unsplittable leaves below.
+        if tp != 1 or not is_int(tp):
             from jmem.serve.tensor_parallel import check_tensor_parallel, tensor_mesh
 
             check_tensor_parallel(mcfg, tp)
             if draft_model is not None:
-                check_tensor_parallel(draft_model.config, tp)
+                try:
+                    check_tensor_parallel(draft_model.config, tp)
+                except ValueError as e:
+                    raise type(e)(f"draft model: {e}") from None
             mesh = tensor_mesh(tp)
         if draft_model is not None:
             check_draft(mcfg, draft_model.config, max_len)

@@ -147,7 +147,8 @@ N = jax.local_device_count()  # 8 simulated CPU devices (tests/conftest.py)
                                         # the sizes serving can use (no --rules there): tiny has 4 q and 2 kv heads
                                         (4, "n_kv_heads=2 is not divisible by 4; accepted: 1, 2 (dividing n_heads=4, "
                                             "n_kv_heads=2, ffn_dim=128, at most 8 devices)"),
-                                        (3, "n_heads=4 is not divisible"), (0, "accepted: an integer >= 1")])
+                                        (3, "n_heads=4 is not divisible"), (0, "accepted: an integer >= 1"),
+                                        (True, "accepted: an integer >= 1")])
 def test_bad_sizes_are_refused(model, tp, needle):
     with pytest.raises(TensorParallelError, match=re.escape(needle)) as e:
         Engine(model, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=tp, **SMALL))
@@ -285,6 +286,20 @@ def test_cli_flag_errors(tp, needle, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"jmem serve: error: --tensor-parallel-size={tp}: ")
     assert needle in lines[0]
+
+
+def test_a_draft_that_does_not_split_is_named(model, capsys):
+    """The draft's head counts were reported as if they were the target's (and, from the command line,
+    only after both models had loaded)."""
+    wide = Llama(LlamaConfig.tiny(n_heads=8, n_kv_heads=4, head_dim=8, vocab_size=259), rngs=nnx.Rngs(0))
+    with pytest.raises(TensorParallelError, match="^draft model: tensor_parallel_size=4: n_kv_heads=2 is not"):
+        Engine(wide, ByteTokenizer(), EngineConfig(num_blocks=8, tensor_parallel_size=4, num_speculative_tokens=2,
+                                                   **SMALL), draft_model=model)
+    code, err = _cli(["--model", "small", "--speculative-model", "tiny", "--num-speculative-tokens", "2",
+                      "--tensor-parallel-size", "4"], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "jmem serve: error: --tensor-parallel-size=4: with --speculative-model tiny: n_kv_heads=2 is not divisible "
+        "by 4; accepted: 1, 2 (dividing n_heads=4, n_kv_heads=2, ffn_dim=128, at most 8 devices)"]
 
 
 def test_cli_flag_builds_a_sharded_engine():
