@@ -4,7 +4,9 @@
 that format. A k-quant (q2_k..q6_k) whose 256-weight super-block does not divide a
 tensor's rows falls back for that tensor as llama.cpp does (q4_k -> Q5_0, q6_k ->
 Q8_0, ...; `jmem.quant.ggml.fitting_qtype`), one printed line per substitution:
-SmolLM2's width 576 needs it. The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
+SmolLM2's width 576 needs it. The output head (the token embedding, when tied to it)
+is stored as llama.cpp's quantize stores it: Q6_K, or Q8_0 where asked or where 256
+does not divide its rows (`jmem.quant.ggml.output_qtype`). The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
 type of their own: their quantized weights are dequantized and stored as
 `--store-type` (F16 by default, with the same k-quant fallback), which keeps the
 method's accuracy in any llama.cpp-compatible reader. A .gguf source's `general.*`
@@ -244,7 +246,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.quant import quantize
     from jmem.quant.api import check_float_model, group_sizes, method_kwargs
-    from jmem.quant.ggml import fallback_lines, fitting_qtype
+    from jmem.quant.ggml import fallback_lines, fitting_qtype, output_qtype
     from jmem.quant.ggml_weight import quantize_gguf_blocks
     from jmem.quant.saved import save_quantized
 
@@ -254,11 +256,17 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
         check_group_fits(weights, args.group_size, _bits(args, method))
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
 
+    # The output head, or the token embedding that is also the head: llama.cpp keeps it at Q6_K or above.
+    head = "token_embd.weight" if lm.config.tie_embeddings else "output.weight"
+
     def write(params, qtype: str) -> dict[str, str]:
-        """`qtype` for every matrix, with llama.cpp's fallback where its block does not divide the rows."""
+        """`qtype` for every matrix, with llama.cpp's fallback where its block does not divide the rows,
+        and llama.cpp's type for the output head."""
         rows: dict[str, int] = {}
 
         def qtype_of(name: str, shape_OI) -> str:
+            if name == head:
+                return output_qtype(qtype, shape_OI[1]).name
             rows[name] = shape_OI[1]
             return fitting_qtype(qtype, shape_OI[1]).name
 
@@ -267,6 +275,9 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
                            file_type=qtype)
         for line in fallback_lines(qtype, {n: (r, types[n]) for n, r in rows.items()}):
             print(line)
+        if types.get(head, qtype.upper()) != qtype.upper():
+            print(f"{head} (the output head): stored as {types[head]}, as llama.cpp keeps the head at Q6_K "
+                  f"(Q8_0 where 256 does not divide its rows)")
         return types
 
     if method in GGUF_METHODS:

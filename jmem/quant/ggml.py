@@ -120,6 +120,21 @@ def fitting_qtype(qtype, row_length: int) -> T:
     return sub if row_length % FORMATS[sub].block_size == 0 else T.F16
 
 
+def output_qtype(qtype, row_length: int) -> T:
+    """The type llama.cpp's quantize gives the output head (the token embedding, when it is tied to the
+    head) for a request of `qtype`: Q6_K, or Q8_0 when that is asked or when the row is not a multiple
+    of a k-quant super-block (256). Float types are kept.
+
+    Example:
+        >>> output_qtype("Q4_K", 576).name, output_qtype("Q4_0", 512).name, output_qtype("F16", 576).name
+        ('Q8_0', 'Q6_K', 'F16')
+    """
+    qt = resolve_qtype(qtype)
+    if qt in FLOAT_TYPES:
+        return qt
+    return T.Q8_0 if qt == T.Q8_0 or row_length % QK_K else T.Q6_K
+
+
 def fallback_lines(qtype, chosen: dict[str, tuple[int, str]]) -> list[str]:
     """One line per substitution in `chosen` (tensor name -> (row length, type used)) for a request of
     `qtype`; the layers of a stacked name (`blk.3.attn_q.weight`) are shown once as `blk.*`."""

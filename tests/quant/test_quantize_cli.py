@@ -89,8 +89,10 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     assert ("Q4_K: row length 64 is not a multiple of its block size 256; stored as Q5_0 (llama.cpp's fallback): "
             "token_embd.weight, blk.*.attn_q.weight") in printed, printed
     assert "row length 128 is not a multiple of its block size 256; stored as Q5_0" in printed
+    assert "output.weight (the output head): stored as Q8_0, as llama.cpp keeps the head at Q6_K" in printed
     types = {name: t.qtype for name, t in read_gguf(str(out)).tensors.items()}
-    assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == "Q5_0"
+    assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == "Q5_0"  # tiny's head is untied
+    assert types["output.weight"] == "Q8_0"
     ids = np.arange(1, 17, dtype=np.int32)[None]
     float_logits = np.asarray(jmem.load("tiny").logits(ids))
     logits = np.asarray(jmem.load(str(out)).logits(ids))
@@ -105,6 +107,20 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
 
 
+@pytest.mark.parametrize("method, head", [("q4_0", "Q6_K"), ("q8_0", "Q8_0"), ("q4_k", "Q6_K")])
+def test_a_tied_head_is_stored_as_llama_cpp_stores_it(method, head, tmp_path, capsys):
+    """small ties its head to the 256-wide token embedding: that matrix is the output head, which llama.cpp
+    keeps at Q6_K (it was written in the asked type, 4 bits for q4_0)."""
+    from jmem.io.gguf import read_gguf
+    from jmem.cli import main
+
+    out = tmp_path / f"{method}.gguf"
+    main(["quantize", "--model", "small", "--method", method, "--out", str(out)])
+    types = {name: t.qtype for name, t in read_gguf(str(out)).tensors.items()}
+    assert types["token_embd.weight"] == head and "output.weight" not in types
+    assert types["blk.0.attn_q.weight"] == method.upper()
+
+
 def test_store_type_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys):
     """--store-type Q4_K takes the same llama.cpp fallback as --method q4_k (SmolLM2's 576-wide rows need it)."""
     from jmem.io.gguf import read_gguf
@@ -115,7 +131,8 @@ def test_store_type_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_pa
           "--out", str(out)])
     printed = capsys.readouterr().out
     assert "Q4_K: row length 64 is not a multiple of its block size 256; stored as Q5_0 (llama.cpp's fallback)" in printed
-    assert {t.qtype for n, t in read_gguf(str(out)).tensors.items() if "norm" not in n} == {"Q5_0"}
+    types = {n: t.qtype for n, t in read_gguf(str(out)).tensors.items() if "norm" not in n}
+    assert types.pop("output.weight") == "Q8_0" and set(types.values()) == {"Q5_0"}  # the head: as llama.cpp
 
 
 def test_gguf_source_keeps_its_general_metadata(tmp_path, capsys):
