@@ -126,12 +126,27 @@ class _SecondSignalWatcher:
         os.close(self._write)  # the thread's read returns empty
 
 
-RESUME_DATA_FLAGS = ("data", "seq", "batch", "seed")
+RESUME_DATA_FLAGS = ("data", "seq", "batch")
 """Flags a resumed run may change (the train state does not depend on them) that change its batches."""
 
 RESUME_UPDATE_FLAGS = ("steps", "lr", "warmup", "precision", "weight_decay", "clip", "galore_gap", "galore_scale",
-                       "lora_dropout")
-"""Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps)."""
+                       "lora_dropout", "layerwise_period", "layerwise_schedule")
+"""Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps; the
+layer-wise flags choose which layers train)."""
+
+RESUME_CHANGES = ((RESUME_DATA_FLAGS, "batches"), (("seed",), "batches, layer-wise draws and dropout masks"),
+                  (RESUME_UPDATE_FLAGS, "updates"))
+"""What each group of flags changes when a resumed run sets it differently from its checkpoint."""
+
+
+def resume_notes(old_config: dict, cfg: TrainConfig) -> list[str]:
+    """`note: ...` lines for the flags a resumed run changes from its checkpointed run's config."""
+    notes = []
+    for names, what in RESUME_CHANGES:
+        changed = _changed_flags(old_config, cfg, names)
+        if changed:
+            notes.append(f"note: {', '.join(changed)}: the {what} differ from an uninterrupted run's")
+    return notes
 
 
 def _changed_flags(old_config: dict, cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
@@ -235,11 +250,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
-            old_config = (ckpt.read_meta(resume_step) or {}).get("config", {})
-            for names, what in ((RESUME_DATA_FLAGS, "batches"), (RESUME_UPDATE_FLAGS, "updates")):
-                changed = _changed_flags(old_config, cfg, names)
-                if changed:
-                    print(f"note: {', '.join(changed)}: the {what} differ from an uninterrupted run's", file=out)
+            for line in resume_notes((ckpt.read_meta(resume_step) or {}).get("config", {}), cfg):
+                print(line, file=out)
 
     offload = None
     if cfg.offload_optimizer != "none":  # ZeRO-Offload / -Infinity: two programs (jmem.memory.offload)

@@ -59,15 +59,21 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
 
 
 def test_resume_names_the_flags_it_changes():
-    from jmem.train.loop import RESUME_DATA_FLAGS, RESUME_UPDATE_FLAGS, _changed_flags
+    """A changed --layerwise-schedule or --layerwise-period (which layers train) resumed without a word."""
+    from jmem.train.loop import resume_notes
 
     saved = dataclasses.asdict(dataclasses.replace(BASE, data="a.txt"))
-    assert _changed_flags(saved, dataclasses.replace(BASE, data="a.txt"), RESUME_DATA_FLAGS) == []
-    assert _changed_flags(saved, dataclasses.replace(BASE, data="b.txt", seed=BASE.seed + 1), RESUME_DATA_FLAGS) == [
-        "--data b.txt (checkpoint: a.txt)", f"--seed {BASE.seed + 1} (checkpoint: {BASE.seed})"]
-    other = dataclasses.replace(BASE, data="b.txt", precision="f32", weight_decay=0.5)
-    assert _changed_flags(saved, other, RESUME_UPDATE_FLAGS) == [
-        f"--precision f32 (checkpoint: {BASE.precision})", f"--weight-decay 0.5 (checkpoint: {BASE.weight_decay})"]
+    assert resume_notes(saved, dataclasses.replace(BASE, data="a.txt")) == []
+    assert resume_notes(saved, dataclasses.replace(BASE, data="b.txt", seed=BASE.seed + 1)) == [
+        "note: --data b.txt (checkpoint: a.txt): the batches differ from an uninterrupted run's",
+        f"note: --seed {BASE.seed + 1} (checkpoint: {BASE.seed}): the batches, layer-wise draws and dropout masks "
+        "differ from an uninterrupted run's"]
+    other = dataclasses.replace(BASE, data="a.txt", precision="f32", weight_decay=0.5, layerwise_period=3,
+                                layerwise_schedule="top-down")
+    assert resume_notes(saved, other) == [
+        f"note: --precision f32 (checkpoint: {BASE.precision}), --weight-decay 0.5 (checkpoint: {BASE.weight_decay}), "
+        f"--layerwise-period 3 (checkpoint: {BASE.layerwise_period}), --layerwise-schedule top-down (checkpoint: "
+        f"{BASE.layerwise_schedule}): the updates differ from an uninterrupted run's"]
 
 
 def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
