@@ -156,7 +156,9 @@ class Checkpointer:
 
     def _damaged(self, step: int, e: Exception) -> CheckpointMismatchError:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        why = why.split(" See full TensorStore details")[0][:200]  # then a Python object's repr
+        for tail in (" See full TensorStore details", " [tensorstore_spec="):  # then a Python object's or a spec's repr
+            why = why.split(tail)[0]
+        why = why[:200]
         where = self.directory / str(step)
         return CheckpointMismatchError(f"checkpoint {where} is damaged or unreadable ({why}); accepted: a complete "
                                        f"checkpoint: delete {where} to resume from the step before it, or choose "
@@ -176,7 +178,7 @@ class Checkpointer:
         self._refuse_foreign()
         step = self.latest_step()
         if step is None:
-            return None  # nothing there (--resume on an empty directory starts from scratch)
+            return None  # nothing there (the caller decides: the train loop refuses --resume then)
         old = self.read_meta(step) or {}
         old = upgrade(old) if upgrade is not None else old
         # As stored (JSON: tuples come back as lists); no structure given: `save` fills it in, `restore` checks it.

@@ -68,11 +68,11 @@ def test_check_accepts_its_own_checkpoint_without_a_structure_or_with_tuples(tmp
         Checkpointer(tmp_path).check({**meta, "model": {"dims": (1, 3)}}, resume=True)
 
 
-@pytest.mark.parametrize("damage", ["state emptied", "array file truncated", "meta not JSON"])
+@pytest.mark.parametrize("damage", ["state emptied", "array file truncated", "meta not JSON", "manifest removed"])
 def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
     import shutil
 
-    state = {"w": np.arange(20000, dtype=np.float32)}
+    state = {"w": np.arange(20000, dtype=np.float32), "count": np.zeros((), np.int32)}
     Checkpointer(tmp_path).save(2, state, META)
     step = tmp_path / "2"
     if damage == "state emptied":
@@ -82,6 +82,9 @@ def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
         big = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         with big.open("r+b") as f:
             f.truncate(100)
+    elif damage == "manifest removed":
+        for p in step.rglob("manifest.ocdbt"):
+            p.unlink()
     else:
         (step / "meta" / "metadata").write_text("{bad json")
     ckpt = Checkpointer(tmp_path)
@@ -91,6 +94,8 @@ def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
         ckpt.check(META, resume=True)
         ckpt.restore(state)
     assert "bound method" not in str(info.value) and "\n" not in str(info.value), info.value
+    if damage == "manifest removed":  # not followed by TensorStore's spec, cut in the middle
+        assert "does not exist); accepted" in str(info.value), info.value
 
 
 @pytest.mark.parametrize("kwargs, match", [({"max_to_keep": 0}, "max_to_keep=0; accepted: an integer >= 1"),
