@@ -119,7 +119,8 @@ def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> Fac
     if callable(rule):
         return rule
     if not isinstance(rule, str) or rule not in RULES:
-        raise ValueError(f"adafactor factor_rule={rule!r}; accepted: {', '.join(RULES)} or a callable (path, shape) -> Layout")
+        raise ValueError(f"adafactor factor_rule={rule!r}; accepted: {', '.join(RULES)} or a callable "
+                         "(path, shape) -> Layout")
     return RULES[rule](min_dim_size_to_factor)
 
 

@@ -462,8 +462,9 @@ def kernel_per_device(fn, args, in_axes, out_axes):
     own slice of the logical axes `in_axes` (one tuple per arg; `out_axes` for the result, sliced
     alike). Dims at the same position of the args correspond (query heads and kv heads), so a mesh
     axis splits them all or none: one that a dim's rule does not name while another arg's does (rule
-    'kv_heads=none' beside 'heads=tensor'), or that does not divide a dim, is left out. Inside a `shard_map` manual over some axes (a 1F1B pipeline's stage axis), the
-    others split the call the same way, in a nested `shard_map`. Outside a block it is `fn(*args)`.
+    'kv_heads=none' beside 'heads=tensor'), or that does not divide a dim, is left out. Inside a
+    `shard_map` manual over some axes (a 1F1B pipeline's stage axis), the others split the call the
+    same way, in a nested `shard_map`. Outside a block it is `fn(*args)`.
     """
     active = _ACTIVE.get()
     if active is None:

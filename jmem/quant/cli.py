@@ -6,10 +6,11 @@ tensor's rows falls back for that tensor as llama.cpp does (q4_k -> Q5_0, q6_k -
 Q8_0, ...; `jmem.quant.ggml.fitting_qtype`), one printed line per substitution:
 SmolLM2's width 576 needs it. The output head (the token embedding, when tied to it)
 is stored as llama.cpp's quantize stores it: Q6_K, or Q8_0 where asked or where 256
-does not divide its rows (`jmem.quant.ggml.output_qtype`). The other methods (rtn, int8, nf4, fp8, gptq, awq) have no GGUF block
-type of their own: their quantized weights are dequantized and stored as
-`--store-type` (F16 by default, with the same k-quant fallback), which keeps the
-method's accuracy in any llama.cpp-compatible reader. A .gguf source's `general.*`
+does not divide its rows (`jmem.quant.ggml.output_qtype`). The other methods (rtn,
+int8, nf4, fp8, gptq, awq) have no GGUF block type of their own: their quantized
+weights are dequantized and stored as `--store-type` (F16 by default, with the same
+k-quant fallback), which keeps the method's accuracy in any llama.cpp-compatible
+reader. A .gguf source's `general.*`
 fields (name, license, ...) are kept, as llama.cpp's quantize keeps them.
 
 `--out DIR`: a jmem quantized model directory (`jmem.quant.saved`) that keeps every
