@@ -10,8 +10,8 @@ does not divide its rows (`jmem.quant.ggml.output_qtype`). The other methods (rt
 int8, nf4, fp8, gptq, awq) have no GGUF block type of their own: their quantized
 weights are dequantized and stored as `--store-type` (F16 by default, with the same
 k-quant fallback), which keeps the method's accuracy in any llama.cpp-compatible
-reader. A .gguf source's `general.*`
-fields (name, license, ...) are kept, as llama.cpp's quantize keeps them.
+reader. A .gguf source's `general.*` fields (name, license, ...) are kept, as
+llama.cpp's quantize keeps them.
 
 `--out DIR`: a jmem quantized model directory (`jmem.quant.saved`) that keeps every
 quantized leaf exactly (packed codes, scales, zero points), for `jmem.load(DIR)`.
