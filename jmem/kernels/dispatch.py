@@ -179,6 +179,8 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
     if mask_TS is not None:
         mask_BTS &= jnp.asarray(mask_TS, bool)[None]
     p = masked_softmax(s_BKGTS, mask_BTS[:, None, None])
+    if kv_lengths is not None:  # slots past a row's length may hold stale values: 0 weight times inf is NaN
+        v_BSKD = jnp.where((key_pos[None, :] < kv_lengths[:, None])[:, :, None, None], v_BSKD, 0)
     o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
     return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
 

@@ -77,6 +77,36 @@ def test_decode_matches_reference(backend, page, ratio, dtype, splits):
     np.testing.assert_allclose(f32(ref), f32(dense), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_stale_non_finite_slots_past_the_length_are_never_read(backend):
+    """A reused page keeps an earlier request's values past the new length (write_pages leaves them): an inf
+    there met a softmax weight of 0 in p @ v, and 0 * inf made the whole row NaN, in the kernels, their
+    reference and the dispatcher's XLA path. The rows equal those over finite slots."""
+    page, K, D = 8, 2, 32
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 4, D)), jnp.float32)
+    k, v = (rng.standard_normal((2, 3 * page, K, D)).astype(np.float32) for _ in range(2))
+    lengths = np.array([13, 3 * page - 1], np.int32)  # each row's last page holds stale slots
+    stale = np.arange(3 * page)[None, :] >= lengths[:, None]
+    k_bad, v_bad = np.where(stale[..., None, None], np.nan, k), np.where(stale[..., None, None], np.inf, v)
+    table = jnp.asarray(np.arange(6, dtype=np.int32).reshape(2, 3))
+
+    def pages(x):
+        return jnp.asarray(x.reshape(2, 3, page, K, D).transpose(3, 0, 1, 2, 4).reshape(K, 6, page, D))
+
+    lengths = jnp.asarray(lengths)
+    want = paged_attention_reference(q, pages(k), pages(v), lengths, table)
+    for fn in (lambda *a: paged_attention(*a, backend=backend, interpret=True), paged_attention_reference):
+        got = fn(q, pages(k_bad), pages(v_bad), lengths, table)
+        np.testing.assert_allclose(f32(got), f32(want), atol=2e-5, rtol=2e-5)
+    dense = xla_attention(q[:, None], jnp.asarray(k_bad), jnp.asarray(v_bad), causal=False, kv_lengths=lengths)
+    np.testing.assert_allclose(f32(dense[:, 0]), f32(want), atol=2e-5, rtol=2e-5)
+    cu = jnp.asarray([0, 1, 2], jnp.int32)  # the same decode rows through the ragged kernel
+    got = ragged_paged_attention(q, pages(k_bad), pages(v_bad), lengths, table, cu, 2, backend=backend,
+                                 block_q=4, interpret=True)
+    np.testing.assert_allclose(f32(got), f32(want), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("backend,qdtype,pdtype", [("mosaic", jnp.float32, jnp.int8), ("triton", jnp.bfloat16, jnp.float8_e4m3fn)])
 def test_quantized_pages(backend, qdtype, pdtype):
     K, D, page = 2, 32, 16

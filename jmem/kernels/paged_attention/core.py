@@ -109,11 +109,12 @@ def _triton_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *rest, ppb, causal, gp
         acc, m, l = carry
         idx = bt_ref[pl.ds(i * ppb, ppb)]
         k = k_ref[idx].reshape(bk, D).astype(cdt)
-        v = v_ref[idx].reshape(bk, D).astype(cdt)
         s = _dot_nt(q, k, precision) * sm_scale
         if quant:
             s = s * jnp.broadcast_to(ks_ref[idx][:, None], (ppb, page)).reshape(1, bk)
         key = lo + i * bk + jnp.arange(bk, dtype=jnp.int32)
+        # Slots past the length may hold a reused page's stale values: a weight of 0 times inf is NaN.
+        v = jnp.where((key < hi)[:, None], v_ref[idx].reshape(bk, D).astype(cdt), 0)
         valid = (key < hi)[None, :]
         if causal:
             valid = valid & (key[None, :] <= row_pos[:, None])
@@ -174,12 +175,15 @@ def _mosaic_kernel(meta_ref, bt_ref, q_ref, *refs, ppb, nbp, causal, gp_log2, sm
         alpha = jnp.exp(m_prev - m_safe)
         acc = o_ref[...] * alpha
         l = l_ref[...] * alpha
+        slot = jax.lax.broadcasted_iota(jnp.int32, (page, D), 0)
         for j in range(ppb):
             p = jnp.exp(s_list[j] - m_safe)
             l = l + jnp.sum(p, axis=1, keepdims=True)
             if quant:
                 p = p * vs_refs[j][...]
-            acc = acc + _dot(p.astype(cdt), v_refs[j][...].astype(cdt), precision)
+            # Slots past the length may hold a reused page's stale values: a weight of 0 times inf is NaN.
+            v = jnp.where(start + j * page + slot < hi, v_refs[j][...].astype(cdt), 0)
+            acc = acc + _dot(p.astype(cdt), v, precision)
         o_ref[...] = acc
         m_ref[...] = m_new
         l_ref[...] = l

@@ -67,6 +67,8 @@ def _softmax_attend(q_TKGD, k_SKD, v_SKD, mask_TS, sm_scale):
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l == 0, 1.0, l)  # rows with no visible key give zeros
+    # A key no row sees (a slot past the length) may hold stale values: 0 weight times inf is NaN.
+    v_SKD = jnp.where(jnp.any(mask_TS, axis=0)[:, None, None], v_SKD, 0)
     return jnp.einsum("tkgs,skd->tkgd", p, v_SKD, precision="highest")
 
 
