@@ -8,10 +8,10 @@ the layer scan, per microbatch in gradient accumulation).
 
 Example:
     >>> text = jax.jit(step).lower(state, batch).compile().as_text()
-    >>> collectives(text)  # counts of one ZeRO-3 step; what XLA picks varies by backend
-    {'all-gather': 12, 'reduce-scatter': 9}
+    >>> collectives(text)  # tiny, fsdp=8, ZeRO-3 on CPU; what XLA picks varies by backend
+    {'all-gather': 12, 'all-reduce': 3}
     >>> collectives(text, in_loops=True)
-    {'all-gather': 12}
+    {'all-gather': 7, 'all-reduce': 1}
     >>> collective_shapes(text, "all-gather", in_loops=True)[:1]
     [(1, 64, 32)]
 

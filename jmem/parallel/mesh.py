@@ -13,7 +13,7 @@ of them. One axis may be given as -1 to take the remaining devices.
 
 Example:
     >>> mesh = make_mesh("data=2,fsdp=2,tensor=2")   # 8 devices
-    >>> mesh.shape
+    >>> dict(mesh.shape)
     {'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}
 """
 

@@ -297,7 +297,7 @@ def check_tick_collectives(hlo_text: str, mesh: Mesh, *, stage_axis: str = "stag
 def busiest_stage_matmul_flops(hlo_text: str, n_microbatches: int) -> float:
     """Matmul FLOPs per device of a compiled program that runs `pipeline_1f1b` once.
 
-    `jmem.memory.matmul_flops` cannot total the schedule: every tick's `lax.switch`
+    `jmem.memory.hlo_flops.matmul_flops` cannot total the schedule: every tick's `lax.switch`
     runs a forward, a backward or nothing, chosen at run time. Every stage runs M
     forward and M backward ticks, so this counts M x (costliest forward tick +
     costliest backward tick) plus the matmuls outside the schedule: the work of the

@@ -202,6 +202,7 @@ def zero_shardings(params, opt_state, mesh: Mesh, *, stage: int, rules=None,
         stage: 0, 1, 2 or 3.
         rules: `Rules`, a rules string or None (defaults).
         logical_axes: path -> logical axes table (default: `jmem.models.LOGICAL_AXES` + MoE).
+        data_axes: the mesh axes ZeRO partitions the state over (default: data, fsdp, expert).
 
     Returns:
         `ZeroShardings(params, grads, opt_state, stage)`.

@@ -78,6 +78,8 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
     Args:
       x: float[..., in] calibration inputs of the linears.
       ws: list of float[in, out_j] weights that all read `x`.
+      bits, group_size, symmetric: the quantization the scale is searched for (as `awq_quantize`).
+      n_grid: exponents alpha = 0, 1/n_grid, ... tried for s = mean|x|^alpha.
       x_mean: optional f32[in] activation magnitude to use instead of
         mean|x| (e.g. tied across grouped-query heads).
 

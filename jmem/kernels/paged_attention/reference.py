@@ -145,6 +145,8 @@ def ragged_paged_attention_reference(
         cu_q_lens: i32[max_seqs + 1] prefix sums of the query lengths; only the
             first num_seqs + 1 entries are read.
         num_seqs: i32 scalar (or int): sequences in use; later rows are ignored.
+        k_scale, v_scale: f32[kv_heads, num_pages] for int8/fp8 pages.
+        sm_scale: softmax scale, 1/sqrt(head_dim) when None.
 
     Returns:
         [total_tokens, q_heads, head_dim]; padding tokens give zeros.
