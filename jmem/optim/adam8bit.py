@@ -28,7 +28,8 @@ With either code the second moment is stored as sqrt(v), whose dynamic range
 is the gradients' own, as the first moment's is: v itself spans twice the
 decades, so a code that keeps an element's first moment would round its v to
 zero, and the next update `m / (sqrt(v) + eps)` would be thousands of times
-AdamW's.
+AdamW's. (Earlier versions stored v with the dynamic code: the train loop
+refuses to resume such a checkpoint, whose arrays have the same shapes.)
 
 The update uses the freshly computed (unquantized) moments of this step; only
 what is carried to the next step is quantized.

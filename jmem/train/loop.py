@@ -554,6 +554,11 @@ def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:
     old = upgrade_meta(ckpt.read_meta() or {})
     if any(old.get(k) != run.meta.get(k) for k in ("model", "optimizer", "precision")):
         return  # Checkpointer.check names those
+    if old.get("adam8bit_nu") != run.meta.get("adam8bit_nu"):
+        raise CheckpointMismatchError(
+            f"checkpoint dir {ckpt.directory} holds adam8bit second moments as v (an earlier version); this "
+            f"version stores and reads sqrt(v); resume it with the version that wrote it, or choose another "
+            f"--ckpt-dir (nothing was written)")
     same = old.get("structure") == run.meta["structure"]
     diff = state_settings_diff(old, run.cfg, MEANING_SETTINGS if same else None)
     if diff:

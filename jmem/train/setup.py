@@ -172,7 +172,14 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
         "structure": structure_fingerprint(abstract_state),
         "settings": {name: getattr(cfg, name) for name in STATE_SETTINGS},
         "config": dataclasses.asdict(cfg),
+        **({"adam8bit_nu": ADAM8BIT_NU} if cfg.optimizer == "adam8bit" else {}),
     }
+
+
+ADAM8BIT_NU = "sqrt"
+"""What an adam8bit checkpoint's quantized second moments hold: sqrt(v). Checkpoints without this
+field (earlier versions) hold v itself, in arrays of the same shapes: read as sqrt(v) they would
+give updates far from the run's."""
 
 
 def upgrade_meta(old: dict) -> dict:

@@ -76,6 +76,25 @@ def test_resume_names_the_flags_it_changes():
         f"{BASE.layerwise_schedule}): the updates differ from an uninterrupted run's"]
 
 
+def test_an_adam8bit_checkpoint_of_the_earlier_moment_format_is_refused(tmp_path):
+    """Earlier versions stored 8-bit Adam's second moment as v, now as sqrt(v), in arrays of the same shapes:
+    such a checkpoint would resume with wrong moments. Its metadata lacks the format field: refused."""
+    import json
+
+    d = tmp_path / "ck"
+    cfg = dataclasses.replace(BASE, optimizer="adam8bit", ckpt_dir=str(d))
+    train(dataclasses.replace(cfg, stop_after=2), out=io.StringIO())
+    meta_file = next((d / "2" / "meta").rglob("metadata"))
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("adam8bit_nu") == "sqrt"
+    meta_file.write_text(json.dumps(meta))
+    before = _files(d)
+    with pytest.raises(ValueError, match="holds adam8bit second moments as v .*; this version stores and reads "
+                                         r"sqrt\(v\)"):
+        train(dataclasses.replace(cfg, resume=True), out=io.StringIO())
+    assert _files(d) == before
+
+
 def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     d = tmp_path / "ck"
     train(dataclasses.replace(BASE, stop_after=2, ckpt_dir=str(d)), out=io.StringIO())  # same program as BASE
