@@ -203,9 +203,10 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_process_killed_mid_run_stops_the_other_with_one_line(tmp_path, victim):
-    """SIGKILL of one process: the other ends soon, instead of printing a traceback and waiting about 70 s in
-    JAX's shutdown barrier for the dead peer. It ends with one error line and exit status 1; when the dead one
-    is process 0, which runs the coordination service, JAX's runtime may end it first (its own message)."""
+    """SIGKILL of one process: the other ends with one error line and exit status 1, instead of printing a
+    traceback and waiting about 70 s in JAX's shutdown barrier for the dead peer. JAX's runtime may end it
+    first with its own message: at once when the dead one is process 0, which runs the coordination service,
+    else when the service misses the dead one's heartbeats (after 100 s; seen in about 1 run of 6)."""
     import signal
     import time
 
@@ -223,16 +224,16 @@ def test_a_process_killed_mid_run_stops_the_other_with_one_line(tmp_path, victim
             time.sleep(0.5)
         procs[victim].send_signal(signal.SIGKILL)
         t0 = time.time()
-        _, err = survivor.communicate(timeout=120)
+        _, err = survivor.communicate(timeout=200)
         waited = time.time() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert waited < 60, waited
-    if victim == 0 and "Terminating process because the JAX distributed service detected fatal errors" in err:
-        assert survivor.returncode != 0, err[-3000:]
+    if "Terminating process because the JAX distributed service detected fatal errors" in err:
+        assert survivor.returncode != 0 and waited < (60 if victim == 0 else 150), (waited, err[-3000:])
         return
+    assert waited < 60, waited
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert survivor.returncode == 1 and len(errors) == 1, err[-3000:]
     assert f"error: process {1 - victim}: step " in errors[0] and "start them all again with --resume" in errors[0]
