@@ -47,6 +47,7 @@ import optax
 
 from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
+from jmem.pytree import key_name
 
 _META = "chunks.json"
 _LOCK = ".lock"  # held (a POSIX record lock) by the process whose optimizer uses the directory
@@ -80,10 +81,6 @@ def placeholder_transform() -> optax.GradientTransformation:
         raise OffloadError("this optimizer state is on disk: run the step through jmem.memory.offload")
 
     return optax.GradientTransformation(init, update)
-
-
-def _key(k) -> str:
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
 def check_snapshot(source) -> None:
@@ -154,7 +151,7 @@ class DiskOptimizer:
         for i, (p, x) in enumerate(zip(paths, leaves)):
             if x is None:
                 continue
-            stacked = layer_chunks and x.ndim >= 1 and any(_key(k) == LAYERS_KEY for k in p)
+            stacked = layer_chunks and x.ndim >= 1 and any(key_name(k) == LAYERS_KEY for k in p)
             self.chunks += [(i, l) for l in range(x.shape[0])] if stacked else [(i, None)]
         self._state_treedefs: list = []
         self._state_shapes = [self._chunk_state_shapes(c) for c in self.chunks]

@@ -9,8 +9,7 @@ projections of the weight matrices), `make_optimizer(name, lr)` and
 from jmem.optim.adafactor import Layout, adafactor, get_rule, last_two_rule, optax_rule, stacked_rule
 from jmem.optim.adam8bit import adam8bit, dequantize, dynamic_code, quantize, scale_by_adam8bit
 from jmem.optim.galore import galore, galore_plan, scale_by_galore
-from jmem.optim.factory import OPTIMIZERS, UnknownOptimizerError, make_optimizer
-from jmem.optim.paths import decay_mask
+from jmem.optim.factory import OPTIMIZERS, UnknownOptimizerError, decay_mask, make_optimizer
 
 __all__ = [
     "Layout", "adafactor", "get_rule", "last_two_rule", "optax_rule", "stacked_rule",

@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 from jmem.optim import checks
-from jmem.optim.paths import leaf_paths
+from jmem.pytree import leaf_paths
 
 
 class Layout(NamedTuple):

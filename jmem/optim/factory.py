@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 
+import jax
 import optax
 
 from jmem.optim import checks
 from jmem.optim.adafactor import adafactor
 from jmem.optim.adam8bit import adam8bit
 from jmem.optim.galore import galore
+from jmem.pytree import key_name
 
 OPTIMIZERS = {
     "adamw": optax.adamw,
@@ -27,6 +29,18 @@ _OPTAX_CHECKS = {
               "mu_dtype": lambda who, name, v: checks.float_dtype(who, name, v, none_ok=True)},
     "sgd": {"momentum": lambda who, name, v: checks.decay(who, name, v, none_ok=True)},
 }
+
+
+def decays(path: tuple[str, ...]) -> bool:
+    """Whether weight decay applies to the leaf at `path` (key names): not to normalization scales (a key
+    that contains "norm") or biases (a key "bias"), as Hugging Face's Trainer and Megatron leave them."""
+    return not any("norm" in k.lower() or k == "bias" for k in path)
+
+
+def decay_mask(params):
+    """A tree of booleans like `params`: True where weight decay applies (`decays`); pass it as an
+    optax optimizer's `mask`, e.g. `optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask)`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(tuple(key_name(k) for k in path)), params)
 
 
 class UnknownOptimizerError(ValueError):

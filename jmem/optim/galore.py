@@ -52,7 +52,7 @@ import optax
 
 from jmem.optim import checks
 from jmem.optim.adam8bit import QuantizedMoment, dequantize, dequantize_second_moment, quantize, quantize_second_moment
-from jmem.optim.paths import leaf_paths
+from jmem.pytree import leaf_paths
 
 MOMENTS = ("f32", "8bit")
 DEFAULT_EXCLUDE = ("embed", "head")

@@ -33,6 +33,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.parallel.mesh import AXES
+from jmem.pytree import key_name
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
@@ -266,14 +267,7 @@ def _entry(axes: tuple[str, ...]):
 
 def path_str(path) -> str:
     """A pytree key path as `"layers.wq.kernel"` (NNX `.value` / `[0]` markers kept as plain keys)."""
-    keys = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                keys.append(str(getattr(k, attr)))
-                break
-        else:
-            keys.append(str(k))
+    keys = [key_name(k) for k in path]
     if keys and keys[-1] == "value":  # nnx.Variable leaves
         keys = keys[:-1]
     return ".".join(keys)
