@@ -80,7 +80,7 @@ def check_args(coordinator: str | None, num_processes: int | None, process_id: i
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, local_device_ids=None, cpu_collectives: str | None = "gloo",
-               initialization_timeout: int = 300) -> ProcessInfo:
+               initialization_timeout: int = 300, heartbeat_timeout: int = 100) -> ProcessInfo:
     """Join (or start) a multi-process JAX job.
 
     Args:
@@ -94,6 +94,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         initialization_timeout: seconds to wait for all processes. When they have not all
             joined by then, this process prints one line naming the job and exits with
             status 2 (JAX's runtime would abort it a little later with a stack dump).
+        heartbeat_timeout: seconds without a heartbeat after which JAX's coordination service
+            declares a process dead and ends the job (JAX's default: 100). A survivor that does
+            not meet the failure in a step first is then ended by JAX, with its own message.
 
     Returns:
         `ProcessInfo(process_id, num_processes, local_devices, global_devices)`.
@@ -109,12 +112,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if coordinator is None and num_processes in (None, 1) and process_id in (None, 0) and not _auto_env():
         return _info()  # single process: nothing to join
     check_int("initialization_timeout", initialization_timeout, 1)
+    check_int("heartbeat_timeout", heartbeat_timeout, 1)
     if coordinator is not None and process_id == 0:
         _check_port_free(coordinator)  # else the coordinator service fails to bind and the process crashes
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     # JAX's own deadline is later than the watchdog's, so the watchdog speaks first.
-    kwargs = {"initialization_timeout": initialization_timeout + 60}
+    kwargs = {"initialization_timeout": initialization_timeout + 60, "heartbeat_timeout_seconds": heartbeat_timeout}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
     who = f"process {process_id} of {num_processes}" if coordinator is not None else "this process"

@@ -37,7 +37,7 @@ def validate(cfg: TrainConfig) -> Policy:
     Raises:
         ValueError: one line naming the bad value and what is accepted.
     """
-    for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches", "init_timeout"):
+    for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches", "init_timeout", "heartbeat_timeout"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
     if cfg.eval_every < 0:

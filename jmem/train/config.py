@@ -111,6 +111,9 @@ class TrainConfig:
     """Multi-host: this process's index (0..num_processes-1)."""
     init_timeout: int = 300
     """Multi-host: seconds a process waits for all the others to join before it stops with an error."""
+    heartbeat_timeout: int = 100
+    """Multi-host: seconds without a heartbeat after which JAX's coordination service declares a process dead
+    and ends the job."""
 
     offload_optimizer: str = "none"
     """Optimizer state and f32 master weights: none (on device), host (host memory; the update runs on the host, ZeRO-Offload) or disk (files under --offload-dir, updated one layer slice at a time, ZeRO-Infinity)."""

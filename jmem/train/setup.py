@@ -313,7 +313,8 @@ def build(cfg: TrainConfig) -> Run:
     if cfg.distributed:
         from jmem import parallel as par
 
-        par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.init_timeout)
+        par.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, initialization_timeout=cfg.init_timeout,
+                       heartbeat_timeout=cfg.heartbeat_timeout)
         # Before the first collective: processes on different flags would wait on each other forever.
         par.check_same_settings(shared_flags(cfg), "flags")
     mesh = mesh_for(cfg)

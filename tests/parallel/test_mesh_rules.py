@@ -191,6 +191,8 @@ def test_initialize_checks_and_single_process(monkeypatch):
         par.initialize(None, 2)  # refused, not left to JAX's "coordinator_address should be defined"
     with pytest.raises(ValueError, match="initialization_timeout=0; accepted: an integer >= 1"):
         par.initialize("127.0.0.1:1234", 2, 0, initialization_timeout=0)
+    with pytest.raises(ValueError, match="heartbeat_timeout=0; accepted: an integer >= 1"):
+        par.initialize("127.0.0.1:1234", 2, 0, heartbeat_timeout=0)
     import socket
 
     with socket.socket() as taken:  # another program listens on the port: refused before JAX's runtime starts
@@ -203,6 +205,17 @@ def test_initialize_checks_and_single_process(monkeypatch):
     par.check_same_settings({"--seed": 0})  # one process: nothing to compare
     info = par.initialize()  # no cluster in the environment: single process, nothing joined
     assert (info.process_id, info.num_processes, info.global_devices) == (0, 1, 8)
+
+
+def test_initialize_passes_its_timeouts_to_jax(monkeypatch):
+    """The heartbeat timeout reaches JAX's runtime, and JAX's own join deadline is later than the watchdog's."""
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(par.distributed, "_check_port_free", lambda coordinator: None)
+    monkeypatch.setattr(par.distributed, "_info", lambda: None)
+    par.initialize("127.0.0.1:1234", 2, 1, cpu_collectives=None, initialization_timeout=30, heartbeat_timeout=7)
+    assert seen == {"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1,
+                    "initialization_timeout": 90, "heartbeat_timeout_seconds": 7}
 
 
 def test_a_process_whose_peers_never_join_stops_with_one_line():
