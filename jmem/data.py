@@ -39,11 +39,13 @@ BYTE_VOCAB = ByteTokenizer.vocab_size
 BOS, EOS, PAD = ByteTokenizer.bos_id, ByteTokenizer.eos_id, ByteTokenizer.pad_id
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def _encode(tokenizer, text: str) -> np.ndarray:
+    if type(tokenizer).encode is ByteTokenizer.encode:  # the ids are the bytes: no list of Python ints
+        return np.frombuffer(text.encode("utf-8"), np.uint8)
     # BOS/EOS are added by the packer, so ask tokenizers that can add a BOS not to.
     if hasattr(tokenizer, "add_bos"):
-        return list(tokenizer.encode(text, add_bos=False))
-    return list(tokenizer.encode(text))
+        return np.asarray(tokenizer.encode(text, add_bos=False), np.int64)
+    return np.asarray(tokenizer.encode(text), np.int64)
 
 
 def default_documents() -> list[str]:
@@ -67,23 +69,41 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
     """
     if path is None or str(path) in ("", "default"):
         return default_documents()
-    p = pathlib.Path(path).expanduser()
-    if p.is_dir():
-        raise ValueError(f"{flag} {str(path)!r} is a directory; accepted: a UTF-8 text file, or leave it unset "
-                         "for the default text (pydoc_data.topics)")
-    if not p.is_file():
-        raise ValueError(f"{flag} {str(path)!r}: no such file; accepted: a UTF-8 text file, or leave it unset "
-                         "for the default text (pydoc_data.topics)")
-    raw = p.read_bytes()
+    p = check_text_file(path, flag)
     try:
-        text = raw.decode("utf-8-sig")  # a byte-order mark is not text
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag} {str(path)!r}: {e.strerror.lower()}; {_ACCEPTED}") from None
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a byte-order mark is not text
+    try:
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:  # a binary file (e.g. a token-id .bin) would train on garbage
-        raise ValueError(f"{flag} {str(path)!r}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); accepted: "
+        at = bom + e.start
+        raise ValueError(f"{flag} {str(path)!r}: not UTF-8 text (byte {at} is {raw[at]:#04x}); accepted: "
                          "a UTF-8 text file") from None
-    if not text.strip():
+    if not text or text.isspace():  # (no stripped copy of a large text)
         raise ValueError(f"{flag} {str(path)!r}: the file is empty (no text but whitespace); accepted: a UTF-8 "
                          "text file with text")
     return [text]
+
+
+_ACCEPTED = "accepted: a UTF-8 text file, or leave it unset for the default text (pydoc_data.topics)"
+
+
+def check_text_file(path: str | os.PathLike, flag: str = "--data") -> pathlib.Path:
+    """`path` as a Path when it names a regular file; else a ValueError naming `flag` and what is wrong
+    (missing, a directory, a pipe or device, a name the system refuses). Reads nothing."""
+    p = pathlib.Path(path).expanduser()
+    try:
+        if p.is_dir():
+            problem = "is a directory"
+        elif p.is_file():
+            return p
+        else:
+            problem = "not a regular file" if p.exists() else "no such file"
+    except OSError as e:  # a name too long, a folder that cannot be entered
+        problem = e.strerror.lower()
+    raise ValueError(f"{flag} {str(path)!r}: {problem}; {_ACCEPTED}")
 
 
 def cache_dir() -> pathlib.Path:
@@ -119,31 +139,30 @@ _PROBE = ("The quick brown fox; 12345 67.890 Ünïcödé 漢字 🙂\n\tTab  two
 
 
 def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int | None, cache: bool = True) -> np.ndarray:
-    """One int32 stream ``[BOS] doc [EOS] ...``, cached under `cache_dir()/tokens`.
+    """One stream ``[BOS] doc [EOS] ...`` of token ids, cached under `cache_dir()/tokens`: uint16
+    when every id fits (two bytes per token in memory and on disk), else int32.
 
     The cache key hashes the text, the separators and `tokenizer_id`, so a
-    different text or tokenizer never reads a stale file.
+    different text or tokenizer never reads a stale file. A cache file that
+    cannot be read, or holds what no tokenizer run wrote (not a 1-D array of
+    ids, none at all, ids past the tokenizer's vocabulary), is rebuilt; a
+    cache folder that cannot be written is skipped.
     """
-    h = hashlib.sha256()
-    for d in docs:  # each document's length first: ["a\0b"] and ["a", "b"] differ
-        b = d.encode("utf-8", errors="surrogatepass")
-        h.update(len(b).to_bytes(8, "little") + b)
-    key = f"{h.hexdigest()[:24]}-{tokenizer_id(tokenizer)}-{bos}-{eos}.npy"
+    key = f"{_text_digest(docs)[:24]}-{tokenizer_id(tokenizer)}-{bos}-{eos}.npy"
     path = cache_dir() / "tokens" / key
-    if cache and path.is_file():
-        try:
-            return np.load(path)
-        except (OSError, ValueError, EOFError):
-            pass  # a truncated or empty file from an interrupted write: rebuild it
+    if cache:
+        stream = _load_cached(path, getattr(tokenizer, "vocab_size", None))
+        if stream is not None:
+            return stream
+    seps = [np.asarray([t], np.min_scalar_type(t or 0)) for t in (bos, eos)]
     parts = []
     for d in docs:
         ids = _encode(tokenizer, d)
-        if bos is not None:
-            ids = [bos] + ids
-        if eos is not None:
-            ids = ids + [eos]
-        parts.append(np.asarray(ids, np.int32))
-    stream = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+        parts += [seps[0]] * (bos is not None) + [ids] + [seps[1]] * (eos is not None)
+    stream = np.concatenate(parts) if parts else np.zeros((0,), np.int64)
+    del parts
+    fits = stream.size and 0 <= stream.min() and stream.max() < 2**16
+    stream = stream.astype(np.uint16 if fits else np.int32, copy=False)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,13 +174,37 @@ def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int 
     return stream
 
 
+def _text_digest(docs: list[str]) -> str:
+    h = hashlib.sha256()
+    for d in docs:  # each document's length first: ["a\0b"] and ["a", "b"] differ
+        b = d.encode("utf-8", errors="surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _load_cached(path: pathlib.Path, vocab: int | None) -> np.ndarray | None:
+    """The cached stream at `path`, or None when there is none that a tokenizer run could have written."""
+    try:
+        if not path.is_file():
+            return None
+        stream = np.load(path)
+    except (OSError, ValueError, EOFError):  # unreadable, or truncated by an interrupted write
+        return None
+    if stream.ndim != 1 or stream.dtype not in (np.uint16, np.int32) or not stream.size:
+        return None
+    if stream.min() < 0 or (vocab is not None and stream.max() >= vocab):
+        return None
+    return stream
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedDataset:
     """Fixed-length windows of a token stream, split into train and validation.
 
     Attributes:
-        train: i32[n_train, seq + 1] windows.
-        valid: i32[n_valid, seq + 1] windows (may be empty).
+        train: [n_train, seq + 1] windows (views of the token stream: no copy).
+        valid: [n_valid, seq + 1] windows (may be empty).
         seq: model sequence length.
     """
 
@@ -182,9 +225,8 @@ class PackedDataset:
         if n < 2:
             raise ValueError(f"the text has {len(stream)} tokens: too short for two windows of seq={seq}; accepted: "
                              f"a text of at least {2 * seq + 1} tokens, or a smaller seq")
-        # Windows overlap by one token so each target follows its input.
-        idx = np.arange(n)[:, None] * seq + np.arange(seq + 1)[None, :]
-        windows = stream[idx]
+        # Windows overlap by one token so each target follows its input; strided views, not copies.
+        windows = np.lib.stride_tricks.sliding_window_view(stream, seq + 1)[::seq][:n]
         n_valid = int(n * valid_fraction) if valid_fraction > 0 else 0
         n_valid = min(max(n_valid, 1 if valid_fraction > 0 else 0), n - 1)
         return cls(train=windows[: n - n_valid], valid=windows[n - n_valid :], seq=seq)
@@ -201,7 +243,16 @@ class PackedDataset:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.train.size + self.valid.size)
+        """Tokens the windows cover (each window shares its last token with the next)."""
+        return (len(self.train) + len(self.valid)) * self.seq + 1
+
+    def digest(self) -> str:
+        """SHA-256 of the windows' tokens and their split: equal for equal datasets."""
+        h = hashlib.sha256(f"{len(self.train)}|{len(self.valid)}|{self.seq}|".encode())
+        for w in (self.train, self.valid):
+            for i in range(0, len(w), 4096):  # a slice at a time: the windows are views of one stream
+                h.update(np.ascontiguousarray(w[i : i + 4096]).tobytes())
+        return h.hexdigest()
 
     def _order(self, epoch: int, seed: int) -> np.ndarray:
         return np.random.default_rng([seed, epoch]).permutation(len(self.train))

@@ -182,3 +182,53 @@ def test_batch_arguments_are_checked():
         with pytest.raises(ValueError, match=f"valid_fraction={fraction}; accepted: 0 <= valid_fraction < 1"):
             PackedDataset.from_tokens(np.arange(200) % 7, 8, valid_fraction=fraction)
     assert ds.batch(3, 2)["inputs"].shape == (2, 8)
+
+
+def test_a_text_file_that_cannot_be_opened_is_one_error(tmp_path):
+    """A pipe, a name the system refuses, a BOM before a bad byte: one line naming the value, the right byte."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"^--data '.*pipe': not a regular file; accepted: a UTF-8 text file"):
+        load_documents(str(fifo))
+    long_name = str(tmp_path / ("a" * 300))
+    with pytest.raises(ValueError, match=r"^--data '.*aaaa': file name too long; accepted: a UTF-8 text file"):
+        load_documents(long_name)
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfabcdef\xffgh")
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 9 is 0xff\)"):
+        load_documents(str(bom))
+
+
+def test_a_cache_that_cannot_be_read_or_holds_no_stream_is_rebuilt(tmp_path, monkeypatch):
+    import pathlib
+
+    docs = ["some words " * 30]
+    stream = tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS)
+    assert stream.dtype == np.uint16  # byte ids fit two bytes
+    (cached,) = (tmp_path / "cache" / "tokens").glob("*.npy")
+    for bad in (np.zeros((0,), np.uint16), np.full(40, 300, np.uint16), np.zeros((4, 4), np.int32)):
+        np.save(cached, bad)  # none of these is a stream of byte-tokenizer ids
+        np.testing.assert_array_equal(tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS), stream)
+    is_file = pathlib.Path.is_file
+
+    def no_access(self):  # a cache folder this user may not enter (root's home under `docker --user`)
+        if "cache" in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", no_access)
+    np.testing.assert_array_equal(tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS), stream)
+
+
+def test_windows_are_views_of_the_stream_and_count_its_tokens():
+    stream = (np.arange(100) % 7).astype(np.uint16)
+    ds = PackedDataset.from_tokens(stream, 8)
+    assert np.shares_memory(ds.train, stream) and np.shares_memory(ds.valid, stream)
+    assert ds.num_tokens == 12 * 8 + 1  # 12 windows of 8, the last target one past them
+    np.testing.assert_array_equal(np.concatenate([ds.train, ds.valid])[:, :-1].reshape(-1), stream[:96])
+    other = stream.copy()
+    other[50] += 1
+    assert ds.digest() == PackedDataset.from_tokens(stream.copy(), 8).digest() != PackedDataset.from_tokens(
+        other, 8).digest()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import pathlib
 
+from jmem.data import check_text_file
 from jmem.io.paths import prepare_output
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.precision import Policy
@@ -72,9 +73,8 @@ def validate(cfg: TrainConfig) -> Policy:
     if cfg.resume:
         _validate_resume(cfg)
     _validate_log(cfg)
-    if cfg.data not in ("", "default") and not pathlib.Path(cfg.data).expanduser().is_file():
-        what = "is a directory" if pathlib.Path(cfg.data).expanduser().is_dir() else "no such file"
-        raise ValueError(f"--data {cfg.data!r}: {what} (give a UTF-8 text file, or 'default')")
+    if cfg.data not in ("", "default"):
+        check_text_file(cfg.data)
     _validate_parallel(cfg)
     _validate_lora(cfg)
     _validate_offload(cfg, policy)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 
 import jax
@@ -286,13 +285,6 @@ def _program_key(cfg: TrainConfig) -> TrainConfig:
                                coordinator=None, process_id=None, offload_dir=None)
 
 
-def _digest(*arrays) -> str:
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
 # Flags that may differ between the processes of one job: each process's own index, and its own
 # output files and local offload folder; --data by the tokens it holds (below), not by its path.
 _PER_PROCESS = ("process_id", "init_timeout", "log", "plot", "progress", "offload_dir", "data")
@@ -324,6 +316,6 @@ def build(cfg: TrainConfig) -> Run:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
     data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
     if cfg.distributed:  # the same path may hold a different text on another host
-        par.check_same_settings({"--data (its tokens)": _digest(data.train, data.valid)}, "training texts")
+        par.check_same_settings({"--data (its tokens)": data.digest()}, "training texts")
     abstract = jax.eval_shape(lambda: fns.init_state(model))
     return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract), mesh)
