@@ -147,6 +147,19 @@ class TokenBytes:
 
 
 # ---------------------------------------------------------------------------- app
+def rejects_held_bytes(decoder, data: bytes) -> bool:
+    """True when the bytes `decoder` holds (the start of a character) cannot go on with `data`'s
+    first byte: decoding `data` then replaces them with one U+FFFD before `data`'s own text."""
+    held = decoder.getstate()[0]
+    if not held or not data:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(held + data[:1])
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`; POST bodies are JSON of at
@@ -209,7 +222,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
 
     def check_model(name) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown one."""
-        if name == model_name:
+        if name is None or name == model_name:
             return None
         if name in adapters():
             return name
@@ -292,6 +305,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
+    def text_position(start: int = 0) -> list:
+        """`[characters so far, UTF-8 decoder]`: where the next token's text starts."""
+        return [start, codecs.getincrementaldecoder("utf-8")(errors="replace")]
+
     def completion_logprobs(lps, at=None, hidden=()):
         """OpenAI's completions logprobs of `(token id, (logprob, top) | None)` pairs (None: a prompt's
         first token, which has no context). Offsets count characters of the decoded bytes: from 0, or
@@ -299,10 +316,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         the offsets it has in one response). Ids in `hidden` (special tokens the text skips) add
         nothing to the text, so the offsets keep indexing it."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        at = [0, codecs.getincrementaldecoder("utf-8")(errors="replace")] if at is None else at
+        at = text_position() if at is None else at
         for tid, entry in lps:
-            tokens.append(token_bytes.text(tid)), offsets.append(at[0])
-            if tid not in hidden:
+            shown = tid not in hidden
+            # Bytes held from earlier tokens that this token's first byte shows to be no character
+            # become a U+FFFD before this token's text: that character is theirs.
+            offsets.append(at[0] + (shown and rejects_held_bytes(at[1], token_bytes(tid))))
+            tokens.append(token_bytes.text(tid))
+            if shown:
                 at[0] += len(at[1].decode(token_bytes(tid)))
             lp, top = entry[:2] if entry is not None else (None, None)
             token_lps.append(lp)
@@ -345,19 +366,28 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    def stream_response(streams, request, chunk, n_prompt, include_usage, opening, choice):
+    def stream_response(streams, request, chunk, n_prompt, prompt_of, options, opening, choice):
         """The SSE body of completions and chat: the `opening` choices, then one chunk per output
         for which `choice(i, output)` gives a choice, the usage chunk if asked, `[DONE]`. An error
-        after the headers went out is an `{"error": ...}` event, still followed by `[DONE]`."""
+        after the headers went out is an `{"error": ...}` event, still followed by `[DONE]`.
+        `n_prompt`: the request's prompt tokens (each prompt once); `prompt_of[i]`: stream i's. With
+        `options.continuous_usage_stats` (and `include_usage`) every chunk carries its choice's usage
+        so far, as in vLLM."""
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+
+        def event(c, i, outs=()):
+            return sse({**chunk, "choices": [c], **({"usage": usage(prompt_of[i], outs)} if continuous else {})})
+
         async def events():
             finals = {}
             try:
                 for c in opening:
-                    yield sse({**chunk, "choices": [c]})
+                    yield event(c, c["index"])
                 async for i, o in merged(streams, request):
                     c = choice(i, o)
                     if c is not None:
-                        yield sse({**chunk, "choices": [c]})
+                        yield event(c, i, [o])
                     if o.finished:
                         finals[i] = o
             except APIError as e:
@@ -439,13 +469,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         if body.prompt is not None:
-            ids = tok.encode(check_text(body.prompt, "prompt"))
+            ids = encode(check_text(body.prompt, "prompt"), body.add_special_tokens)
         else:  # a rendered chat is encoded as the chat route encodes it
             try:
                 text = tok.apply_chat_template(chat_dicts(body.messages), body.add_generation_prompt)
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from None
-            ids = tok.encode_chat(text)
+            ids = encode(text, body.add_special_tokens, chat=True)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
 
     @app.post("/detokenize")
@@ -455,9 +485,16 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         check_ids(body.tokens, "tokens")
         return {"prompt": tok.decode(body.tokens, skip_special=False)}  # special tokens kept, as vLLM
 
-    def prompt_ids_of(prompt, param) -> list[int]:
+    def encode(text: str, add_special_tokens: bool | None, chat: bool = False) -> list[int]:
+        """`text`'s ids: with the model's BOS (True), without (False), or by default (None): as the
+        model file says, and for a rendered chat only where the template did not write it."""
+        if add_special_tokens is None and chat:
+            return tok.encode_chat(text)
+        return tok.encode(text, add_bos=False if add_special_tokens is False else None)
+
+    def prompt_ids_of(prompt, param, add_special_tokens=None) -> list[int]:
         if isinstance(prompt, str):
-            ids = tok.encode(check_text(prompt, param))
+            ids = encode(check_text(prompt, param), add_special_tokens)
         else:
             ids = list(prompt)
             check_ids(ids, param)
@@ -473,9 +510,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         adapter = check_model(body.model)
+        body.model = body.model or model_name  # the name the response carries
         body.check_supported()
         raw = body.prompts()
-        prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]") for k, p in enumerate(raw)]
+        prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]", body.add_special_tokens)
+                   for k, p in enumerate(raw)]
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
         max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
@@ -504,8 +543,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             prompt_usage = usage(sum(len(ids) for ids in prompts), [])
             if not body.stream:
                 return {**base, "choices": choices, "usage": prompt_usage}
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = [sse({**base, "choices": [c]}) for c in choices]
+            opts = body.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            each = [{"usage": usage(len(prompts[c["index"] // n]), [])} if include_usage and opts.continuous_usage_stats
+                    else {} for c in choices]
+            events = [sse({**base, "choices": [c], **u}) for c, u in zip(choices, each)]
             events += [sse({**base, "choices": [], "usage": prompt_usage})] if include_usage else []
             return StreamingResponse(iter(events + ["data: [DONE]\n\n"]), media_type="text/event-stream")
         streams = submit(prompts, params, n, rid, adapter)
@@ -516,8 +558,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         hidden = token_bytes.special if body.skip_special_tokens else frozenset()  # tokens the text leaves out
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [[len(e), codecs.getincrementaldecoder("utf-8")(errors="replace")] for e in echo_of]
+            offsets = [text_position(len(e)) for e in echo_of]
 
             def choice(i, o):
                 lp = completion_logprobs(list(zip(o.token_ids, o.logprobs)), offsets[i], hidden) \
@@ -530,16 +571,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
 
             opening = [{"index": i, "text": e, "finish_reason": None, "stop_reason": None,
                         "logprobs": completion_logprobs(echo_scored[i // n]) if body.logprobs is not None else None}
-                       for i, e in enumerate(echo_of) if e]
-            return stream_response(streams, request, base, n_prompt, include_usage, opening, choice)
+                       for i, e in enumerate(echo_of)] if body.echo else []
+            prompt_of = [len(prompts[i // n]) for i in range(len(streams))]
+            return stream_response(streams, request, base, n_prompt, prompt_of, body.stream_options, opening, choice)
 
         collected = await collect(streams, request)
         if collected is None:
             return Response(status_code=499)  # the client has gone
         texts, lps, finals = collected
-        def all_logprobs(i):  # the echoed prompt's (its text as given), then the output's
-            at = [0, codecs.getincrementaldecoder("utf-8")(errors="replace")]
-            head, tail = completion_logprobs(echo_scored[i // n], at), completion_logprobs(lps[i], at, hidden)
+        def all_logprobs(i):  # the echoed prompt's (its text as given), then the output's, as streamed
+            head = completion_logprobs(echo_scored[i // n])
+            tail = completion_logprobs(lps[i], text_position(len(echo_of[i])), hidden)
             return {k: head[k] + tail[k] for k in head}
 
         choices = [{"index": i, "text": echo_of[i] + "".join(texts[i]),
@@ -551,12 +593,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         adapter = check_model(body.model)
+        body.model = body.model or model_name  # the name the response carries
         body.check_supported()
         try:
             text = tok.apply_chat_template(chat_dicts(body.messages))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = tok.encode_chat(text)  # no second BOS when the template writes one
+        ids = encode(text, body.add_special_tokens, chat=True)  # by default no second BOS after the template's
         raw = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(raw, param)
@@ -576,8 +619,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
             def choice(i, o):
                 lp = chat_logprobs(list(zip(o.token_ids, o.logprobs))) if body.logprobs else None
                 if not (o.text or o.finished or lp):
@@ -589,7 +630,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None, "stop_reason": None} for i in range(body.n)]
             return stream_response(streams, request, {**base, "object": "chat.completion.chunk"}, len(ids),
-                                   include_usage, opening, choice)
+                                   [len(ids)] * body.n, body.stream_options, opening, choice)
 
         collected = await collect(streams, request)
         if collected is None:

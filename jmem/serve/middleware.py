@@ -41,7 +41,8 @@ class RequireAPIKey:
 
 
 class JSONBodies:
-    """A POST body to one of `paths` must be JSON (`Content-Type: application/json`) of at most
+    """A POST body to one of `paths` must be JSON (`Content-Type: application/json`, `application/*+json`
+    or none) of at most
     `max_bytes`: else one 400 or 413 in OpenAI's shape before any of it is parsed. The body is read
     here, then handed to the app whole; later `receive` calls (a client's disconnect) pass through."""
 
@@ -53,7 +54,9 @@ class JSONBodies:
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
+        if not kind:  # read as JSON, as vLLM does (`requests.post(url, data=json.dumps(...))` sends none)
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+        elif kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
             return await _answer(APIError(400, f"Content-Type {kind or '(none)'!r}; accepted: application/json "
                                                f"(a JSON request body)"), scope, receive, send)
         too_big = APIError(413, f"request body over --max-request-bytes={self.max_bytes}; accepted: a smaller body "

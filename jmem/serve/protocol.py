@@ -71,6 +71,7 @@ def choice_seed(seed: int, index: int) -> int:
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: with include_usage, every chunk carries its choice's usage
 
 
 NOT_IMPLEMENTED = {
@@ -94,7 +95,10 @@ NOT_IMPLEMENTED = {
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are kept only to check NOT_IMPLEMENTED
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served base model (as vLLM)
+    # vLLM's: False encodes without the model's BOS; None: completions add it as the model file
+    # says, chat adds it unless the rendered template starts with it.
+    add_special_tokens: StrictBool | None = None
     max_tokens: StrictInt | None = None
     temperature: StrictNumber | None = None
     top_p: StrictNumber | None = None
@@ -285,6 +289,7 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # as in completions (prompt) and chat (messages)
 
 
 class LoadLoRAAdapterRequest(BaseModel):

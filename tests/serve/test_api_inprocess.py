@@ -326,3 +326,99 @@ def test_nullable_fields_take_null_and_output_changing_extras_are_refused():
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.json())
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+class ScoringEngine(ScriptedEngine):
+    """Emits "x" (id 120) and scores every prompt token after the first at -1."""
+
+    def __init__(self, tokenizer=None):
+        super().__init__(tokenizer or ByteTokenizer(), lambda rid, ids: [
+            RequestOutput(rid, "x", [120], [(-0.5, [])], finished=True, finish_reason="length",
+                          num_prompt_tokens=len(ids), num_output_tokens=1)])
+        self.prompts = []
+
+    def add_request(self, prompt_ids, params, request_id=None, loop=None):
+        self.prompts.append(list(prompt_ids))
+        return super().add_request(prompt_ids, params, request_id, loop)
+
+    def check_prompt(self, ids):
+        pass
+
+    def prompt_logprobs(self, ids, k):
+        return [None] + [(-1.0, [], 1)] * (len(ids) - 1)
+
+
+def completion(client, body):
+    """(text, logprobs) of one choice, whether `body` streams or not."""
+    if not body.get("stream"):
+        [c] = client.post("/v1/completions", json=body).json()["choices"]
+        return c["text"], c["logprobs"]
+    chunks = [json.loads(line[6:]) for line in sse_lines(client, "/v1/completions", body)[:-1]]
+    cs = [c for chunk in chunks for c in chunk["choices"]]
+    return "".join(c["text"] for c in cs), {k: sum((c["logprobs"][k] for c in cs), []) for k in ("tokens",
+                                                                                                 "text_offset")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_count_the_characters_of_bytes_that_are_no_character(stream):
+    """A prompt ending in half a character echoes it as U+FFFD; the output's first token starts after it
+    (it was counted at the U+FFFD without streaming), and a bad byte's U+FFFD belongs to its own token."""
+    client = TestClient(create_app(ScoringEngine(), "m"))
+    body = {"model": "m", "echo": True, "logprobs": 0, "stream": stream}
+    text, lp = completion(client, {**body, "prompt": [97, 98, 230], "max_tokens": 1})
+    assert text == "ab\ufffdx" and lp["text_offset"] == [0, 1, 2, 3]
+    text, lp = completion(client, {**body, "prompt": [230, 97, 98], "max_tokens": 0})
+    assert text == "\ufffdab" and lp["text_offset"] == [0, 1, 2]
+    text, lp = completion(client, {**body, "prompt": [256, 257], "max_tokens": 1})  # the echo has no text
+    assert text == "x" and len(lp["tokens"]) == 3 and lp["text_offset"] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(max_tokens):
+    client = TestClient(create_app(ScoringEngine(), "m"))
+    body = {"model": "m", "prompt": ["ab", "abc"], "n": 2, "echo": True, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = [json.loads(line[6:]) for line in sse_lines(client, "/v1/completions", body)[:-1]]
+    for chunk in chunks[:-1]:
+        [c] = chunk["choices"]
+        prompt = 2 if c["index"] < 2 else 3
+        assert chunk["usage"]["prompt_tokens"] == prompt and chunk["usage"]["completion_tokens"] in (0, max_tokens)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4 * max_tokens
+    assert any(chunk["usage"]["completion_tokens"] == max_tokens for chunk in chunks[:-1])
+    plain = [json.loads(line[6:]) for line in sse_lines(client, "/v1/completions", {
+        **body, "stream_options": {"include_usage": True}})[:-1]]
+    assert all("usage" not in chunk for chunk in plain[:-1])
+
+
+class BosBytes(ByteTokenizer):
+    """A byte tokenizer whose model file asks for a BOS before every text."""
+
+    def encode(self, text, add_bos=None):
+        return super().encode(text, True if add_bos is None else add_bos)
+
+
+def test_model_may_be_left_out_and_bodies_without_content_type_are_json():
+    """vLLM: no `model` is the served model; a body without Content-Type (requests' `data=`) is read as JSON."""
+    client = TestClient(create_app(ScoringEngine(), "m"))
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "m"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "m"
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    for headers in ({}, {"content-type": "application/vnd.api+json"}):
+        r = client.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "x", (headers, r.json())
+
+
+def test_add_special_tokens_false_leaves_out_the_models_bos():
+    engine = ScoringEngine(BosBytes())
+    client = TestClient(create_app(engine, "m"))
+    bos = BosBytes.bos_id
+    for value, first, chat_first in ((None, bos, bos), (True, bos, bos), (False, ord("h"), ord("<"))):
+        extra = {} if value is None else {"add_special_tokens": value}
+        assert client.post("/tokenize", json={"prompt": "hi", **extra}).json()["tokens"][0] == first
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **extra})
+        assert engine.prompts[-1][0] == first
+        assert client.post("/tokenize", json={**CHAT, **extra}).json()["tokens"][0] == chat_first  # <|im_start|>
+        client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, **extra})
+        assert engine.prompts[-1][0] == chat_first
