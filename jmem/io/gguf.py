@@ -154,6 +154,9 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
         GGUFError: unsupported architecture, a required key missing, or unsupported RoPE metadata.
     """
     arch = gf.architecture
+    if "general.architecture" not in gf.metadata:
+        raise GGUFError(f"{gf.path}: required key general.architecture is missing; accepted: a GGUF model file "
+                        f"of architecture {', '.join(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported; accepted: {', '.join(SUPPORTED_ARCHITECTURES)}")
     m = gf.metadata
@@ -254,6 +257,15 @@ def dequantize_tensor(t: GGUFTensor) -> np.ndarray:
     return np.asarray(ggml.dequantize(t.data, t.qtype)).reshape(t.shape)
 
 
+def tensor_shape(config: LlamaConfig, kind: str) -> tuple[int, ...]:
+    """The numpy shape (`[out, in]` for matrices) of llama.cpp tensor `kind` (`attn_q`, `ffn_norm`, ...)."""
+    c, qd, kd = config, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return {"token_embd": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "attn_q": (qd, c.dim),
+            "attn_k": (kd, c.dim), "attn_v": (kd, c.dim), "attn_output": (c.dim, qd), "ffn_gate": (c.ffn_dim, c.dim),
+            "ffn_up": (c.ffn_dim, c.dim), "ffn_down": (c.dim, c.ffn_dim), "attn_norm": (c.dim,),
+            "ffn_norm": (c.dim,), "output_norm": (c.dim,)}[kind]
+
+
 # jmem block weight name -> llama.cpp tensor name (per block `blk.{i}.`)
 BLOCK_TENSORS = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
                  "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
@@ -273,10 +285,26 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     from jmem.quant.ggml import FLOAT_TYPES, resolve_qtype
     from jmem.quant.ggml_weight import GGMLWeight
 
+    from jmem.quant.ggml import SUPPORTED_TYPES
+
+    arch = gf.architecture
+
     def get(name):
+        """The tensor, checked for a type jmem reads and the shape the metadata gives."""
         if name not in gf.tensors:
             raise GGUFError(f"{gf.path}: tensor {name} is missing")
-        return gf.tensors[name]
+        t = gf.tensors[name]
+        if t.qtype not in SUPPORTED_TYPES:
+            raise GGUFError(f"{gf.path}: tensor {name} has type {t.qtype}, which jmem does not read; "
+                            f"accepted: {', '.join(SUPPORTED_TYPES)}")
+        want = tensor_shape(config, name.split(".")[-2])
+        if tuple(t.shape) != want:
+            c = config
+            raise GGUFError(f"{gf.path}: tensor {name} has shape {list(t.shape)}, but the metadata "
+                            f"({arch}.embedding_length={c.dim}, head_count={c.n_heads}, head_count_kv={c.n_kv_heads}, "
+                            f"head dim {c.head_dim}, feed_forward_length={c.ffn_dim}, vocab {c.vocab_size}) gives "
+                            f"{list(want)}; accepted: a file whose tensors match its metadata")
+        return t
 
     weights: dict[str, Any] = {
         "embed.embedding": dequantize_tensor(get("token_embd.weight")),
@@ -292,11 +320,7 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
         raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "
                         f"{gf.architecture} model; accepted: a file whose tensors match its metadata")
     for ours, theirs in BLOCK_TENSORS.items():
-        tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]
-        odd = [i for i, t in enumerate(tensors) if t.shape != tensors[0].shape]
-        if odd:
-            raise GGUFError(f"{gf.path}: tensor blk.{odd[0]}.{theirs}.weight has shape {list(tensors[odd[0]].shape)}, "
-                            f"blk.0.{theirs}.weight {list(tensors[0].shape)}; accepted: one shape in every block")
+        tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]  # one shape: the metadata's
         heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
         qtypes = {t.qtype for t in tensors}
         if packed and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
@@ -318,7 +342,8 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
                         "as float32: %s bytes instead of %s packed (+%s)", ours, theirs, per_layer, f"{f32_bytes:,}",
                         f"{packed_bytes:,}", f"{f32_bytes - packed_bytes:,}")
         if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
-            stacked = dequantize_tensor(GGUFTensor(theirs, tensors[0].qtype, (len(tensors), *tensors[0].shape),
+            stacked = dequantize_tensor(GGUFTensor(f"blk.*.{theirs}.weight", tensors[0].qtype,
+                                                   (len(tensors), *tensors[0].shape),
                                                    np.stack([t.data for t in tensors])))
         else:
             stacked = np.stack([dequantize_tensor(t) for t in tensors])

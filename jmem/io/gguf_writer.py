@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jmem.io.ggml_mixed import MixedGGMLWeight
-from jmem.io.gguf import BLOCK_TENSORS, permute_rotary
+from jmem.io.gguf import BLOCK_TENSORS, permute_rotary, tensor_shape
 from jmem.io.paths import undo_on_failure
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
@@ -74,6 +74,7 @@ def byte_tokenizer_metadata() -> dict[str, Any]:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [],  # none, but present: llama.cpp refuses a gpt2 vocabulary without the key
         "tokenizer.ggml.token_type": [1] * 256 + [5, 5, 5],
         "tokenizer.ggml.bos_token_id": 256,
         "tokenizer.ggml.eos_token_id": 257,
@@ -92,6 +93,24 @@ def _kind(value) -> str | None:
     return "str" if isinstance(value, str) else None
 
 
+_EMPTY_ARRAYS = {"tokenizer.ggml.merges": "STRING"}
+"""Array keys written even when empty (item type): llama.cpp stops on a gpt2 vocabulary without merges."""
+
+
+def _writer(path: str, arch: str):
+    """gguf's writer, which also writes empty arrays of a known item type (its own refuses them)."""
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer(path, arch)
+
+
 def _typed_field(key: str, value, n_tokens: int):
     """(value, GGUF value type, array item type or None) of a metadata field, as llama.cpp reads it.
 
@@ -102,6 +121,8 @@ def _typed_field(key: str, value, n_tokens: int):
 
     V = gguf.GGUFValueType
     is_list = isinstance(value, (list, tuple))
+    if is_list and not value and key in _EMPTY_ARRAYS:
+        return [], V.ARRAY, V[_EMPTY_ARRAYS[key]]
     items = list(value) if is_list else [value]
     kinds = {_kind(v) for v in items}
     shown = f"{key}={value!r}" if len(repr(value)) <= 60 else f"{key}={repr(value)[:57]}..."
@@ -247,13 +268,6 @@ class _Matrix:
         return w_OI.astype(np.float16), target
 
 
-def _expected_shape_OI(config: LlamaConfig, kind: str) -> tuple[int, int]:
-    c, qd, kd = config, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    return {"token_embd": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "attn_q": (qd, c.dim),
-            "attn_k": (kd, c.dim), "attn_v": (kd, c.dim), "attn_output": (c.dim, qd), "ffn_gate": (c.ffn_dim, c.dim),
-            "ffn_up": (c.ffn_dim, c.dim), "ffn_down": (c.dim, c.ffn_dim)}[kind]
-
-
 def _tensors(config: LlamaConfig, params) -> list[tuple[str, Any]]:
     """(llama.cpp name, `_Matrix` or 1-D norm array) in llama.cpp's usual order."""
     cache: dict = {}
@@ -361,9 +375,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         raise ValueError(f"metadata key {bad_keys[0]!r} is not a str; accepted: str keys such as 'general.name'")
     general = {"general.name": "jmem-llama", **{k: v for k, v in (general_metadata or {}).items()
                                                 if k.startswith("general.") and k not in _GENERAL_SET_HERE}}
-    # GGUF has no empty arrays (the writer rejects them); an absent field reads the same.
+    # An empty array is dropped (an absent field reads the same), but for the keys llama.cpp requires.
     typed = {k: _typed_field(k, v, config.vocab_size) for k, v in {**general, **tok}.items()
-             if not (isinstance(v, (list, tuple)) and not v)}
+             if not (isinstance(v, (list, tuple)) and not v and k not in _EMPTY_ARRAYS)}
 
     # Plan every tensor (types and shapes) before any heavy work.
     plan = []
@@ -375,7 +389,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             plan.append((tname, t, "F32"))
             continue
         shape = t.shape_OI()
-        expected = _expected_shape_OI(config, tname.split(".")[-2])
+        expected = tensor_shape(config, tname.split(".")[-2])
         if shape != expected:
             raise ValueError(f"{tname}: weight has shape [out, in]={list(shape)}, config expects {list(expected)}")
         target = _resolve_target(qtype_by_tensor, tname, shape) or t.native_type()
@@ -396,7 +410,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     label = counts.most_common(1)[0][0] if file_type is None else ggml.resolve_qtype(file_type).name
 
     with undo_on_failure(path, "path"):  # a directory or unwritable path is refused before any encoding
-        w = gguf.GGUFWriter(os.fspath(path), "llama")
+        w = _writer(os.fspath(path), "llama")
         for key, (value, vtype, sub) in typed.items():
             if key.startswith("general."):
                 w.add_key_value(key, value, vtype, sub_type=sub)

@@ -81,6 +81,10 @@ def test_float_model_round_trip(tiny, tmp_path):
     assert f["llama.block_count"].contents() == cfg.n_layers
     assert f["llama.attention.head_count_kv"].contents() == cfg.n_kv_heads
     assert f["tokenizer.ggml.tokens"].contents() == byte_tokenizer_metadata()["tokenizer.ggml.tokens"]
+    # llama.cpp refuses a gpt2 vocabulary without merges: the key is there, an empty array of strings.
+    merges = f["tokenizer.ggml.merges"]
+    assert merges.types == [gguf.GGUFValueType.ARRAY] and merges.data == []
+    assert int(merges.parts[-2][0]) == gguf.GGUFValueType.STRING and int(merges.parts[-1][0]) == 0
 
     lm = jmem.load(path)
     assert lm.config == cfg
@@ -387,7 +391,20 @@ def test_metadata_that_does_not_match_the_tensors_is_one_error(tiny, tmp_path):
     odd = dataclasses.replace(gf, tensors={**gf.tensors, norm.name: GGUFTensor(norm.name, "F32", (7,),
                                                                                  np.zeros(7, np.float32))})
     with pytest.raises(GGUFError, match=re.escape(
-            f"t.gguf: tensor blk.1.attn_norm.weight has shape [7], blk.0.attn_norm.weight [{cfg.dim}]; "
-            "accepted: one shape in every block")):
+            f"t.gguf: tensor blk.1.attn_norm.weight has shape [7], but the metadata "
+            f"(llama.embedding_length={cfg.dim}, ")):
         llama_weights(odd, cfg)
+    # A head count that does not fit attn_q was a numpy reshape error naming nothing.
+    six = dataclasses.replace(gf, metadata={**gf.metadata, "llama.attention.head_count": 6})
+    with pytest.raises(GGUFError, match=r"t.gguf: tensor blk.0.attn_q.weight has shape \[64, 64\], but the metadata .*"
+                                        r"head_count=6, .* gives \[96, 64\]; accepted: a file whose tensors match"):
+        llama_weights(six, config_from_gguf(six))
+    q = gf.tensors["blk.0.attn_q.weight"]  # a type jmem does not read: named with the file, packed or not
+    iq = dataclasses.replace(gf, tensors={**gf.tensors, q.name: GGUFTensor(q.name, "IQ2_XS", q.shape, q.data)})
+    for packed in (False, True):
+        with pytest.raises(GGUFError, match=r"t.gguf: tensor blk.0.attn_q.weight has type IQ2_XS, which jmem does not"):
+            llama_weights(iq, cfg, packed=packed)
+    no_arch = dataclasses.replace(gf, metadata={k: v for k, v in gf.metadata.items() if k != "general.architecture"})
+    with pytest.raises(GGUFError, match="t.gguf: required key general.architecture is missing; accepted: a GGUF"):
+        config_from_gguf(no_arch)
     llama_weights(gf, config_from_gguf(gf))
