@@ -35,7 +35,7 @@ from jmem.io.paths import undo_on_failure
 from jmem.lm import PACKAGED_MODELS
 from jmem.models.config import PRESETS
 from jmem.quant.saved import check_new_dir, save_quantized
-from jmem.train.loss import lm_loss_sum
+from jmem.train.loss import lm_loss_terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     """(student layers, documents) after checking every flag; nothing is loaded. The --save-student
     directory is created, empty."""
     for flag, v, low in [("--steps", cfg.steps, 1), ("--batch", cfg.batch, 1), ("--seq", cfg.seq, 2),
-                         ("--eval-batches", cfg.eval_batches, 1)]:
+                         ("--eval-batches", cfg.eval_batches, 1), ("--seed", cfg.seed, 0)]:
         if v < low:
             raise ValueError(f"{flag} {v}; accepted: an integer >= {low}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
@@ -168,7 +168,9 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
               "pipeline, not of distillation")
 
     graphdef, student_params, rest = nnx.split(student, nnx.Param, ...)
-    ce_sum = jax.jit(lambda g, states, b: lm_loss_sum(nnx.merge(g, *states), b, chunk=cfg.chunk), static_argnums=0)
+    # Cross-entropy alone: an MoE teacher's router losses are no part of it (as the train CE logged).
+    ce_sum = jax.jit(lambda g, states, b: lm_loss_terms(nnx.merge(g, *states), b, chunk=cfg.chunk)[:2],
+                     static_argnums=0)
 
     def eval_ce(params, g=graphdef, rest=(rest,)):
         tot = [ce_sum(g, (params, *rest), b) for b in evals]

@@ -101,7 +101,10 @@ def validate(cfg: Config) -> tuple[list[int], PackedDataset | None]:
         raise ValueError(f"--lr {cfg.lr}; accepted: a finite number > 0")
     from jmem.memory.remat import get_policy
 
-    get_policy(cfg.remat)  # its own error names the accepted policies
+    try:
+        get_policy(cfg.remat)
+    except ValueError as e:  # it names the accepted policies
+        raise ValueError(f"--remat {cfg.remat!r}: {e}") from None
     layers = min(PRESETS[cfg.model]().n_layers, PRESETS[cfg.train_model]().n_layers if cfg.train_steps else 10**9)
     counts = _counts(cfg.n_active, layers)
     if not cfg.train_steps:

@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.write_text(json.dumps(records, indent=1))
-    title = f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}, attention {records[0]['attention']}]"
+    rules = f", rules {cfg.rules}" if cfg.rules else ""
+    title = (f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}, attention "
+             f"{records[0]['attention']}{rules}]")
     md.write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
     plot_records(records, png, title)
     print(f"wrote {cfg.out}, {cfg.md}, {cfg.png}")

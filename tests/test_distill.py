@@ -447,3 +447,35 @@ def test_an_moe_teacher_gives_each_row_the_targets_it_gives_it_alone():
     alone = [distill_loss_sum(student, teacher, {k: v[i:i + 1] for k, v in batch.items()}, alpha=1.0)[0]
              for i in range(2)]
     np.testing.assert_allclose(float(both), float(sum(alone)), rtol=1e-5)
+
+
+def test_script_checks_the_seed_before_loading(capsys):
+    """A negative --seed failed after the teacher had loaded and been evaluated, naming `seed`."""
+    from tests.helpers import experiment
+
+    assert experiment("distill").cli(["--teacher", "tiny", "--steps", "2", "--seed", "-1"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == "error: --seed -1; accepted: an integer >= 0\n" and cap.out == ""
+
+
+def test_script_held_out_ce_of_an_moe_teacher_leaves_out_its_router_losses(capsys):
+    """The held-out column is cross-entropy (as the train CE beside it): an MoE teacher's router losses were
+    added to it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jmem
+    from jmem.data import PackedDataset, load_documents
+    from jmem.train.loss import lm_loss_sum, lm_loss_terms
+    from tests.helpers import experiment
+
+    script = experiment("distill")
+    cfg = script.Config(teacher="tiny-moe", steps=1, batch=2, seq=16, eval_batches=1)
+    result = script.main(cfg)
+    lm = jmem.load("tiny-moe")
+    data = PackedDataset.from_text(load_documents(None), lm.tokenizer, 16)
+    [batch] = [jax.tree.map(jnp.asarray, b) for b in data.eval_batches(2, 1)]
+    s, c, _ = lm_loss_terms(lm.model, batch)
+    with_router = lm_loss_sum(lm.model, batch)
+    assert abs(result["teacher_ce"] - float(s / c)) < 1e-4
+    assert abs(float(with_router[0] / with_router[1]) - float(s / c)) > 1e-4  # the two differ for this teacher

@@ -120,6 +120,12 @@ def test_a_failed_run_leaves_no_output_directories_behind(tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == [] and tmp_path.is_dir()
 
 
+def test_layerwise_bad_remat_names_the_flag(capsys):
+    rc = experiment("layerwise").cli(["--model", "tiny", "--remat", "bogus"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: --remat 'bogus': unknown remat policy 'bogus'; accepted:"), err
+
+
 def test_layerwise_text_too_short_names_train_seq(tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("a few words only")

@@ -132,6 +132,15 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     if target is not None:
         _named("--target", target, parse_target, target, accepted="'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'")
     _named("--rules", rules, par.Rules.parse, rules, accepted="'logical=mesh_axes,...'")
+    if rules and None in meshes:
+        raise ValueError(f"--rules={rules} needs --mesh (rules place logical axes on a mesh's axes); accepted: "
+                         "--rules with --mesh, or no --rules")
+    off_default = [f"--{flag}={','.join(map(str, values))}" for flag, values, default in (
+        ("microbatches", microbatches, [1]), ("pipeline-schedule", schedules, ["gpipe"])) if list(values) != default]
+    if pipeline_stages == 1 and off_default:
+        raise ValueError(f"{' and '.join(off_default)} needs --pipeline-stages > 1 (without a pipeline each value "
+                         "would compile the same step again); accepted: the default (--microbatches 1, "
+                         "--pipeline-schedule gpipe) with --pipeline-stages 1")
     if pipeline_stages > 1 and None in meshes:
         raise ValueError(f"--pipeline-stages={pipeline_stages} needs --mesh with a 'stage' axis; accepted: "
                          f"e.g. --mesh stage={pipeline_stages},data=4")
@@ -214,7 +223,8 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     per_device = par.model_state_bytes(state, state_mesh, stage=zero if dmesh is not None else 0,
                                        rules=rules or None)
     return {
-        "mesh": par.mesh_summary(dmesh) if dmesh is not None else None, "zero": zero, **per_device,
+        "mesh": par.mesh_summary(dmesh) if dmesh is not None else None, "zero": zero, "rules": rules or None,
+        **per_device,
         "remat": remat, "precision": precision, "accum": accum, "optimizer": optimizer,
         "attention": mc.attention_impl,
         "pipeline": f"{pipeline_stages} stages x {microbatches} microbatches, {schedule}" if pipeline_stages > 1

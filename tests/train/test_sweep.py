@@ -89,6 +89,10 @@ _PIPE = {"--mesh": "stage=2,data=4", "--pipeline-stages": "2"}
     ({"--mesh": "data=8;tensor=8"}, "--mesh=tensor=8: n_heads=4 is not divisible by mesh axes tensor of size 8"),
     ({**_PIPE, "--mesh": "stage=2,data=4;stage=4,data=2"}, "--mesh=stage=4,data=2 has stage=4 but --pipeline-stages=2"),
     ({"--mesh": "data=4,tensor=2;data=8", "--batch": "4"}, "--batch=4 must be divisible by the data-parallel size 8 x --accum 1"),
+    # Without a pipeline these compiled the same step once per value.
+    ({"--microbatches": "2,4"}, "--microbatches=2,4 needs --pipeline-stages > 1"),
+    ({"--pipeline-schedule": "gpipe,1f1b"}, "--pipeline-schedule=gpipe,1f1b needs --pipeline-stages > 1"),
+    ({"--rules": "length=tensor"}, "--rules=length=tensor needs --mesh"),  # was ignored
 ])
 def test_a_bad_value_late_in_a_list_fails_before_the_first_compile(flags, expected, monkeypatch, capsys, tmp_path):
     """Each list value (and each combination) is checked with the train step's checks before
@@ -176,9 +180,11 @@ def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):
     rc, cap = _main(["--preset", "tiny", "--mesh", "stage=2,data=4", "--pipeline-stages", "2", "--microbatches", "4",
                      "--pipeline-schedule", "gpipe,1f1b", "--batch", "32", "--seq", "32", "--remat", "full",
                      "--precision", "f32", "--accum", "1", "--optimizer", "adamw", "--out", str(out),
-                     "--md", str(tmp_path / "p.md"), "--png", str(tmp_path / "p.png")], capsys)
+                     "--md", str(tmp_path / "p.md"), "--png", str(tmp_path / "p.png"), "--rules", "kv_heads=none"],
+                    capsys)
     assert rc == 0, cap.err
     gpipe, one_f_one_b = json.loads(out.read_text())
+    assert gpipe["rules"] == "kv_heads=none" and "rules kv_heads=none]" in (tmp_path / "p.md").read_text()
     assert gpipe["pipeline"] == "2 stages x 4 microbatches, gpipe"
     assert one_f_one_b["pipeline"] == "2 stages x 4 microbatches, 1f1b"
     assert one_f_one_b["temp_bytes"] < gpipe["temp_bytes"]  # at most S stage inputs held, not M
