@@ -365,8 +365,9 @@ class Engine:
         host memory until a request uses it. ValueError: loading is off, the name is taken, or the file
         does not fit the slots (its rank, targets or shapes)."""
         self._check_runtime_lora()
-        if not isinstance(name, str) or not name.strip():
-            raise RequestError(f"LoRA adapter name {name!r}; accepted: a non-empty string", "lora_name")
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise RequestError(f"LoRA adapter name {name!r}; accepted: a non-empty string without surrounding "
+                               "spaces", "lora_name")
         if name in self.adapters:
             raise RequestError(f"LoRA adapter {name!r} is already loaded; accepted: a new name, or unload it first",
                                "lora_name")

@@ -329,6 +329,10 @@ def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterI
             a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
             b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
         host[t] = a.astype(dtype), b.astype(dtype)
+        for side, x in zip(("A", "B x alpha/rank"), host[t]):  # one inf in a slot turns every row's delta NaN
+            if not np.isfinite(x.astype(np.float32)).all():
+                raise ValueError(f"adapter {name!r} ({path}): its {t} {side} is not finite in the slots' "
+                                 f"{np.dtype(dtype).name}; accepted: weights whose scaled values are finite there")
     return AdapterInfo(name, slot, os.fspath(path), {t: m["rank"] for t, m in meta.items()},
                        {t: m["alpha"] for t, m in meta.items()}, int(sum(v.nbytes for v in stored.values())), host,
                        version)

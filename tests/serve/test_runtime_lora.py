@@ -140,7 +140,12 @@ def test_runtime_loading_refusals(model, files, tmp_path):
         np.savez(tmp_path / "bad.npz", **broken)
         with pytest.raises(ValueError, match=rf"adapter '.*bad.npz': {key} holds {message}"):
             engine.load_adapter("bad", str(tmp_path / "bad.npz"))
-    for name in ("", None, 3):
+    # Finite in the file, but B x alpha/rank is inf in the slots: every other adapter's rows turned NaN.
+    np.savez(tmp_path / "big.npz", **{**bad, "wk.lora_b": np.full_like(bad["wk.lora_b"], 3e38)})
+    with pytest.raises(ValueError, match=r"adapter 'big' \(.*big.npz\): its wk B x alpha/rank is not finite in the "
+                                         r"slots' float32; accepted: weights whose scaled values are finite there"):
+        engine.load_adapter("big", str(tmp_path / "big.npz"))
+    for name in ("", None, 3, " c"):
         with pytest.raises(ValueError, match=f"LoRA adapter name {name!r}; accepted: a non-empty string"):
             engine.load_adapter(name, files["c"])
     engine.load_adapter("c", files["c"])
