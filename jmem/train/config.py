@@ -66,7 +66,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on held-out windows every N steps (0: only at the end)."""
     eval_batches: int = 4
-    """Held-out batches per evaluation."""
+    """Held-out batches of --batch windows per evaluation (each run in --accum microbatches, as a train step)."""
     log: str | None = None
     """Write one JSON line per step (and per evaluation) to this file: a new (or empty) file, or with
     --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job)."""

@@ -197,18 +197,34 @@ def _keep_logged(line: str, resume_step: int) -> bool:
 
 
 def _evaluate(eval_fn, params, run: Run) -> float | None:
+    """Mean loss over the validation batches of `--batch` windows (fewer when the split is smaller).
+    Each batch runs in the train step's microbatches (`--batch / --accum` windows: the memory the
+    run was sized for), split over the mesh's data axes as the train batch is."""
     bs = min(run.cfg.batch, len(run.data.valid))
+    micro = bs // run.cfg.accum if bs % run.cfg.accum == 0 else bs
+    place = _eval_placement(run, micro)
     total = count = 0.0
     for b in run.data.eval_batches(bs, run.cfg.eval_batches):
-        if run.mesh is not None and _multiprocess():  # a global (replicated) array in every process
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            from jmem import parallel as par
-
-            b = par.to_global(b, jax.tree.map(lambda _: NamedSharding(run.mesh, PartitionSpec()), b))
-        s, c = eval_fn(params, b)
-        total, count = total + float(_host(s)), count + float(_host(c))
+        for i in range(0, bs, micro):
+            s, c = eval_fn(params, place({k: v[i : i + micro] for k, v in b.items()}))
+            total, count = total + float(_host(s)), count + float(_host(c))
     return total / count if count else None
+
+
+def _eval_placement(run: Run, rows: int) -> Callable[[dict], Any]:
+    """How an eval batch of `rows` windows goes onto the run's devices: split over the data axes when
+    they divide it, else whole on every device (a global array in every process)."""
+    if run.mesh is None:
+        return lambda b: b
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jmem import parallel as par
+    from jmem.parallel.step import batch_axes, batch_spec
+
+    rules = rules_for(run.cfg)
+    split = rows % int(np.prod([run.mesh.shape[a] for a in batch_axes(run.mesh, rules)])) == 0
+    sharding = NamedSharding(run.mesh, batch_spec(run.mesh, rules) if split else PartitionSpec())
+    return lambda b: par.to_global(b, jax.tree.map(lambda _: sharding, b))
 
 
 def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dict], None] | None = None) -> TrainResult:

@@ -52,6 +52,32 @@ def test_pipeline_stages_match_one_device(single_device_losses):
     np.testing.assert_allclose([result.losses[k] for k in range(3)], single_device_losses, rtol=1e-5)
 
 
+def test_eval_runs_in_the_train_microbatches_split_over_the_data_axes(monkeypatch):
+    """Each eval batch ran whole (--batch windows, not the --batch / --accum the run was sized for) and on a
+    mesh whole on every device; the loss is the one-device loss."""
+    from jax.sharding import PartitionSpec as P
+
+    from jmem.train import loop
+
+    seen, real = [], loop._jitted_eval
+
+    def spy(fns):
+        f = real(fns)
+
+        def call(params, b):
+            seen.append((b["inputs"].shape, getattr(getattr(b["inputs"], "sharding", None), "spec", None)))
+            return f(params, b)
+        return call
+
+    monkeypatch.setattr(loop, "_jitted_eval", spy)
+    cfg = dataclasses.replace(REF, steps=1, accum=2, eval_batches=2)
+    meshed = train(dataclasses.replace(cfg, mesh="data=4,tensor=2"), out=io.StringIO())
+    assert seen == [((4, 32), P("data"))] * 4
+    one = train(cfg, out=io.StringIO())
+    assert seen[4:] == [((4, 32), None)] * 4
+    np.testing.assert_allclose(meshed.eval_losses[1], one.eval_losses[1], rtol=1e-5)
+
+
 
 @pytest.mark.parametrize("argv, expected", [
     (["--zero", "4"], "zero=4 is not a ZeRO stage; accepted: 0, 1, 2, 3"),
