@@ -35,6 +35,11 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     from jmem.lm import model_source
 
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 (held as surrogates)
+        raise ValueError(f"--prompt holds bytes that are not UTF-8 text (at character {e.start}); accepted: "
+                         "UTF-8 text") from None
     if draft is not None and (top_k is not None or top_p is not None):
         raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
     if draft is None and draft_k is not None:
@@ -100,15 +105,17 @@ def info(path: tyro.conf.Positional[str]) -> None:
                 f"name ({', '.join(PACKAGED_MODELS)})")
     if path in PACKAGED_MODELS:  # as `jmem generate --model` resolves it
         path = packaged_model_path(path)
-    elif os.path.isdir(path):
+    elif os.path.isdir(os.path.expanduser(path)):
+        path = os.path.expanduser(path)
         if not is_quantized_dir(path):
             raise ValueError(f"{path!r} is a directory without {MANIFEST}; {accepted}")
         print(describe(path))
         return
     elif path in PRESETS and not os.path.exists(path):
         raise ValueError(f"{path!r} is a random-init preset, with no file to describe; {accepted}")
-    elif not os.path.exists(path):
+    elif not os.path.exists(os.path.expanduser(path)):
         raise FileNotFoundError(f"{path!r}: no such file or directory; {accepted}")
+    path = os.path.expanduser(path)
     from jmem.io.gguf import config_from_gguf, read_gguf
 
     gf = read_gguf(path)
@@ -141,6 +148,21 @@ def _numel(shape):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one subcommand. A reader of stdout that goes away (`| head`) ends it quietly with status 141,
+    as a tool killed by SIGPIPE; Ctrl-C with one line and status 130."""
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        raise SystemExit(141) from None
+    except KeyboardInterrupt:
+        print("jmem: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None) -> None:
     from jmem.quant.cli import QuantizeArgs, run_quantize
     from jmem.serve.cli import ServeArgs, run_serve
 
@@ -148,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         parsed = tyro.extras.subcommand_cli_from_dict(commands, args=sys.argv[1:] if argv is None else argv,
                                                       prog="jmem")
+    except BrokenPipeError:
+        raise
     except (ValueError, OSError) as e:  # generate and info run inside tyro's call
         print(f"jmem: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

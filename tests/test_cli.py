@@ -210,3 +210,70 @@ def test_generate_refuses_a_draft_with_other_tokens(tmp_path, capsys):
     code, _, err = _in_process(main, ["generate", "--model", target, "--draft", draft, "--prompt", "hi"], capsys)
     assert code == 2 and err == (f"jmem: error: --draft {draft!r}'s token 97 is 'b', the model's 'a'; accepted: "
                                  "a draft with the model's tokenizer\n"), err
+
+
+def _with_closed_stdout(*args, **env):
+    """A `jmem` command whose stdout reader has gone (as `| head` does once it has its lines)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "jmem", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=600, env={**os.environ, **env})
+    finally:
+        os.close(write)
+
+
+def test_a_closed_stdout_ends_quietly_and_keeps_what_was_written(tmp_path):
+    """It was "error: [Errno 32] Broken pipe" with status 2, and `quantize` deleted the file it had written."""
+    import jmem
+
+    out = tmp_path / "q.gguf"
+    r = _with_closed_stdout("quantize", "--model", "tiny", "--method", "q8_0", "--out", str(out),
+                            PYTHONUNBUFFERED="1")
+    assert r.returncode == 141 and r.stderr == "", r.stderr
+    assert jmem.load(str(out)).config.n_layers == 2
+    r = _with_closed_stdout("info", str(out))
+    assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_quantize_force_never_overwrites_a_packaged_model_file(tmp_path, capsys, monkeypatch):
+    """`--model smollm2-135m --out <its file> --force` replaced the installed model: the name was compared,
+    not the file it names."""
+    import jmem.lm
+    from jmem.cli import main
+
+    packaged = _tiny_gguf(tmp_path / "packaged.gguf")
+    before = open(packaged, "rb").read()
+    monkeypatch.setattr(jmem.lm, "packaged_model_path", lambda name: packaged)
+    code, _, err = _in_process(main, ["quantize", "--model", "smollm2-135m", "--method", "q8_0", "--out", packaged,
+                                      "--force"], capsys)
+    assert code == 2 and "is the --model file itself" in err, err
+    assert open(packaged, "rb").read() == before
+
+
+def test_prompt_info_path_and_interrupt_errors(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    import jmem.cli
+    from jmem.cli import main
+
+    code, _, err = _in_process(main, ["generate", "--model", "tiny", "--prompt", "\udcff abc"], capsys)
+    assert code == 2 and err == ("jmem: error: --prompt holds bytes that are not UTF-8 text (at character 0); "
+                                 "accepted: UTF-8 text\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _tiny_gguf(tmp_path / "t.gguf")
+    code, out, err = _in_process(main, ["info", "~/t.gguf"], capsys)  # as `generate --model ~/t.gguf` reads it
+    assert code == 0 and f"file:          {tmp_path / 't.gguf'}" in out, err
+    np.savez(tmp_path / "ad.npz", x=np.zeros(2))
+    code, _, err = _in_process(main, ["info", str(tmp_path / "ad.npz")], capsys)
+    assert code == 2 and "is not a GGUF file (magic b'PK\\x03\\x04', expected b'GGUF') (a .npz of LoRA adapters " \
+        "is served with `jmem serve --lora-modules NAME=PATH`); accepted: a GGUF model file" in err, err
+
+    def interrupted(path: jmem.cli.tyro.conf.Positional[str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jmem.cli, "info", interrupted)
+    code, _, err = _in_process(main, ["info", "x"], capsys)
+    assert code == 130 and err == "jmem: interrupted\n"

@@ -86,7 +86,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     with open(path, "rb") as f:
         magic, version_bytes = f.read(4), f.read(4)
     if magic != MAGIC:
-        raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+        hint = " (a .npz of LoRA adapters is served with `jmem serve --lora-modules NAME=PATH`)" \
+            if magic == b"PK\x03\x04" else ""
+        raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected {MAGIC!r}){hint}; accepted: a "
+                        "GGUF model file (llama.cpp's format)")
     if len(version_bytes) == 4 and int.from_bytes(version_bytes, "little") not in SUPPORTED_VERSIONS:
         if int.from_bytes(version_bytes, "big") in SUPPORTED_VERSIONS:  # jmem decodes blocks as little-endian
             raise GGUFError(f"{path} is a big-endian GGUF file, which jmem does not read; accepted: little-endian "

@@ -78,11 +78,14 @@ def out_kind(out: str) -> str:
 
 
 def check_gguf_out(out: str, model: str, force: bool) -> None:
-    """Refuse a .gguf --out that is the source model's file, or an existing file without --force."""
+    """Refuse a .gguf --out that is the source model's file (a packaged model's name included), or an
+    existing file without --force."""
+    from jmem.lm import model_source
+
     if not os.path.isfile(os.path.expanduser(out)):
         return
-    if os.path.isfile(os.path.expanduser(model)) and os.path.samefile(os.path.expanduser(out),
-                                                                      os.path.expanduser(model)):
+    kind, source = model_source(model, "--model")
+    if kind == "gguf" and os.path.samefile(os.path.expanduser(out), source):
         raise ValueError(f"--out {out!r} is the --model file itself; accepted: another path (the source is read "
                          "while the output is written)")
     if not force:
@@ -241,6 +244,15 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
         return _quantize_and_write(args, method, kind, docs)
 
 
+def _say(line: str) -> None:
+    """A progress line on stdout; a reader that went away (`| head`) costs the line, not the output
+    being written (the command ends quietly once it is written)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        pass
+
+
 def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dict[str, str]:
     import jmem
     from jmem.io.gguf import GGUFFile
@@ -275,18 +287,18 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
                            general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None,
                            file_type=qtype)
         for line in fallback_lines(qtype, {n: (r, types[n]) for n, r in rows.items()}):
-            print(line)
+            _say(line)
         if types.get(head, qtype.upper()) != qtype.upper():
-            print(f"{head} (the output head): stored as {types[head]}, as llama.cpp keeps the head at Q6_K "
-                  f"(Q8_0 where 256 does not divide its rows)")
+            _say(f"{head} (the output head): stored as {types[head]}, as llama.cpp keeps the head at Q6_K "
+                 f"(Q8_0 where 256 does not divide its rows)")
         return types
 
     if method in GGUF_METHODS:
         if kind == "gguf":
             return write(lm.model, method)
-        qmodel, _ = quantize_gguf_blocks(lm.model, method, log=print)
+        qmodel, _ = quantize_gguf_blocks(lm.model, method, log=_say)
     else:
-        qmodel = quantize(lm.model, method, bits=args.bits, log=print, **method_kwargs(
+        qmodel = quantize(lm.model, method, bits=args.bits, log=_say, **method_kwargs(
             method, group_size=args.group_size, calibration=docs, tokenizer=lm.tokenizer, symmetric=args.symmetric,
             act_order=args.act_order, max_seqs=args.calibration_windows))
         if kind == "gguf":
@@ -301,6 +313,8 @@ def run_quantize(args: QuantizeArgs) -> None:
     or a failed read or write)."""
     try:
         types = quantize_to_file(args)
+    except BrokenPipeError:
+        raise
     except (ValueError, OSError) as e:
         print(f"jmem quantize: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
