@@ -285,10 +285,8 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     with one warning (logger `jmem.io`) naming the extra bytes.
     """
     from jmem.io.ggml_mixed import MixedGGMLWeight
-    from jmem.quant.ggml import FLOAT_TYPES, resolve_qtype
+    from jmem.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES, resolve_qtype
     from jmem.quant.ggml_weight import GGMLWeight
-
-    from jmem.quant.ggml import SUPPORTED_TYPES
 
     arch = gf.architecture
 
