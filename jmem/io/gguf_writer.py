@@ -409,43 +409,49 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         file_type = qtype_by_tensor
     label = counts.most_common(1)[0][0] if file_type is None else ggml.resolve_qtype(file_type).name
 
-    with undo_on_failure(path, "path"):  # a directory or unwritable path is refused before any encoding
-        w = _writer(os.fspath(path), "llama")
-        for key, (value, vtype, sub) in typed.items():
-            if key.startswith("general."):
-                w.add_key_value(key, value, vtype, sub_type=sub)
-        w.add_context_length(config.max_seq_len)
-        w.add_embedding_length(config.dim)
-        w.add_block_count(config.n_layers)
-        w.add_feed_forward_length(config.ffn_dim)
-        w.add_head_count(config.n_heads)
-        w.add_head_count_kv(config.n_kv_heads)
-        w.add_key_length(config.head_dim)
-        w.add_value_length(config.head_dim)
-        w.add_rope_dimension_count(config.rope_dim or config.head_dim)
-        w.add_rope_freq_base(float(config.rope_base))
-        freq_factors = _write_rope_scaling(w, config)
-        w.add_layer_norm_rms_eps(float(config.norm_eps))
-        w.add_vocab_size(config.vocab_size)
-        w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[label]]))
-        if any(t not in ("F32", "F16", "BF16") for t in counts):
-            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for key, (value, vtype, sub) in typed.items():
-            if not key.startswith("general."):
-                w.add_key_value(key, value, vtype, sub_type=sub)
+    with undo_on_failure(path, "path") as out:  # a directory or unwritable path is refused before encoding
+        # Written beside `path`, then renamed over it: a file being replaced stays whole until the new one is.
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            w = _writer(os.fspath(tmp), "llama")
+            for key, (value, vtype, sub) in typed.items():
+                if key.startswith("general."):
+                    w.add_key_value(key, value, vtype, sub_type=sub)
+            w.add_context_length(config.max_seq_len)
+            w.add_embedding_length(config.dim)
+            w.add_block_count(config.n_layers)
+            w.add_feed_forward_length(config.ffn_dim)
+            w.add_head_count(config.n_heads)
+            w.add_head_count_kv(config.n_kv_heads)
+            w.add_key_length(config.head_dim)
+            w.add_value_length(config.head_dim)
+            w.add_rope_dimension_count(config.rope_dim or config.head_dim)
+            w.add_rope_freq_base(float(config.rope_base))
+            freq_factors = _write_rope_scaling(w, config)
+            w.add_layer_norm_rms_eps(float(config.norm_eps))
+            w.add_vocab_size(config.vocab_size)
+            w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[label]]))
+            if any(t not in ("F32", "F16", "BF16") for t in counts):
+                w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            for key, (value, vtype, sub) in typed.items():
+                if not key.startswith("general."):
+                    w.add_key_value(key, value, vtype, sub_type=sub)
 
-        written: dict[str, str] = {}
-        if freq_factors is not None:
-            w.add_tensor("rope_freqs.weight", freq_factors)
-            written["rope_freqs.weight"] = "F32"
-        for tname, t, target in plan:  # every tensor is encoded (and checked) before the file is opened
-            array, qtype = t.encode(target, tname) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
-            raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(tname, array, raw_dtype=raw_dtype)
-            written[tname] = qtype
+            written: dict[str, str] = {}
+            if freq_factors is not None:
+                w.add_tensor("rope_freqs.weight", freq_factors)
+                written["rope_freqs.weight"] = "F32"
+            for tname, t, target in plan:  # every tensor is encoded (and checked) before the file is opened
+                array, qtype = t.encode(target, tname) if isinstance(t, _Matrix) else (np.ascontiguousarray(t), "F32")
+                raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
+                w.add_tensor(tname, array, raw_dtype=raw_dtype)
+                written[tname] = qtype
 
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return written

@@ -408,3 +408,19 @@ def test_metadata_that_does_not_match_the_tensors_is_one_error(tiny, tmp_path):
     with pytest.raises(GGUFError, match="t.gguf: required key general.architecture is missing; accepted: a GGUF"):
         config_from_gguf(no_arch)
     llama_weights(gf, config_from_gguf(gf))
+
+
+def test_a_write_that_fails_leaves_the_file_it_replaces_whole(tiny, tmp_path, monkeypatch):
+    """An overwrite (`jmem quantize --force`) stopped while writing (Ctrl-C, a full disk) truncated the old file."""
+    cfg, model, _ = tiny
+    path = tmp_path / "m.gguf"
+    write_gguf(path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    before = path.read_bytes()
+
+    def interrupted(self, *args, **kwargs):  # the header and metadata are out, the tensors not
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_gguf(path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="Q8_0")
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
