@@ -145,20 +145,19 @@ def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int 
     The cache key hashes the text, the separators and `tokenizer_id`, so a
     different text or tokenizer never reads a stale file. A cache file that
     cannot be read, or holds what no tokenizer run wrote (not a 1-D array of
-    ids, none at all, ids past the tokenizer's vocabulary), is rebuilt; a
-    cache folder that cannot be written is skipped.
+    ids, none at all, negative ids), is rebuilt; a cache folder that cannot
+    be written is skipped.
     """
     key = f"{_text_digest(docs)[:24]}-{tokenizer_id(tokenizer)}-{bos}-{eos}.npy"
     path = cache_dir() / "tokens" / key
     if cache:
-        stream = _load_cached(path, getattr(tokenizer, "vocab_size", None))
+        stream = _load_cached(path)
         if stream is not None:
             return stream
-    seps = [np.asarray([t], np.min_scalar_type(t or 0)) for t in (bos, eos)]
+    head, tail = ([] if t is None else [np.asarray([t], np.min_scalar_type(t))] for t in (bos, eos))
     parts = []
     for d in docs:
-        ids = _encode(tokenizer, d)
-        parts += [seps[0]] * (bos is not None) + [ids] + [seps[1]] * (eos is not None)
+        parts += [*head, _encode(tokenizer, d), *tail]
     stream = np.concatenate(parts) if parts else np.zeros((0,), np.int64)
     del parts
     fits = stream.size and 0 <= stream.min() and stream.max() < 2**16
@@ -183,7 +182,7 @@ def _text_digest(docs: list[str]) -> str:
     return h.hexdigest()
 
 
-def _load_cached(path: pathlib.Path, vocab: int | None) -> np.ndarray | None:
+def _load_cached(path: pathlib.Path) -> np.ndarray | None:
     """The cached stream at `path`, or None when there is none that a tokenizer run could have written."""
     try:
         if not path.is_file():
@@ -191,9 +190,7 @@ def _load_cached(path: pathlib.Path, vocab: int | None) -> np.ndarray | None:
         stream = np.load(path)
     except (OSError, ValueError, EOFError):  # unreadable, or truncated by an interrupted write
         return None
-    if stream.ndim != 1 or stream.dtype not in (np.uint16, np.int32) or not stream.size:
-        return None
-    if stream.min() < 0 or (vocab is not None and stream.max() >= vocab):
+    if stream.ndim != 1 or stream.dtype not in (np.uint16, np.int32) or not stream.size or stream.min() < 0:
         return None
     return stream
 
@@ -247,11 +244,12 @@ class PackedDataset:
         return (len(self.train) + len(self.valid)) * self.seq + 1
 
     def digest(self) -> str:
-        """SHA-256 of the windows' tokens and their split: equal for equal datasets."""
+        """SHA-256 of the windows' tokens and their split: equal for equal datasets, whatever the
+        stream's integer type (a token cache written as int32 and a fresh uint16 stream agree)."""
         h = hashlib.sha256(f"{len(self.train)}|{len(self.valid)}|{self.seq}|".encode())
         for w in (self.train, self.valid):
             for i in range(0, len(w), 4096):  # a slice at a time: the windows are views of one stream
-                h.update(np.ascontiguousarray(w[i : i + 4096]).tobytes())
+                h.update(w[i : i + 4096].astype("<i4").tobytes())
         return h.hexdigest()
 
     def _order(self, epoch: int, seed: int) -> np.ndarray:

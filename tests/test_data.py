@@ -208,7 +208,7 @@ def test_a_cache_that_cannot_be_read_or_holds_no_stream_is_rebuilt(tmp_path, mon
     stream = tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS)
     assert stream.dtype == np.uint16  # byte ids fit two bytes
     (cached,) = (tmp_path / "cache" / "tokens").glob("*.npy")
-    for bad in (np.zeros((0,), np.uint16), np.full(40, 300, np.uint16), np.zeros((4, 4), np.int32)):
+    for bad in (np.zeros((0,), np.uint16), np.full(40, -3, np.int32), np.zeros((4, 4), np.int32)):
         np.save(cached, bad)  # none of these is a stream of byte-tokenizer ids
         np.testing.assert_array_equal(tokenize_documents(docs, ByteTokenizer(), bos=BOS, eos=EOS), stream)
     is_file = pathlib.Path.is_file
@@ -230,5 +230,15 @@ def test_windows_are_views_of_the_stream_and_count_its_tokens():
     np.testing.assert_array_equal(np.concatenate([ds.train, ds.valid])[:, :-1].reshape(-1), stream[:96])
     other = stream.copy()
     other[50] += 1
-    assert ds.digest() == PackedDataset.from_tokens(stream.copy(), 8).digest() != PackedDataset.from_tokens(
-        other, 8).digest()
+    assert ds.digest() == PackedDataset.from_tokens(stream.astype(np.int32), 8).digest() != \
+        PackedDataset.from_tokens(other, 8).digest()  # an int32 stream (an older token cache) of the same ids
+
+
+def test_a_tokenizer_without_bos_or_eos_packs_its_ids_alone():
+    class Plain:  # `encode` and nothing else: no separators
+        def encode(self, text):
+            return [ord(c) % 256 for c in text]
+
+    ds = PackedDataset.from_text(["some text " * 20], Plain(), 8, cache=False)
+    np.testing.assert_array_equal(ds.train[0], [ord(c) for c in "some text"])
+    assert tokenize_documents(["ab"], Plain(), bos=None, eos=7, cache=False).tolist() == [97, 98, 7]

@@ -18,6 +18,7 @@ import collections
 import fnmatch
 import math
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -410,7 +411,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     label = counts.most_common(1)[0][0] if file_type is None else ggml.resolve_qtype(file_type).name
 
     with undo_on_failure(path, "path") as out:  # a directory or unwritable path is refused before encoding
-        # Written beside `path`, then renamed over it: a file being replaced stays whole until the new one is.
+        # Written beside the file (a symlink's target), then renamed over it: a file being replaced stays
+        # whole until the new one is, and keeps its permissions.
+        out = out.resolve()
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         try:
             w = _writer(os.fspath(tmp), "llama")
@@ -451,6 +454,8 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
             w.close()
+            if out.exists():
+                shutil.copymode(out, tmp)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)

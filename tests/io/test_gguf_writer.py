@@ -424,3 +424,18 @@ def test_a_write_that_fails_leaves_the_file_it_replaces_whole(tiny, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         write_gguf(path, cfg, model, tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="Q8_0")
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_an_overwrite_writes_through_a_symlink_and_keeps_the_files_mode(tiny, tmp_path):
+    import os
+
+    cfg, model, _ = tiny
+    target = tmp_path / "models" / "m.gguf"
+    target.parent.mkdir()
+    write_gguf(target, cfg, model, tokenizer_metadata=byte_tokenizer_metadata())
+    os.chmod(target, 0o600)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(target)
+    write_gguf(link, cfg, model, tokenizer_metadata=byte_tokenizer_metadata(), qtype_by_tensor="Q8_0")
+    assert link.is_symlink() and read_back(str(target))[1]["blk.0.attn_q.weight"].tensor_type.name == "Q8_0"
+    assert (target.stat().st_mode & 0o777) == 0o600
