@@ -193,7 +193,8 @@ def test_http_routes_load_and_unload(model, files, want):
         e = error("/v1/load_lora_adapter", {"lora_name": "x"}, 400)
         assert e["param"] == "lora_path"
         e = error("/v1/load_lora_adapter", {"lora_name": " ", "lora_path": files["a"]}, 400)
-        assert e["param"] == "lora_name" and e["message"] == "LoRA adapter name ' '; accepted: a non-empty string"
+        assert e["param"] == "lora_name" and e["message"] == (
+            "LoRA adapter name ' '; accepted: a non-empty string without surrounding spaces")
         e = error("/v1/unload_lora_adapter", {"lora_name": "x"}, 404)
         assert e["code"] == "model_not_found" and e["message"] == "LoRA adapter 'x' is not loaded; loaded: sql"
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
