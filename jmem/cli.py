@@ -95,27 +95,23 @@ def info(path: tyro.conf.Positional[str]) -> None:
         path: A .gguf file, a directory written by `jmem quantize --out DIR`, or a packaged model name
             (smollm2-135m: the GGUF file inside its package).
     """
-    import os
-
-    from jmem.lm import PACKAGED_MODELS, packaged_model_path
-    from jmem.models.config import PRESETS
+    from jmem.lm import PACKAGED_MODELS, model_source
     from jmem.quant.saved import MANIFEST, describe, is_quantized_dir
 
     accepted = (f"accepted: a .gguf file, a directory written by `jmem quantize --out DIR`, or a packaged model "
                 f"name ({', '.join(PACKAGED_MODELS)})")
-    if path in PACKAGED_MODELS:  # as `jmem generate --model` resolves it
-        path = packaged_model_path(path)
-    elif os.path.isdir(os.path.expanduser(path)):
-        path = os.path.expanduser(path)
-        if not is_quantized_dir(path):
-            raise ValueError(f"{path!r} is a directory without {MANIFEST}; {accepted}")
-        print(describe(path))
-        return
-    elif path in PRESETS and not os.path.exists(path):
+    try:  # as `jmem generate --model` resolves it (packaged names, `~`)
+        kind, resolved = model_source(path)
+    except ValueError:
+        raise FileNotFoundError(f"{path!r}: no such file or directory; {accepted}") from None
+    if kind == "preset":
         raise ValueError(f"{path!r} is a random-init preset, with no file to describe; {accepted}")
-    elif not os.path.exists(os.path.expanduser(path)):
-        raise FileNotFoundError(f"{path!r}: no such file or directory; {accepted}")
-    path = os.path.expanduser(path)
+    if kind == "directory":
+        if not is_quantized_dir(resolved):
+            raise ValueError(f"{path!r} is a directory without {MANIFEST}; {accepted}")
+        print(describe(resolved))
+        return
+    path = resolved
     from jmem.io.gguf import config_from_gguf, read_gguf
 
     gf = read_gguf(path)

@@ -219,10 +219,11 @@ def _eval_placement(run: Run, rows: int) -> Callable[[dict], Any]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jmem import parallel as par
+    from jmem.parallel.mesh import data_parallel_size
     from jmem.parallel.step import batch_axes, batch_spec
 
     rules = rules_for(run.cfg)
-    split = rows % int(np.prod([run.mesh.shape[a] for a in batch_axes(run.mesh, rules)])) == 0
+    split = rows % data_parallel_size(run.mesh, batch_axes(run.mesh, rules)) == 0
     sharding = NamedSharding(run.mesh, batch_spec(run.mesh, rules) if split else PartitionSpec())
     return lambda b: par.to_global(b, jax.tree.map(lambda _: sharding, b))
 
