@@ -427,6 +427,10 @@ def read_adapters(path) -> tuple[dict, dict]:
                                  "arrays (as save_adapters writes)")
             if not np.isfinite(x).all():  # one NaN would reach every row of a batched MultiLoRA matmul
                 raise ValueError(f"adapter {path!r}: {key} holds NaN or infinite values; accepted: finite weights")
+    extra = sorted(set(arrays) - {f"{n}.{part}" for n in meta for part in ("lora_a", "lora_b")})
+    if extra:  # an adapter for a target the metadata forgot would be dropped without a word
+        raise ValueError(f"adapter {path!r} holds arrays {extra[:4]} of no target in its metadata "
+                         f"({sorted(meta)}); accepted: a file written by jmem.lora.save_adapters")
     return meta, arrays
 
 

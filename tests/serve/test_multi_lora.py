@@ -227,7 +227,9 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
             ({t: {**m, "rank": "4"} for t, m in meta.items()}, "accepted: a positive integer rank"),
             ({t: {**m, "rank": 2} for t, m in meta.items()},
              r"wq A \(2, 64, 4\) and B \(2, 4, 64\) are not of its rank 2; accepted: A \[..., in, rank\] and "
-             r"B \[..., rank, out\]")]):
+             r"B \[..., rank, out\]"),
+            ({t: m for t, m in meta.items() if t != "wq"},
+             r"holds arrays \['wq.lora_a', 'wq.lora_b'\] of no target in its metadata")]):
         path = tmp_path / f"bad{i}.npz"
         np.savez(path, __meta__=np.frombuffer(json.dumps(bad_meta).encode(), np.uint8), **arrays)
         for load in (lambda p: stack_adapters(model, {"x": str(p)}), lambda p: load_adapters(model, p)):
