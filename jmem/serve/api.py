@@ -476,7 +476,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from None
             ids = encode(text, body.add_special_tokens, chat=True)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
+        strs = [token_str(i) for i in ids] if body.return_token_strs else None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens, "token_strs": strs}
+
+    def token_str(i: int) -> str:
+        """The vocabulary's piece for id `i` (byte-level BPE spelling, as transformers'
+        convert_ids_to_tokens gives it); the token's text for a tokenizer without pieces."""
+        pieces = getattr(tok, "tokens", None)
+        return pieces[i] if pieces is not None and i < len(pieces) else token_bytes.text(i)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

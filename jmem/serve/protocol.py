@@ -290,6 +290,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = None  # as in completions (prompt) and chat (messages)
+    return_token_strs: StrictBool = False  # vLLM's: each id's vocabulary piece beside the ids
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -137,6 +137,18 @@ def test_detokenize_and_echo_keep_special_tokens(gguf_tokenizer):
     assert r.json()["choices"][0]["text"] == text + "!"
 
 
+def test_tokenize_returns_vocabulary_pieces_on_request(gguf_tokenizer):
+    client = TestClient(create_app(ScriptedEngine(gguf_tokenizer, echo_one_token), "m"))
+    plain = client.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert plain["token_strs"] is None
+    got = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert got["tokens"] == plain["tokens"] and got["token_strs"][-2:] == ["Hello", "\u0120world"]
+    got = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True})
+    assert got.json()["token_strs"][0] == "<|im_start|>"
+    r = client.post("/tokenize", json={"prompt": "x", "return_token_strs": "yes"})
+    assert r.status_code == 400 and "return_token_strs" in r.json()["error"]["message"]
+
+
 def test_token_bytes_of_partial_characters(gguf_tokenizer):
     from jmem.serve.api import TokenBytes
 
