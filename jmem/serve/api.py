@@ -14,11 +14,13 @@ import codecs
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -161,9 +163,11 @@ def rejects_held_bytes(decoder, data: bytes) -> bool:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`; POST bodies are JSON of at
-    most `max_request_bytes` (`jmem.serve.middleware.JSONBodies`).
+    most `max_request_bytes` (`jmem.serve.middleware.JSONBodies`). Browser pages of `allowed_origins`
+    (`"*"`: any) may call it (CORS; none when empty).
 
     The engine's LoRA adapters (`Engine(..., lora_modules=)`) are models of their own, listed by
     `/v1/models` with `parent` = `model_name`; a request's `model` picks the adapter (vLLM's semantics).
@@ -653,7 +657,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     app.add_middleware(JSONBodies, max_bytes=max_request_bytes, paths=posts)
     if api_key:  # added last: runs first, so a request without the key is refused before its body is read
         app.add_middleware(RequireAPIKey, api_key=api_key)
+    if allowed_origins:  # outermost: a browser's preflight carries no API key and is answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(check_origins(allowed_origins)),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
     return app
 
 
-__all__ = ["create_app", "validation_error", "RequireAPIKey", "TokenBytes", "RequestOutput"]
+def check_origins(origins) -> tuple[str, ...]:
+    """The CORS origins, each `*` or `scheme://host[:port]` as a browser sends it: else a ValueError
+    naming the value (a trailing slash or path never matches a browser's Origin header)."""
+    for o in origins:
+        if not (o == "*" or (isinstance(o, str) and re.fullmatch(r"https?://[^/\s]+", o))):
+            raise ValueError(f"--allowed-origins entry {o!r}; accepted: * or scheme://host[:port] as a browser "
+                             "sends it, e.g. http://localhost:3000 (no path or trailing slash)")
+    return tuple(origins)
+
+
+__all__ = ["create_app", "check_origins", "validation_error", "RequireAPIKey", "TokenBytes", "RequestOutput"]

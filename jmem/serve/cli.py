@@ -55,6 +55,9 @@ class ServeArgs:
     """Exact number of KV blocks (wins over both budgets; for tests)."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on /v1 routes."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins whose browser pages may call the server (CORS), e.g. http://localhost:3000, or * for any;
+    none when unset."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body; a larger one is answered 413 before it is parsed."""
     shutdown_timeout: int = 30
@@ -150,7 +153,10 @@ def check_args(args: ServeArgs) -> None:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key={args.api_key!r} would leave the server open (an unset variable in "
                          "--api-key \"$KEY\"?); accepted: a non-empty key, or no --api-key for an open server")
+    from jmem.serve.api import check_origins
     from jmem.serve.ngram import check_speculative_args
+
+    check_origins(args.allowed_origins)
 
     check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,
                            draft_model=args.speculative_model, draft_layers=args.speculative_layers)
@@ -365,7 +371,8 @@ def run_serve(args: ServeArgs) -> None:
     if args.warmup:
         engine.precompile()
     engine.start()
-    app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
+    app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
+                     allowed_origins=args.allowed_origins)
     server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
                               args.shutdown_timeout)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -251,6 +251,36 @@ def test_bodies_must_be_json_and_not_too_large():
     assert client.get("/health").status_code == 200
 
 
+def test_browser_pages_of_allowed_origins_may_call_the_api():
+    """CORS: a preflight from an allowed origin is answered before the API-key check (a browser sends it
+    without the key), the answer to the request itself names the origin; other origins, and every origin
+    of a server without allowed origins, get no CORS header."""
+    def echo(rid, ids):
+        return [RequestOutput(rid, "ok", [111], finished=True, finish_reason="stop", num_output_tokens=1)]
+
+    page = "http://localhost:3000"
+    preflight = {"origin": page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    body = {"prompt": "hi", "max_tokens": 1}
+    client = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo), "m", "sk-1", allowed_origins=(page,)))
+    r = client.options("/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = client.post("/v1/completions", json=body, headers={"origin": page, "authorization": "Bearer sk-1"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    r = client.post("/v1/completions", json=body, headers={"origin": page})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == page  # the page can read why
+    r = client.options("/v1/completions", headers={**preflight, "origin": "http://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    closed = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo), "m"))
+    r = closed.post("/v1/completions", json=body, headers={"origin": page})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    anyone = TestClient(create_app(ScriptedEngine(ByteTokenizer(), echo), "m", allowed_origins=("*",)))
+    assert anyone.get("/v1/models", headers={"origin": page}).headers["access-control-allow-origin"] == "*"
+    with pytest.raises(ValueError, match="--allowed-origins entry 'localhost:3000'; accepted: "):
+        create_app(ScriptedEngine(ByteTokenizer(), echo), "m", allowed_origins=("localhost:3000",))
+
+
 def test_the_server_starts_an_engine_not_started_yet():
     """`create_app` over an engine nobody started (as its docstring example): the server's startup runs the
     loop, so a request is answered instead of waiting forever, and its shutdown stops that loop again."""

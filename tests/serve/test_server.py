@@ -641,6 +641,9 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
     assert cli_error(capsys, "--memory-utilization", "1.5").startswith("jmem serve: error: --memory-utilization=1.5")
     assert cli_error(capsys, "--api-key", "").startswith(
         "jmem serve: error: --api-key='' would leave the server open (an unset variable in --api-key \"$KEY\"?)")
+    assert cli_error(capsys, "--allowed-origins", "*", "http://localhost:3000/") == (
+        "jmem serve: error: --allowed-origins entry 'http://localhost:3000/'; accepted: * or scheme://host[:port] "
+        "as a browser sends it, e.g. http://localhost:3000 (no path or trailing slash)")
     assert cli_error(capsys, "--packed") == (
         "jmem serve: error: --packed keeps a GGUF file's blocks packed; model 'tiny' is a preset (it loads as it "
         "is); accepted: --packed with a .gguf path or smollm2-135m")
