@@ -15,11 +15,12 @@ import tyro
 
 def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             chat: bool = False, draft: str | None = None, draft_k: int | None = None) -> None:
+             chat: bool = False, draft: str | None = None, draft_k: int | None = None,
+             stop: tuple[str, ...] = ()) -> None:
     """Print a completion of PROMPT.
 
     Args:
-        prompt: Text to continue.
+        prompt: Text to continue; `-` reads it from standard input.
         model: Preset name (smollm2-135m, tiny, ...), a .gguf path or a `jmem quantize --out DIR` directory.
         max_new_tokens: Upper bound on generated tokens.
         temperature: 0 is greedy; higher samples more freely.
@@ -30,11 +31,25 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         draft: A smaller model with the same tokenizer: speculative decoding, DRAFT_K proposals per pass
             of MODEL (same output distribution; acceptance printed on stderr). Temperature only.
         draft_k: Draft proposals per target pass (with --draft; 4 when unset).
+        stop: Strings that end the completion: it is printed up to the first one it reaches.
     """
     import jmem
     from jmem.lm import model_source
 
+    from jmem.checks import stop_strings
+
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
+    try:
+        stops = stop_strings(list(stop))
+    except ValueError:
+        raise ValueError(f"--stop {list(stop)}; accepted: non-empty strings") from None
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"standard input (--prompt -) holds bytes that are not UTF-8 text (at byte {e.start}); "
+                             "accepted: UTF-8 text") from None
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 (held as surrogates)
@@ -48,7 +63,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     if draft is not None:
         model_source(draft, "--draft")
     lm = jmem.load(model)
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  stop=stops or None)
     if draft is not None:
         from jmem.io.tokenizer import check_same_tokens
         from jmem.speculative import speculative_generate
@@ -61,7 +77,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         k = 4 if draft_k is None else draft_k
         out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=k,
                                           temperature=temperature, seed=seed, eos_id=tok.eos_id)
-        print(tok.decode(out[0]))
+        text = tok.decode(out[0])
+        print(min((text[: text.find(s)] for s in stops if s in text), key=len, default=text))
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "
               f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_pass:.2f} tokens per target pass",
               file=sys.stderr)

@@ -277,3 +277,25 @@ def test_prompt_info_path_and_interrupt_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(jmem.cli, "info", interrupted)
     code, _, err = _in_process(main, ["info", "x"], capsys)
     assert code == 130 and err == "jmem: interrupted\n"
+
+
+def test_generate_reads_the_prompt_from_stdin_and_ends_at_stop_strings(capsys, monkeypatch):
+    import io
+
+    from jmem.cli import main
+
+    argv = ["generate", "--model", "tiny", "--max-new-tokens", "12"]
+    code, plain, err = _in_process(main, [*argv, "--prompt", "hi"], capsys)
+    assert code == 0, err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("hi".encode())))
+    assert _in_process(main, [*argv, "--prompt", "-"], capsys)[1] == plain
+    text = plain[:-1]
+    stop = text[4:6]
+    code, out, err = _in_process(main, [*argv, "--prompt", "hi", "--stop", "never there", stop], capsys)
+    assert code == 0 and out == text[: text.find(stop)] + "\n", (out, text, stop)
+    code, _, err = _in_process(main, [*argv, "--stop", ""], capsys)
+    assert code == 2 and err == "jmem: error: --stop ['']; accepted: non-empty strings\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
+    code, _, err = _in_process(main, [*argv, "--prompt", "-"], capsys)
+    assert code == 2 and err == ("jmem: error: standard input (--prompt -) holds bytes that are not UTF-8 text "
+                                 "(at byte 3); accepted: UTF-8 text\n")
