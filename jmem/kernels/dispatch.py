@@ -221,7 +221,9 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = resolve_impl(impl) if kernel_ok else "xla"
+        from jmem.kernels.flash_attention.kernel import kernel_dtype_ok
+
+        impl = resolve_impl(impl) if kernel_ok and kernel_dtype_ok(q.dtype, False) else "xla"
     if q.shape[1] == 0:  # no query rows: nothing to attend, on every impl
         return jnp.zeros(q.shape, q.dtype)
     if impl == "pallas" and kernel_ok:

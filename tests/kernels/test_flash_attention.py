@@ -213,6 +213,28 @@ def test_flash_and_auto_take_long_sequences_for_tpu():
         assert "pallas_call" in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="auto"))(q, kv, kv))
 
 
+def test_float16_for_tpu_is_refused_by_the_kernels_and_auto_takes_xla():
+    """Mosaic does not compile float16 loads: the kernels refuse it in one line naming the dtype, before
+    any lowering, and `auto` attention runs it through XLA; float16 still takes the kernel on GPU."""
+    from jmem.kernels.dispatch import compiling_for
+    from jmem.kernels.masks import Causal
+    from jmem.kernels.sparse_attention import sparse_attention
+
+    q, kv = _sds((1, 32, 2, 64), jnp.float16), _sds((1, 32, 1, 64), jnp.float16)
+    with compiling_for("tpu"):
+        for name, fn in (("flash_attention", flash_attention),
+                         ("sparse_attention", lambda q, k, v: sparse_attention(q, k, v, Causal()))):
+            with pytest.raises(ValueError, match=f"{name}: dtype float16 does not compile for TPU; accepted on TPU: "
+                                                 "float32, bfloat16"):
+                jax.eval_shape(fn, q, kv, kv)
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="auto"))(q, kv, kv))
+        jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, interpret=True), q, kv, kv)  # the interpreter takes it
+    with compiling_for("gpu"):
+        assert "pallas_call" in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="auto"))(q, kv, kv))
+    with pytest.raises(ValueError, match="interpret='no'; accepted: True or False"):
+        flash_attention(*(jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)), interpret="no")
+
+
 def test_flash_compiles_for_tpu_at_training_length():
     """fwd + bwd at Llama's 32/8 heads and q_len 4096 compile for TPU v5e: the TPU body streams tiles through
     the grid, so no program holds a whole sequence in VMEM (the whole-row body needed 24 MiB of 16 here)."""

@@ -91,7 +91,27 @@ def resolve_interpret(interpret: bool | None) -> bool:
     """
     from jmem.kernels.dispatch import target_platform
 
+    if interpret is not None:
+        check_bool("interpret", interpret)
     return target_platform() == "cpu" if interpret is None else bool(interpret)
+
+
+TPU_DTYPES = (jnp.float32, jnp.bfloat16)  # what the Mosaic kernels load: float16 and float64 do not compile
+
+
+def kernel_dtype_ok(dtype, interpret: bool) -> bool:
+    """Whether the kernels compile for `dtype` on the platform being compiled for."""
+    from jmem.kernels.dispatch import target_platform
+
+    return interpret or target_platform() != "tpu" or jnp.dtype(dtype) in TPU_DTYPES
+
+
+def check_kernel_dtype(name: str, dtype, interpret: bool) -> None:
+    """ValueError naming `dtype` when the kernel would not compile for it (float16 on a TPU), instead of
+    Mosaic's internal error at compile time."""
+    if not kernel_dtype_ok(dtype, interpret):
+        raise ValueError(f"{name}: dtype {jnp.dtype(dtype)} does not compile for TPU; accepted on TPU: float32, "
+                         "bfloat16 (cast q, k and v first)")
 
 
 def per_platform(call, interpret: bool, *args):
@@ -487,6 +507,7 @@ def flash_attention(
     # Resolved here, not inside the jit: the jit cache is keyed on the static
     # value, so `None` resolved at trace time would pin the first platform seen.
     interpret = resolve_interpret(interpret)
+    check_kernel_dtype("flash_attention", q.dtype, interpret)
     q, scale = split_scale("flash_attention", q, sm_scale, D)
     if q.size == 0:  # no batch rows or no heads: nothing to attend (the kernel grid would be empty)
         return jnp.zeros(q.shape, q.dtype)

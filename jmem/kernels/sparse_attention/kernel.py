@@ -361,6 +361,7 @@ def _config(name, q, k, v, mask, sm_scale, block_q, block_k, interpret):
     _check_mask(name, mask, T, S)
     bq, bk = _blocks(block_q, block_k, T, S, name)
     interpret = fk.resolve_interpret(interpret)
+    fk.check_kernel_dtype(name, q.dtype, interpret)
     q, scale = split_scale(name, q, sm_scale, D)
     return q, _Cfg(mask, scale, bq, bk, T, S, interpret, fk.POW2_HEAD_DIM_PLATFORMS, fk.STREAM_PLATFORMS)
 
