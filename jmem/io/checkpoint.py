@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jmem.checks import check_int
+from jmem.io.paths import lock_directory
 
 # Meta fields that must agree between a checkpoint and the run restoring it.
 MUST_MATCH = ("model", "optimizer", "precision", "structure")
@@ -102,6 +103,10 @@ class Checkpointer:
             enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only, **extra,
         )
         self._manager: ocp.CheckpointManager | None = None
+        # One writer per directory: process 0 of a run (or this one alone) holds its lock from `check` or the
+        # first `save` until `close`.
+        self._locks = not read_only and (this_process_only or jax.process_index() == 0)
+        self._lock = None
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -176,6 +181,7 @@ class Checkpointer:
                 is False (starting over would overwrite them).
         """
         self._refuse_foreign()
+        self._hold_lock()
         step = self.latest_step()
         if step is None:
             return None  # nothing there (the caller decides: the train loop refuses --resume then)
@@ -225,6 +231,8 @@ class Checkpointer:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"checkpoint meta is not JSON ({e}); accepted: a dict of JSON values") from None
+        self.manager  # noqa: B018 - creates the directory, which the lock is taken on
+        self._hold_lock()
         try:
             with _quiet_orbax_threads():
                 self.manager.save(
@@ -242,10 +250,22 @@ class Checkpointer:
             raise CheckpointWriteError(f"checkpoint step {step} could not be written to {self.directory} "
                                        f"({why}); {kept}") from e
 
+    def _hold_lock(self) -> None:
+        """Lock the directory for this run's writes; CheckpointMismatchError when another running
+        process holds it (both would save, and prune, each other's steps)."""
+        if not self._locks or self._lock is not None or not self.directory.is_dir():
+            return
+        try:
+            self._lock = lock_directory(self.directory)
+        except BlockingIOError:
+            raise CheckpointMismatchError(
+                f"checkpoint dir {self.directory} is in use by another running process (two runs would overwrite "
+                "each other's steps); choose another --ckpt-dir (nothing was written)") from None
+
     def _abandon(self, step: int) -> None:
         """Remove a failed save's partial folder and drop the manager (its step cache knows the step)."""
         shutil.rmtree(self.directory / f"{step}.orbax-checkpoint-tmp", ignore_errors=True)
-        self.close()
+        self._drop_manager()
 
     def restore(self, template: Any, step: int | None = None) -> Any:
         """The state saved at `step` (latest when None), in `template`'s structure.
@@ -309,10 +329,17 @@ class Checkpointer:
             raise CheckpointMismatchError(f"checkpoint {self.directory / str(step)} does not match the template: "
                                           f"{'; '.join(problems[:3])}{more}")
 
-    def close(self) -> None:
+    def _drop_manager(self) -> None:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+    def close(self) -> None:
+        """Close the Orbax manager and release the directory for other runs."""
+        self._drop_manager()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 @contextlib.contextmanager

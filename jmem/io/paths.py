@@ -22,8 +22,33 @@ import pathlib
 import shutil
 from collections.abc import Iterator
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
+
 
 _CREATED_DIRS: list[pathlib.Path] = []  # made by `prepare_output`, deepest first per call (`remove_unused_dirs`)
+
+
+LOCK_FILE = ".lock"  # held (a POSIX record lock) by the process writing the directory
+
+
+def lock_directory(path: pathlib.Path):
+    """An open lock file on directory `path` (held until closed), None where the platform or a
+    read-only directory allows no lock; raises BlockingIOError when another process holds it."""
+    if fcntl is None:
+        return None
+    try:
+        f = open(path / LOCK_FILE, "a+")
+    except OSError:  # read-only: whatever writes there fails with its own message
+        return None
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per process: this one may open it again
+    except OSError:
+        f.close()
+        raise BlockingIOError(f"{path} is locked by another process") from None
+    return f
 
 
 def remove_unused_dirs() -> None:
@@ -88,6 +113,8 @@ def new_dirs_removed_if_left_empty(*values: str | os.PathLike | None) -> Iterato
     except BaseException:
         for p in sorted(new, key=lambda p: len(p.parts), reverse=True):  # deepest first
             with contextlib.suppress(OSError):  # not empty, not a directory, or gone
+                if [e.name for e in p.iterdir()] == [LOCK_FILE]:  # the failed run's own lock: empty
+                    (p / LOCK_FILE).unlink()
                 p.rmdir()
         raise
 

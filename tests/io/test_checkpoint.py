@@ -146,7 +146,7 @@ def test_a_failed_write_is_one_error_and_leaves_the_earlier_steps(tmp_path):
     assert f"ERROR: checkpoint step 2 could not be written to {d} (" in out.stdout
     assert "; the latest complete checkpoint is step 1" in out.stdout
     assert "Traceback" not in out.stderr, out.stderr[-2000:]  # the writer threads' logs are held back
-    assert sorted(p.name for p in d.iterdir()) == ["1"]  # the partial step is removed
+    assert sorted(p.name for p in d.iterdir()) == [".lock", "1"]  # the partial step is removed (the lock is kept)
     ck = Checkpointer(d)
     assert float(ck.restore({"w": np.zeros(4, np.float32)})["w"].sum()) == 4.0
     ck.save(2, {"w": np.zeros(4, np.float32)}, {"model": "m"})  # a later save into the same directory works
@@ -186,3 +186,32 @@ def test_typed_prng_keys_round_trip(tmp_path):
     ck.save(1, {"w": jnp.ones(3), "key": jnp.zeros(2, jnp.uint32), "rbg": jnp.zeros(4, jnp.uint32)}, META)
     with pytest.raises(CheckpointMismatchError, match="key is a PRNG key in the template, not in the checkpoint"):
         ck.restore(state, step=1)
+
+
+def test_a_directory_another_running_process_writes_is_refused(tmp_path):
+    """Two runs on one --ckpt-dir overwrote and pruned each other's steps; the second is refused at `check`
+    (and at a first `save`) while the first runs, and the directory is free once it has ended."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from jmem.io.checkpoint import Checkpointer; "
+         "c = Checkpointer(sys.argv[1]); c.save(1, {'w': [1.0]}, {'model': 'm'}); print('held', flush=True); "
+         "time.sleep(120)", str(d)], stdout=subprocess.PIPE, text=True)
+    msg = f"checkpoint dir {d} is in use by another running process .*; choose another --ckpt-dir"
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for write in (lambda c: c.check({"model": "m"}, resume=True), lambda c: c.save(2, {"w": jnp.ones(1)}, {})):
+            ck = Checkpointer(d)
+            with pytest.raises(CheckpointMismatchError, match=msg):
+                write(ck)
+            ck.close()
+        assert Checkpointer(d).steps() == [1]  # nothing written; reading needs no lock
+    finally:
+        holder.kill()
+        holder.wait()
+    ck = Checkpointer(d)
+    assert ck.check({"model": "m"}, resume=True) == 1
+    ck.save(2, {"w": jnp.ones(1)}, {"model": "m"})
+    ck.close()
