@@ -35,22 +35,17 @@ import re
 import shutil
 from typing import Any, NamedTuple
 
-try:
-    import fcntl
-except ImportError:  # not on Windows: no lock there
-    fcntl = None
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.io.paths import lock_directory
 from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
 from jmem.pytree import key_name
 
 _META = "chunks.json"
-_LOCK = ".lock"  # held (a POSIX record lock) by the process whose optimizer uses the directory
 _CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # every name `_chunk_file` makes
 
 
@@ -84,25 +79,64 @@ def placeholder_transform() -> optax.GradientTransformation:
 
 
 def check_snapshot(source) -> None:
-    """OffloadError unless `source` holds an optimizer-state snapshot (`DiskOptimizer.snapshot`)."""
-    if not (pathlib.Path(source) / _META).is_file():
+    """OffloadError unless `source` holds a complete optimizer-state snapshot (`DiskOptimizer.snapshot`):
+    its chunks.json, and every file it lists with the shape and dtype it lists."""
+    src = pathlib.Path(source)
+    if not (src / _META).is_file():
         raise OffloadError(f"no optimizer-state snapshot in {source} (disk offload needs the files saved "
                            f"with the checkpoint)")
+    try:
+        per_chunk = json.loads((src / _META).read_text()).get("state_per_chunk", [])
+        expected = [(c, [(tuple(shape), np.dtype(dtype)) for shape, dtype in shapes])
+                    for c, shapes in enumerate(per_chunk)]
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise _damaged(src, f"{_META}: {e}") from None
+    _check_files(src, expected)
+
+
+def _check_files(src: pathlib.Path, expected) -> None:
+    """OffloadError naming the first of the `(chunk, [(shape, dtype), ...])` files in `src` that is
+    missing, or whose .npy header or size does not hold its shape and dtype (a truncated copy)."""
+    for c, shapes in expected:
+        for j, want in enumerate(shapes):
+            f = src / _chunk_file(c, j)
+            try:
+                with open(f, "rb") as fh:
+                    version = np.lib.format.read_magic(fh)
+                    header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, _, dtype = header(fh)
+                    data_at = fh.tell()
+                size = f.stat().st_size
+            except FileNotFoundError:
+                raise _damaged(src, f"{f.name} is missing") from None
+            except (OSError, ValueError) as e:
+                raise _damaged(src, f"{f.name}: {e}") from None
+            got = (tuple(shape), np.dtype(dtype))
+            if got != want or size - data_at < int(np.prod(got[0])) * got[1].itemsize:
+                raise _damaged(src, f"{f.name} holds {got[1]}{list(got[0])} in {size - data_at} bytes; expected "
+                                    f"{want[1]}{list(want[0])}")
+
+
+def _damaged(src: pathlib.Path, why: str) -> OffloadError:
+    step = src.parent.parent / src.name  # <ckpt-dir>/offload_optimizer/<step> beside <ckpt-dir>/<step>
+    return OffloadError(f"optimizer-state snapshot {src} is damaged ({why}); accepted: a complete snapshot: delete "
+                        f"the checkpoint {step} to resume from the step before it")
 
 
 def _lock_directory(path: pathlib.Path):
     """An open lock file on `path`, or OffloadError when another process holds it."""
-    if fcntl is None:
-        return None
-    f = open(path / _LOCK, "a+")
     try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per process: this one may open it again
-    except OSError:
-        f.close()
+        return lock_directory(path)
+    except BlockingIOError:
         raise OffloadError(f"offload directory {path} is in use by another running process's optimizer state "
                            "(two runs would overwrite each other's files); accepted: a directory of its own for "
                            "each run") from None
-    return f
+
+
+def _write_error(f: pathlib.Path, e: OSError) -> OffloadWriteError:
+    return OffloadWriteError(e.errno, f"cannot write the optimizer state file {f} ({e.strerror or e}); the step "
+                             "did not happen (free space, then resume from the latest checkpoint)")
 
 
 def _reserve(f: pathlib.Path) -> None:
@@ -115,8 +149,7 @@ def _reserve(f: pathlib.Path) -> None:
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: written as before
             return
-        raise OffloadWriteError(e.errno, f"cannot write the optimizer state file {f} ({e.strerror}); the step "
-                                "did not happen (free space, then resume from the latest checkpoint)") from None
+        raise _write_error(f, e) from None
 
 
 class DiskOptimizer:
@@ -207,18 +240,30 @@ class DiskOptimizer:
         self._write_meta()
         return DiskState(jnp.asarray(count, jnp.int32))
 
+    def _meta(self) -> dict:
+        return {"chunks": [list(map(lambda v: -1 if v is None else v, c)) for c in self.chunks],
+                "state": [[list(s), str(d)] for shapes in self._state_shapes for s, d in shapes],
+                "state_per_chunk": [[[list(s), str(d)] for s, d in shapes] for shapes in self._state_shapes]}
+
     def _write_meta(self):
-        meta = {"chunks": [list(map(lambda v: -1 if v is None else v, c)) for c in self.chunks],
-                "state": [[list(s), str(d)] for shapes in self._state_shapes for s, d in shapes]}
-        (pathlib.Path(self.directory) / _META).write_text(json.dumps(meta))
+        f = pathlib.Path(self.directory) / _META
+        try:
+            f.write_text(json.dumps(self._meta()))
+        except OSError as e:
+            raise _write_error(f, e) from None
 
     def _write(self, c: int, leaves):
         for f, x in zip(self._files(c), leaves):
-            mm = np.lib.format.open_memmap(f, mode="w+", dtype=x.dtype, shape=x.shape)
-            _reserve(f)  # a full disk is an error here, not a SIGBUS when the mapped pages are written
-            mm[...] = np.asarray(x)
-            mm.flush()
-            del mm
+            try:
+                mm = np.lib.format.open_memmap(f, mode="w+", dtype=x.dtype, shape=x.shape)
+                _reserve(f)  # a full disk is an error here, not a SIGBUS when the mapped pages are written
+                mm[...] = np.asarray(x)
+                mm.flush()
+                del mm
+            except OffloadWriteError:
+                raise
+            except OSError as e:  # e.g. no space for the header of a new file
+                raise _write_error(f, e) from None
 
     def _read(self, c: int):
         # A copy in RAM of this chunk only; the memmap is closed before the next chunk.
@@ -271,20 +316,29 @@ class DiskOptimizer:
                                f"{self.directory} or inside it; accepted: a directory outside it")
         if dst.exists() and not dst.is_dir():
             raise OffloadError(f"optimizer-state snapshot target {target} exists and is not a directory")
-        dst.mkdir(parents=True, exist_ok=True)
-        entries = list(dst.iterdir())
-        own = [f for f in entries if f.name == _META or _CHUNK_FILE.fullmatch(f.name)]
-        others = sorted(f.name for f in entries if f not in own)
-        if others:
-            raise OffloadError(f"optimizer-state snapshot target {target} holds other files ({', '.join(others[:3])}"
-                               f"{', ...' if len(others) > 3 else ''}); accepted: a new or empty directory, or "
-                               f"an earlier snapshot's")
-        for f in own:  # an earlier snapshot's, maybe of more chunks; its chunks.json first
-            f.unlink()
-        for c in range(len(self.chunks)):
-            for f in self._files(c):
-                shutil.copyfile(f, dst / f.name)
-        shutil.copyfile(pathlib.Path(self.directory) / _META, dst / _META)
+        ours = False  # whether dst holds nothing but this snapshot's files (removed when a write fails)
+        try:
+            dst.mkdir(parents=True, exist_ok=True)
+            entries = list(dst.iterdir())
+            own = [f for f in entries if f.name == _META or _CHUNK_FILE.fullmatch(f.name)]
+            others = sorted(f.name for f in entries if f not in own)
+            if others:
+                raise OffloadError(f"optimizer-state snapshot target {target} holds other files "
+                                   f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); accepted: a new "
+                                   "or empty directory, or an earlier snapshot's")
+            ours = True
+            for f in own:  # an earlier snapshot's, maybe of more chunks; its chunks.json first
+                f.unlink()
+            for c in range(len(self.chunks)):
+                for f in self._files(c):
+                    shutil.copyfile(f, dst / f.name)
+            shutil.copyfile(pathlib.Path(self.directory) / _META, dst / _META)  # last: marks it complete
+        except OSError as e:  # e.g. a full disk: no partial snapshot is left to fill it
+            if ours:
+                shutil.rmtree(dst, ignore_errors=True)
+            raise OffloadWriteError(e.errno, f"cannot write the optimizer-state snapshot {target} "
+                                    f"({e.strerror or e}); the checkpoint was not saved (free space, then resume "
+                                    "from the latest checkpoint)") from None
 
     def restore(self, source: str) -> None:
         """Replace the state files with a snapshot's.
@@ -293,12 +347,14 @@ class DiskOptimizer:
             OffloadError: the snapshot is missing or was written for other chunks or shapes.
         """
         src = pathlib.Path(source)
-        meta = src / _META
+        if src.expanduser().resolve() == pathlib.Path(self.directory).resolve():
+            raise OffloadError(f"optimizer-state snapshot {source} is the live state directory; accepted: an "
+                               f"--offload-dir outside the checkpoint directory")
         check_snapshot(src)
-        mine = pathlib.Path(self.directory) / _META
-        self._write_meta()
-        if json.loads(meta.read_text()) != json.loads(mine.read_text()):
+        saved, mine = json.loads((src / _META).read_text()), self._meta()
+        if any(saved.get(k) != mine[k] for k in ("chunks", "state")):
             raise OffloadError(f"the optimizer-state snapshot in {src} was written for another model or optimizer")
+        _check_files(src, list(enumerate(self._state_shapes)))  # also a snapshot without state_per_chunk
         for c in range(len(self.chunks)):
             for f in self._files(c):
                 shutil.copyfile(src / f.name, f)

@@ -3,6 +3,7 @@ host memory, fetched per layer) and ZeRO-Infinity (optimizer state in files, chu
 same training as on device, and the device program's bytes measured by the compiler."""
 
 import functools
+import shutil
 
 import jax
 import numpy as np
@@ -286,6 +287,73 @@ def test_disk_snapshot_never_deletes_files_it_did_not_write(tmp_path):
     names = [sorted(p.name for p in (tmp_path / d).iterdir() if p.name != ".lock") for d in ("snap", "opt3")]
     assert names[0] == names[1]  # the state files (the live directory's lock is no state)
     small.restore(str(tmp_path / "snap"))
+
+
+def test_a_damaged_snapshot_is_one_error_naming_its_file(tmp_path):
+    """A snapshot missing a state file, with a truncated one, or with one of another shape was read
+    (a FileNotFoundError traceback, numpy's "EOF: reading array header", a broadcasting error)."""
+    from jmem.memory.disk_offload import check_snapshot
+
+    params = {"head": np.ones((4, 3), np.float32), "b": np.ones((5,), np.float32)}
+    disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    disk.place(params)
+    snap = tmp_path / "ck" / "offload_optimizer" / "2"
+    disk.snapshot(str(snap))
+    check_snapshot(snap)
+    disk.restore(str(snap))
+    for i, (damage, why) in enumerate([
+            (lambda f: f.unlink(), r"chunk00001_1.npy is missing"),
+            (lambda f: f.write_bytes(f.read_bytes()[:140]), r"chunk00001_1.npy holds float32\[4, 3\] in 12 bytes; "
+                                                            r"expected float32\[4, 3\]"),
+            (lambda f: np.save(f, np.zeros((2,), np.float32)), r"chunk00001_1.npy holds float32\[2\] in 8 bytes; "
+                                                               r"expected float32\[4, 3\]"),
+            (lambda f: f.write_bytes(b"junk"), r"chunk00001_1.npy: ")]):
+        copy = tmp_path / f"ck{i}" / "offload_optimizer" / "2"
+        shutil.copytree(snap, copy)
+        damage(copy / "chunk00001_1.npy")
+        message = (f"optimizer-state snapshot {copy} is damaged \\({why}.*\\); accepted: a complete snapshot: "
+                   f"delete the checkpoint {tmp_path / f'ck{i}' / '2'} to resume from the step before it")
+        for read in (check_snapshot, disk.restore):
+            with pytest.raises(OffloadError, match=message):
+                read(copy)
+    with pytest.raises(OffloadError, match="is the live state directory; accepted: an --offload-dir outside"):
+        disk.restore(str(tmp_path / "opt"))
+
+
+def test_a_full_disk_while_writing_or_copying_the_state_is_one_error(tmp_path, monkeypatch):
+    """No space for a new state file's header (before any fallocate) or for a snapshot's copy was a raw
+    OSError traceback, and the partial snapshot stayed behind filling the disk."""
+    import errno
+    import os
+
+    from jmem.memory import disk_offload
+    from jmem.memory.disk_offload import OffloadWriteError
+
+    params = {"head": np.ones((4, 3), np.float32)}
+    disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    disk.place(params)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(np.lib.format, "open_memmap", full)
+        with pytest.raises(OffloadWriteError, match=r"cannot write the optimizer state file .*chunk00000_0.npy "
+                                                    r"\(No space left on device\); the step did not happen"):
+            disk.place(params)
+    copies = []
+
+    def copy_then_full(src, dst):
+        copies.append(dst)
+        if len(copies) > 1:
+            full()
+        return shutil.copyfile(src, dst)
+
+    monkeypatch.setattr(disk_offload.shutil, "copyfile", copy_then_full)
+    with pytest.raises(OffloadWriteError, match=r"cannot write the optimizer-state snapshot .*snap \(No space left "
+                                                r"on device\); the checkpoint was not saved"):
+        disk.snapshot(str(tmp_path / "snap"))
+    assert not (tmp_path / "snap").exists()
 
 
 def _leaf_index(tree, path):

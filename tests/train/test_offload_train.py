@@ -23,9 +23,14 @@ TINY = ["--model", "tiny", "--steps", "3", "--batch", "4", "--seq", "16", "--no-
     (["--offload-params", "host"], "needs offload optimizer 'host' or 'disk'"),
     (["--offload-optimizer", "host", "--zero", "3"], "--zero 3 is not supported"),
     (["--offload-optimizer", "disk", "--offload-dir", "D", "--precision", "f16"], "--precision f16"),
+    # Refused only at the first checkpoint, after the training (the snapshot would land in the live directory),
+    # or not at all (live files over a checkpoint's copies).
+    (["--offload-optimizer", "disk", "--offload-dir", "D", "--ckpt-dir", "D/ck"], "overlap"),
+    (["--offload-optimizer", "disk", "--offload-dir", "D", "--ckpt-dir", "D"], "overlap"),
+    (["--offload-optimizer", "disk", "--offload-dir", "D/ck/offload_optimizer/2", "--ckpt-dir", "D/ck"], "overlap"),
 ])
 def test_bad_offload_flags_fail_before_any_work(flags, words, capsys, tmp_path):
-    flags = [str(tmp_path / "off") if f == "D" else f for f in flags]
+    flags = [f.replace("D", str(tmp_path / "off"), 1) if f.startswith("D") else f for f in flags]
     rc, err = run_train_script(TINY + flags, capsys)
     assert rc == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
     assert not (tmp_path / "off").exists()  # nothing written
