@@ -139,11 +139,19 @@ RESUME_CHANGES = ((RESUME_DATA_FLAGS, "batches"), (("seed",), "batches, layer-wi
 """What each group of flags changes when a resumed run sets it differently from its checkpoint."""
 
 
-def resume_notes(old_config: dict, cfg: TrainConfig) -> list[str]:
-    """`note: ...` lines for the flags a resumed run changes from its checkpointed run's config."""
+def resume_notes(old_config: dict, cfg: TrainConfig, data_changed: bool | None = None) -> list[str]:
+    """`note: ...` lines for the flags a resumed run changes from its checkpointed run's config.
+
+    `data_changed`: whether the dataset's tokens differ from the checkpointed run's (None: unknown). A
+    text edited under the same --data path is noted; the same text at another path is not."""
     notes = []
     for names, what in RESUME_CHANGES:
         changed = _changed_flags(old_config, cfg, names)
+        if names == RESUME_DATA_FLAGS:
+            if data_changed is False:  # the same tokens: a moved or copied file changes no batch
+                changed = [c for c in changed if not c.startswith("--data ")]
+            elif data_changed and not any(c.startswith(("--data ", "--seq ")) for c in changed):
+                changed.insert(0, f"--data {cfg.data} (its text changed since the checkpoint)")
         if changed:
             notes.append(f"note: {', '.join(changed)}: the {what} differ from an uninterrupted run's")
     return notes
@@ -267,7 +275,9 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
             state = ckpt.restore(state, resume_step)
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
-            for line in resume_notes((ckpt.read_meta(resume_step) or {}).get("config", {}), cfg):
+            old = ckpt.read_meta(resume_step) or {}
+            changed = None if "data_digest" not in old else old["data_digest"] != run.meta.get("data_digest")
+            for line in resume_notes(old.get("config", {}), cfg, changed):
                 print(line, file=out)
 
     offload = None

@@ -315,7 +315,11 @@ def build(cfg: TrainConfig) -> Run:
     if vocab is not None and vocab > mc.vocab_size:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
     data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
+    digest = data.digest() if cfg.distributed or cfg.ckpt_dir else None
     if cfg.distributed:  # the same path may hold a different text on another host
-        par.check_same_settings({"--data (its tokens)": data.digest()}, "training texts")
+        par.check_same_settings({"--data (its tokens)": digest}, "training texts")
     abstract = jax.eval_shape(lambda: fns.init_state(model))
-    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta_for(cfg, mc, policy, abstract), mesh)
+    meta = meta_for(cfg, mc, policy, abstract)
+    if digest is not None:  # a resumed run notes a text that changed under its path (jmem.train.loop.resume_notes)
+        meta["data_digest"] = digest
+    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta, mesh)

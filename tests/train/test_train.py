@@ -68,6 +68,12 @@ def test_resume_names_the_flags_it_changes():
         "note: --data b.txt (checkpoint: a.txt): the batches differ from an uninterrupted run's",
         f"note: --seed {BASE.seed + 1} (checkpoint: {BASE.seed}): the batches, layer-wise draws and dropout masks "
         "differ from an uninterrupted run's"]
+    # The text under a path edited since the checkpoint is noted; the same text at another path is not.
+    assert resume_notes(saved, dataclasses.replace(BASE, data="a.txt"), data_changed=True) == [
+        "note: --data a.txt (its text changed since the checkpoint): the batches differ from an uninterrupted run's"]
+    assert resume_notes(saved, dataclasses.replace(BASE, data="b.txt"), data_changed=False) == []
+    assert resume_notes(saved, dataclasses.replace(BASE, data="a.txt", seq=BASE.seq * 2), data_changed=True) == [
+        f"note: --seq {BASE.seq * 2} (checkpoint: {BASE.seq}): the batches differ from an uninterrupted run's"]
     other = dataclasses.replace(BASE, data="a.txt", precision="f32", weight_decay=0.5, layerwise_period=3,
                                 layerwise_schedule="top-down")
     assert resume_notes(saved, other) == [
@@ -229,6 +235,23 @@ def test_resumed_log_is_cut_back_to_the_checkpoint_step(tmp_path):
     assert [r.get("event") for r in recs].count("memory") == 1 and recs[0]["event"] == "memory"
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 11))
     assert [r["step"] for r in recs if "eval_loss" in r] == [10]
+
+
+def test_a_text_edited_since_the_checkpoint_is_noted_on_resume(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    ck = dataclasses.replace(BASE, data=str(text), ckpt_dir=str(tmp_path / "ck"), stop_after=2)
+    train(ck, out=io.StringIO())
+    moved = tmp_path / "moved.txt"
+    moved.write_text(text.read_text())
+    out = io.StringIO()
+    train(dataclasses.replace(ck, data=str(moved), resume=True, stop_after=4), out=out)
+    assert "note:" not in out.getvalue()  # the same tokens at another path
+    moved.write_text(text.read_text().upper())
+    out = io.StringIO()
+    train(dataclasses.replace(ck, data=str(moved), resume=True, stop_after=6), out=out)
+    assert (f"note: --data {moved} (its text changed since the checkpoint): the batches differ from an "
+            "uninterrupted run's") in out.getvalue()
 
 
 @pytest.mark.parametrize("flag, sub", [("--ckpt-dir", "ck"), ("--log", "logs/log.jsonl"), ("--plot", "p/loss.png")])
