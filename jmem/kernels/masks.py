@@ -125,15 +125,24 @@ class BlockSparse(Mask):
 
     def __post_init__(self):
         try:
-            arr = np.asarray(self.layout, dtype=bool)
+            raw = np.asarray(self.layout)
         except (TypeError, ValueError):  # ragged rows
-            arr = None
-        if arr is None or arr.ndim != 2 or 0 in arr.shape:
-            got = "ragged rows" if arr is None else f"shape {arr.shape}"
+            raw = None
+        if raw is None or raw.ndim != 2 or 0 in raw.shape or raw.dtype == object:
+            got = "ragged rows" if raw is None or raw.dtype == object else f"shape {raw.shape}"
             raise ValueError(f"BlockSparse layout must be a non-empty 2-D bool array; got {got}")
+        if raw.dtype != bool and not (np.issubdtype(raw.dtype, np.integer) and np.isin(raw, (0, 1)).all()):
+            # strings, NaN or -1 would count as True
+            if np.issubdtype(raw.dtype, np.integer):
+                what = f"the value {raw[~np.isin(raw, (0, 1))][0]}"
+            else:
+                what = f"{raw.dtype} values ({str(raw.ravel()[0])!r}, ...)"
+            raise ValueError(f"BlockSparse layout holds {what}; accepted: booleans, or integers 0 and 1")
+        arr = raw.astype(bool)
         if not (is_int(self.block_q) and is_int(self.block_k)) or self.block_q < 1 or self.block_k < 1:
             raise ValueError(f"BlockSparse block sizes must be integers >= 1; got {self.block_q!r}, {self.block_k!r}")
         object.__setattr__(self, "layout", tuple(map(tuple, arr.tolist())))
+        object.__setattr__(self, "_array", arr)  # not a field: what `_eval` indexes, built once
 
     def check(self, q_len, kv_len):
         super().check(q_len, kv_len)
@@ -146,8 +155,7 @@ class BlockSparse(Mask):
             )
 
     def _eval(self, i, j, q_len, kv_len):
-        arr = np.asarray(self.layout, dtype=bool)
-        return arr[i // self.block_q, j // self.block_k]
+        return self._array[i // self.block_q, j // self.block_k]
 
 
 @dataclasses.dataclass(frozen=True)
