@@ -166,7 +166,9 @@ class BigBird(Mask):
         num_global: the first num_global tokens see everything and are seen by everyone.
         window: query i sees key j when |i - j| < window.
         num_random: random key blocks per query block (drawn without replacement; at most the
-            number of key blocks, ceil(kv_len / block): a larger value draws all of them).
+            number of key blocks, ceil(kv_len / block): a larger value draws all of them). They are
+            drawn over all key blocks, so `Causal() & BigBird(...)` keeps only those at or below the
+            diagonal: fewer than num_random per row on average.
         seed: seed of the random draw; the draw depends only on (seed, q_len, kv_len, block).
         block: tokens per random block.
     """
