@@ -125,6 +125,12 @@ def check(cfg: Config) -> None:
                           <= cfg.lora_adapters):
         raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))}; accepted: slot counts in "
                          f"1..--lora-adapters, with --lora-adapters > 0")
+    if len(set(cfg.max_loras)) < len(cfg.max_loras):  # the same run twice, under one name in the table
+        raise ValueError(f"--max-loras {' '.join(map(str, cfg.max_loras))} repeats a slot count; accepted: "
+                         "distinct slot counts")
+    if cfg.rate != Config.rate and cfg.arrival != "poisson":  # set away from its default, and unused
+        raise ValueError(f"--rate={cfg.rate} needs --arrival poisson (--arrival {cfg.arrival} sends every request "
+                         "at once); accepted: --rate with --arrival poisson")
     if cfg.lora_rank != Config.lora_rank and not cfg.lora_adapters:  # set away from its default
         raise ValueError(f"--lora-rank {cfg.lora_rank} needs --lora-adapters N; accepted: --lora-rank with "
                          "--lora-adapters > 0")
@@ -404,10 +410,6 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    import tyro
+    from jmem.experiment import run_experiment
 
-    try:
-        main(tyro.cli(Config, description=__doc__))
-    except ValueError as e:  # a flag the model or the engine refuses: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    sys.exit(run_experiment(Config, main, description=__doc__))  # a refused flag: one line, no traceback

@@ -23,7 +23,7 @@ import numpy as np
 
 import jmem
 from jmem.data import load_documents
-from jmem.experiment import check_windows_fit, run_experiment
+from jmem.experiment import check_dense, check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.prune import METHODS, check_fits, check_spec, prune, sparsity_report
 from jmem.quant import weight_bytes
@@ -91,6 +91,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
+    check_dense(cfg.model, "pruning")
     text = "\n\n".join(load_documents(cfg.text, "--text"))
     prepare_output(cfg.out, "--out")
     return methods, text

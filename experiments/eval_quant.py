@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -31,7 +30,7 @@ import numpy as np
 import jmem
 from jmem.calibrate import LINEARS
 from jmem.data import load_documents
-from jmem.experiment import check_windows_fit, run_experiment
+from jmem.experiment import check_dense, check_windows_fit, model_config, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.api import method_kwargs, resolve_group_size
@@ -83,7 +82,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         raise ValueError(f"--methods is empty; accepted: a comma-separated list among {', '.join(ALL)}")
     bad = [m for m in methods if m not in ALL]
     if bad:
-        raise ValueError(f"unknown methods {bad}; accepted: {', '.join(ALL)}")
+        raise ValueError(f"--methods: unknown methods {bad}; accepted: {', '.join(ALL)}")
     positive = [("--windows", cfg.windows), ("--batch", cfg.batch), ("--group-size", cfg.group_size)]
     if any(m in CALIBRATED for m in methods):
         positive.append(("--calib-windows", cfg.calib_windows))
@@ -92,6 +91,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
+    check_dense(cfg.model, "quantization")
     spec = {**PLAIN, **CALIBRATED}
     grouped_bits = sorted({spec[m][1] for m in methods if m in spec and spec[m][0] in GROUPED})
     if grouped_bits:
@@ -102,19 +102,14 @@ def validate(cfg: Config) -> tuple[list[str], str]:
 
 
 def input_dims(model: str) -> dict[str, int] | None:
-    """Input dimension of each block linear of `model` (a preset name or a GGUF file, read from its header; no
-    weights are loaded); None when it is neither (a quantized directory, an unknown name: `jmem.load` says)."""
+    """Input dimension of each block linear of `model` (a preset, or a GGUF file read from its header; no
+    weights are loaded); None for a quantized model directory."""
     from flax import nnx
 
-    from jmem.io.gguf import config_from_gguf, read_gguf
-    from jmem.models.config import PRESETS, get_config
     from jmem.models.llama import Llama
 
-    if model in PRESETS:
-        config = get_config(model)
-    elif os.path.isfile(model):
-        config = config_from_gguf(read_gguf(model))
-    else:
+    config = model_config(model)
+    if config is None:
         return None
     shapes = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))).layers.weights()
     return {n: int(shapes[n].shape[-2]) for n in LINEARS}

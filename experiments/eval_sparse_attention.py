@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 from flax import nnx
 
 import jmem
 from jmem.data import load_documents
-from jmem.io.paths import prepare_output, remove_unused_dirs
+from jmem.experiment import run_experiment
+from jmem.io.paths import prepare_output
 from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
 from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
 
@@ -141,22 +140,21 @@ def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the evaluation; bad input prints one `error: ...` line to stderr and returns 2."""
-    cfg = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
-    try:
-        text, planned, impl = validate(cfg)
-        lm = jmem.load(cfg.model)
-        if cfg.seq > lm.config.max_seq_len:
-            raise ValueError(f"--seq {cfg.seq} exceeds the context of {cfg.model!r} ({lm.config.max_seq_len} "
-                             f"tokens); accepted: 2..{lm.config.max_seq_len}")
-        ids = np.asarray(lm.tokenizer.encode(text), np.int32)
-        if ids.size < cfg.seq * cfg.chunks:
-            raise ValueError(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "
-                             f"{cfg.seq * cfg.chunks}; accepted: a longer --text or smaller --seq/--chunks")
-    except (ValueError, FileNotFoundError) as e:
-        remove_unused_dirs()  # --out's directories, made by `validate`
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Run the evaluation; bad input prints one `error: ...` line to stderr and returns 2 (`run_experiment`)."""
+    return run_experiment(EvalConfig, evaluate, argv, description=__doc__)
+
+
+def evaluate(cfg: EvalConfig) -> list[dict]:
+    """Print a row per mask; `--out` is rewritten after each, so an interrupted run keeps the rows done."""
+    text, planned, impl = validate(cfg)
+    lm = jmem.load(cfg.model)
+    if cfg.seq > lm.config.max_seq_len:
+        raise ValueError(f"--seq {cfg.seq} exceeds the context of {cfg.model!r} ({lm.config.max_seq_len} "
+                         f"tokens); accepted: 2..{lm.config.max_seq_len}")
+    ids = np.asarray(lm.tokenizer.encode(text), np.int32)
+    if ids.size < cfg.seq * cfg.chunks:
+        raise ValueError(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "
+                         f"{cfg.seq * cfg.chunks}; accepted: a longer --text or smaller --seq/--chunks")
     ids_NT = ids[: cfg.seq * cfg.chunks].reshape(cfg.chunks, cfg.seq)
     rows = []
     print(f"{cfg.model}, {cfg.chunks} x {cfg.seq} tokens, attention impl {impl} on {jax.default_backend()}")
@@ -175,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>16} {row['ppl']:9.3f} {stats.visited:>6}/{stats.num_blocks:<7} "
             f"{row['attn_temp_bytes_reference'] / 2**20:10.2f} MiB {row['attn_temp_bytes_kernel'] / 2**20:13.2f} MiB"
         )
-    if cfg.out is not None:
-        with open(cfg.out, "w") as f:
-            json.dump(dict(config=dataclasses.asdict(cfg), backend=jax.default_backend(), impl=impl, rows=rows), f, indent=2)
-    return 0
+        if cfg.out is not None:
+            with open(cfg.out, "w") as f:
+                json.dump(dict(config=dataclasses.asdict(cfg), backend=jax.default_backend(), impl=impl, rows=rows),
+                          f, indent=2)
+    return rows
 
 
 if __name__ == "__main__":

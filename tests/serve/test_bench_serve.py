@@ -34,6 +34,8 @@ def _bench_serve():
     (dict(lora_adapters=2, lora_rank=0), "--lora-adapters=2 --lora-rank=0; accepted"),
     (dict(max_loras=(2,)), "--max-loras 2; accepted: slot counts in 1..--lora-adapters, with --lora-adapters > 0"),
     (dict(lora_adapters=2, max_loras=(1, 0)), "--max-loras 1 0; accepted: slot counts in 1..--lora-adapters"),
+    (dict(lora_adapters=2, max_loras=(2, 2)), "--max-loras 2 2 repeats a slot count; accepted: distinct"),
+    (dict(rate=-3.0), "--rate=-3.0 needs --arrival poisson (--arrival burst sends every request at once)"),
 ])
 def test_bad_flags_are_refused_before_loading(change, message):
     mod = _bench_serve()
