@@ -55,7 +55,8 @@ class Config:
     windows: int = 16
     """Non-overlapping 512-token evaluation windows."""
     methods: str = ",".join(ALL)
-    """Comma-separated methods among: """ + ", ".join(ALL)
+    """Comma-separated methods among: float, int8, rtn4, rtn3, nf4, fp8, gptq4, gptq3, awq4, awq3, q4_0, q4_k, q6_k,
+    q8_0, q4_1, q5_0, iq4_nl (all by default)."""
     out: str = "quant.json"
     """JSON output: a list of {method, ppl, weight_bytes, ...}."""
     model: str = "smollm2-135m"

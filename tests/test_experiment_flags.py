@@ -79,6 +79,8 @@ def test_eval_quant_help_states_the_group_size_rule(capsys):
         experiment("eval_quant").cli(["--help"])
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "a positive multiple of 8" in out and "largest multiple of 32 below it" in out
+    listed = out.split("Comma-separated methods among:")[1].split("(all by default)")[0]  # was no help line
+    assert [m.strip() for m in listed.split(",")] == list(experiment("eval_quant").ALL)
 
 
 def _stub_lm(n_tokens):
