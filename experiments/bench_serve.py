@@ -188,8 +188,8 @@ COMPILES = CompileClock()
 
 
 def time_steps(engine: Engine) -> dict:
-    """Time the engine's runner steps, split into steps that prefill (a sequence computes several
-    tokens) and decode-only steps, and the LoRA slot writes before steps: {kind: [count, seconds]}."""
+    """Time the engine's runner steps, split into steps that prefill (a sequence computes tokens of its
+    prompt) and decode-only steps, and the LoRA slot writes before steps: {kind: [count, seconds]}."""
     split = {"prefill": [0, 0.0], "decode": [0, 0.0], "slot writes": [0, 0.0]}
     step, load_adapters = engine.runner.step, engine.runner.load_adapters
 
@@ -204,7 +204,10 @@ def time_steps(engine: Engine) -> dict:
     def timed(out):
         start = time.monotonic()
         res = step(out)
-        entry = split["prefill" if any(s.num_tokens > 1 for s in out.seqs) else "decode"]
+        # A prefill slice computes tokens before its sequence's last (a one-token chunk too); a decode, the last
+        # token alone, plus any proposals it verifies.
+        prefill = any(s.num_tokens - len(s.draft_token_ids) > 1 or not s.samples for s in out.seqs)
+        entry = split["prefill" if prefill else "decode"]
         entry[0] += 1
         entry[1] += time.monotonic() - start
         return res

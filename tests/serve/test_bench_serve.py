@@ -76,3 +76,21 @@ def test_bench_serve_with_more_lora_adapters_than_slots(capsys):
     one, three = writes.values()
     assert one and three, out
     assert int(one.group(1)) >= 2 and int(three.group(1)) == 0
+
+
+def test_step_split_counts_one_token_prompt_chunks_as_prefill_and_verified_proposals_as_decode():
+    """With --max-num-batched-tokens 1 every prompt token went to the decode-only row, and a speculative
+    decode (its proposals are several tokens) to the prefill row."""
+    import types
+
+    from jmem.serve.scheduler import ScheduledSeq, SchedulerOutput
+
+    mod = _bench_serve()
+    runner = types.SimpleNamespace(step=lambda out: None, load_adapters=lambda names: None,
+                                   adapter_slots=types.SimpleNamespace(num_loads=0))
+    split = mod.time_steps(types.SimpleNamespace(runner=runner))
+    req = types.SimpleNamespace(num_tokens=10)
+    for seqs in ([ScheduledSeq(req, 3, 1, [])], [ScheduledSeq(req, 4, 1, [])], [ScheduledSeq(req, 0, 8, [])],
+                 [ScheduledSeq(req, 9, 1, [])], [ScheduledSeq(req, 9, 3, [], [5, 6])]):  # 3 prompt chunks, 2 decodes
+        runner.step(SchedulerOutput(seqs=seqs))
+    assert split["prefill"][0] == 3 and split["decode"][0] == 2
