@@ -65,10 +65,14 @@ def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list
     default text's documents when `path` is None or "default".
 
     Raises:
-        ValueError: a missing, empty or non-UTF-8 file, named by `flag` (the option it came from).
+        ValueError: an empty path, or a missing, empty or non-UTF-8 file, named by `flag` (the option it
+            came from).
     """
-    if path is None or str(path) in ("", "default"):
+    if path is None or str(path) == "default":
         return default_documents()
+    if not str(path).strip():  # `--data "$FILE"` with FILE unset: not a request for the default text
+        raise ValueError(f"{flag} {str(path)!r} is empty; accepted: a text file path, or default (the standard "
+                         "library's pydoc topics)")
     p = check_text_file(path, flag)
     try:
         raw = p.read_bytes()

@@ -137,6 +137,9 @@ def test_file_input_and_errors(tmp_path):
     p.write_text("some text\n" * 100)
     assert load_documents(str(p)) == ["some text\n" * 100]
     assert load_documents("default") == default_documents()
+    for empty in ("", " "):  # `--text "$FILE"` with FILE unset trained on the default text without a word
+        with pytest.raises(ValueError, match=f"^--text {empty!r} is empty; accepted: a text file path, or default"):
+            load_documents(empty, "--text")
     with pytest.raises(ValueError, match="no such file"):
         load_documents(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="is a directory; accepted: a UTF-8 text file"):
