@@ -136,6 +136,14 @@ def check(cfg: Config) -> None:
                          "--lora-adapters > 0")
     if cfg.num_blocks is not None and cfg.num_blocks < 1:
         raise ValueError(f"--num-blocks={cfg.num_blocks}; accepted: an integer >= 1, or unset (enough for the trace)")
+    from jmem.models.config import PRESETS
+    from jmem.serve.paged_cache import KV_DTYPES
+
+    if cfg.kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype={cfg.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+    if cfg.random_weights and cfg.model not in PRESETS:
+        raise ValueError(f"--random-weights builds a preset; --model {cfg.model!r} is none; accepted: "
+                         f"--random-weights with one of {', '.join(PRESETS)}")
 
 
 def check_model(cfg: Config, mcfg) -> None:
