@@ -168,12 +168,13 @@ def model_file(model: str) -> str | None:
 
 
 def checkpoint_steps(directory: str) -> list[int]:
-    """Step numbers of the finished checkpoints in `directory` (Orbax writes a step under a
-    temporary name and renames it to the bare number when complete); [] when absent."""
+    """Step numbers of the finished jmem checkpoints in `directory` (Orbax writes a step under a
+    temporary name and renames it to the bare number when complete; a jmem step holds a `meta`
+    item, as `jmem.io.checkpoint.Checkpointer` counts them); [] when absent."""
     d = pathlib.Path(directory).expanduser()
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
 
 
 def _validate_resume(cfg: TrainConfig) -> None:

@@ -198,6 +198,9 @@ def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, c
     with pytest.raises(ValueError, match=f"nothing to resume in {empty}"):
         validate(TrainConfig(model="tiny", ckpt_dir=str(empty), resume=True))
     assert list(empty.iterdir()) == []
+    (empty / "7" / "state").mkdir(parents=True)  # a numbered folder that is no jmem step (no meta item)
+    with pytest.raises(ValueError, match=f"nothing to resume in {empty}"):  # was "--steps ... beyond step 7"
+        validate(TrainConfig(model="tiny", steps=5, ckpt_dir=str(empty), resume=True))
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     line = _one_line_exit_2(["--model", "tiny", "--ckpt-dir", str(a_file), "--resume"], capsys)
