@@ -368,7 +368,7 @@ def save_adapters(model, path) -> None:
     loras = _lora_vars(model)
     if not loras:
         raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if not path.endswith(".npz"):  # numpy would write PATH.npz, which load_adapters(PATH) then misses
         raise ValueError(f"LoRA adapter path {path!r}; accepted: a file name ending in .npz")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -388,7 +388,7 @@ def read_adapters(path) -> tuple[dict, dict]:
     naming the file and what is wrong (missing, a directory, not such a file, metadata without a
     positive integer rank, a finite alpha and a boolean rslora, arrays absent, of another rank, not real
     floating point or not finite)."""
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if os.path.isdir(path):
         raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: an .npz file written by "
                          "jmem.lora.save_adapters (a PEFT adapter directory is not read)")

@@ -95,6 +95,15 @@ def test_only_adapters_train(trained):
     assert all(jax.tree_util.tree_leaves(same))
 
 
+def test_adapter_paths_expand_the_home_directory(trained, tmp_path, monkeypatch):
+    """`train.py --save '~/a.npz'` trained the whole run, then lost the adapters: the checks expanded `~`,
+    `save_adapters` did not."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save_adapters(trained["model"], "~/a.npz")
+    assert (tmp_path / "a.npz").is_file()
+    load_adapters(trained["model"], "~/a.npz")
+
+
 def test_merge_and_save_load(trained, tmp_path):
     model, ids = trained["model"], trained["ids"]
     out = np.asarray(_forward(model, ids))
