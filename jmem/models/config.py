@@ -23,6 +23,17 @@ def as_dtype(name_or_dtype):
     return jnp.dtype(name_or_dtype).type
 
 
+def normal_init(stddev: float):
+    """A normal initializer that draws in f32 and then casts, so a model built with bf16 parameters holds
+    the rounded weights of the same model in f32 (a draw in bf16 is a different model)."""
+    import jax
+
+    def init(key, shape, dtype=jnp.float32):
+        return (jax.random.normal(key, shape, jnp.float32) * stddev).astype(dtype)
+
+    return init
+
+
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jmem.kernels import attention
 from jmem.kernels.dispatch import resolve_impl
 from jmem.memory.offload import fetch_layer
-from jmem.models.config import LlamaConfig, as_dtype
+from jmem.models.config import LlamaConfig, as_dtype, normal_init
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
 from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain, kernel_per_device
@@ -110,7 +110,7 @@ class Linear(nnx.Module):
     """`x @ kernel`, kernel `[*stack, in, out]` (stack = (layers,) inside the block stack)."""
 
     def __init__(self, din: int, dout: int, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
-        init = jax.nn.initializers.normal(stddev=din**-0.5)
+        init = normal_init(din**-0.5)
         self.kernel = nnx.Param(init(rngs.params(), (*stack, din, dout), dtype))
 
     def __call__(self, x):
@@ -248,7 +248,7 @@ class Llama(nnx.Module):
         self.config = config
         dt = as_dtype(config.param_dtype)
         self.embed = nnx.Embed(config.vocab_size, config.dim, param_dtype=dt, rngs=rngs,
-                               embedding_init=jax.nn.initializers.normal(stddev=config.dim**-0.5))
+                               embedding_init=normal_init(config.dim**-0.5))
         self.layers = Blocks(config, rngs=rngs)
         self.norm = RMSNorm(config.dim, dtype=dt)
         if not config.tie_embeddings:

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from jmem.checks import check_int, is_int, is_number
+from jmem.models.config import normal_init
 from jmem.models.dot import dot
 
 # Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
@@ -276,8 +277,7 @@ class MoEMLP(nnx.Module):
         check_int("MoEMLP ffn_dim", ffn_dim, 1)
         check_moe(n_experts, top_k, capacity_factor)
         self.top_k, self.capacity_factor = top_k, capacity_factor
-        init_in = jax.nn.initializers.normal(stddev=dim**-0.5)
-        init_out = jax.nn.initializers.normal(stddev=ffn_dim**-0.5)
+        init_in, init_out = normal_init(dim**-0.5), normal_init(ffn_dim**-0.5)
         self.router = Router(init_in(rngs.params(), (*stack, dim, n_experts), dtype))
         self.expert_gate = nnx.Param(init_in(rngs.params(), (*stack, n_experts, dim, ffn_dim), dtype))
         self.expert_up = nnx.Param(init_in(rngs.params(), (*stack, n_experts, dim, ffn_dim), dtype))
