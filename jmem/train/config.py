@@ -139,7 +139,8 @@ class TrainConfig:
     lora_dropout: float = 0.0
     """Dropout on each adapter's input in training steps, 0 <= p < 1 (never in evaluation or inference)."""
     quantize_base: str | None = None
-    """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn; needs --lora-rank."""
+    """Quantize the frozen base before adding adapters (QLoRA): nf4, int8, fp8 or rtn (4-bit, groups of 128 rows);
+    needs --lora-rank. Serve the adapters on the same base: `jmem quantize --method M --out DIR` (its defaults)."""
 
     def moe_overrides(self) -> dict:
         """The model-config fields the --moe-* flags set (those given)."""

@@ -32,8 +32,9 @@ def _with_adapters(cfg: TrainConfig, model):
     if cfg.quantize_base:
         from jmem.quant import quantize
 
-        group = None if cfg.quantize_base == "rtn" else 128  # rtn: 4-bit per channel
-        model = quantize(model, cfg.quantize_base, group_size=group)
+        # rtn: 4-bit in groups of 128 input rows, the base `jmem quantize --method rtn` writes by default, so
+        # the adapters are served on the base they were trained on.
+        model = quantize(model, cfg.quantize_base, group_size=128)
     if cfg.lora_rank:
         from jmem.lora import apply_lora
 

@@ -148,3 +148,21 @@ def test_adapters_and_packed_base_split_with_their_weight():
     assert "tensor" not in str(wo.base.codes.spec)  # 32 rows per shard would cut a 64-row absmax block
     mu = sh.opt_state[1][0].mu["layers"]["w_down"]["kernel"]  # adamw's first moment
     assert mu.lora_a.spec == w_down.lora_a.spec and jax.tree.leaves(mu.base) == []  # no state for the base
+
+
+def test_the_rtn_base_is_the_one_jmem_quantize_writes():
+    """--quantize-base rtn trained on 4-bit per-channel weights, `jmem quantize --method rtn` (groups of 128)
+    wrote others: adapters were served on another base than they were trained on."""
+    from flax import nnx
+
+    from jmem.models import Llama, get_config
+    from jmem.quant import quantize
+    from jmem.train.setup import _with_adapters
+
+    model = Llama(get_config("small"), rngs=nnx.Rngs(0))  # width 256: per channel and groups of 128 differ
+    trained = _with_adapters(dataclasses.replace(QLORA, model="small", quantize_base="rtn", lora_rank=0),
+                             nnx.clone(model))
+    served = quantize(model, "rtn")  # the defaults of `jmem quantize --method rtn`
+    for name in ("wq", "w_down"):
+        a, b = (getattr(m.layers, name).kernel.get_value() for m in (trained, served))
+        np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b.dequantize()))
