@@ -420,7 +420,7 @@ class Engine:
         """Queue a request (thread-safe); ValueError for bad parameters, an unknown adapter or a prompt
         that cannot fit. `adapter`: a LoRA adapter name given to the engine, None for the base model."""
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"params of type {type(params).__name__}; accepted: a jmem.serve.SamplingParams",
+            raise RequestError(f"params of type {type(params).__name__}; accepted: a jmem.serve.request.SamplingParams",
                                "params")
         if hasattr(prompt_ids, "__array__"):  # a NumPy or JAX array of ids
             prompt_ids = np.asarray(prompt_ids).tolist()

@@ -470,7 +470,7 @@ def test_engine_arguments_of_the_wrong_kind_are_one_error(model):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             engine.add_request(prompt, greedy())
     for params in (None, {"max_tokens": 4}):
-        with pytest.raises(ValueError, match="^params of type .*; accepted: a jmem.serve.SamplingParams$"):
+        with pytest.raises(ValueError, match="^params of type .*; accepted: a jmem.serve.request.SamplingParams$"):
             engine.add_request([1, 2], params)
     # Arrays of ids are ids (a JAX array was refused as holding "Array(1, dtype=int32)").
     [a, b] = engine.generate([jnp.asarray([1, 2, 3]), np.asarray([1, 2, 3])], greedy(max_tokens=3))
