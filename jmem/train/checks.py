@@ -320,8 +320,12 @@ def _validate_lora(cfg: TrainConfig) -> None:
         mlp = [t for t in names if t in ("w_gate", "w_up", "w_down")]
         if mlp and cfg.model in PRESETS and preset_config(cfg).moe_experts:
             raise ValueError(f"--lora-targets {','.join(mlp)} with --model {cfg.model}: its MLP is a mixture of experts, "
-                             "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo, head "
+                             "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo "
                              "(e.g. --lora-targets wq,wk,wv,wo)")
+        if cfg.quantize_base and cfg.model in PRESETS and preset_config(cfg).moe_experts:
+            raise ValueError(f"--quantize-base {cfg.quantize_base} with --model {cfg.model}: its MLP is a mixture of "
+                             "experts, whose weights are not quantized; accepted: --quantize-base with a dense "
+                             "model, or LoRA on a float base (drop --quantize-base)")
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:
@@ -370,8 +374,8 @@ def _validate_parallel(cfg: TrainConfig) -> None:
                 raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
                                  f"of --model {cfg.model}")
             if mc.moe_experts:
-                raise ValueError(f"--pipeline-stages with the MoE model {cfg.model!r} is not supported; "
-                                 f"accepted: dense models")
+                moe = f"--moe-experts {cfg.moe_experts}" if cfg.moe_experts else f"the MoE model {cfg.model!r}"
+                raise ValueError(f"--pipeline-stages with {moe} is not supported; accepted: dense models")
 
 
 def preset_config(cfg: TrainConfig) -> LlamaConfig | None:
@@ -397,6 +401,9 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
     if not given.get("moe_experts", base.moe_experts):
         raise ValueError(f"{shown}: the model's MLP is dense; accepted: the --moe-* flags with an MoE model "
                          "(--model tiny-moe, or a preset with --moe-experts N)")
+    if "moe_capacity_factor" in given and given.get("moe_dropless"):
+        raise ValueError(f"--moe-capacity-factor {cfg.moe_capacity_factor} with --moe-dropless does nothing "
+                         "(dropless routing has no capacity); accepted: one of them")
     try:
         base.replace(**given)
     except ValueError as e:

@@ -96,7 +96,14 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--remat", "offload", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
       "--mesh", "stage=2,data=4"], "--remat offload with --pipeline-schedule 1f1b is not supported"),
     (["--model", "tiny-moe", "--lora-rank", "4"], "--lora-targets w_gate,w_up,w_down with --model tiny-moe: its MLP "
-                                                  "is a mixture of experts, which takes no LoRA adapters"),
+                                                  "is a mixture of experts, which takes no LoRA adapters; accepted: "
+                                                  "--lora-targets among wq, wk, wv, wo (e.g."),  # named head, refused
+    (["--model", "tiny-moe", "--lora-rank", "4", "--lora-targets", "wq,wv", "--quantize-base", "nf4"],
+     "--quantize-base nf4 with --model tiny-moe: its MLP is a mixture of experts, whose weights are not quantized"),
+    (["--model", "tiny-moe", "--moe-dropless", "--moe-capacity-factor", "0.5"],
+     "--moe-capacity-factor 0.5 with --moe-dropless does nothing (dropless routing has no capacity)"),
+    (["--moe-experts", "4", "--pipeline-stages", "2", "--mesh", "stage=2", "--microbatches", "2"],
+     "--pipeline-stages with --moe-experts 4 is not supported; accepted: dense models"),
     (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
     (["--rules", "embed=fsdp+fsdp"], "rule embed=fsdp+fsdp names mesh axis 'fsdp' twice"),
     # tiny has 4 query and 2 key/value heads: a tensor axis must keep whole heads on every device.
