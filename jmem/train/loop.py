@@ -311,11 +311,14 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
         pipe = f", pipeline {cfg.pipeline_stages} stages x {cfg.microbatches} microbatches" \
             if cfg.pipeline_stages > 1 else ""
+        if offload is None:
+            where = "per-device MiB: " + ", ".join(
+                f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in par.model_state_bytes(
+                    state, run.mesh, stage=cfg.zero, rules=rules_for(run.cfg), trainable=run.fns.trainable).items())
+        else:  # the ZeRO layout's per-device bytes would count the offloaded state as on the device
+            where = "device, host and disk bytes in the table below"
         print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
-              "per-device MiB: " + ", ".join(f"{k.split('_')[0]} {v / 2**20:.2f}" for k, v in
-                                             par.model_state_bytes(state, run.mesh, stage=cfg.zero,
-                                                                   rules=rules_for(run.cfg),
-                                                                   trainable=run.fns.trainable).items()), file=out)
+              f"{where}", file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
     limit = device_memory_stats().get("bytes_limit")

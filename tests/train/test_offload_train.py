@@ -68,6 +68,8 @@ def test_disk_row_under_a_per_device_header_says_it_is_the_whole_state(tmp_path)
                       offload_optimizer="disk", offload_dir=str(tmp_path / "state")), out=out)
     text = out.getvalue()
     assert ", per device of " in text and "disk optimizer state, all devices" in text, text
+    # The mesh line's per-device bytes counted the offloaded optimizer state as on the device.
+    assert "zero=1; device, host and disk bytes in the table below" in text and "per-device MiB" not in text, text
 
 
 @pytest.mark.slow
