@@ -327,8 +327,10 @@ def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterI
             scale = m["alpha"] / (r ** 0.5 if m["rslora"] else r)
             pad = [(0, 0)] * (a.ndim - 1)
             a = np.pad(a.astype(np.float32), pad + [(0, R - r)])
-            b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
-        host[t] = a.astype(dtype), b.astype(dtype)
+            with np.errstate(over="ignore"):  # an overflow is refused below, by name
+                b = np.pad(b.astype(np.float32) * scale, pad[:-1] + [(0, R - r), (0, 0)])
+        with np.errstate(over="ignore"):
+            host[t] = a.astype(dtype), b.astype(dtype)
         for side, x in zip(("A", "B x alpha/rank"), host[t]):  # one inf in a slot turns every row's delta NaN
             if not np.isfinite(x.astype(np.float32)).all():
                 raise ValueError(f"adapter {name!r} ({path}): its {t} {side} is not finite in the slots' "
