@@ -83,11 +83,15 @@ def compiling_for(platform: str | None):
         _TARGET_PLATFORM.reset(token)
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, dtype=None) -> str:
     """An attention impl with "auto" resolved: the flash kernel ("pallas") when compiling for a GPU
-    or TPU, "xla" elsewhere (the CPU interprets Pallas kernels, only slower)."""
+    or TPU and the kernel compiles for `dtype` there (not float16 on a TPU), "xla" elsewhere (the CPU
+    interprets Pallas kernels, only slower)."""
     if impl == "auto":
-        return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
+        from jmem.kernels.flash_attention.kernel import kernel_dtype_ok
+
+        kernel = target_platform() in ("gpu", "tpu") and (dtype is None or kernel_dtype_ok(dtype, False))
+        return "pallas" if kernel else "xla"
     return impl
 
 
@@ -221,9 +225,7 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
-        from jmem.kernels.flash_attention.kernel import kernel_dtype_ok
-
-        impl = resolve_impl(impl) if kernel_ok and kernel_dtype_ok(q.dtype, False) else "xla"
+        impl = resolve_impl(impl, q.dtype) if kernel_ok else "xla"
     if q.shape[1] == 0:  # no query rows: nothing to attend, on every impl
         return jnp.zeros(q.shape, q.dtype)
     if impl == "pallas" and kernel_ok:

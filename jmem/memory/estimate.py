@@ -337,7 +337,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     tokens = micro * seq
     from jmem.kernels.dispatch import resolve_impl
 
-    sizes = _sizes(config, seq, c, "pallas" if resolve_impl(attention) == "pallas" else "xla")
+    sizes = _sizes(config, seq, c, resolve_impl(attention, _dtype(compute_dtype or config.compute_dtype)))
     if lora_rank:
         sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)
     # The workspace (one layer's cotangents, or its recomputation) counts every value; what is

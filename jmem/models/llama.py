@@ -163,7 +163,7 @@ def block(cfg: LlamaConfig, w: dict, x_BTE, positions_BT, cache=None, cache_laye
 def _attention(q, k, v, impl: str):
     """Causal self-attention of a forward without a cache. The flash kernel runs per device on its
     batch rows and heads under an active `activation_sharding` (`kernel_per_device`)."""
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, q.dtype)
     if impl != "pallas":
         return attention(q, k, v, causal=True, impl=impl)
     q_axes, kv_axes = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)

@@ -231,6 +231,16 @@ def test_float16_for_tpu_is_refused_by_the_kernels_and_auto_takes_xla():
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, interpret=True), q, kv, kv)  # the interpreter takes it
     with compiling_for("gpu"):
         assert "pallas_call" in str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, impl="auto"))(q, kv, kv))
+    # A model's forward resolves "auto" itself: it forced the kernel on float16 too.
+    from flax import nnx
+
+    from jmem.models import Llama, get_config
+
+    model = Llama(get_config("tiny", compute_dtype="f16", attention_impl="auto"), rngs=nnx.Rngs(0))
+    ids = jnp.zeros((1, 16), jnp.int32)
+    for platform, kernel in (("tpu", False), ("gpu", True)):
+        with compiling_for(platform):
+            assert ("pallas_call" in str(jax.make_jaxpr(lambda ids: model(ids)[0])(ids))) == kernel
     with pytest.raises(ValueError, match="interpret='no'; accepted: True or False"):
         flash_attention(*(jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)), interpret="no")
 
