@@ -128,16 +128,16 @@ class BlockSparse(Mask):
             raw = np.asarray(self.layout)
         except (TypeError, ValueError):  # ragged rows
             raw = None
-        if raw is None or raw.ndim != 2 or 0 in raw.shape or raw.dtype == object:
-            got = "ragged rows" if raw is None or raw.dtype == object else f"shape {raw.shape}"
+        if raw is None or raw.ndim != 2 or 0 in raw.shape:
+            got = "ragged rows" if raw is None else f"shape {raw.shape}"
             raise ValueError(f"BlockSparse layout must be a non-empty 2-D bool array; got {got}")
-        if raw.dtype != bool and not (np.issubdtype(raw.dtype, np.integer) and np.isin(raw, (0, 1)).all()):
-            # strings, NaN or -1 would count as True
-            if np.issubdtype(raw.dtype, np.integer):
-                what = f"the value {raw[~np.isin(raw, (0, 1))][0]}"
-            else:
-                what = f"{raw.dtype} values ({str(raw.ravel()[0])!r}, ...)"
-            raise ValueError(f"BlockSparse layout holds {what}; accepted: booleans, or integers 0 and 1")
+        # Text or objects ("0", None) would count as True or False; bfloat16 and the like are numbers of kind "V".
+        if raw.dtype.kind not in "biuf" and "float" not in raw.dtype.name:
+            raise ValueError(f"BlockSparse layout holds {raw.dtype} values ({str(raw.ravel()[0])!r}, ...); accepted: "
+                             "booleans, or numbers 0 and 1")
+        if raw.dtype != bool and not np.isin(raw, (0, 1)).all():  # NaN or -1 would count as True
+            raise ValueError(f"BlockSparse layout holds the value {raw[~np.isin(raw, (0, 1))][0]}; accepted: "
+                             "booleans, or numbers 0 and 1")
         arr = raw.astype(bool)
         if not (is_int(self.block_q) and is_int(self.block_k)) or self.block_q < 1 or self.block_k < 1:
             raise ValueError(f"BlockSparse block sizes must be integers >= 1; got {self.block_q!r}, {self.block_k!r}")

@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,11 +101,13 @@ def test_bad_masks_raise():
     with pytest.raises(ValueError, match="BlockSparse layout must be a non-empty 2-D bool array; got ragged rows"):
         BlockSparse([[1, 0], [1]], 16, 16)
     for layout, what in (([["0", "1"]], r"<U1 values \('0', ...\)"),  # each counted as True before
-                         ([[0.0, np.nan]], r"float64 values \(.0.0., ...\)"), ([[1, -1]], "the value -1")):
-        with pytest.raises(ValueError, match=f"BlockSparse layout holds {what}; accepted: booleans, or integers 0 "
+                         ([[0.0, np.nan]], "the value nan"), ([[1, -1]], "the value -1"),
+                         ([[True, None]], r"object values \('True', ...\)")):
+        with pytest.raises(ValueError, match=f"BlockSparse layout holds {what}; accepted: booleans, or numbers 0 "
                                              "and 1"):
             BlockSparse(layout, 16, 16)
-    assert BlockSparse(np.array([[1, 0]], np.int8), 16, 16) == BlockSparse([[True, False]], 16, 16)
+    for same in (np.array([[1, 0]], np.int8), np.array([[1.0, 0.0]]), jnp.array([[1.0, 0.0]], jnp.bfloat16)):
+        assert BlockSparse(same, 16, 16) == BlockSparse([[True, False]], 16, 16)
     for q_len in (-3, 2.5, 0):
         with pytest.raises(ValueError, match=f"mask needs integers q_len >= 1 and kv_len >= 1; got q_len={q_len}"):
             sparse_attention_stats(Causal(), q_len, 16)
