@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -293,7 +294,7 @@ def main(cfg: Config) -> list[dict]:
     rows = run(cfg)
     print(markdown(rows), flush=True)
     if cfg.out is not None:
-        with open(cfg.out, "w") as f:
+        with open(os.path.expanduser(cfg.out), "w") as f:
             json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), config=dataclasses.asdict(cfg), rows=rows), f, indent=1)
         log(f"wrote {cfg.out}")
     return rows

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -199,7 +200,7 @@ def main(cfg: Config) -> list[dict]:
         records.append(rec)
         print(f"{m:>6}: ppl {ppl:8.3f}  bytes {rec['weight_bytes'] / 2**20:7.2f} MiB "
               f"({rec['bytes_ratio']:.3f} of f32)  quantize {t_quant:.0f}s", flush=True)
-        with open(cfg.out, "w") as f:
+        with open(os.path.expanduser(cfg.out), "w") as f:
             json.dump(records, f, indent=1)
     print(markdown(records))
     return records

