@@ -158,3 +158,13 @@ def random_adapter(model, path, seed, rank, targets, alpha=16.0, rslora=False):
                            rslora=rslora))
     save_adapters(m, path)
     return path
+
+
+def locked_elsewhere(path) -> bool:
+    """Whether another process finds directory `path` locked (`jmem.io.paths.lock_directory`)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from jmem.io.paths import lock_directory\n"
+             "try:\n    lock_directory(sys.argv[1])\nexcept BlockingIOError:\n    sys.exit(3)\n")
+    return subprocess.run([sys.executable, "-c", probe, str(path)], timeout=120).returncode == 3

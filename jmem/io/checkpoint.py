@@ -103,9 +103,9 @@ class Checkpointer:
             enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only, **extra,
         )
         self._manager: ocp.CheckpointManager | None = None
-        # One writer per directory: process 0 of a run (or this one alone) holds its lock from `check` or the
-        # first `save` until `close`.
-        self._locks = not read_only and (this_process_only or jax.process_index() == 0)
+        # One writer per directory: process 0 of a run holds its lock from `check` or the first `save` until
+        # `close` (a this_process_only directory is a new one, written once: `jmem.quant.saved`).
+        self._locks = not read_only and not this_process_only
         self._lock = None
 
     @property
@@ -253,7 +253,7 @@ class Checkpointer:
     def _hold_lock(self) -> None:
         """Lock the directory for this run's writes; CheckpointMismatchError when another running
         process holds it (both would save, and prune, each other's steps)."""
-        if not self._locks or self._lock is not None or not self.directory.is_dir():
+        if not self._locks or self._lock is not None or not self.directory.is_dir() or jax.process_index() != 0:
             return
         try:
             self._lock = lock_directory(self.directory)
@@ -338,7 +338,7 @@ class Checkpointer:
         """Close the Orbax manager and release the directory for other runs."""
         self._drop_manager()
         if self._lock is not None:
-            self._lock.close()
+            self._lock.release()
             self._lock = None
 
 

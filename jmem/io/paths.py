@@ -17,9 +17,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
 import shutil
+import threading
 from collections.abc import Iterator
 
 try:
@@ -33,22 +35,61 @@ _CREATED_DIRS: list[pathlib.Path] = []  # made by `prepare_output`, deepest firs
 
 LOCK_FILE = ".lock"  # held (a POSIX record lock) by the process writing the directory
 
+# POSIX record locks belong to the process, and closing any descriptor of the file drops them: one
+# open file per directory, shared by this process's holders, closed when the last one lets go.
+_HELD: dict[str, list] = {}  # resolved directory -> [open lock file, holders]
+_HELD_LOCK = threading.Lock()
 
-def lock_directory(path: pathlib.Path):
-    """An open lock file on directory `path` (held until closed), None where the platform or a
-    read-only directory allows no lock; raises BlockingIOError when another process holds it."""
+
+class DirectoryLock:
+    """This process's hold on a directory's lock (`lock_directory`); `release` (or garbage
+    collection) lets go, and the lock itself goes with the process's last holder."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def release(self) -> None:
+        with _HELD_LOCK:
+            if self.key is None:
+                return
+            entry = _HELD[self.key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                entry[0].close()
+                del _HELD[self.key]
+            self.key = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the module's globals may be gone
+            pass
+
+
+def lock_directory(path: pathlib.Path) -> DirectoryLock | None:
+    """A hold on directory `path`'s lock for this process; None where the platform, a read-only
+    directory or the file system allows no lock (the writes there then fail or go on unlocked, as
+    before locks); raises BlockingIOError when another process holds it."""
     if fcntl is None:
         return None
-    try:
-        f = open(path / LOCK_FILE, "a+")
-    except OSError:  # read-only: whatever writes there fails with its own message
-        return None
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per process: this one may open it again
-    except OSError:
-        f.close()
-        raise BlockingIOError(f"{path} is locked by another process") from None
-    return f
+    key = str(pathlib.Path(path).resolve())
+    with _HELD_LOCK:
+        if key in _HELD:
+            _HELD[key][1] += 1
+            return DirectoryLock(key)
+        try:
+            f = open(pathlib.Path(key) / LOCK_FILE, "a+")
+        except OSError:  # read-only: whatever writes there fails with its own message
+            return None
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.close()
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise BlockingIOError(f"{path} is locked by another process") from None
+            return None  # e.g. NFS without a lock daemon: no lock, not "in use"
+        _HELD[key] = [f, 1]
+        return DirectoryLock(key)
 
 
 def remove_unused_dirs() -> None:

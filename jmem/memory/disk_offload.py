@@ -194,6 +194,12 @@ class DiskOptimizer:
         self._cpu = jax.devices("cpu")[0]
         self._update_jit = jax.jit(self._chunk_update, donate_argnums=(1,))
 
+    def close(self) -> None:
+        """Let go of the directory (another run may use it); the files stay."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     # --- chunks -------------------------------------------------------------------------------
 
     def _chunk_tree(self, chunk, value):
@@ -307,13 +313,12 @@ class DiskOptimizer:
         in it is touched.
 
         Raises:
-            OffloadError: `target` is the state directory or inside it, is not a directory, or
-                holds other files.
+            OffloadError: `target` is the state directory, is not a directory, or holds other files.
         """
         dst, live = pathlib.Path(target).expanduser().resolve(), pathlib.Path(self.directory).resolve()
-        if dst == live or live in dst.parents:
+        if dst == live:  # a folder inside it is fine: the state files are its top-level files
             raise OffloadError(f"optimizer-state snapshot target {target} is the live state directory "
-                               f"{self.directory} or inside it; accepted: a directory outside it")
+                               f"{self.directory}; accepted: another directory")
         if dst.exists() and not dst.is_dir():
             raise OffloadError(f"optimizer-state snapshot target {target} exists and is not a directory")
         ours = False  # whether dst holds nothing but this snapshot's files (removed when a write fails)

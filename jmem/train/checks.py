@@ -247,11 +247,11 @@ def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:
         if cfg.offload_optimizer == "disk" and cfg.ckpt_dir:
             live, ck = d.resolve(), pathlib.Path(cfg.ckpt_dir).expanduser().resolve()
             snapshots = ck / "offload_optimizer"  # the copies saved with the checkpoints (jmem.train.loop)
-            if live == ck or live in ck.parents or live == snapshots or snapshots in live.parents:
+            if live in (ck, snapshots) or snapshots in live.parents:
                 raise ValueError(f"--offload-dir {cfg.offload_dir} and --ckpt-dir {cfg.ckpt_dir} overlap (the live "
-                                 "state files would overwrite the checkpoint's copies, or the copies land in the "
-                                 "live directory); accepted: an --offload-dir outside --ckpt-dir's offload_optimizer "
-                                 "folder that does not hold --ckpt-dir")
+                                 "state files would mix with the checkpoint's, or overwrite its copies of them); "
+                                 "accepted: an --offload-dir other than --ckpt-dir, outside its offload_optimizer "
+                                 "folder")
 
 
 def _validate_layerwise(cfg: TrainConfig) -> None:

@@ -250,15 +250,20 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, on_step: Callable[[dic
     """
     # A run refused after its output directories were made (e.g. a sharding error found when the
     # step is traced) leaves none of them behind empty.
-    with new_dirs_removed_if_left_empty(cfg.ckpt_dir, cfg.log, cfg.plot, cfg.offload_dir, cfg.save):
-        return _train(cfg, out or sys.stdout, on_step)
+    # The directories' locks go when the run ends, however it ends (another run may then use them).
+    with new_dirs_removed_if_left_empty(cfg.ckpt_dir, cfg.log, cfg.plot, cfg.offload_dir, cfg.save), \
+            contextlib.ExitStack() as closing:
+        return _train(cfg, out or sys.stdout, on_step, closing)
 
 
-def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None) -> TrainResult:
+def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None,
+           closing: contextlib.ExitStack) -> TrainResult:
     run = build(cfg)
     fns = run.fns
     state = fns.init_state(run.model)
     ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    if ckpt is not None:
+        closing.callback(ckpt.close)
     start = 0
     if ckpt is not None:
         _check_state_settings(ckpt, run)
@@ -282,7 +287,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
     offload = None
     if cfg.offload_optimizer != "none":  # ZeRO-Offload / -Infinity: two programs (jmem.memory.offload)
-        step_fn, place, state, offload = _offloaded(run, state, ckpt, start)
+        step_fn, place, state, offload = _offloaded(run, state, ckpt, start, closing)
         batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
         offload_report = step_fn.measure(state, batch0)  # compiles; the loop reuses the device program
         report, compiled = offload_report.device, None
@@ -405,8 +410,6 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     if skipped:
         print(f"{skipped} non-finite steps skipped (loss scale {float(state.loss_scale.scale_value):g})", file=out)
     log.close()
-    if ckpt is not None:
-        ckpt.close()
     result = TrainResult(losses, evals, report, estimate, final, interrupted, skipped)
     if cfg.plot and jax.process_index() == 0:
         from jmem.train.plot import plot_run
@@ -528,7 +531,7 @@ def _jitted_eval(fns):
 _OFFLOAD_SNAPSHOT = "offload_optimizer"
 
 
-def _offloaded(run: Run, state, ckpt, start: int):
+def _offloaded(run: Run, state, ckpt, start: int, closing: contextlib.ExitStack):
     """`(step, place, placed state, step again)` of a run with --offload-optimizer host|disk: the step is a
     `jmem.memory.offload.OffloadedTrainStep`; with disk, the state files are written fresh, or
     copied from the checkpoint being resumed."""
@@ -541,6 +544,7 @@ def _offloaded(run: Run, state, ckpt, start: int):
         from jmem.memory.disk_offload import DiskOptimizer
 
         disk = DiskOptimizer(run.tx, fns.trainable(abstract_state.params)[0], cfg.offload_dir, clip=cfg.clip)
+        closing.callback(disk.close)
     trainer = OffloadedTrainStep(fns, abstract_state, mesh=run.mesh, zero=cfg.zero,
                                  rules=rules_for(run.cfg) if run.mesh is not None else None,
                                  params=cfg.offload_params, disk=disk)
@@ -589,6 +593,13 @@ def _check_state_settings(ckpt: Checkpointer, run: Run) -> None:
             f"checkpoint dir {ckpt.directory} holds adam8bit second moments as v (an earlier version); this "
             f"version stores and reads sqrt(v); resume it with the version that wrote it, or choose another "
             f"--ckpt-dir (nothing was written)")
+    if run.cfg.quantize_base == "rtn" and old.get("config", {}).get("quantize_base") == "rtn" \
+            and old.get("base_group_size") != run.meta.get("base_group_size"):
+        raise CheckpointMismatchError(
+            f"checkpoint dir {ckpt.directory} holds a --quantize-base rtn run of an earlier version, whose base "
+            f"was quantized per channel; this version quantizes it in groups of {run.meta['base_group_size']} rows "
+            "(as jmem quantize writes it); resume it with the version that wrote it, or choose another --ckpt-dir "
+            "(nothing was written)")
     same = old.get("structure") == run.meta["structure"]
     diff = state_settings_diff(old, run.cfg, MEANING_SETTINGS if same else None)
     if diff:

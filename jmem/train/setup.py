@@ -27,6 +27,11 @@ _NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_d
 _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
+BASE_GROUP_SIZE = 128
+"""Input rows per scale of a --quantize-base rtn base (checkpoints record it: earlier versions used one per
+channel, a state of other shapes)."""
+
+
 def _with_adapters(cfg: TrainConfig, model):
     """QLoRA: quantize the frozen base (--quantize-base), then wrap targets in LoRA adapters."""
     if cfg.quantize_base:
@@ -34,7 +39,7 @@ def _with_adapters(cfg: TrainConfig, model):
 
         # rtn: 4-bit in groups of 128 input rows, the base `jmem quantize --method rtn` writes by default, so
         # the adapters are served on the base they were trained on.
-        model = quantize(model, cfg.quantize_base, group_size=128)
+        model = quantize(model, cfg.quantize_base, group_size=BASE_GROUP_SIZE)
     if cfg.lora_rank:
         from jmem.lora import apply_lora
 
@@ -173,6 +178,7 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
         "settings": {name: getattr(cfg, name) for name in STATE_SETTINGS},
         "config": dataclasses.asdict(cfg),
         **({"adam8bit_nu": ADAM8BIT_NU} if cfg.optimizer == "adam8bit" else {}),
+        **({"base_group_size": BASE_GROUP_SIZE} if cfg.quantize_base == "rtn" else {}),
     }
 
 

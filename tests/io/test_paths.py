@@ -3,6 +3,7 @@
 import pytest
 
 from jmem.io.paths import prepare_output, undo_on_failure
+from tests.helpers import locked_elsewhere
 
 
 def test_creates_the_parent_of_a_file_and_a_directory_itself(tmp_path):
@@ -54,3 +55,25 @@ def test_undo_on_failure_removes_only_what_the_failed_run_created(tmp_path):
     with undo_on_failure(tmp_path / "ok", "--out", directory=True) as d:
         (d / "done").write_text("1")
     assert (tmp_path / "ok" / "done").read_text() == "1"
+
+
+def test_a_directory_lock_holds_until_the_last_holder_in_the_process_lets_go(tmp_path, monkeypatch):
+    """POSIX record locks belong to the process and go with any of its descriptors: a second checkpointer on
+    the same directory, closed, dropped the first one's lock while it still wrote."""
+    import errno
+    import fcntl
+
+    from jmem.io.paths import lock_directory
+
+    first, second = lock_directory(tmp_path), lock_directory(tmp_path)
+    second.release()
+    second.release()  # once only
+    assert locked_elsewhere(tmp_path)
+    first.release()
+    assert not locked_elsewhere(tmp_path)
+
+    def no_locks(f, op):  # e.g. NFS without a lock daemon: no lock, not "in use by another process"
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    assert lock_directory(tmp_path) is None

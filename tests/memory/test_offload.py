@@ -267,10 +267,13 @@ def test_disk_snapshot_never_deletes_files_it_did_not_write(tmp_path):
     disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
     disk.place(params)
     live = sorted(p.name for p in (tmp_path / "opt").iterdir())
-    for target in (tmp_path / "opt", tmp_path / "opt" / "snap"):
-        with pytest.raises(OffloadError, match="is the live state directory .* or inside it"):
-            disk.snapshot(str(target))
+    with pytest.raises(OffloadError, match="is the live state directory .*; accepted: another directory"):
+        disk.snapshot(str(tmp_path / "opt"))
     assert sorted(p.name for p in (tmp_path / "opt").iterdir()) == live
+    disk.snapshot(str(tmp_path / "opt" / "snap"))  # a folder inside: the state files are the top-level ones
+    disk.place(params)
+    assert sorted(p.name for p in (tmp_path / "opt" / "snap").iterdir()) == sorted(set(live) - {".lock"})
+    disk.restore(str(tmp_path / "opt" / "snap"))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "params.msgpack").write_text("weights")

@@ -23,9 +23,8 @@ TINY = ["--model", "tiny", "--steps", "3", "--batch", "4", "--seq", "16", "--no-
     (["--offload-params", "host"], "needs offload optimizer 'host' or 'disk'"),
     (["--offload-optimizer", "host", "--zero", "3"], "--zero 3 is not supported"),
     (["--offload-optimizer", "disk", "--offload-dir", "D", "--precision", "f16"], "--precision f16"),
-    # Refused only at the first checkpoint, after the training (the snapshot would land in the live directory),
-    # or not at all (live files over a checkpoint's copies).
-    (["--offload-optimizer", "disk", "--offload-dir", "D", "--ckpt-dir", "D/ck"], "overlap"),
+    # Refused only at the first checkpoint, after the training, or not at all (live files over a checkpoint's
+    # copies of them).
     (["--offload-optimizer", "disk", "--offload-dir", "D", "--ckpt-dir", "D"], "overlap"),
     (["--offload-optimizer", "disk", "--offload-dir", "D/ck/offload_optimizer/2", "--ckpt-dir", "D/ck"], "overlap"),
 ])

@@ -101,6 +101,23 @@ def test_an_adam8bit_checkpoint_of_the_earlier_moment_format_is_refused(tmp_path
     assert _files(d) == before
 
 
+def test_a_qlora_rtn_checkpoint_of_the_per_channel_base_is_refused_with_its_cause(tmp_path):
+    """Earlier versions quantized a --quantize-base rtn base per channel: its checkpoint was refused as "a
+    different run (structure ...)", which named no cause. Its metadata lacks the group size."""
+    import json
+
+    d = tmp_path / "ck"
+    cfg = dataclasses.replace(BASE, lora_rank=2, lora_targets="wq", quantize_base="rtn", ckpt_dir=str(d))
+    train(dataclasses.replace(cfg, stop_after=1), out=io.StringIO())
+    meta_file = next((d / "1" / "meta").rglob("metadata"))
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("base_group_size") == 128
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="holds a --quantize-base rtn run of an earlier version, whose base was "
+                                         "quantized per channel; this version quantizes it in groups of 128 rows"):
+        train(dataclasses.replace(cfg, resume=True), out=io.StringIO())
+
+
 def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     d = tmp_path / "ck"
     train(dataclasses.replace(BASE, stop_after=2, ckpt_dir=str(d)), out=io.StringIO())  # same program as BASE
@@ -235,6 +252,19 @@ def test_resumed_log_is_cut_back_to_the_checkpoint_step(tmp_path):
     assert [r.get("event") for r in recs].count("memory") == 1 and recs[0]["event"] == "memory"
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 11))
     assert [r["step"] for r in recs if "eval_loss" in r] == [10]
+
+
+def test_a_failed_run_lets_go_of_its_checkpoint_directory(tmp_path):
+    """The lock taken at the directory's check stayed held after a refusal (while its traceback lived, as
+    in a notebook): another process found the directory in use."""
+    from jmem.io.checkpoint import CheckpointMismatchError
+    from tests.helpers import locked_elsewhere
+
+    ck = dataclasses.replace(BASE, ckpt_dir=str(tmp_path / "ck"), stop_after=1)
+    train(ck, out=io.StringIO())
+    with pytest.raises(CheckpointMismatchError, match="pass --resume") as refused:
+        train(ck, out=io.StringIO())
+    assert refused.value is not None and not locked_elsewhere(tmp_path / "ck")
 
 
 def test_a_text_edited_since_the_checkpoint_is_noted_on_resume(tmp_path):
