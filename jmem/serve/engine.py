@@ -688,7 +688,12 @@ class Engine:
         runners = [self.runner] + ([] if self.drafter is None else [self.drafter.runner])  # compiled steps of both
         used_blocks = kv.pool.num_used
         running = list(sched.running)
-        slots_used = sum(r.num_computed_tokens for r in running)
+        filled: dict[int, int] = {}  # block id -> its slots holding computed tokens (shared prefix blocks once)
+        bs = kv.block_size
+        for r in running:
+            for k, block in enumerate(kv.blocks_of(r.request_id)):
+                filled[block] = max(filled.get(block, 0), min(bs, max(0, r.num_computed_tokens - k * bs)))
+        slots_used = sum(filled.values())
         with self._lock:
             now = time.monotonic()
             window = [n for t, n in self._token_times if now - t <= 10.0]

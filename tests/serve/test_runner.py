@@ -488,3 +488,21 @@ def test_unseeded_requests_do_not_follow_the_program_random_seed(model):
         [o] = engine.generate(prompts(3, 1), SamplingParams(max_tokens=16, temperature=1.0))
         outs.append(o.token_ids)
     assert outs[0] != outs[1]
+
+
+def test_token_utilization_counts_a_shared_prefix_block_once(model):
+    """Requests sharing prefix blocks counted those blocks' tokens once per request over the blocks in use
+    counted once: the utilization went above 1."""
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=32, block_size=8, max_num_seqs=4,
+                                                         max_num_batched_tokens=64, max_model_len=MAX_LEN))
+    prompt = list(range(1, 41))  # five full blocks, shared
+    first = engine.add_request(prompt, greedy(max_tokens=6))
+    engine.step()  # its prompt computed: the blocks are cached
+    others = [engine.add_request(prompt, greedy(max_tokens=6)) for _ in range(2)]
+    engine.step()
+    m = engine.metrics()
+    assert m["num_requests_running"] == 3 and m["prefix_cache_hit_tokens_total"] > 0
+    assert 0.5 < m["kv_cache_token_utilization"] <= 1.0, m  # was 1.89
+    for s in (first, *others):
+        engine.abort(s.request_id)
+    engine.step()
