@@ -238,25 +238,37 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
                max_tokens_param="max_tokens"):
         """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j. The
         `*_param` names are the body's (chat: messages, max_completion_tokens) for the errors."""
+        check_requests(prompts, params, adapter, prompt_param=prompt_param, max_tokens_param=max_tokens_param)
         loop = asyncio.get_running_loop()
         streams = []
-        for pi, ids in enumerate(prompts):
-            for j in range(n):
-                p = params
-                if n > 1 and params.seed is not None:  # distinct but reproducible choices
-                    p = type(params)(**{**params.__dict__, "seed": choice_seed(params.seed, j)})
-                try:
+        try:
+            for pi, ids in enumerate(prompts):
+                for j in range(n):
+                    p = params
+                    if n > 1 and params.seed is not None:  # distinct but reproducible choices
+                        p = type(params)(**{**params.__dict__, "seed": choice_seed(params.seed, j)})
                     streams.append(engine.add_request(ids, p, f"{rid}-{pi * n + j}", loop=loop, **lora(adapter)))
-                except ValueError as e:
-                    for s in streams:
-                        engine.abort(s.request_id)
-                    if isinstance(e, UnknownAdapter):  # unloaded since check_model
-                        raise APIError(404, str(e), "model", code="model_not_found") from None
-                    message = e.describe(max_tokens_param) if isinstance(e, ContextTooLong) else str(e)
-                    param = getattr(e, "param", None)
-                    param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param)
-                    raise APIError(400, message if len(prompts) == 1 else f"prompt {pi}: {message}", param) from None
+        except ValueError as e:  # an adapter unloaded since the check
+            for s in streams:
+                engine.abort(s.request_id)
+            raise request_error(e, prompts, pi, prompt_param, max_tokens_param) from None
         return streams
+
+    def check_requests(prompts, params, adapter=None, *, prompt_param="prompt", max_tokens_param="max_tokens"):
+        """Every prompt of a batch checked before any is queued or scored: a refused batch runs nothing."""
+        for pi, ids in enumerate(prompts):
+            try:
+                engine.check_request(ids, params, adapter)
+            except ValueError as e:
+                raise request_error(e, prompts, pi, prompt_param, max_tokens_param) from None
+
+    def request_error(e: ValueError, prompts, pi, prompt_param, max_tokens_param) -> APIError:
+        if isinstance(e, UnknownAdapter):
+            return APIError(404, str(e), "model", code="model_not_found")
+        message = e.describe(max_tokens_param) if isinstance(e, ContextTooLong) else str(e)
+        param = getattr(e, "param", None)
+        param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param)
+        return APIError(400, message if len(prompts) == 1 else f"prompt {pi}: {message}", param)
 
     async def merged(streams, request: Request):
         """(choice index, output) as they arrive. Stops when the client leaves (watched all along, not
@@ -529,11 +541,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
         max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
-        for k, ids in enumerate(prompts if echo_only else ()):  # a generating request is checked as it is added
+        for k, ids in enumerate(prompts if echo_only else ()):  # nothing to generate: the prompt alone must fit
             try:
                 engine.check_prompt(ids)
             except ValueError as e:
                 raise APIError(400, str(e) if len(prompts) == 1 else f"prompt {k}: {e}", "prompt") from None
+        if not echo_only:  # before the prompts are scored (echo, prompt_logprobs)
+            check_requests(prompts, params, adapter)
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
         # echo with logprobs scores the prompt too (lm-eval-harness's loglikelihood requests); so does
@@ -623,6 +637,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        check_requests([ids], params, adapter, prompt_param="messages", max_tokens_param=param)  # before scoring
         extra = {} if body.prompt_logprobs is None else {
             "prompt_logprobs": vllm_prompt_logprobs(
                 (await prompt_logprobs([ids], body.prompt_logprobs, adapter, param="messages"))[0], body.prompt_logprobs)}

@@ -418,7 +418,22 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     loop: asyncio.AbstractEventLoop | None = None, adapter: str | None = None) -> RequestStream:
         """Queue a request (thread-safe); ValueError for bad parameters, an unknown adapter or a prompt
-        that cannot fit. `adapter`: a LoRA adapter name given to the engine, None for the base model."""
+        that cannot fit (`check_request`). `adapter`: a LoRA adapter name given to the engine, None for the
+        base model."""
+        prompt_ids = self.check_request(prompt_ids, params, adapter)
+        rid = request_id or f"req-{next(self._ids)}"
+        # Unseeded: 63 fresh bits from the OS (a program's random.seed() does not make requests repeat).
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
+                      adapter_version=0 if adapter is None else getattr(self.adapters.get(adapter), "version", -1),
+                      seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
+        stream = RequestStream(rid, loop)
+        self._commands.put(("add", req, stream))
+        return stream
+
+    def check_request(self, prompt_ids, params: SamplingParams, adapter: str | None = None) -> list[int]:
+        """The prompt's ids as a list when `add_request` would queue the request, else its ValueError
+        (nothing is queued: a batch checks every prompt before queuing any)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params of type {type(params).__name__}; accepted: a jmem.serve.request.SamplingParams",
                                "params")
@@ -429,19 +444,11 @@ class Engine:
                                "prompt")
         params.validate()
         self.runner.check_adapter(adapter)
-        rid = request_id or f"req-{next(self._ids)}"
         check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
         self._check_ids("prompt", prompt_ids)
         self._check_ids("stop_token_ids", params.stop_token_ids)
         self._check_ids("logit_bias", list(params.logit_bias or ()))
-        # Unseeded: 63 fresh bits from the OS (a program's random.seed() does not make requests repeat).
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = Request(rid, list(prompt_ids), params, eos_token_ids=self.eos_ids, adapter_id=adapter,
-                      adapter_version=0 if adapter is None else getattr(self.adapters.get(adapter), "version", -1),
-                      seed=seed % (1 << 64))  # validate() bounds it to 64 bits: one word per seed
-        stream = RequestStream(rid, loop)
-        self._commands.put(("add", req, stream))
-        return stream
+        return list(prompt_ids)
 
     def _check_ids(self, what: str, ids) -> None:
         """Token ids must be integers of the model's vocabulary (the embedding would clamp others)."""

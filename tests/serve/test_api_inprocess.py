@@ -26,6 +26,10 @@ class ScriptedEngine:
         self.script = script
         self.aborted = []
 
+    def check_request(self, prompt_ids, params, adapter=None):
+        params.validate()
+        return list(prompt_ids)
+
     def add_request(self, prompt_ids, params, request_id=None, loop=None):
         params.validate()
         stream = RequestStream(request_id, loop)
@@ -311,15 +315,30 @@ class FittingEngine(ScriptedEngine):
         super().__init__(ByteTokenizer(), echo_one_token)
         self.params = []
 
-    def add_request(self, prompt_ids, params, request_id=None, loop=None):
+    def check_request(self, prompt_ids, params, adapter=None):
         from jmem.serve.request import check_fits
 
         check_fits(len(prompt_ids), params.max_tokens, self.max_request_tokens)
+        return super().check_request(prompt_ids, params, adapter)
+
+    def add_request(self, prompt_ids, params, request_id=None, loop=None):
+        self.check_request(prompt_ids, params)
         self.params.append(params)
         return super().add_request(prompt_ids, params, request_id, loop)
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_batch_with_a_prompt_that_does_not_fit_queues_none_of_its_requests():
+    """The choices of the prompts before the refused one were queued, then aborted (counted as aborted
+    requests, and maybe run a step)."""
+    engine = FittingEngine()
+    client = TestClient(create_app(engine, "m"))
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["hi", "yo", "a" * 2000], "max_tokens": 4,
+                                             "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt 2: ")
+    assert engine.params == [] and engine.aborted == []
 
 
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context():
