@@ -467,8 +467,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
     @app.get("/metrics")
     async def metrics():
         lines = []
+        helps = getattr(engine, "METRICS_HELP", {})
         for k, v in engine.metrics().items():
             kind = "counter" if k.endswith("_total") else "gauge"
+            lines += [f"# HELP jmem_{k} {helps[k]}"] if k in helps else []
             lines += [f"# TYPE jmem_{k} {kind}", f"jmem_{k} {float(v)}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

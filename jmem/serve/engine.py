@@ -689,8 +689,35 @@ class Engine:
                     self._fail(req.request_id, "internal error in the engine loop")
 
     # ------------------------------------------------------------------ metrics
+    METRICS_HELP = {
+        "num_requests_running": "Requests scheduled in the running batch.",
+        "num_requests_waiting": "Requests waiting to be scheduled (new or preempted).",
+        "kv_cache_blocks": "KV-cache blocks in the pool.",
+        "kv_cache_blocks_in_use": "KV-cache blocks held by requests.",
+        "kv_cache_usage": "Fraction of the KV-cache blocks held by requests.",
+        "kv_cache_token_utilization": "Token slots of the blocks in use that hold computed tokens (0..1).",
+        "kv_cache_capacity_tokens": "Tokens the KV cache holds.",
+        "prefix_cache_hit_rate": "Prompt tokens found in the prefix cache over those looked up.",
+        "prefix_cache_hit_tokens_total": "Prompt tokens found in the prefix cache.",
+        "prefix_cache_query_tokens_total": "Prompt tokens looked up in the prefix cache.",
+        "generation_tokens_per_second": "Generated tokens per second over the last 10 seconds.",
+        "generation_tokens_total": "Tokens generated.",
+        "computed_tokens_total": "Tokens computed by the model (prefill and decode).",
+        "preemptions_total": "Requests preempted (their KV blocks freed, recomputed later).",
+        "requests_finished_total": "Requests finished (stop, length or abort).",
+        "requests_aborted_total": "Requests aborted (client gone, or shutdown).",
+        "engine_steps_total": "Model steps run.",
+        "spec_decode_num_draft_tokens_total": "Speculative tokens proposed.",
+        "spec_decode_num_accepted_tokens_total": "Speculative tokens accepted.",
+        "step_compilations": "Step shapes compiled so far.",
+        "step_compilations_blocking_total": "Steps that waited for a compilation.",
+        "lora_adapter_loads_total": "LoRA adapters written into device slots.",
+        "lora_adapters": "LoRA adapters served.",
+    }
+    """One line per `metrics` key: the HELP text of `/metrics`."""
+
     def metrics(self) -> dict[str, float]:
-        """Counters and gauges for `/metrics` (safe to call from any thread)."""
+        """Counters and gauges for `/metrics` (safe to call from any thread; `METRICS_HELP` says what each is)."""
         kv, sched = self.kv, self.scheduler
         runners = [self.runner] + ([] if self.drafter is None else [self.drafter.runner])  # compiled steps of both
         used_blocks = kv.pool.num_used

@@ -341,6 +341,20 @@ def test_a_batch_with_a_prompt_that_does_not_fit_queues_none_of_its_requests():
     assert engine.params == [] and engine.aborted == []
 
 
+def test_metrics_are_prometheus_text_with_help_and_type_lines():
+    class Measured(ScriptedEngine):
+        METRICS_HELP = {"requests_finished_total": "Requests finished.", "kv_cache_usage": "Blocks held."}
+
+        def metrics(self):
+            return {"requests_finished_total": 3, "kv_cache_usage": 0.25}
+
+    text = TestClient(create_app(Measured(ByteTokenizer(), echo_one_token), "m")).get("/metrics").text
+    assert text.splitlines() == [
+        "# HELP jmem_requests_finished_total Requests finished.", "# TYPE jmem_requests_finished_total counter",
+        "jmem_requests_finished_total 3.0",
+        "# HELP jmem_kv_cache_usage Blocks held.", "# TYPE jmem_kv_cache_usage gauge", "jmem_kv_cache_usage 0.25"]
+
+
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context():
     """It stopped at 512 tokens whatever the context; vLLM's default is the rest of the context."""
     engine = FittingEngine()

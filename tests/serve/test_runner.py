@@ -503,6 +503,7 @@ def test_token_utilization_counts_a_shared_prefix_block_once(model):
     m = engine.metrics()
     assert m["num_requests_running"] == 3 and m["prefix_cache_hit_tokens_total"] > 0
     assert 0.5 < m["kv_cache_token_utilization"] <= 1.0, m  # was 1.89
+    assert set(m) == set(Engine.METRICS_HELP)  # every metric says what it is on /metrics
     for s in (first, *others):
         engine.abort(s.request_id)
     engine.step()
