@@ -98,3 +98,8 @@ def stop_strings(stop) -> list[str]:
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop={stop!r}; accepted: a non-empty string or a list of them")
     return list(stops)
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to the first of `stops` it holds (whole when it holds none)."""
+    return min((text[: text.find(s)] for s in stops if s in text), key=len, default=text)

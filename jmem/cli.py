@@ -34,9 +34,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         stop: Strings that end the completion: it is printed up to the first one it reaches.
     """
     import jmem
+    from jmem.checks import cut_at_stop, stop_strings
     from jmem.lm import model_source
-
-    from jmem.checks import stop_strings
 
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
     try:
@@ -78,7 +77,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=k,
                                           temperature=temperature, seed=seed, eos_id=tok.eos_id)
         text = tok.decode(out[0])
-        print(min((text[: text.find(s)] for s in stops if s in text), key=len, default=text))
+        print(cut_at_stop(text, stops))
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "
               f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_pass:.2f} tokens per target pass",
               file=sys.stderr)
@@ -166,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
     except BrokenPipeError:
-        import os
+        from jmem.io.paths import quiet_closed_stdout
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        quiet_closed_stdout()
         raise SystemExit(141) from None
     except KeyboardInterrupt:
         print("jmem: interrupted", file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import tyro
 
-from jmem.io.paths import forget_created_dirs, remove_unused_dirs
+from jmem.io.paths import forget_created_dirs, quiet_closed_stdout, remove_unused_dirs
 
 
 def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = None,
@@ -42,12 +42,7 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
 def _exit_status(e: BaseException) -> int:
     """The exit status of a script that raised `e`, after its one line on stderr; other errors re-raised."""
     if isinstance(e, BrokenPipeError):
-        import os
-
-        try:  # no second error at exit's flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # a stdout without a file descriptor
-            pass
+        quiet_closed_stdout()
         return 141
     if isinstance(e, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import stop_strings
+from jmem.checks import cut_at_stop, stop_strings
 from jmem.generate import SamplingParams, generate_ids
 from jmem.models.config import PRESETS, LlamaConfig, get_config
 from jmem.models.llama import Llama
@@ -110,7 +110,7 @@ class LM:
                            stop=stop_at if stop else None)
         texts = [tok.decode(ids) for ids in new]
         if stop:
-            texts = [min((t[: t.find(s)] for s in stop if s in t), key=len, default=t) for t in texts]
+            texts = [cut_at_stop(t, stop) for t in texts]
         return texts
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> str:

@@ -21,6 +21,7 @@ import errno
 import os
 import pathlib
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -90,6 +91,15 @@ def lock_directory(path: pathlib.Path) -> DirectoryLock | None:
             return None  # e.g. NFS without a lock daemon: no lock, not "in use"
         _HELD[key] = [f, 1]
         return DirectoryLock(key)
+
+
+def quiet_closed_stdout() -> None:
+    """After a reader of stdout went away (`| head`): point stdout at /dev/null, so that the flush at
+    exit raises no second BrokenPipeError (the command then ends quietly, as SIGPIPE would end it)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor
+        pass
 
 
 def remove_unused_dirs() -> None:

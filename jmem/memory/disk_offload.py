@@ -82,40 +82,39 @@ def check_snapshot(source) -> None:
     """OffloadError unless `source` holds a complete optimizer-state snapshot (`DiskOptimizer.snapshot`):
     its chunks.json, and every file it lists with the shape and dtype it lists."""
     src = pathlib.Path(source)
+    per_chunk = _snapshot_meta(src).get("state_per_chunk", [])  # none in snapshots of earlier versions
+    try:
+        shapes = [[(tuple(s), np.dtype(d)) for s, d in chunk] for chunk in per_chunk]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise _damaged(src, f"{_META}: {e}") from None
+    _check_files(src, shapes)
+
+
+def _snapshot_meta(src: pathlib.Path) -> dict:
+    """A snapshot's chunks.json; OffloadError when there is none."""
     if not (src / _META).is_file():
-        raise OffloadError(f"no optimizer-state snapshot in {source} (disk offload needs the files saved "
+        raise OffloadError(f"no optimizer-state snapshot in {src} (disk offload needs the files saved "
                            f"with the checkpoint)")
     try:
-        per_chunk = json.loads((src / _META).read_text()).get("state_per_chunk", [])
-        expected = [(c, [(tuple(shape), np.dtype(dtype)) for shape, dtype in shapes])
-                    for c, shapes in enumerate(per_chunk)]
-    except (OSError, ValueError, AttributeError, TypeError) as e:
+        return json.loads((src / _META).read_text())
+    except (OSError, ValueError) as e:
         raise _damaged(src, f"{_META}: {e}") from None
-    _check_files(src, expected)
 
 
-def _check_files(src: pathlib.Path, expected) -> None:
-    """OffloadError naming the first of the `(chunk, [(shape, dtype), ...])` files in `src` that is
-    missing, or whose .npy header or size does not hold its shape and dtype (a truncated copy)."""
-    for c, shapes in expected:
-        for j, want in enumerate(shapes):
+def _check_files(src: pathlib.Path, shapes) -> None:
+    """OffloadError naming the first file of chunk c's state leaves (`shapes[c]`: [(shape, dtype), ...]) in
+    `src` that is missing, unreadable, shorter than its header says (a truncated copy) or of another shape."""
+    for c, chunk in enumerate(shapes):
+        for j, want in enumerate(chunk):
             f = src / _chunk_file(c, j)
             try:
-                with open(f, "rb") as fh:
-                    version = np.lib.format.read_magic(fh)
-                    header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                        np.lib.format.read_array_header_2_0
-                    shape, _, dtype = header(fh)
-                    data_at = fh.tell()
-                size = f.stat().st_size
+                a = np.load(f, mmap_mode="r")  # the header only; a file shorter than it says is a ValueError
             except FileNotFoundError:
                 raise _damaged(src, f"{f.name} is missing") from None
             except (OSError, ValueError) as e:
                 raise _damaged(src, f"{f.name}: {e}") from None
-            got = (tuple(shape), np.dtype(dtype))
-            if got != want or size - data_at < int(np.prod(got[0])) * got[1].itemsize:
-                raise _damaged(src, f"{f.name} holds {got[1]}{list(got[0])} in {size - data_at} bytes; expected "
-                                    f"{want[1]}{list(want[0])}")
+            if (a.shape, a.dtype) != want:
+                raise _damaged(src, f"{f.name} holds {a.dtype}{list(a.shape)}; expected {want[1]}{list(want[0])}")
 
 
 def _damaged(src: pathlib.Path, why: str) -> OffloadError:
@@ -147,9 +146,8 @@ def _reserve(f: pathlib.Path) -> None:
         with open(f, "r+b") as fh:
             os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
     except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: written as before
-            return
-        raise _write_error(f, e) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: written as before
+            raise
 
 
 class DiskOptimizer:
@@ -266,9 +264,7 @@ class DiskOptimizer:
                 mm[...] = np.asarray(x)
                 mm.flush()
                 del mm
-            except OffloadWriteError:
-                raise
-            except OSError as e:  # e.g. no space for the header of a new file
+            except OSError as e:  # e.g. no space for the file, or for the header of a new one
                 raise _write_error(f, e) from None
 
     def _read(self, c: int):
@@ -355,11 +351,10 @@ class DiskOptimizer:
         if src.expanduser().resolve() == pathlib.Path(self.directory).resolve():
             raise OffloadError(f"optimizer-state snapshot {source} is the live state directory; accepted: an "
                                f"--offload-dir outside the checkpoint directory")
-        check_snapshot(src)
-        saved, mine = json.loads((src / _META).read_text()), self._meta()
+        saved, mine = _snapshot_meta(src), self._meta()
         if any(saved.get(k) != mine[k] for k in ("chunks", "state")):
             raise OffloadError(f"the optimizer-state snapshot in {src} was written for another model or optimizer")
-        _check_files(src, list(enumerate(self._state_shapes)))  # also a snapshot without state_per_chunk
+        _check_files(src, self._state_shapes)  # this optimizer's shapes: a snapshot without state_per_chunk too
         for c in range(len(self.chunks)):
             for f in self._files(c):
                 shutil.copyfile(src / f.name, f)

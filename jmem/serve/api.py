@@ -236,9 +236,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
 
     def submit(prompts: list[list[int]], params, n, rid, adapter=None, *, prompt_param="prompt",
                max_tokens_param="max_tokens"):
-        """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j. The
-        `*_param` names are the body's (chat: messages, max_completion_tokens) for the errors."""
-        check_requests(prompts, params, adapter, prompt_param=prompt_param, max_tokens_param=max_tokens_param)
+        """One request per (prompt, choice), prompt-major: choice index = prompt_index * n + j, after the
+        caller's `check_requests`. The `*_param` names are the body's (chat: messages, max_completion_tokens)
+        for the errors."""
         loop = asyncio.get_running_loop()
         streams = []
         try:

@@ -15,7 +15,7 @@ from jmem.memory.accumulate import check_divisible
 from jmem.memory.precision import Policy
 from jmem.memory.remat import validate as validate_remat
 from jmem.models.config import PRESETS, LlamaConfig
-from jmem.train.config import OPTIMIZERS, TrainConfig
+from jmem.train.config import OFFLOAD_SNAPSHOTS, OPTIMIZERS, TrainConfig
 from jmem.train.plot import check_image_path
 
 
@@ -246,7 +246,7 @@ def _validate_offload(cfg: TrainConfig, policy: Policy) -> None:
             raise ValueError(f"--offload-dir {cfg.offload_dir} exists and is not a directory")
         if cfg.offload_optimizer == "disk" and cfg.ckpt_dir:
             live, ck = d.resolve(), pathlib.Path(cfg.ckpt_dir).expanduser().resolve()
-            snapshots = ck / "offload_optimizer"  # the copies saved with the checkpoints (jmem.train.loop)
+            snapshots = ck / OFFLOAD_SNAPSHOTS  # the copies saved with the checkpoints
             if live in (ck, snapshots) or snapshots in live.parents:
                 raise ValueError(f"--offload-dir {cfg.offload_dir} and --ckpt-dir {cfg.ckpt_dir} overlap (the live "
                                  "state files would mix with the checkpoint's, or overwrite its copies of them); "
@@ -318,11 +318,12 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise ValueError(f"--lora-targets {shown}; accepted: distinct names among {', '.join(LORA_TARGETS)}, "
                              "comma-separated")
         mlp = [t for t in names if t in ("w_gate", "w_up", "w_down")]
-        if mlp and cfg.model in PRESETS and preset_config(cfg).moe_experts:
+        moe = cfg.model in PRESETS and preset_config(cfg).moe_experts
+        if mlp and moe:
             raise ValueError(f"--lora-targets {','.join(mlp)} with --model {cfg.model}: its MLP is a mixture of experts, "
                              "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo "
                              "(e.g. --lora-targets wq,wk,wv,wo)")
-        if cfg.quantize_base and cfg.model in PRESETS and preset_config(cfg).moe_experts:
+        if cfg.quantize_base and moe:
             raise ValueError(f"--quantize-base {cfg.quantize_base} with --model {cfg.model}: its MLP is a mixture of "
                              "experts, whose weights are not quantized; accepted: --quantize-base with a dense "
                              "model, or LoRA on a float base (drop --quantize-base)")

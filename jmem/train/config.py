@@ -8,6 +8,10 @@ import numpy as np
 
 from jmem.checks import is_int, is_number
 
+OFFLOAD_SNAPSHOTS = "offload_optimizer"
+"""Disk offload: the state files of each kept checkpoint step are copied to <ckpt-dir>/offload_optimizer/<step>
+(beside Orbax's numbered step folders, which it ignores)."""
+
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
 # The --moe-* flags that take a value (unset: the model's own); --moe-dropless is a switch.

@@ -38,7 +38,7 @@ from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.io.paths import new_dirs_removed_if_left_empty
 from jmem.memory.measure import MemoryReport, device_memory_stats, measure_and_compile
 from jmem.train.checks import check_steps_left, rules_for
-from jmem.train.config import TrainConfig
+from jmem.train.config import OFFLOAD_SNAPSHOTS, TrainConfig
 from jmem.train.report import count_text, estimate_bytes, memory_table, step_matmul_flops
 from jmem.train.setup import MEANING_SETTINGS, Run, build, state_settings_diff, upgrade_meta
 
@@ -526,10 +526,6 @@ def _jitted_eval(fns):
 
 # --- optimizer / parameter offload (jmem.memory.offload) ------------------------------------------
 
-# Disk offload: the state files of the latest checkpoint step, copied to <ckpt-dir>/offload_optimizer/<step>
-# (beside Orbax's numbered step folders, which it ignores).
-_OFFLOAD_SNAPSHOT = "offload_optimizer"
-
 
 def _offloaded(run: Run, state, ckpt, start: int, closing: contextlib.ExitStack):
     """`(step, place, placed state, step again)` of a run with --offload-optimizer host|disk: the step is a
@@ -559,7 +555,7 @@ def _offloaded(run: Run, state, ckpt, start: int, closing: contextlib.ExitStack)
 
 
 def _snapshot_dir(ckpt: Checkpointer, step: int) -> str:
-    return str(ckpt.directory / _OFFLOAD_SNAPSHOT / str(step))
+    return str(ckpt.directory / OFFLOAD_SNAPSHOTS / str(step))
 
 
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
@@ -574,7 +570,7 @@ def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
         import shutil
 
         kept = set(map(str, ckpt.steps()))
-        for old in (ckpt.directory / _OFFLOAD_SNAPSHOT).iterdir():
+        for old in (ckpt.directory / OFFLOAD_SNAPSHOTS).iterdir():
             if old.name not in kept:
                 shutil.rmtree(old, ignore_errors=True)
 

@@ -306,10 +306,10 @@ def test_a_damaged_snapshot_is_one_error_naming_its_file(tmp_path):
     disk.restore(str(snap))
     for i, (damage, why) in enumerate([
             (lambda f: f.unlink(), r"chunk00001_1.npy is missing"),
-            (lambda f: f.write_bytes(f.read_bytes()[:140]), r"chunk00001_1.npy holds float32\[4, 3\] in 12 bytes; "
-                                                            r"expected float32\[4, 3\]"),
-            (lambda f: np.save(f, np.zeros((2,), np.float32)), r"chunk00001_1.npy holds float32\[2\] in 8 bytes; "
-                                                               r"expected float32\[4, 3\]"),
+            (lambda f: f.write_bytes(f.read_bytes()[:140]), r"chunk00001_1.npy: mmap length is greater than file "
+                                                            r"size"),  # 12 of its 48 data bytes
+            (lambda f: np.save(f, np.zeros((2,), np.float32)), r"chunk00001_1.npy holds float32\[2\]; expected "
+                                                               r"float32\[4, 3\]"),
             (lambda f: f.write_bytes(b"junk"), r"chunk00001_1.npy: ")]):
         copy = tmp_path / f"ck{i}" / "offload_optimizer" / "2"
         shutil.copytree(snap, copy)
