@@ -107,6 +107,7 @@ class Checkpointer:
         # `close` (a this_process_only directory is a new one, written once: `jmem.quant.saved`).
         self._locks = not read_only and not this_process_only
         self._lock = None
+        self._lock_tried = False  # the same on every process: each takes part in one agreement on the lock
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -252,15 +253,26 @@ class Checkpointer:
 
     def _hold_lock(self) -> None:
         """Lock the directory for this run's writes; CheckpointMismatchError when another running
-        process holds it (both would save, and prune, each other's steps)."""
-        if not self._locks or self._lock is not None or not self.directory.is_dir() or jax.process_index() != 0:
+        process holds it (both would save, and prune, each other's steps). In a multi-process run
+        process 0 takes the lock and every process raises when it was refused (the others would
+        otherwise wait on collectives of a process that stopped)."""
+        if not self._locks or self._lock_tried or not self.directory.is_dir():
             return
-        try:
-            self._lock = lock_directory(self.directory)
-        except BlockingIOError:
+        self._lock_tried = True
+        refused = False
+        if jax.process_index() == 0:
+            try:
+                self._lock = lock_directory(self.directory)
+            except BlockingIOError:
+                refused = True
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            refused = bool(np.asarray(multihost_utils.broadcast_one_to_all(np.array(refused))))
+        if refused:
             raise CheckpointMismatchError(
                 f"checkpoint dir {self.directory} is in use by another running process (two runs would overwrite "
-                "each other's steps); choose another --ckpt-dir (nothing was written)") from None
+                "each other's steps); choose another --ckpt-dir (nothing was written)")
 
     def _abandon(self, step: int) -> None:
         """Remove a failed save's partial folder and drop the manager (its step cache knows the step)."""
@@ -340,6 +352,7 @@ class Checkpointer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        self._lock_tried = False
 
 
 @contextlib.contextmanager

@@ -196,6 +196,25 @@ def test_script_two_processes_on_different_flags_stop_with_one_error():
 
 
 @pytest.mark.slow
+def test_two_processes_on_a_checkpoint_dir_in_use_both_stop_with_one_error(tmp_path):
+    """A --ckpt-dir locked by another running job: process 0 is refused the lock, and process 1
+    stops with the same error at once (it would otherwise wait on process 0's collectives)."""
+    from jmem.io.paths import lock_directory
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    held = lock_directory(ck)  # the other job
+    try:
+        codes, outs = _two_processes(lambda i: ["--ckpt-dir", str(ck)])
+    finally:
+        held.release()
+    assert codes == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    for out in outs:
+        assert f"checkpoint dir {ck} is in use by another running process" in out, out[-3000:]
+        assert "Traceback" not in out
+
+
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
     """SIGTERM reaching process 1 alone: both processes save one checkpoint of the same step and
     stop (one stopping alone would leave the other waiting on its collectives)."""
