@@ -134,6 +134,9 @@ class Checkpointer:
 
     def _refuse_foreign(self) -> None:
         foreign = self.foreign_steps()
+        damaged = [s for s in foreign if (self.directory / str(s) / "state").exists()]
+        if damaged:  # a jmem step whose meta item was lost: not someone else's folder
+            raise self._damaged(damaged[0], FileNotFoundError("its meta item is missing"))
         if foreign:
             names = ", ".join(map(str, foreign[:5])) + (", ..." if len(foreign) > 5 else "")
             raise CheckpointMismatchError(

@@ -68,7 +68,8 @@ def test_check_accepts_its_own_checkpoint_without_a_structure_or_with_tuples(tmp
         Checkpointer(tmp_path).check({**meta, "model": {"dims": (1, 3)}}, resume=True)
 
 
-@pytest.mark.parametrize("damage", ["state emptied", "array file truncated", "meta not JSON", "manifest removed"])
+@pytest.mark.parametrize("damage", ["state emptied", "array file truncated", "meta not JSON", "manifest removed",
+                                    "meta removed"])
 def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
     import shutil
 
@@ -85,6 +86,8 @@ def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
     elif damage == "manifest removed":
         for p in step.rglob("manifest.ocdbt"):
             p.unlink()
+    elif damage == "meta removed":
+        shutil.rmtree(step / "meta")
     else:
         (step / "meta" / "metadata").write_text("{bad json")
     ckpt = Checkpointer(tmp_path)
@@ -94,6 +97,8 @@ def test_damaged_checkpoint_is_one_error_naming_its_step(damage, tmp_path):
         ckpt.check(META, resume=True)
         ckpt.restore(state)
     assert "bound method" not in str(info.value) and "\n" not in str(info.value), info.value
+    if damage == "meta removed":  # not called a folder of another program
+        assert "its meta item is missing); accepted" in str(info.value), info.value
     if damage == "manifest removed":  # not followed by TensorStore's spec, cut in the middle
         assert "does not exist); accepted" in str(info.value), info.value
 
