@@ -38,6 +38,8 @@ from jmem.sampling import seed_key
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 ADAPTER_FIELDS = ("lora_a", "lora_b")
+BASE_SAMPLE = 256  # values of each adapted base weight an adapter file records (`check_base`)
+BASE_MIN_CORRELATION = 0.5  # a quantized copy of the base keeps > 0.9; an unrelated base gives ~0 +- 0.06
 
 
 class LoRA:
@@ -377,7 +379,8 @@ def save_adapters(model, path) -> None:
     if os.path.isdir(path):
         raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: a file name ending in .npz")
     meta = {n: {"alpha": lo.alpha, "dropout": lo.dropout, "rslora": lo.rslora, "rank": lo.rank,
-                "dtype": str(lo.lora_a.dtype), "dtype_b": str(lo.lora_b.dtype)}
+                "dtype": str(lo.lora_a.dtype), "dtype_b": str(lo.lora_b.dtype),
+                "base_sample": base_sample(lo.base).tolist()}
             for n, lo in ((n, v.get_value()) for n, v in loras.items())}
     arrays = {k: (a.astype(np.float32) if a.dtype == jnp.bfloat16 else a) for k, a in adapter_arrays(model).items()}
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
@@ -415,6 +418,11 @@ def read_adapters(path) -> tuple[dict, dict]:
             _floating_dtype(fields.get("dtype_b", fields.get("dtype", "float32")), "LoRA dtype_b")
         except ValueError as e:
             raise ValueError(f"adapter {path!r}: metadata of {name!r}: {e} (as save_adapters writes)") from None
+        sample = fields.get("base_sample")
+        if sample is not None and not (isinstance(sample, list) and len(sample) == BASE_SAMPLE
+                                       and all(is_number(v) and np.isfinite(v) for v in sample)):
+            raise ValueError(f"adapter {path!r}: base_sample of {name!r} is {str(sample)[:60]}; accepted: "
+                             f"{BASE_SAMPLE} finite numbers (as save_adapters writes)")
         a, b = arrays.get(f"{name}.lora_a"), arrays.get(f"{name}.lora_b")
         if a is None or b is None:
             raise ValueError(f"adapter {path!r} lacks the arrays of target {name!r}")
@@ -432,6 +440,35 @@ def read_adapters(path) -> tuple[dict, dict]:
         raise ValueError(f"adapter {path!r} holds arrays {extra[:4]} of no target in its metadata "
                          f"({sorted(meta)}); accepted: a file written by jmem.lora.save_adapters")
     return meta, arrays
+
+
+def base_sample(weight) -> np.ndarray:
+    """`BASE_SAMPLE` values of a weight leaf (float or quantized, as stored) at fixed positions. An
+    adapter file records them for each target, so that loading it onto an unrelated base (another
+    model or random seed of the same shapes) is refused by `check_base`."""
+    dense = weight.dequantize(jnp.float32) if hasattr(weight, "dequantize") else jnp.asarray(weight, jnp.float32)
+    flat = dense.reshape(-1)
+    where = np.random.default_rng(0).integers(0, flat.size, BASE_SAMPLE)
+    return np.asarray(flat[where], np.float64)
+
+
+def check_base(path, target: str, meta: dict, weight) -> None:
+    """Raise ValueError when the adapter file `path` was trained for `target` on a base unrelated to
+    `weight` (the correlation of its recorded `base_sample` with this weight's is below
+    `BASE_MIN_CORRELATION`); a quantized or rounded copy of that base passes. Files without a sample
+    (older versions) are not checked."""
+    if meta.get("base_sample") is None:
+        return
+    want, got = np.asarray(meta["base_sample"], np.float64), base_sample(weight)
+    if np.array_equal(want, got):
+        return
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corr = float(np.corrcoef(want, got)[0, 1])
+    if not corr >= BASE_MIN_CORRELATION:
+        raise ValueError(f"adapter {os.fspath(path)!r} was trained on another base model: its {target} weights do "
+                         f"not match this model's (correlation {corr:.2f} at {BASE_SAMPLE} sampled values, "
+                         f"{BASE_MIN_CORRELATION} needed); accepted: the model it was trained on (the same file, or "
+                         "preset and --seed; quantized or not)")
 
 
 def _base_of(value):
@@ -453,6 +490,7 @@ def load_adapters(model, path, *, inplace: bool = False):
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
         if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
             raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
+        check_base(path, name, meta[name], base)
     if not inplace:
         model = nnx.clone(model)
     for name, var in _lora_vars(model).items():

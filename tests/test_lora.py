@@ -162,6 +162,31 @@ def test_load_gives_exactly_the_files_adapters(tmp_path):
         merge(Llama(CFG, rngs=nnx.Rngs(0)))
 
 
+def test_adapters_load_only_onto_their_base_or_a_copy_of_it(tmp_path):
+    """An adapter file records sampled values of each base weight: its base in another dtype or
+    quantized (QLoRA trained, float served) takes it; a model of the same shapes but other weights
+    (another preset --seed) is refused by name; a damaged sample in the file is refused when read."""
+    import json
+
+    base = Llama(CFG, rngs=nnx.Rngs(0))
+    path = tmp_path / "a.npz"
+    save_adapters(apply_lora(quantize(base, "nf4"), rank=2, targets=("wq", "w_down"), seed=1), path)
+    load_adapters(base, path)
+    load_adapters(quantize(base, "int8"), path)
+    load_adapters(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base), path)
+    with pytest.raises(ValueError, match=re.escape(f"adapter {str(path)!r} was trained on another base model: its wq "
+                                                   "weights do not match this model's (correlation ") +
+                       r"-?0\.\d\d at 256 sampled values, 0.5 needed\); accepted: the model it was trained on"):
+        load_adapters(Llama(CFG, rngs=nnx.Rngs(1)), path)
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+    meta["wq"]["base_sample"] = meta["wq"]["base_sample"][:3]
+    np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    with pytest.raises(ValueError, match=r"base_sample of 'wq' is .*; accepted: 256 finite numbers"):
+        load_adapters(base, path)
+
+
 def test_dropout_and_bad_inputs():
     model = apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=2, alpha=4, targets=("wq",), dropout=0.5)
     lora = model.layers.wq.kernel.get_value()

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.lora import LINEAR_TARGETS, LoRA, read_adapters
+from jmem.lora import LINEAR_TARGETS, LoRA, check_base, read_adapters
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import dot, partition_specs
@@ -266,7 +266,7 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
         bases[t] = base
     layout = {t: (tuple(b.shape), b.dtype if jnp.issubdtype(b.dtype, jnp.floating) else jnp.float32, R)
               for t, b in bases.items()}
-    infos = {name: _adapter_info(name, i if i < slots else None, modules[name], *read[name], layout)
+    infos = {name: _adapter_info(name, i if i < slots else None, modules[name], *read[name], layout, bases)
              for i, name in enumerate(modules)}
     served = nnx.clone(model)
     resident = list(infos.values())[:slots]
@@ -286,28 +286,35 @@ def target_of(path) -> str:
     return next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEAR_TARGETS)
 
 
-def slot_layout(state) -> dict[str, tuple]:
-    """target -> (weight shape, slot dtype, slot rank) of the `MultiLoRA` leaves in `state` (a model state)."""
-    layout = {}
+def _multi_leaves(state) -> dict[str, MultiLoRA]:
+    """target -> the `MultiLoRA` leaf of `state` (a model state) for it."""
+    leaves = {}
 
     def visit(path, leaf):
         if isinstance(leaf, MultiLoRA):
-            layout[target_of(path)] = (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank)
+            leaves[target_of(path)] = leaf
         return leaf
 
     jax.tree_util.tree_map_with_path(visit, state, is_leaf=_is_multi)
-    return layout
+    return leaves
+
+
+def slot_layout(state) -> dict[str, tuple]:
+    """target -> (weight shape, slot dtype, slot rank) of the `MultiLoRA` leaves in `state` (a model state)."""
+    return {t: (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank) for t, leaf in _multi_leaves(state).items()}
 
 
 def read_adapter(name: str, path: str, state, max_lora_rank: int, version: int = 0) -> AdapterInfo:
     """The adapter file `path` as an `AdapterInfo` waiting in host memory (slot None), laid out for the
     slots of `state` (a served model's state); one ValueError naming the file and what does not fit."""
     meta, stored = check_adapter_files({name: path}, max_lora_rank)[name]
-    return _adapter_info(name, None, path, meta, stored, slot_layout(state), version)
+    bases = {t: leaf.base for t, leaf in _multi_leaves(state).items()}
+    return _adapter_info(name, None, path, meta, stored, slot_layout(state), bases, version)
 
 
-def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterInfo:
-    """`AdapterInfo` of one read adapter file, its arrays laid out as `layout` (`slot_layout`) says."""
+def _adapter_info(name, slot, path, meta, stored, layout, bases, version=0) -> AdapterInfo:
+    """`AdapterInfo` of one read adapter file, its arrays laid out as `layout` (`slot_layout`) says, checked
+    against the served base weights `bases` (target -> weight leaf)."""
     host = {}
     for t in meta:  # ranks are checked against max_lora_rank when read (check_adapter_files)
         if t not in layout:
@@ -323,6 +330,7 @@ def _adapter_info(name, slot, path, meta, stored, layout, version=0) -> AdapterI
                     or b.shape[-2] != a.shape[-1]:
                 raise ValueError(f"adapter {name!r} ({path}) has {t} A {a.shape}, B {b.shape}, which do not "
                                  f"fit the model's {t} weight {shape}")
+            check_base(path, t, m, bases[t])
             r = a.shape[-1]
             scale = m["alpha"] / (r ** 0.5 if m["rslora"] else r)
             pad = [(0, 0)] * (a.ndim - 1)

@@ -9,7 +9,7 @@ from jmem.io.tokenizer import ByteTokenizer
 from jmem.models import Llama, LlamaConfig
 from jmem.serve.api import create_app
 from jmem.serve.engine import Engine, EngineConfig
-from jmem.serve.lora import read_adapter
+from jmem.serve.lora import read_adapter, stack_adapters
 from jmem.serve.lora_slots import AdapterSlots
 from jmem.serve.runner import _step_fn
 from tests.helpers import random_adapter
@@ -131,6 +131,11 @@ def test_runtime_loading_refusals(model, files, tmp_path):
     with pytest.raises(ValueError, match=r"adapter 'x' \(.*\) has wk A \(2, 32, 2\), B .* which do not fit the "
                                          r"model's wk weight \(2, 64, 32\)"):
         engine.load_adapter("x", str(random_adapter(other, tmp_path / "x.npz", 4, 2, ("wk",))))
+    reseeded = random_adapter(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(5)), tmp_path / "seed5.npz", 4, 2, ("wk",))
+    for load in (lambda: engine.load_adapter("x", str(reseeded)), lambda: stack_adapters(model, {"x": reseeded})):
+        with pytest.raises(ValueError, match=r"seed5.npz' was trained on another base model: its wk weights do not "
+                                             r"match this model's"):
+            load()
     bad = dict(np.load(files["c"]))
     for key, value, message in (("wk.lora_a", np.nan, "NaN or infinite values; accepted: finite weights"),
                                 ("w_gate.lora_b", np.inf, "NaN or infinite values"),
