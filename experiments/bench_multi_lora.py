@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem.experiment import run_experiment
-from jmem.memory.measure import measure
+from jmem.memory.measure import MAX_COMPILE_ELEMENTS, measure
 from jmem.models.config import LlamaConfig
 from jmem.models.dot import dot
 from jmem.serve.lora import IMPLS, MultiLoRA
@@ -48,8 +48,12 @@ class Config:
 def validate(cfg: Config) -> tuple[list[int], list[str]]:
     """(slot counts, impls) after checking every flag; ValueError naming the first bad one."""
     for flag, v in (("--tokens", cfg.tokens), ("--rank", cfg.rank), ("--d-in", cfg.d_in), ("--d-out", cfg.d_out)):
-        if v < 1:
-            raise ValueError(f"{flag} {v}; accepted: a positive integer")
+        if not 1 <= v < 2**31:  # row and slot indices are int32
+            raise ValueError(f"{flag} {v}; accepted: an integer in 1..{2**31 - 1}")
+    largest = cfg.tokens * max(cfg.d_in, cfg.d_out) * cfg.rank  # the gather baseline's per-row copies of A and B
+    if largest > MAX_COMPILE_ELEMENTS:
+        raise ValueError(f"--tokens {cfg.tokens} x --d-in/--d-out x --rank {cfg.rank}: {largest:.3g} elements in one "
+                         f"array, beyond the {MAX_COMPILE_ELEMENTS:.3g} XLA can compile; accepted: smaller sizes")
     try:
         slots = [int(s) for s in cfg.slots.split(",") if s.strip()]
     except ValueError:

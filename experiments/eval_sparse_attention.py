@@ -111,13 +111,16 @@ def attention_memory(lm, seq: int, mask: Mask, impl: str) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
+MAX_SEQ = 2**20  # the masks' tile maps (checked before the model is read) hold (seq / tile)**2 entries
+
+
 def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
     """(text, {mask name: (mask, tile stats)}, impl) after checking every flag; a ValueError naming the
     first bad one. No model is loaded."""
     if cfg.impl not in ("auto", "pallas", "reference"):
         raise ValueError(f"--impl {cfg.impl!r}; accepted: auto, pallas, reference")
-    if cfg.seq < 2:  # a chunk scores seq - 1 next-token predictions
-        raise ValueError(f"--seq {cfg.seq}; accepted: an integer >= 2")
+    if not 2 <= cfg.seq <= MAX_SEQ:  # a chunk scores seq - 1 next-token predictions; tile maps grow as seq**2
+        raise ValueError(f"--seq {cfg.seq}; accepted: an integer in 2..{MAX_SEQ} (and within the model's context)")
     for flag, v, least in (("--chunks", cfg.chunks, 1), ("--window", cfg.window, 1), ("--stride", cfg.stride, 1),
                            ("--bigbird-block", cfg.bigbird_block, 1), ("--num-global", cfg.num_global, 0),
                            ("--num-random", cfg.num_random, 0)):

@@ -217,3 +217,25 @@ def test_interrupts_missing_files_and_closed_pipes_end_scripts_in_one_line(monke
     assert run_experiment(Flags, raises(BrokenPipeError()), []) == 141
     with pytest.raises(RuntimeError, match="a bug"):  # anything else is a bug: its traceback is kept
         run_experiment(Flags, raises(RuntimeError("a bug")), [])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tokens", "0"], "error: --tokens 0; accepted: an integer in 1..2147483647"),
+    (["--tokens", "1000000000000"], "error: --tokens 1000000000000; accepted: an integer in 1..2147483647"),
+    (["--tokens", "2000000000", "--d-in", "4096", "--rank", "10000"],
+     "error: --tokens 2000000000 x --d-in/--d-out x --rank 10000: 8.19e+16 elements in one array, beyond the"),
+    (["--slots", "1,x"], "error: --slots '1,x'; accepted: comma-separated positive integers"),
+    (["--impls", "onehot,bogus"], "error: --impls 'onehot,bogus'; accepted: a comma-separated list among onehot"),
+])
+def test_bench_multi_lora_refuses_bad_flags_before_compiling(argv, expected, monkeypatch, capsys):
+    script = experiment("bench_multi_lora")
+    monkeypatch.setattr(script, "measure_one", lambda *a: pytest.fail("compiled before the flags were checked"))
+    assert _refused(script, argv, monkeypatch, capsys).startswith(expected)
+
+
+def test_bench_multi_lora_table_of_one_small_step(capsys):
+    records = experiment("bench_multi_lora").main(experiment("bench_multi_lora").Config(
+        tokens=8, rank=2, slots="1,2", d_in=16, d_out=16, impls="onehot,gather"))
+    assert [(r["slots"], r["impl"]) for r in records] == [(1, "onehot"), (1, "gather"), (2, "onehot"), (2, "gather")]
+    assert all(r["temp_bytes"] > 0 and r["matmul_flops"] >= 2 * 8 * 16 * 16 for r in records)
+    assert "| 2 | gather |" in capsys.readouterr().out

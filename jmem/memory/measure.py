@@ -308,6 +308,20 @@ def bytes_per_device(tree, shardings=None) -> int:
     return int(total)
 
 
+# Elements of one array beyond which XLA's compiler aborts the process (its byte counts overflow int64);
+# arguments of compile-only measurements are checked against it first.
+MAX_COMPILE_ELEMENTS = 2**56
+
+
 def device_memory_stats() -> dict:
     """The first local device's allocator statistics (`bytes_limit`, `bytes_in_use`); empty on a CPU."""
     return jax.local_devices()[0].memory_stats() or {}
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what they are) the first local device can hold: its allocator's limit, or on a CPU the
+    machine's physical memory."""
+    limit = device_memory_stats().get("bytes_limit")
+    if limit:
+        return int(limit), "the device holds"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"

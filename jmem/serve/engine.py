@@ -31,7 +31,7 @@ from jmem.serve.kv_cache import KVCacheManager
 from jmem.serve.lora import adapter_bytes, read_adapter, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, RequestError, SamplingParams, Status, UnknownAdapter, check_fits
-from jmem.serve.runner import ModelRunner, kv_cache_budget, resident_bytes
+from jmem.serve.runner import ModelRunner, check_pool_fits, kv_cache_budget, resident_bytes
 from jmem.serve.scheduler import Scheduler, SchedulerConfig
 from jmem.serve.tensor_parallel import state_shardings
 
@@ -300,6 +300,8 @@ class Engine:
                                      resident_weight_bytes=resident)
             num_blocks = ModelRunner.num_blocks_for_budget([m.config for m in models], budget, config.block_size,
                                                            config.kv_cache_dtype, tp)
+        check_pool_fits(num_blocks, ModelRunner.block_bytes([m.config for m in models], config.block_size,
+                                                            config.kv_cache_dtype, tp), self.weight_bytes)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
             if config.max_model_len is not None:  # asked for: refuse rather than serve a shorter context

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jmem.memory.measure import device_memory_stats
+from jmem.memory.measure import device_memory_stats, memory_limit
 from jmem.sampling import make_arrays, sample
 from jmem.serve.lora import BASE_SLOT, AdapterInfo, MultiLoRA, with_slots
 from jmem.serve.lora_slots import AdapterSlots, state_with_adapters
@@ -104,6 +104,19 @@ def kv_cache_budget(weights_bytes: int, kv_cache_memory: int | None, memory_util
                          f"({weights_bytes / 2**20:.0f} MiB) and what the device already holds "
                          f"({in_use / 2**20:.0f} MiB in use of {limit / 2**20:.0f} MiB)")
     return budget
+
+
+def check_pool_fits(num_blocks: int, block_bytes: int, weights_bytes: int) -> None:
+    """Refuse a KV-cache pool (`num_blocks` of `block_bytes` per device) that cannot fit next to the
+    weights: asked for by num_blocks or kv_cache_memory, it would be allocated until the process dies."""
+    limit, holder = memory_limit()
+    need = num_blocks * block_bytes + weights_bytes
+    if need > limit:
+        most = max(0, (limit - weights_bytes) // block_bytes)
+        raise ValueError(f"a KV cache of {num_blocks} blocks ({num_blocks * block_bytes / 2**20:.0f} MiB per device, "
+                         f"with {weights_bytes / 2**20:.0f} MiB of weights) does not fit: {holder} "
+                         f"{limit / 2**20:.0f} MiB; accepted: num_blocks (--num-blocks) up to {most}, or a smaller "
+                         "kv_cache_memory (--kv-cache-memory)")
 
 
 class StepShape(NamedTuple):
@@ -417,16 +430,21 @@ class ModelRunner:
                           int(rank[t])) for t in range(T - 1)]
 
     @staticmethod
+    def block_bytes(config, block_size: int, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
+        """Bytes of one KV-cache block on each device (`num_blocks_for_budget`'s arguments)."""
+        configs = config if isinstance(config, (list, tuple)) else [config]
+        # int8/fp8: scales included
+        per_block = sum(kv_bytes_per_token(c, kv_dtype, block_size) for c in configs) * block_size
+        return per_block // tensor_parallel_size  # the heads (values and per-head scales) split evenly
+
+    @staticmethod
     def num_blocks_for_budget(config, budget_bytes: int, block_size: int, kv_dtype: str,
                               tensor_parallel_size: int = 1) -> int:
         """Blocks a per-device budget holds; with tensor parallelism each device stores only its
         `n_kv_heads / tensor_parallel_size` heads of a block, so the same budget holds N times the blocks.
         `config` may be a list of model configs whose caches share the block ids (a model and its draft):
         a block then costs all of them."""
-        configs = config if isinstance(config, (list, tuple)) else [config]
-        # int8/fp8: scales included
-        per_block = sum(kv_bytes_per_token(c, kv_dtype, block_size) for c in configs) * block_size
-        per_block //= tensor_parallel_size  # the heads (values and per-head scales) split evenly
+        per_block = ModelRunner.block_bytes(config, block_size, kv_dtype, tensor_parallel_size)
         n = budget_bytes // per_block - 1  # one spare page
         if n < 1:
             raise ValueError(f"a KV-cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "

@@ -38,6 +38,10 @@ def validate(cfg: TrainConfig) -> Policy:
     Raises:
         ValueError: one line naming the bad value and what is accepted.
     """
+    for name in ("ckpt_dir", "log", "plot", "save", "offload_dir"):  # an unset shell variable: not "no output"
+        if getattr(cfg, name) is not None and not getattr(cfg, name).strip():
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: an empty path; accepted: a path, "
+                             "or leave the flag out")
     for name in ("steps", "batch", "seq", "ckpt_every", "eval_batches", "init_timeout", "heartbeat_timeout"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1")
@@ -409,6 +413,29 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
         base.replace(**given)
     except ValueError as e:
         raise ValueError(f"{shown}: {e}") from None
+
+
+def check_params_fit(cfg: TrainConfig, mc: LlamaConfig) -> None:
+    """A one-device run of a random-init preset: its parameters and their gradients (the parameters
+    alone when adapters train) must fit the device's memory; refused before they are built (a preset
+    with --moe-experts 100000 was killed while initialising its 20 GB of experts)."""
+    if cfg.distributed:  # split over the mesh's devices: the compiled step's per-device bytes are checked
+        return
+    import numpy as np
+
+    from jmem.memory.measure import memory_limit
+    from jmem.models.config import as_dtype
+
+    copies = 1 if cfg.lora_rank else 2
+    need = mc.num_params * np.dtype(as_dtype(mc.param_dtype)).itemsize * copies
+    limit, holder = memory_limit()
+    if need > limit:
+        raise ValueError(f"--model {cfg.model}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in
+                                                         cfg.moe_overrides().items() if k == "moe_experts")
+                         + f": {mc.num_params / 1e9:.2f}B parameters need {need / 2**20:.0f} MiB"
+                         + (" with their gradients" if copies == 2 else "")
+                         + f" and {holder} {limit / 2**20:.0f} MiB; accepted: a smaller model, or a --mesh over "
+                         "more devices")
 
 
 def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = None) -> None:

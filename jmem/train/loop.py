@@ -36,7 +36,7 @@ import numpy as np
 
 from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.io.paths import new_dirs_removed_if_left_empty
-from jmem.memory.measure import MemoryReport, device_memory_stats, measure_and_compile
+from jmem.memory.measure import MemoryReport, measure_and_compile, memory_limit
 from jmem.train.checks import check_steps_left, rules_for
 from jmem.train.config import OFFLOAD_SNAPSHOTS, TrainConfig
 from jmem.train.report import count_text, estimate_bytes, memory_table, step_matmul_flops
@@ -326,9 +326,9 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
               f"{where}", file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
                        devices=run.mesh.size if run.mesh is not None else 1), file=out)
-    limit = device_memory_stats().get("bytes_limit")
-    if limit and report.total_bytes > limit:
-        raise ValueError(_out_of_memory(report, f"the device holds {limit / 2**20:.0f} MiB"))
+    limit, holder = memory_limit()
+    if report.total_bytes > limit:
+        raise ValueError(_out_of_memory(report, f"{holder} {limit / 2**20:.0f} MiB"))
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
     log_path = cfg.log if jax.process_index() == 0 else None

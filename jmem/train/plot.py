@@ -8,10 +8,15 @@ import pathlib
 
 
 def image_formats() -> tuple[str, ...]:
-    """The file extensions matplotlib can save a figure as (pyplot is not imported)."""
+    """The file extensions matplotlib can save a figure as (pyplot is not imported); .pgf only where
+    the LaTeX program it runs is installed."""
+    import shutil
+
+    import matplotlib
     from matplotlib.backend_bases import FigureCanvasBase
 
-    return tuple(FigureCanvasBase.get_supported_filetypes())
+    latex = shutil.which(matplotlib.rcParams["pgf.texsystem"]) is not None
+    return tuple(f for f in FigureCanvasBase.get_supported_filetypes() if f != "pgf" or latex)
 
 
 def check_image_path(value: str | os.PathLike, flag: str) -> None:

@@ -18,6 +18,7 @@ from jmem.io.checkpoint import structure_fingerprint
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_moe_flags,
+                               check_params_fit,
                                check_seq, check_seq_split, rules_for, validate)
 from jmem.train.config import TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
@@ -119,6 +120,7 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
         mc = mc.replace(**overrides)
         if mc.vocab_size < BYTE_VOCAB:
             raise ValueError(f"--model {cfg.model}: vocab {mc.vocab_size} < {BYTE_VOCAB} byte-level ids")
+        check_params_fit(cfg, mc)
         return mc, Llama(mc, rngs=nnx.Rngs(cfg.seed)), ByteTokenizer()
     # A real model: float weights and tokenizer from its GGUF file.
     import jmem

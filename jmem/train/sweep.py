@@ -105,6 +105,14 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     for name, value in (("batch", batch), ("seq", seq)):
         if not is_int(value) or value < 1:
             raise ValueError(f"--{name}={value!r}; accepted: an integer >= 1")
+    if mc is not None:  # attention scores [batch, heads, seq, seq], logits, MLP activations
+        from jmem.memory.measure import MAX_COMPILE_ELEMENTS
+
+        largest = batch * seq * max(mc.vocab_size, mc.ffn_dim, mc.n_heads * seq)
+        if largest > MAX_COMPILE_ELEMENTS:
+            raise ValueError(f"--batch={batch} --seq={seq}: the step's largest array would hold {largest:.3g} "
+                             f"elements, beyond the {MAX_COMPILE_ELEMENTS:.3g} XLA can compile; accepted: a smaller "
+                             "--batch or --seq")
     for name, values in (("remat", remats), ("precision", precisions), ("accum", accums), ("optimizer", optimizers),
                          ("mesh", meshes), ("zero", zeros), ("microbatches", microbatches),
                          ("pipeline-schedule", schedules)):

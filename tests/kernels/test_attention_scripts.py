@@ -19,8 +19,9 @@ def bench():
 
 @pytest.mark.parametrize("argv, expected", [
     (["--text", "/nonexist"], "--text '/nonexist': no such file"),
-    (["--seq", "0"], "--seq 0; accepted: an integer >= 2"),
-    (["--seq", "1"], "--seq 1; accepted: an integer >= 2"),
+    (["--seq", "0"], "--seq 0; accepted: an integer in 2..1048576 (and within the model's context)"),
+    (["--seq", "1"], "--seq 1; accepted: an integer in 2..1048576"),
+    (["--seq", "100000000"], "--seq 100000000; accepted: an integer in 2..1048576"),  # was a 568 GiB tile map
     (["--window", "0"], "--window 0; accepted: an integer >= 1"),
     (["--chunks", "-1"], "--chunks -1; accepted: an integer >= 1"),
     (["--impl", "foo"], "--impl 'foo'; accepted: auto, pallas, reference"),
@@ -56,6 +57,10 @@ def test_sparse_eval_seq_beyond_the_context(sparse, tmp_path, capsys):
     (["--flash-tiles", "128x64"], "--flash-tiles entry '128x64'; accepted: BQxBKxWARPS"),
     (["--flash-tiles", "128x64x8,96x64x4"], "--flash-tiles entry '96x64x4'; accepted: tile sizes powers of two"),
     (["--flash-tiles", "128x64x3"], "--flash-tiles entry '128x64x3'; accepted: tile sizes powers of two >= 16, warps"),
+    # Inputs beyond memory failed midway, after the first rows, with a traceback.
+    (["--quick", "--context", "1000000000000"], "--batch x --context x --kv-heads x --head-dim: the inputs need "
+                                                "732421875 MiB and "),
+    (["--quick", "--flash-seq", "10000000"], "--flash-batch x --flash-seq x --flash-heads: the inputs need"),
 ])
 def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))

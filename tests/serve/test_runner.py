@@ -409,6 +409,23 @@ def test_budget_counts_weights_already_on_the_device_once(monkeypatch):
         kv_cache_budget(200 * MiB, None, 0.5)
 
 
+def test_a_pool_larger_than_memory_is_refused_before_it_is_built(model, monkeypatch):
+    """num_blocks or kv_cache_memory asking for more than the device holds: one error naming both (the
+    block pool's bookkeeping grew until the process was killed)."""
+    import jmem.serve.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "memory_limit", lambda: (16 * MiB, "the device holds"))
+    per_block = kv_bytes_per_token(model.config, "auto", 8) * 8
+    fits = (16 * MiB - Engine(model, ByteTokenizer(), EngineConfig(num_blocks=4, block_size=8)).weight_bytes) \
+        // per_block
+    assert Engine(model, ByteTokenizer(), EngineConfig(num_blocks=fits, block_size=8)).kv.pool.num_blocks == fits
+    for kw in (dict(num_blocks=fits + 1), dict(kv_cache_memory=10**15)):
+        with pytest.raises(ValueError, match=rf"^a KV cache of \d+ blocks .* does not fit: the device holds 16 MiB; "
+                                             rf"accepted: num_blocks \(--num-blocks\) up to {fits}, or a smaller "
+                                             r"kv_cache_memory \(--kv-cache-memory\)$"):
+            Engine(model, ByteTokenizer(), EngineConfig(block_size=8, **kw))
+
+
 def test_engine_budget_does_not_count_resident_weights_twice(model, monkeypatch):
     """One device: the model's arrays already sit on it, so the KV cache gets the fraction less what is in use."""
     fake_device(monkeypatch, 64 * MiB, 8 * MiB)

@@ -150,6 +150,12 @@ def _one_line_exit_2(argv, capsys) -> str:
     # Seeds 2**32 apart shared the init's key; chunk 0 failed while tracing the step.
     (["--seed", str(2**32 + 1)], "--seed=4294967297; accepted: an integer in 0..4294967295"),
     (["--loss-chunk", "0"], "--loss-chunk=0; accepted: an integer >= 1 (positions per chunk), or unset"),
+    # An empty path (an unset shell variable) ran without the log, chart or checkpoints it named.
+    (["--log", ""], "--log '': an empty path; accepted: a path, or leave the flag out"),
+    (["--plot", " "], "--plot ' ': an empty path; accepted: a path, or leave the flag out"),
+    (["--ckpt-dir", ""], "--ckpt-dir '': an empty path"),
+    (["--save", ""], "--save '': an empty path"),
+    (["--offload-dir", ""], "--offload-dir '': an empty path"),
 ])
 def test_bad_numbers_and_parallel_flags_are_one_line_exit_2(argv, expected, capsys):
     assert expected in _one_line_exit_2(["--model", "tiny"] + argv, capsys)
@@ -194,6 +200,21 @@ def test_mesh_flags_are_checked_before_the_model_is_built(monkeypatch, capsys):
     line = _one_line_exit_2(["--model", "tiny", "--batch", "8", "--mesh", "stage=2,fsdp=4", "--pipeline-stages", "2",
                              "--microbatches", "4"], capsys)
     assert "--microbatches=4" in line
+
+
+def test_a_preset_whose_parameters_do_not_fit_is_refused_before_it_is_built(monkeypatch, capsys):
+    """Parameters and gradients above the device's memory: one line before the model is initialised (a
+    preset with --moe-experts 100000 was killed while building its experts)."""
+    import importlib
+
+    measure = importlib.import_module("jmem.memory.measure")  # the module, not the function jmem.memory.measure
+    monkeypatch.setattr(measure, "memory_limit", lambda: (2 << 20, "the device holds"))
+    line = _one_line_exit_2(["--model", "tiny", "--moe-experts", "64"], capsys)
+    assert line == ("error: --model tiny --moe-experts 64: 0.00B parameters need 25 MiB with their gradients and the "
+                    "device holds 2 MiB; accepted: a smaller model, or a --mesh over more devices"), line
+    line = _one_line_exit_2(["--model", "tiny", "--moe-experts", "64", "--lora-rank", "2", "--lora-targets", "wq"],
+                            capsys)
+    assert "parameters need 12 MiB and the device holds 2 MiB" in line, line
 
 
 def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, capsys):

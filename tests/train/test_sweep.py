@@ -56,6 +56,9 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     (["--batch", "-2"], "--batch=-2; accepted: an integer >= 1"),
     (["--seq", "0"], "--seq=0; accepted: an integer >= 1"),
     (["--seq", "-1"], "--seq=-1; accepted: an integer >= 1"),
+    # XLA aborted the process (a failed check in its heap simulator, or an extent-product overflow).
+    (["--preset", "tiny", "--seq", "10000000", "--batch", "2000"], "--batch=2000 --seq=10000000: the step's largest "
+     "array would hold 8e+17 elements, beyond the 7.21e+16 XLA can compile; accepted: a smaller --batch or --seq"),
     (["--pipeline-stages", "0"], "--pipeline-stages 0; accepted: a positive integer"),
     (["--mesh", "data=4,fsdp=2", "--pipeline-stages", "2"], "mesh 'data=4,fsdp=2' has none"),
     (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2"], "mesh 'data=8' has none"),

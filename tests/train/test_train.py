@@ -169,9 +169,15 @@ def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
 @pytest.mark.parametrize("name, expected", [
     ("p.txt", "--plot '{}': matplotlib cannot write '.txt' files; accepted: a file name ending in .eps,"),
     ("p", "--plot '{}': the file name has no extension; accepted: a file name ending in .eps,"),
+    ("p.pgf", "--plot '{}': matplotlib cannot write '.pgf' files; accepted: a file name ending in .eps,"),
 ])
-def test_plot_format_matplotlib_cannot_write_is_one_line_before_any_work(name, expected, tmp_path, capsys):
-    """Checked with the flags, not by matplotlib after the last step; no directory is created."""
+def test_plot_format_matplotlib_cannot_write_is_one_line_before_any_work(name, expected, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Checked with the flags, not by matplotlib after the last step; no directory is created. (.pgf
+    needs a LaTeX program, here absent.)"""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     plot = tmp_path / "p" / name
     rc, err = run_train_script(["--model", "tiny", "--steps", "4", "--seq", "64", "--batch", "4", "--plot", str(plot),
                                 "--log", str(tmp_path / "p" / "log.jsonl")], capsys)
@@ -419,19 +425,26 @@ def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
 
 
 def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
-    """A device that reports its size refuses a step the compiler measured larger, before running
-    it; a step that runs out of memory (a 100k-token sequence: terabytes) ends with one line naming
+    """A device that reports its size, or a CPU machine's memory, refuses a step the compiler measured
+    larger, before running it; a step that runs out of memory all the same ends with one line naming
     the measured need, not a traceback."""
     from jmem.train import loop
 
     tiny = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "32", "--no-progress"]
     with monkeypatch.context() as m:
-        m.setattr(loop, "device_memory_stats", lambda: {"bytes_limit": 2**20})
+        m.setattr(loop, "memory_limit", lambda: (2**20, "the device holds"))
         rc, err = run_train_script(tiny, capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "per device (compiler-measured, the memory table above) and the device holds 1 MiB" in lines[0]
-    rc, err = run_train_script(tiny[:-3] + ["--seq", "100000", "--no-progress"], capsys)
+    huge = tiny[:-3] + ["--seq", "100000", "--no-progress"]  # a 100k-token sequence: terabytes
+    rc, err = run_train_script(huge, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "per device (compiler-measured, the memory table above) and this machine has " in lines[0]
+    with monkeypatch.context() as m:  # a limit the allocator does not keep to
+        m.setattr(loop, "memory_limit", lambda: (2**62, "the device holds"))
+        rc, err = run_train_script(huge, capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "and step 1 ran out of memory; accepted: settings that fit, e.g. a smaller --batch or --seq" in lines[0]
