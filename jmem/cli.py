@@ -16,7 +16,7 @@ import tyro
 def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              chat: bool = False, draft: str | None = None, draft_k: int | None = None,
-             stop: tuple[str, ...] = ()) -> None:
+             stop: tuple[str, ...] = (), lora: str | None = None) -> None:
     """Print a completion of PROMPT.
 
     Args:
@@ -32,6 +32,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
             of MODEL (same output distribution; acceptance printed on stderr). Temperature only.
         draft_k: Draft proposals per target pass (with --draft; 4 when unset).
         stop: Strings that end the completion: it is printed up to the first one it reaches.
+        lora: A LoRA adapter file (.npz, written by `train.py --lora-rank R --save` or
+            jmem.lora.save_adapters) applied to MODEL, the base it was trained on.
     """
     import jmem
     from jmem.checks import cut_at_stop, stop_strings
@@ -61,7 +63,13 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     model_source(model, "--model")
     if draft is not None:
         model_source(draft, "--draft")
+    if lora is not None:
+        from jmem.lora import load_adapters, read_adapters
+
+        read_adapters(lora)  # a file that is not an adapter: refused before the model loads
     lm = jmem.load(model)
+    if lora is not None:
+        load_adapters(lm.model, lora, inplace=True)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   stop=stops or None)
     if draft is not None:

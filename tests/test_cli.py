@@ -299,3 +299,31 @@ def test_generate_reads_the_prompt_from_stdin_and_ends_at_stop_strings(capsys, m
     code, _, err = _in_process(main, [*argv, "--prompt", "-"], capsys)
     assert code == 2 and err == ("jmem: error: standard input (--prompt -) holds bytes that are not UTF-8 text "
                                  "(at byte 3); accepted: UTF-8 text\n")
+
+
+def test_generate_with_a_lora_adapter_matches_the_merged_model(tmp_path, capsys):
+    """`--lora FILE`: the completion of the base model with that adapter (as its merged weights give);
+    an adapter of another base, or a file that is none, is one line."""
+    from flax import nnx
+
+    import jmem
+    from jmem.cli import main
+    from jmem.lora import load_adapters, merge
+    from jmem.models import Llama, LlamaConfig
+    from tests.helpers import random_adapter
+
+    lm = jmem.load("tiny")
+    path = random_adapter(lm.model, tmp_path / "a.npz", 1, 4, ("wq", "wv", "w_down"), alpha=64.0)
+    argv = ["generate", "--model", "tiny", "--prompt", "hello", "--max-new-tokens", "10"]
+    code, plain, err = _in_process(main, argv, capsys)
+    assert code == 0, err
+    code, adapted, err = _in_process(main, [*argv, "--lora", str(path)], capsys)
+    assert code == 0, err
+    merged = jmem.LM(merge(load_adapters(lm.model, path)), lm.tokenizer)
+    assert adapted == merged.generate(["hello"], max_new_tokens=10)[0] + "\n" and adapted != plain
+    other = random_adapter(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(9)), tmp_path / "o.npz", 1, 4, ("wq",))
+    code, _, err = _in_process(main, [*argv, "--lora", str(other)], capsys)
+    assert code == 2 and "o.npz' was trained on another base model: its wq weights do not match" in err, err
+    (tmp_path / "junk.npz").write_bytes(b"no")
+    code, _, err = _in_process(main, [*argv, "--lora", str(tmp_path / "junk.npz")], capsys)
+    assert code == 2 and "junk.npz' is not a LoRA adapter file written by jmem.lora.save_adapters" in err, err
