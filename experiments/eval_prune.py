@@ -24,7 +24,7 @@ import numpy as np
 
 import jmem
 from jmem.data import load_documents
-from jmem.experiment import check_dense, check_windows_fit, run_experiment
+from jmem.experiment import check_dense, check_flags_read, check_windows_fit, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.prune import METHODS, check_fits, check_spec, prune, sparsity_report
 from jmem.quant import weight_bytes
@@ -92,6 +92,10 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
+    check_flags_read(cfg, methods, {
+        "--calibration": ("calibration", lambda m: m.startswith("wanda"), "wanda or wanda-N:M"),
+        "--sparsity": ("sparsity", lambda m: m in METHODS, "magnitude or wanda (N:M patterns fix their sparsity)"),
+    })
     check_dense(cfg.model, "pruning")
     text = "\n\n".join(load_documents(cfg.text, "--text"))
     prepare_output(cfg.out, "--out")

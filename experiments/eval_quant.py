@@ -31,7 +31,7 @@ import numpy as np
 import jmem
 from jmem.calibrate import LINEARS
 from jmem.data import load_documents
-from jmem.experiment import check_dense, check_windows_fit, model_config, run_experiment
+from jmem.experiment import check_dense, check_flags_read, check_windows_fit, model_config, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.api import method_kwargs, resolve_group_size
@@ -93,8 +93,18 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
-    check_dense(cfg.model, "quantization")
     spec = {**PLAIN, **CALIBRATED}
+
+    def kind(m):
+        return spec[m][0] if m in spec else m
+
+    check_flags_read(cfg, methods, {
+        "--group-size": ("group_size", lambda m: kind(m) in GROUPED, "rtn4, rtn3, gptq4, gptq3, awq4, awq3"),
+        "--calib-windows": ("calib_windows", lambda m: m in CALIBRATED, "gptq4, gptq3, awq4, awq3"),
+        "--symmetric": ("symmetric", lambda m: kind(m) in ("int8", *GROUPED), "int8, rtn, gptq and awq methods"),
+        "--no-act-order": ("act_order", lambda m: kind(m) == "gptq", "gptq4, gptq3"),
+    })
+    check_dense(cfg.model, "quantization")
     grouped_bits = sorted({spec[m][1] for m in methods if m in spec and spec[m][0] in GROUPED})
     if grouped_bits:
         check_group_flag(cfg.group_size, cfg.model, grouped_bits)

@@ -74,6 +74,23 @@ def check_dense(model: str, what: str, flag: str = "--model") -> None:
                          "reads dense MLP weights; accepted: a dense model")
 
 
+def check_flags_read(cfg, methods: list[str], readers: dict[str, tuple[str, Callable[[str], bool], str]]) -> None:
+    """Refuse a flag of `cfg` (a dataclass) set away from its default that none of `methods` reads.
+
+    `readers`: flag -> (field, whether a method reads it, the methods that do, in words); a boolean field
+    is named by the flag that sets it (e.g. `--no-act-order`).
+    """
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for flag, (field, reads, who) in readers.items():
+        value = getattr(cfg, field)
+        if value != defaults[field] and not any(map(reads, methods)):
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise ValueError(f"{shown} is read by none of --methods {','.join(methods)}; accepted: {flag} with "
+                             f"{who}")
+
+
 def check_windows_fit(n_tokens: int, windows: int, n_calib: int, calib_flag: str, window: int) -> None:
     """A ValueError naming --windows (and `calib_flag` when it asks for windows) and the largest accepted count
     when the text's `n_tokens` hold fewer than `windows + n_calib` windows of `window` tokens (the

@@ -2,6 +2,7 @@
 header: bad input is one `error:` line and exit status 2 before any model loads (or, for the text length, before
 any evaluation), naming the flag and what is accepted."""
 
+import re
 import types
 
 import pytest
@@ -62,13 +63,26 @@ def test_eval_quant_checks_group_size_on_the_model_dims_before_loading(argv, exp
     assert not (tmp_path / "q.json").exists()
 
 
-def test_eval_quant_group_size_is_not_checked_without_a_grouped_method(tmp_path):
+def test_eval_quant_flags_no_chosen_method_reads_are_refused(tmp_path):
+    """A flag set for methods that were not chosen (it was ignored without a word)."""
     script = experiment("eval_quant")
     text = tmp_path / "t.txt"
     text.write_text("hello\n")
-    cfg = script.Config(text=str(text), methods="float,int8,nf4,q4_k", group_size=100, model="tiny",
-                        out=str(tmp_path / "q.json"))
-    assert script.validate(cfg)[0] == ["float", "int8", "nf4", "q4_k"]
+    for kw, message in ((dict(group_size=100), "--group-size 100 is read by none of --methods float,int8,nf4,q4_k; "
+                                               "accepted: --group-size with rtn4, rtn3, gptq4, gptq3, awq4, awq3"),
+                        (dict(symmetric=True, methods="float,nf4"), "--symmetric is read by none of --methods "
+                                                                    "float,nf4; accepted: --symmetric with int8, rtn, "
+                                                                    "gptq and awq methods"),
+                        (dict(calib_windows=4), "--calib-windows 4 is read by none of"),
+                        (dict(act_order=False), "--no-act-order is read by none of")):
+        cfg = script.Config(text=str(text), **{"methods": "float,int8,nf4,q4_k", **kw}, model="tiny",
+                            out=str(tmp_path / "q.json"))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            script.validate(cfg)
+    assert script.validate(script.Config(text=str(text), methods="float,int8,nf4,q4_k", model="tiny",
+                                         out=str(tmp_path / "q.json")))[0] == ["float", "int8", "nf4", "q4_k"]
+    script.validate(script.Config(text=str(text), methods="int8", symmetric=True, model="tiny",
+                                  out=str(tmp_path / "q.json")))
     # 40 does not divide 64, but 32 below it does: substituted by quantize, so accepted.
     script.validate(script.Config(text=str(text), methods="rtn4", group_size=40, model="tiny",
                                   out=str(tmp_path / "q.json")))
@@ -100,7 +114,7 @@ def _stub_lm(n_tokens):
     ("eval_prune", ["--windows", "1", "--calibration", "300", "--methods", "wanda"],
      "error: --windows=1 with --calibration=300: 1 evaluation + 300 calibration windows of 512 tokens need 154112 "
      "tokens and the text has 112955; accepted: a --text of at least 154112 tokens, or a smaller --calibration"),
-    ("eval_quant", ["--windows", "300", "--calib-windows", "0", "--methods", "float"],
+    ("eval_quant", ["--windows", "300", "--methods", "float"],
      "error: --windows=300: 300 evaluation + 0 calibration windows of 512 tokens need 153600 tokens and the text "
      "has 112955; accepted: --windows <= 220, or a longer --text"),
 ])
