@@ -93,7 +93,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
     check_flags_read(cfg, methods, {
-        "--calibration": ("calibration", lambda m: m.startswith("wanda"), "wanda or wanda-N:M"),
+        "--calibration": ("calibration", lambda m: m.startswith("wanda"), "wanda or wanda-N:M", 0),
         "--sparsity": ("sparsity", lambda m: m in METHODS, "magnitude or wanda (N:M patterns fix their sparsity)"),
     })
     check_dense(cfg.model, "pruning")

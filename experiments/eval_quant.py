@@ -100,7 +100,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
 
     check_flags_read(cfg, methods, {
         "--group-size": ("group_size", lambda m: kind(m) in GROUPED, "rtn4, rtn3, gptq4, gptq3, awq4, awq3"),
-        "--calib-windows": ("calib_windows", lambda m: m in CALIBRATED, "gptq4, gptq3, awq4, awq3"),
+        "--calib-windows": ("calib_windows", lambda m: m in CALIBRATED, "gptq4, gptq3, awq4, awq3", 0),
         "--symmetric": ("symmetric", lambda m: kind(m) in ("int8", *GROUPED), "int8, rtn, gptq and awq methods"),
         "--no-act-order": ("act_order", lambda m: kind(m) == "gptq", "gptq4, gptq3"),
     })

@@ -74,18 +74,19 @@ def check_dense(model: str, what: str, flag: str = "--model") -> None:
                          "reads dense MLP weights; accepted: a dense model")
 
 
-def check_flags_read(cfg, methods: list[str], readers: dict[str, tuple[str, Callable[[str], bool], str]]) -> None:
+def check_flags_read(cfg, methods: list[str], readers: dict[str, tuple]) -> None:
     """Refuse a flag of `cfg` (a dataclass) set away from its default that none of `methods` reads.
 
-    `readers`: flag -> (field, whether a method reads it, the methods that do, in words); a boolean field
-    is named by the flag that sets it (e.g. `--no-act-order`).
+    `readers`: flag -> (field, whether a method reads it, the methods that do in words, and any values
+    that also mean "none", e.g. 0 windows); a boolean field is named by the flag that sets it (e.g.
+    `--no-act-order`).
     """
     import dataclasses
 
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for flag, (field, reads, who) in readers.items():
+    for flag, (field, reads, who, *unset) in readers.items():
         value = getattr(cfg, field)
-        if value != defaults[field] and not any(map(reads, methods)):
+        if value != defaults[field] and value not in unset and not any(map(reads, methods)):
             shown = flag if isinstance(value, bool) else f"{flag} {value}"
             raise ValueError(f"{shown} is read by none of --methods {','.join(methods)}; accepted: {flag} with "
                              f"{who}")

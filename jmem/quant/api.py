@@ -338,6 +338,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     ids = None
     if method in CALIBRATED:
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
+        windowed = getattr(calibration, "ndim", None) == 2  # [B, T] ids: the caller chose the windows
+        if len(ids) < max_seqs and not windowed:  # e.g. --calibration-windows 1000 on a short text
+            (log or logger.warning)(f"{method}: the calibration holds {len(ids)} window(s) of {ids.shape[1]} tokens, "
+                                    f"fewer than max_seqs={max_seqs}: calibrating on {len(ids)}")
         check_calibration_ids(ids, model.config.vocab_size)
         if ids.shape[1] > model.config.max_seq_len:
             raise ValueError(f"calibration windows of {ids.shape[1]} tokens exceed the model's context of "

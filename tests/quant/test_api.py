@@ -194,6 +194,19 @@ def test_method_arguments_agree_with_the_command_line_flags():
     assert {"group_size", "symmetric", "act_order", "calibration"} <= {f for f, _, _ in METHOD_FLAGS.values()}
 
 
+def test_a_calibration_text_shorter_than_max_seqs_is_said(model, data):
+    """max_seqs (jmem quantize --calibration-windows) above the windows a text holds: one line saying how
+    many are used; [B, T] windows given as such are the caller's choice and pass without a word."""
+    lines = []
+    quantize(model, "awq", bits=4, group_size=64, calibration=[data[0][0], data[0][1]], max_seqs=5, seq_len=32,
+             log=lines.append)
+    assert lines[0] == "awq: the calibration holds 4 window(s) of 32 tokens, fewer than max_seqs=5: calibrating on 4"
+    assert all(" layer " in line for line in lines[1:])  # then the progress lines
+    lines.clear()
+    quantize(model, "awq", bits=4, group_size=64, calibration=data[0], max_seqs=32, log=lines.append)
+    assert all(" layer " in line for line in lines)
+
+
 def test_group_size_substitution():
     """A model whose width 96 the requested group 64 does not divide (MLP width 128 it does)."""
     cfg = LlamaConfig.tiny(dim=96, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)
