@@ -22,6 +22,7 @@ it differentiates per step and microbatch; a custom jitted step calls
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -446,10 +447,17 @@ def base_sample(weight) -> np.ndarray:
     """`BASE_SAMPLE` values of a weight leaf (float or quantized, as stored) at fixed positions. An
     adapter file records them for each target, so that loading it onto an unrelated base (another
     model or random seed of the same shapes) is refused by `check_base`."""
-    dense = weight.dequantize(jnp.float32) if hasattr(weight, "dequantize") else jnp.asarray(weight, jnp.float32)
-    flat = dense.reshape(-1)
-    where = np.random.default_rng(0).integers(0, flat.size, BASE_SAMPLE)
-    return np.asarray(flat[where], np.float64)
+    shape = tuple(weight.shape)
+    where = np.unravel_index(np.random.default_rng(0).integers(0, math.prod(shape), BASE_SAMPLE), shape)
+    return np.asarray(_sample_at(weight, where), np.float64)
+
+
+@jax.jit
+def _sample_at(weight, where):
+    """The values of `weight` at indices `where`: a gather of 256 values (a quantized leaf's decoding
+    fuses into it), never a float copy of the whole weight (a split base stays split)."""
+    dense = weight.dequantize(jnp.float32) if hasattr(weight, "dequantize") else weight.astype(jnp.float32)
+    return dense[where]
 
 
 def check_base(path, target: str, meta: dict, weight) -> None:

@@ -134,8 +134,11 @@ class Checkpointer:
 
     def _refuse_foreign(self) -> None:
         foreign = self.foreign_steps()
-        damaged = [s for s in foreign if (self.directory / str(s) / "state").exists()]
-        if damaged:  # a jmem step whose meta item was lost: not someone else's folder
+        # A jmem step whose meta item was lost: its only item is `state` (another program's Orbax steps
+        # may hold a `state` item too, beside items of their own).
+        damaged = [s for s in foreign if {p.name for p in (self.directory / str(s)).iterdir() if p.is_dir()}
+                   == {"state"}]
+        if damaged:
             raise self._damaged(damaged[0], FileNotFoundError("its meta item is missing"))
         if foreign:
             names = ", ".join(map(str, foreign[:5])) + (", ..." if len(foreign) > 5 else "")

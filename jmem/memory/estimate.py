@@ -161,7 +161,8 @@ def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     rows, moe = 1.0, 0
     if config.moe_experts:
         k = config.moe_top_k
-        rows = k * (1.0 if config.moe_dropless else config.moe_capacity_factor)
+        # (a capacity holds at most every token once per expert: `jmem.models.moe.capacity`)
+        rows = k * 1.0 if config.moe_dropless else min(config.moe_experts, k * config.moe_capacity_factor)
         moe = int(2 * rows * d * c) + 2 * config.moe_experts * 4
     Fr = int(F * rows)
     named = {"layer_input": d * c, "attn_norm": d * c, "query": HD * c, "key": KD * c, "value": KD * c,

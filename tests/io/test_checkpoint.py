@@ -14,6 +14,8 @@ def _foreign_dir(tmp_path):
     for n in (1, 2, 5):
         (d / str(n)).mkdir(parents=True)
         (d / str(n) / "f").write_text("user data")
+    for item in ("state", "dataset"):  # another program's Orbax step: a `state` item beside its own
+        (d / "5" / item).mkdir()
     return d
 
 

@@ -60,7 +60,7 @@ def test_sparse_eval_seq_beyond_the_context(sparse, tmp_path, capsys):
     # Inputs beyond memory failed midway, after the first rows, with a traceback.
     (["--quick", "--context", "1000000000000"], "--batch x --context x --kv-heads x --head-dim: the inputs need "
                                                 "732421875 MiB and "),
-    (["--quick", "--flash-seq", "10000000"], "--flash-batch x --flash-seq x --flash-heads: the inputs need"),
+    (["--quick", "--flash-seq", "100000000000"], "--flash-batch x --flash-seq x --flash-heads: the inputs need"),
 ])
 def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))

@@ -92,6 +92,9 @@ def test_moe_estimate_within_15_percent_of_measured_train_step():
     assert 0.85 <= ratio <= 1.15
     dense = estimate(LlamaConfig.tiny_moe().replace(moe_experts=0), 8, 256, remat="none")
     assert est["activations"] > 1.3 * dense["activations"]
+    # A capacity beyond every token per expert (4 experts, top-2: factor 2) adds no rows (it read 2e30 MiB).
+    full, huge = (estimate(LlamaConfig.tiny_moe(moe_capacity_factor=f), 8, 256, remat="none") for f in (2.0, 1e30))
+    assert huge == full
 
 
 @pytest.mark.parametrize("targets", ["wq,wv", "wq,wk,wv,wo,w_gate,w_up,w_down"])
