@@ -177,6 +177,7 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
 
     dim = count(f"{arch}.embedding_length")
     n_heads = count(f"{arch}.attention.head_count")
+    moe = _moe_fields(gf, arch, count)
     head_dim = count(f"{arch}.attention.key_length", dim // n_heads or dim)
     vocab = m.get(f"{arch}.vocab_size") or len(require("tokenizer.ggml.tokens"))
     return LlamaConfig(
@@ -185,7 +186,36 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
         ffn_dim=count(f"{arch}.feed_forward_length"), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in gf.tensors,
-        max_seq_len=int(m.get(f"{arch}.context_length", 2048)), **{**_rope_fields(gf, arch, head_dim), **overrides})
+        max_seq_len=int(m.get(f"{arch}.context_length", 2048)),
+        **{**moe, **_rope_fields(gf, arch, head_dim), **overrides})
+
+
+# MoE metadata keys of other architectures' routing (shared experts, sigmoid gates, weight scales,
+# expert groups): a file holding one is refused rather than routed as Mixtral routes.
+_MOE_UNSUPPORTED = ("expert_shared_count", "expert_weights_scale", "expert_weights_norm", "expert_group_count",
+                    "expert_shared_feed_forward_length", "expert_feed_forward_length")
+
+
+def _moe_fields(gf: GGUFFile, arch: str, count) -> dict[str, Any]:
+    """`LlamaConfig` moe_* fields of a Mixtral-style file (`<arch>.expert_count` experts, of which
+    `expert_used_count` per token, softmax router, top-k weights renormalized, as llama.cpp's llama
+    architecture routes them); {} for a dense file. Dropless routing: every token reaches its experts,
+    as in llama.cpp (a capacity would drop tokens the file's model never drops)."""
+    m = gf.metadata
+    if f"{arch}.expert_count" not in m or m[f"{arch}.expert_count"] == 0:
+        return {}
+    other = [f"{arch}.{k}" for k in _MOE_UNSUPPORTED if f"{arch}.{k}" in m]
+    gating = m.get(f"{arch}.expert_gating_func", 1)  # llama.cpp: 1 softmax, 2 sigmoid
+    if gating != 1:
+        other.append(f"{arch}.expert_gating_func={gating}")
+    if other:
+        raise GGUFError(f"{gf.path}: mixture-of-experts metadata {', '.join(other)} is not supported; accepted: "
+                        "Mixtral-style experts (expert_count, expert_used_count, softmax router)")
+    experts = count(f"{arch}.expert_count")
+    top_k = count(f"{arch}.expert_used_count")
+    if top_k > experts:
+        raise GGUFError(f"{gf.path}: {arch}.expert_used_count={top_k} exceeds {arch}.expert_count={experts}")
+    return dict(moe_experts=experts, moe_top_k=top_k, moe_dropless=True)
 
 
 # RoPE metadata keys (after `<arch>.rope.`) jmem reads; any other `rope.*` key is refused, except
@@ -266,12 +296,24 @@ def tensor_shape(config: LlamaConfig, kind: str) -> tuple[int, ...]:
     return {"token_embd": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "attn_q": (qd, c.dim),
             "attn_k": (kd, c.dim), "attn_v": (kd, c.dim), "attn_output": (c.dim, qd), "ffn_gate": (c.ffn_dim, c.dim),
             "ffn_up": (c.ffn_dim, c.dim), "ffn_down": (c.dim, c.ffn_dim), "attn_norm": (c.dim,),
-            "ffn_norm": (c.dim,), "output_norm": (c.dim,)}[kind]
+            "ffn_norm": (c.dim,), "output_norm": (c.dim,), "ffn_gate_inp": (c.moe_experts, c.dim),
+            "ffn_gate_exps": (c.moe_experts, c.ffn_dim, c.dim), "ffn_up_exps": (c.moe_experts, c.ffn_dim, c.dim),
+            "ffn_down_exps": (c.moe_experts, c.dim, c.ffn_dim)}[kind]
 
 
 # jmem block weight name -> llama.cpp tensor name (per block `blk.{i}.`)
 BLOCK_TENSORS = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
                  "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+# A mixture-of-experts block's MLP instead (the experts stacked on the tensor's first numpy axis)
+MOE_TENSORS = {"moe.router.kernel": "ffn_gate_inp", "moe.expert_gate": "ffn_gate_exps",
+               "moe.expert_up": "ffn_up_exps", "moe.expert_down": "ffn_down_exps"}
+
+
+def block_tensors(config: LlamaConfig) -> dict[str, str]:
+    """jmem block weight name -> llama.cpp tensor name for `config` (dense or mixture of experts)."""
+    if not config.moe_experts:
+        return BLOCK_TENSORS
+    return {**{k: v for k, v in BLOCK_TENSORS.items() if not k.startswith("w_")}, **MOE_TENSORS}
 
 
 def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> dict[str, Any]:
@@ -279,10 +321,11 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
 
     Matrices are dequantized to float32 `[in, out]`, or with `packed=True` block-quantized
     matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
-    step). The embedding is always dequantized (it is gathered, not multiplied). A matrix
-    whose block type differs across layers becomes one `MixedGGMLWeight` (still packed; each
-    layer decodes its own type); one that mixes float and block layers is held as float32
-    with one warning (logger `jmem.io`) naming the extra bytes.
+    step). The embedding is always dequantized (it is gathered, not multiplied), and so are a
+    mixture-of-experts block's router and experts. A matrix whose block type differs across
+    layers becomes one `MixedGGMLWeight` (still packed; each layer decodes its own type); one
+    that mixes float and block layers is held as float32 with one warning (logger `jmem.io`)
+    naming the extra bytes.
     """
     from jmem.io.ggml_mixed import MixedGGMLWeight
     from jmem.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES, resolve_qtype
@@ -313,28 +356,30 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     }
     if not config.tie_embeddings:
         weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
+    names = block_tensors(config)
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
-        f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in BLOCK_TENSORS.values()}
+        f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in names.values()}
     unused = sorted(set(gf.tensors) - used)
     if unused:  # e.g. block_count below the blocks stored: a shallower model would load without a word
         names = ", ".join(unused[:4]) + (f" (and {len(unused) - 4} more)" if len(unused) > 4 else "")
         raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "
                         f"{gf.architecture} model; accepted: a file whose tensors match its metadata")
-    for ours, theirs in BLOCK_TENSORS.items():
+    for ours, theirs in names.items():
         tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]  # one shape: the metadata's
         heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
         qtypes = {t.qtype for t in tensors}
-        if packed and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
+        packed_here = packed and ours in BLOCK_TENSORS
+        if packed_here and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]  # rows are whole blocks
             weights[f"layers.{ours}.kernel"] = GGMLWeight(np.stack(raw), tensors[0].qtype)
             continue
-        if packed and len(qtypes) > 1 and all(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
+        if packed_here and len(qtypes) > 1 and all(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
             # llama.cpp's *_K_M files mix block types across layers (Q6_K / Q4_K in attn_v, ffn_down)
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]
             weights[f"layers.{ours}.kernel"] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
                                                                            in_features=tensors[0].shape[1])
             continue
-        if packed and len(qtypes) > 1 and any(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
+        if packed_here and len(qtypes) > 1 and any(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
             # Float layers (F16/F32) mixed with block layers: held as float32, said once per matrix.
             packed_bytes = sum(int(t.data.nbytes) for t in tensors)
             f32_bytes = 4 * sum(int(np.prod(t.shape)) for t in tensors)
@@ -350,8 +395,9 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
             stacked = np.stack([dequantize_tensor(t) for t in tensors])
         if heads:
             stacked = np.stack([unpermute_rotary(w, heads) for w in stacked])
-        if stacked.ndim == 3:
-            stacked = stacked.transpose(0, 2, 1)  # [L, out, in] -> [L, in, out]
-        suffix = "scale" if ours.endswith("norm") else "kernel"
-        weights[f"layers.{ours}.{suffix}"] = np.ascontiguousarray(stacked)
+        if stacked.ndim >= 3:
+            stacked = np.swapaxes(stacked, -1, -2)  # [L, (experts,) out, in] -> [L, (experts,) in, out]
+        path = f"layers.{ours}" if ours.startswith("moe.") else \
+            f"layers.{ours}.{'scale' if ours.endswith('norm') else 'kernel'}"
+        weights[path] = np.ascontiguousarray(stacked)
     return weights

@@ -1,0 +1,117 @@
+"""Mixtral-style mixture-of-experts GGUF files: llama.cpp's tensor layout read into jmem's MoE block."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmem
+from jmem.io.gguf import GGUFError, permute_rotary
+from jmem.io.gguf_writer import byte_tokenizer_metadata
+from jmem.models import Llama, LlamaConfig
+
+CFG = LlamaConfig.tiny_moe(moe_experts=4, moe_top_k=2, moe_dropless=True)
+
+
+def _write_mixtral(path, model, *, expert_type=None, extra=None):
+    """`model`'s weights in the layout llama.cpp's converter writes for Mixtral: numpy [out, in] matrices,
+    q/k rows permuted for its rotary, experts stacked first ([experts, ffn, embed] for gate and up,
+    [experts, embed, ffn] for down), the router as `ffn_gate_inp` [experts, embed]."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.dim)
+    w.add_block_count(c.n_layers)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_rope_freq_base(c.rope_base)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_expert_count(c.moe_experts)
+    w.add_expert_used_count(c.moe_top_k)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
+    meta = byte_tokenizer_metadata()
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    state = nnx.to_pure_dict(nnx.state(model))
+    L = state["layers"]
+    f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))  # noqa: E731
+    w.add_tensor("token_embd.weight", f32(state["embed"]["embedding"]))
+    w.add_tensor("output_norm.weight", f32(state["norm"]["scale"]))
+    w.add_tensor("output.weight", f32(np.asarray(state["head"]["kernel"]).T))
+    for i in range(c.n_layers):
+        blk = f"blk.{i}."
+        w.add_tensor(blk + "attn_norm.weight", f32(L["attn_norm"]["scale"][i]))
+        w.add_tensor(blk + "ffn_norm.weight", f32(L["mlp_norm"]["scale"][i]))
+        w.add_tensor(blk + "attn_q.weight", f32(permute_rotary(np.asarray(L["wq"]["kernel"][i]).T, c.n_heads)))
+        w.add_tensor(blk + "attn_k.weight", f32(permute_rotary(np.asarray(L["wk"]["kernel"][i]).T, c.n_kv_heads)))
+        w.add_tensor(blk + "attn_v.weight", f32(np.asarray(L["wv"]["kernel"][i]).T))
+        w.add_tensor(blk + "attn_output.weight", f32(np.asarray(L["wo"]["kernel"][i]).T))
+        w.add_tensor(blk + "ffn_gate_inp.weight", f32(np.asarray(L["moe"]["router"]["kernel"][i]).T))
+        for name, ours in (("ffn_gate_exps", "expert_gate"), ("ffn_up_exps", "expert_up"),
+                           ("ffn_down_exps", "expert_down")):
+            experts = f32(np.swapaxes(np.asarray(L["moe"][ours][i]), -1, -2))  # [experts, out, in]
+            if expert_type is None:
+                w.add_tensor(f"{blk}{name}.weight", experts)
+            else:
+                qtype = gguf.GGMLQuantizationType[expert_type]
+                w.add_tensor(f"{blk}{name}.weight", gguf.quants.quantize(experts, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(3))
+
+
+def _logits(m, ids):
+    return np.asarray(nnx.jit(lambda m, ids: m(ids)[0])(m, ids))
+
+
+def test_a_mixtral_file_loads_as_the_moe_model_it_was_written_from(model, tmp_path, capsys):
+    path = _write_mixtral(tmp_path / "moe.gguf", model)
+    lm = jmem.load(str(path))
+    c = lm.config
+    assert (c.moe_experts, c.moe_top_k, c.moe_dropless, c.ffn_dim) == (4, 2, True, CFG.ffn_dim)
+    got = nnx.to_pure_dict(nnx.state(lm.model))["layers"]["moe"]
+    want = nnx.to_pure_dict(nnx.state(model))["layers"]["moe"]
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(_logits(lm.model, ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+    # Greedy generation through the KV cache (dropless routing, as the uncached forward here).
+    assert lm.generate(["hi"], max_new_tokens=6) == jmem.LM(model, lm.tokenizer).generate(["hi"], max_new_tokens=6)
+    from jmem.cli import info
+
+    info(str(path))
+    assert "ffn: 128  vocab: 259  experts: 4 (top 2)" in capsys.readouterr().out
+    # packed=True keeps the dense matrices packed only; the experts are float (here F32 throughout).
+    np.testing.assert_allclose(_logits(jmem.load(str(path), packed=True).model, ids), _logits(model, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_experts_decode_to_their_blocks(model, tmp_path):
+    """Q8_0 experts: each expert's matrix decoded from its blocks (the file's values), close to the source."""
+    lm = jmem.load(str(_write_mixtral(tmp_path / "q8.gguf", model, expert_type="Q8_0")))
+    got = np.asarray(lm.model.layers.moe.expert_down.get_value())
+    want = np.asarray(model.layers.moe.expert_down.get_value())
+    assert got.shape == want.shape and not np.array_equal(got, want)
+    np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 100)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"llama.expert_shared_count": 1}, "mixture-of-experts metadata llama.expert_shared_count is not supported"),
+    ({"llama.expert_gating_func": 2}, "llama.expert_gating_func=2 is not supported; accepted: Mixtral-style"),
+])
+def test_other_moe_routings_are_refused_by_name(model, tmp_path, extra, message):
+    path = _write_mixtral(tmp_path / "other.gguf", model, extra=extra)
+    with pytest.raises(GGUFError, match=message):
+        jmem.load(str(path))
