@@ -183,7 +183,7 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab), dim=dim, n_layers=count(f"{arch}.block_count"), n_heads=n_heads,
         n_kv_heads=count(f"{arch}.attention.head_count_kv", n_heads), head_dim=head_dim,
-        ffn_dim=count(f"{arch}.feed_forward_length"), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+        ffn_dim=moe.pop("ffn_dim", None) or count(f"{arch}.feed_forward_length"), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in gf.tensors,
         max_seq_len=int(m.get(f"{arch}.context_length", 2048)),
@@ -193,7 +193,7 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
 # MoE metadata keys of other architectures' routing (shared experts, sigmoid gates, weight scales,
 # expert groups): a file holding one is refused rather than routed as Mixtral routes.
 _MOE_UNSUPPORTED = ("expert_shared_count", "expert_weights_scale", "expert_weights_norm", "expert_group_count",
-                    "expert_shared_feed_forward_length", "expert_feed_forward_length")
+                    "expert_shared_feed_forward_length")
 
 
 def _moe_fields(gf: GGUFFile, arch: str, count) -> dict[str, Any]:
@@ -215,7 +215,10 @@ def _moe_fields(gf: GGUFFile, arch: str, count) -> dict[str, Any]:
     top_k = count(f"{arch}.expert_used_count")
     if top_k > experts:
         raise GGUFError(f"{gf.path}: {arch}.expert_used_count={top_k} exceeds {arch}.expert_count={experts}")
-    return dict(moe_experts=experts, moe_top_k=top_k, moe_dropless=True)
+    out = dict(moe_experts=experts, moe_top_k=top_k, moe_dropless=True)
+    if f"{arch}.expert_feed_forward_length" in m:  # the experts' width (the blocks have no dense MLP)
+        out["ffn_dim"] = count(f"{arch}.expert_feed_forward_length")
+    return out
 
 
 # RoPE metadata keys (after `<arch>.rope.`) jmem reads; any other `rope.*` key is refused, except

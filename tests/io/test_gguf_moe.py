@@ -14,7 +14,7 @@ from jmem.models import Llama, LlamaConfig
 CFG = LlamaConfig.tiny_moe(moe_experts=4, moe_top_k=2, moe_dropless=True)
 
 
-def _write_mixtral(path, model, *, expert_type=None, extra=None):
+def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_length=None):
     """`model`'s weights in the layout llama.cpp's converter writes for Mixtral: numpy [out, in] matrices,
     q/k rows permuted for its rotary, experts stacked first ([experts, ffn, embed] for gate and up,
     [experts, embed, ffn] for down), the router as `ffn_gate_inp` [experts, embed]."""
@@ -25,7 +25,7 @@ def _write_mixtral(path, model, *, expert_type=None, extra=None):
     w.add_context_length(c.max_seq_len)
     w.add_embedding_length(c.dim)
     w.add_block_count(c.n_layers)
-    w.add_feed_forward_length(c.ffn_dim)
+    w.add_feed_forward_length(feed_forward_length or c.ffn_dim)
     w.add_head_count(c.n_heads)
     w.add_head_count_kv(c.n_kv_heads)
     w.add_rope_freq_base(c.rope_base)
@@ -96,6 +96,13 @@ def test_a_mixtral_file_loads_as_the_moe_model_it_was_written_from(model, tmp_pa
     # packed=True keeps the dense matrices packed only; the experts are float (here F32 throughout).
     np.testing.assert_allclose(_logits(jmem.load(str(path), packed=True).model, ids), _logits(model, ids),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_experts_width_may_have_its_own_key(model, tmp_path):
+    """`expert_feed_forward_length` (written by newer converters) gives the experts' width."""
+    lm = jmem.load(str(_write_mixtral(tmp_path / "e.gguf", model, extra={"llama.expert_feed_forward_length": 128},
+                                      feed_forward_length=14336)))
+    assert lm.config.ffn_dim == 128
 
 
 def test_quantized_experts_decode_to_their_blocks(model, tmp_path):
