@@ -183,7 +183,8 @@ def config_from_gguf(gf: GGUFFile, **overrides) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab), dim=dim, n_layers=count(f"{arch}.block_count"), n_heads=n_heads,
         n_kv_heads=count(f"{arch}.attention.head_count_kv", n_heads), head_dim=head_dim,
-        ffn_dim=moe.pop("ffn_dim", None) or count(f"{arch}.feed_forward_length"), rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
+        ffn_dim=moe.pop("ffn_dim", None) or count(f"{arch}.feed_forward_length"),
+        rope_base=float(m.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(m.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in gf.tensors,
         max_seq_len=int(m.get(f"{arch}.context_length", 2048)),
@@ -359,15 +360,15 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     }
     if not config.tie_embeddings:
         weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
-    names = block_tensors(config)
+    blocks = block_tensors(config)
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
-        f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in names.values()}
+        f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in blocks.values()}
     unused = sorted(set(gf.tensors) - used)
     if unused:  # e.g. block_count below the blocks stored: a shallower model would load without a word
         names = ", ".join(unused[:4]) + (f" (and {len(unused) - 4} more)" if len(unused) > 4 else "")
         raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "
                         f"{gf.architecture} model; accepted: a file whose tensors match its metadata")
-    for ours, theirs in names.items():
+    for ours, theirs in blocks.items():
         tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]  # one shape: the metadata's
         heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
         qtypes = {t.qtype for t in tensors}

@@ -425,17 +425,17 @@ def check_params_fit(cfg: TrainConfig, mc: LlamaConfig) -> None:
 
     from jmem.memory.measure import memory_limit
     from jmem.models.config import as_dtype
+    from jmem.train.report import count_text
 
     copies = 1 if cfg.lora_rank else 2
     need = mc.num_params * np.dtype(as_dtype(mc.param_dtype)).itemsize * copies
     limit, holder = memory_limit()
     if need > limit:
-        raise ValueError(f"--model {cfg.model}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in
-                                                         cfg.moe_overrides().items() if k == "moe_experts")
-                         + f": {mc.num_params / 1e9:.2f}B parameters need {need / 2**20:.0f} MiB"
-                         + (" with their gradients" if copies == 2 else "")
-                         + f" and {holder} {limit / 2**20:.0f} MiB; accepted: a smaller model, or a --mesh over "
-                         "more devices")
+        experts = f" --moe-experts {cfg.moe_experts}" if cfg.moe_experts else ""
+        grads = " with their gradients" if copies == 2 else ""
+        raise ValueError(f"--model {cfg.model}{experts}: {count_text(mc.num_params)} parameters need "
+                         f"{need / 2**20:.0f} MiB{grads} and {holder} {limit / 2**20:.0f} MiB; accepted: a smaller "
+                         "model, or a --mesh over more devices")
 
 
 def check_heads_fit(cfg: TrainConfig, sizes, model_config: LlamaConfig | None = None) -> None:

@@ -210,7 +210,7 @@ def test_a_preset_whose_parameters_do_not_fit_is_refused_before_it_is_built(monk
     measure = importlib.import_module("jmem.memory.measure")  # the module, not the function jmem.memory.measure
     monkeypatch.setattr(measure, "memory_limit", lambda: (2 << 20, "the device holds"))
     line = _one_line_exit_2(["--model", "tiny", "--moe-experts", "64"], capsys)
-    assert line == ("error: --model tiny --moe-experts 64: 0.00B parameters need 25 MiB with their gradients and the "
+    assert line == ("error: --model tiny --moe-experts 64: 3.21M parameters need 25 MiB with their gradients and the "
                     "device holds 2 MiB; accepted: a smaller model, or a --mesh over more devices"), line
     line = _one_line_exit_2(["--model", "tiny", "--moe-experts", "64", "--lora-rank", "2", "--lora-targets", "wq"],
                             capsys)
