@@ -17,7 +17,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              chat: bool = False, draft: str | None = None, draft_k: int | None = None,
              stop: tuple[str, ...] = (), lora: str | None = None) -> None:
-    """Print a completion of PROMPT.
+    """Print a completion of PROMPT as it is generated.
 
     Args:
         prompt: Text to continue; `-` reads it from standard input.
@@ -90,10 +90,14 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
               f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_pass:.2f} tokens per target pass",
               file=sys.stderr)
         return
+    def show(piece: str) -> None:  # the completion as it is generated
+        print(piece, end="", flush=True)
+
     if chat:
-        print(lm.chat([{"role": "user", "content": prompt}], **kwargs))
+        lm.chat([{"role": "user", "content": prompt}], on_text=show, **kwargs)
     else:
-        print(lm.generate([prompt], **kwargs)[0])
+        lm.generate([prompt], on_text=show, **kwargs)
+    print()
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,33 +72,52 @@ class LM:
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 stop: str | list[str] | None = None) -> list[str]:
+                 stop: str | list[str] | None = None, on_text: Callable[[str], None] | None = None) -> list[str]:
         """Completions (without the prompt) for each prompt; temperature 0 is greedy.
 
-        `stop`: one stop string or a list of them; each completion ends before the first one it reaches."""
+        `stop`: one stop string or a list of them; each completion ends before the first one it reaches.
+        `on_text`: with one prompt, called with each new piece of the completion as it is generated (every
+        decode chunk); the pieces join to the returned text. Text that may still turn into a stop string,
+        or an unfinished UTF-8 character, is held back until it is known."""
         if isinstance(prompts, str):
             raise ValueError("generate expects a list of prompt strings, not a single string")
         if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise ValueError(f"prompts={prompts!r}; accepted: a non-empty list of prompt strings")
         return self._complete([self.tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                              on_text=on_text)
 
     def _complete(self, encoded: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  stop: str | list[str] | None = None) -> list[str]:
+                  stop: str | list[str] | None = None, on_text: Callable[[str], None] | None = None) -> list[str]:
         params = SamplingParams(temperature, top_k, top_p, seed)
         tok = self.tokenizer
         stop = stop_strings(stop)
         for i, ids in enumerate(encoded):
             if not ids:
                 raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")
+        if on_text is not None and (not callable(on_text) or len(encoded) != 1):
+            raise ValueError("on_text streams one completion; accepted: a callable with one prompt")
+        sent = [0]  # characters of the completion passed to on_text
+
+        def stream(text: str, final: bool) -> None:
+            end = len(text)
+            if not final:  # hold back an unfinished character and what may begin a stop string
+                end = len(text.rstrip("\ufffd"))
+                held = max((n for s in stop for n in range(1, len(s)) if text[:end].endswith(s[:n])), default=0)
+                end -= held
+            if end > sent[0]:
+                on_text(text[sent[0]:end])
+                sent[0] = end
 
         def reached(ids) -> bool:
             text = tok.decode(ids)
             return any(s in text for s in stop)
 
         def stop_at(_row, ids):
-            if not reached(ids):
+            if not stop or not reached(ids):
+                if on_text is not None:
+                    stream(tok.decode(ids), final=False)
                 return None
             # The shortest id prefix whose text holds a whole stop string (the text is cut at it below);
             # the stop was not reached before the last chunk, so the search from the end is short.
@@ -107,10 +127,12 @@ class LM:
             return n
 
         new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
-                           stop=stop_at if stop else None)
+                           stop=stop_at if stop or on_text is not None else None)
         texts = [tok.decode(ids) for ids in new]
         if stop:
             texts = [cut_at_stop(t, stop) for t in texts]
+        if on_text is not None:
+            stream(texts[0], final=True)
         return texts
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> str:

@@ -71,6 +71,28 @@ def test_eos_and_stop_strings(lm):
             lm.generate(["abc"], max_new_tokens=2, stop=bad)
 
 
+def test_streamed_pieces_join_to_the_completion(lm):
+    """on_text: pieces as each decode chunk lands, never text past a stop string or an unfinished
+    character that a later token would change; one prompt only."""
+    text = lm.generate(["abc"], max_new_tokens=40)[0]
+    for kw in (dict(), dict(stop=[text[20:23]]), dict(stop=[text[15:17], "never there"]),
+               dict(temperature=0.9, seed=1)):
+        pieces = []
+        out = lm.generate(["abc"], max_new_tokens=40, on_text=pieces.append, **kw)[0]
+        assert "".join(pieces) == out, (pieces, out)
+        assert len(pieces) >= (1 if "stop" in kw else 2)  # 40 tokens: three chunks of 16
+    plain, held = [], []
+    lm.generate(["abc"], max_new_tokens=40, on_text=plain.append)
+    # The first chunk's text ends with the first character of a stop string: held back until the next chunk.
+    lm.generate(["abc"], max_new_tokens=40, on_text=held.append, stop=[plain[0][-1] + " never there"])
+    assert held[0] == plain[0][:-1] and "".join(held) == "".join(plain)
+    pieces = []
+    assert lm.chat([{"role": "user", "content": "hi"}], max_new_tokens=20, on_text=pieces.append) == "".join(pieces)
+    for bad in (dict(prompts=["a", "b"], on_text=print), dict(prompts=["a"], on_text="print")):
+        with pytest.raises(ValueError, match="on_text streams one completion; accepted: a callable with one prompt"):
+            lm.generate(max_new_tokens=2, **bad)
+
+
 class _ThreeCharTokens:
     """Each token decodes to three characters, so a stop string can start inside a token."""
 
