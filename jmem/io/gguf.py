@@ -216,6 +216,9 @@ def _moe_fields(gf: GGUFFile, arch: str, count) -> dict[str, Any]:
     top_k = count(f"{arch}.expert_used_count")
     if top_k > experts:
         raise GGUFError(f"{gf.path}: {arch}.expert_used_count={top_k} exceeds {arch}.expert_count={experts}")
+    if top_k == 1:  # llama.cpp gives the one chosen expert weight 1; jmem's top-1 gate is its probability
+        raise GGUFError(f"{gf.path}: {arch}.expert_used_count=1 is not supported (llama.cpp weighs the one chosen "
+                        "expert by 1, jmem's top-1 routing by its router probability); accepted: 2 or more")
     out = dict(moe_experts=experts, moe_top_k=top_k, moe_dropless=True)
     if f"{arch}.expert_feed_forward_length" in m:  # the experts' width (the blocks have no dense MLP)
         out["ffn_dim"] = count(f"{arch}.expert_feed_forward_length")
@@ -364,6 +367,11 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
         f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in blocks.values()}
     unused = sorted(set(gf.tensors) - used)
+    if config.moe_experts and f"blk.0.{MOE_TENSORS['moe.expert_gate']}.weight" not in gf.tensors \
+            and "blk.0.ffn_gate.0.weight" in gf.tensors:
+        raise GGUFError(f"{gf.path}: the experts are stored one tensor each (blk.0.ffn_gate.0.weight, ...), the "
+                        "layout of files converted before llama.cpp stacked them; accepted: stacked "
+                        "ffn_gate_exps/ffn_up_exps/ffn_down_exps tensors (convert the model again)")
     if unused:  # e.g. block_count below the blocks stored: a shallower model would load without a word
         names = ", ".join(unused[:4]) + (f" (and {len(unused) - 4} more)" if len(unused) > 4 else "")
         raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "

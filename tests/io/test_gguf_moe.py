@@ -14,7 +14,7 @@ from jmem.models import Llama, LlamaConfig
 CFG = LlamaConfig.tiny_moe(moe_experts=4, moe_top_k=2, moe_dropless=True)
 
 
-def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_length=None):
+def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_length=None, per_expert=False):
     """`model`'s weights in the layout llama.cpp's converter writes for Mixtral: numpy [out, in] matrices,
     q/k rows permuted for its rotary, experts stacked first ([experts, ffn, embed] for gate and up,
     [experts, embed, ffn] for down), the router as `ffn_gate_inp` [experts, embed]."""
@@ -56,7 +56,10 @@ def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_le
         for name, ours in (("ffn_gate_exps", "expert_gate"), ("ffn_up_exps", "expert_up"),
                            ("ffn_down_exps", "expert_down")):
             experts = f32(np.swapaxes(np.asarray(L["moe"][ours][i]), -1, -2))  # [experts, out, in]
-            if expert_type is None:
+            if per_expert:  # the layout before llama.cpp stacked the experts
+                for e, matrix in enumerate(experts):
+                    w.add_tensor(f"{blk}{name.removesuffix('_exps')}.{e}.weight", np.ascontiguousarray(matrix))
+            elif expert_type is None:
                 w.add_tensor(f"{blk}{name}.weight", experts)
             else:
                 qtype = gguf.GGMLQuantizationType[expert_type]
@@ -122,3 +125,15 @@ def test_other_moe_routings_are_refused_by_name(model, tmp_path, extra, message)
     path = _write_mixtral(tmp_path / "other.gguf", model, extra=extra)
     with pytest.raises(GGUFError, match=message):
         jmem.load(str(path))
+
+
+def test_top_1_files_and_experts_stored_one_tensor_each_are_refused_by_name(model, tmp_path):
+    """llama.cpp weighs a top-1 choice by 1 and jmem's top-1 gate by its router probability (other outputs);
+    files converted before llama.cpp stacked the experts hold blk.N.ffn_gate.E.weight (the message was
+    about tensors beyond the block count)."""
+    top1 = Llama(CFG.replace(moe_top_k=1), rngs=nnx.Rngs(3))
+    with pytest.raises(GGUFError, match=r"llama.expert_used_count=1 is not supported \(llama.cpp weighs the one"):
+        jmem.load(str(_write_mixtral(tmp_path / "top1.gguf", top1)))
+    with pytest.raises(GGUFError, match=r"the experts are stored one tensor each \(blk.0.ffn_gate.0.weight, ...\), "
+                                        r"the layout of files converted before llama.cpp stacked them"):
+        jmem.load(str(_write_mixtral(tmp_path / "per_expert.gguf", model, per_expert=True)))
