@@ -323,6 +323,26 @@ def block_tensors(config: LlamaConfig) -> dict[str, str]:
     return {**{k: v for k, v in BLOCK_TENSORS.items() if not k.startswith("w_")}, **MOE_TENSORS}
 
 
+def _stacked_experts(gf: GGUFFile, config: LlamaConfig) -> dict[str, GGUFTensor]:
+    """The file's tensors by name, with experts stored one tensor each (`blk.N.ffn_gate.E.weight`, the
+    layout of files converted before llama.cpp stacked them; llama.cpp still reads it) stacked into
+    float32 `ffn_*_exps` tensors; the file's own tensors otherwise."""
+    tensors = dict(gf.tensors)
+    if not config.moe_experts or "blk.0.ffn_gate.0.weight" not in tensors:
+        return tensors
+    for i in range(config.n_layers):
+        for kind in ("ffn_gate", "ffn_up", "ffn_down"):
+            names = [f"blk.{i}.{kind}.{e}.weight" for e in range(config.moe_experts)]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise GGUFError(f"{gf.path}: tensor {missing[0]} is missing (the file stores one tensor per expert; "
+                                f"{config.moe_experts} experts per block)")
+            experts = np.stack([dequantize_tensor(tensors.pop(n)) for n in names])
+            tensors[f"blk.{i}.{kind}_exps.weight"] = GGUFTensor(f"blk.{i}.{kind}_exps.weight", "F32",
+                                                                 experts.shape, experts.astype(np.float32))
+    return tensors
+
+
 def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> dict[str, Any]:
     """The model's weights by state path (`layers.wq.kernel` ...), stacked over layers.
 
@@ -339,12 +359,13 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     from jmem.quant.ggml_weight import GGMLWeight
 
     arch = gf.architecture
+    stored = _stacked_experts(gf, config)
 
     def get(name):
         """The tensor, checked for a type jmem reads and the shape the metadata gives."""
-        if name not in gf.tensors:
+        if name not in stored:
             raise GGUFError(f"{gf.path}: tensor {name} is missing")
-        t = gf.tensors[name]
+        t = stored[name]
         if t.qtype not in SUPPORTED_TYPES:
             raise GGUFError(f"{gf.path}: tensor {name} has type {t.qtype}, which jmem does not read; "
                             f"accepted: {', '.join(SUPPORTED_TYPES)}")
@@ -366,12 +387,7 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     blocks = block_tensors(config)
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
         f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in blocks.values()}
-    unused = sorted(set(gf.tensors) - used)
-    if config.moe_experts and f"blk.0.{MOE_TENSORS['moe.expert_gate']}.weight" not in gf.tensors \
-            and "blk.0.ffn_gate.0.weight" in gf.tensors:
-        raise GGUFError(f"{gf.path}: the experts are stored one tensor each (blk.0.ffn_gate.0.weight, ...), the "
-                        "layout of files converted before llama.cpp stacked them; accepted: stacked "
-                        "ffn_gate_exps/ffn_up_exps/ffn_down_exps tensors (convert the model again)")
+    unused = sorted(set(stored) - used)
     if unused:  # e.g. block_count below the blocks stored: a shallower model would load without a word
         names = ", ".join(unused[:4]) + (f" (and {len(unused) - 4} more)" if len(unused) > 4 else "")
         raise GGUFError(f"{gf.path}: tensors {names} are not part of a {config.n_layers}-block "
