@@ -110,14 +110,15 @@ class LM:
                 on_text(text[sent[0]:end])
                 sent[0] = end
 
-        def reached(ids) -> bool:
-            text = tok.decode(ids)
+        def reached(ids, text=None) -> bool:
+            text = tok.decode(ids) if text is None else text
             return any(s in text for s in stop)
 
         def stop_at(_row, ids):
-            if not stop or not reached(ids):
+            text = tok.decode(ids)  # once per chunk, for the stop check and the stream
+            if not reached(ids, text):
                 if on_text is not None:
-                    stream(tok.decode(ids), final=False)
+                    stream(text, final=False)
                 return None
             # The shortest id prefix whose text holds a whole stop string (the text is cut at it below);
             # the stop was not reached before the last chunk, so the search from the end is short.

@@ -301,15 +301,20 @@ def _multi_leaves(state) -> dict[str, MultiLoRA]:
 
 def slot_layout(state) -> dict[str, tuple]:
     """target -> (weight shape, slot dtype, slot rank) of the `MultiLoRA` leaves in `state` (a model state)."""
-    return {t: (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank) for t, leaf in _multi_leaves(state).items()}
+    return _layout(_multi_leaves(state))
+
+
+def _layout(leaves: dict[str, MultiLoRA]) -> dict[str, tuple]:
+    return {t: (tuple(leaf.base.shape), leaf.lora_a.dtype, leaf.rank) for t, leaf in leaves.items()}
 
 
 def read_adapter(name: str, path: str, state, max_lora_rank: int, version: int = 0) -> AdapterInfo:
     """The adapter file `path` as an `AdapterInfo` waiting in host memory (slot None), laid out for the
     slots of `state` (a served model's state); one ValueError naming the file and what does not fit."""
     meta, stored = check_adapter_files({name: path}, max_lora_rank)[name]
-    bases = {t: leaf.base for t, leaf in _multi_leaves(state).items()}
-    return _adapter_info(name, None, path, meta, stored, slot_layout(state), bases, version)
+    leaves = _multi_leaves(state)
+    return _adapter_info(name, None, path, meta, stored, _layout(leaves), {t: v.base for t, v in leaves.items()},
+                         version)
 
 
 def _adapter_info(name, slot, path, meta, stored, layout, bases, version=0) -> AdapterInfo:
