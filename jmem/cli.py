@@ -149,9 +149,7 @@ def info(path: tyro.conf.Positional[str]) -> None:
     types = Counter(t.qtype for t in gf.tensors.values())
     print(f"file:          {gf.path} (GGUF v{gf.version})")
     print(f"architecture:  {gf.architecture}  name: {gf.metadata.get('general.name', '?')}")
-    print(f"layers:        {config.n_layers}  width: {config.dim}  heads: {config.n_heads}/{config.n_kv_heads} "
-          f"(head dim {config.head_dim})  ffn: {config.ffn_dim}  vocab: {config.vocab_size}"
-          + (f"  experts: {config.moe_experts} (top {config.moe_top_k})" if config.moe_experts else ""))
+    print(f"layers:        {config.shape_line()}")
     rope = f"rope base:     {config.rope_base:g}"
     if config.rope_scaling != "none":
         rope += f"  scaling: {config.rope_scaling} x{config.rope_factor:g}"

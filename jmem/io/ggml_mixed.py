@@ -34,7 +34,7 @@ class MixedGGMLWeight(PackedRows):
 
     Attributes:
         raw: u8[..., out, width]: layer i's rows in their own type, zero-padded to `width`.
-        kind: i32[...]: index into `qtypes` of each layer's type.
+        kind: i32[...]: index into `qtypes` of each matrix's type (raw's leading axes).
         qtypes: the block types present (static).
         in_features: the kernels' input width (static).
 
@@ -60,7 +60,8 @@ class MixedGGMLWeight(PackedRows):
 
     @classmethod
     def from_layers(cls, raws: list[np.ndarray], qtypes: list, in_features: int) -> "MixedGGMLWeight":
-        """Stack per-layer raw blocks u8[out, row_bytes(type_i)] of the given types."""
+        """Stack per-layer raw blocks u8[..., out, row_bytes(type_i)] of the given types (`...`: the
+        same leading axes in every layer, such as a mixture-of-experts layer's experts)."""
         raws, qtypes = list(raws), list(qtypes)
         if not raws or len(raws) != len(qtypes):
             raise ValueError(f"MixedGGMLWeight.from_layers: {len(raws)} layers and {len(qtypes)} types; accepted: "
@@ -68,18 +69,19 @@ class MixedGGMLWeight(PackedRows):
         types = tuple(dict.fromkeys(ggml.resolve_qtype(q) for q in qtypes))
         for r, q in zip(raws, qtypes):
             want = _row_bytes(ggml.resolve_qtype(q), in_features)
-            if r.dtype != np.uint8 or r.ndim != 2 or r.shape[1] != want:
-                raise ValueError(f"MixedGGMLWeight layer of type {ggml.resolve_qtype(q).name} must be u8[out, {want}] "
-                                 f"for {in_features} inputs; got {r.dtype}{list(r.shape)}")
-        rows = [r.shape[0] for r in raws]
+            if r.dtype != np.uint8 or r.ndim < 2 or r.shape[-1] != want:
+                raise ValueError(f"MixedGGMLWeight layer of type {ggml.resolve_qtype(q).name} must be u8[..., out, "
+                                 f"{want}] for {in_features} inputs; got {r.dtype}{list(r.shape)}")
+        rows = [r.shape[:-1] for r in raws]
         if len(set(rows)) > 1:
-            raise ValueError(f"MixedGGMLWeight.from_layers: layers of {rows} rows; accepted: one output size")
-        width = max(r.shape[1] for r in raws)
-        out = raws[0].shape[0]
-        raw = np.zeros((len(raws), out, width), np.uint8)
+            shown = ", ".join("x".join(map(str, r)) for r in rows)
+            raise ValueError(f"MixedGGMLWeight.from_layers: layers of [{shown}] rows; accepted: one output size")
+        width = max(r.shape[-1] for r in raws)
+        raw = np.zeros((len(raws), *rows[0], width), np.uint8)
         for i, r in enumerate(raws):
-            raw[i, :, : r.shape[1]] = r
-        kind = np.array([types.index(ggml.resolve_qtype(q)) for q in qtypes], np.int32)
+            raw[i, ..., : r.shape[-1]] = r
+        # One type index per decoded matrix: per layer, repeated over its leading axes.
+        kind = np.array([np.full(rows[0][:-1], types.index(ggml.resolve_qtype(q))) for q in qtypes], np.int32)
         return cls(raw, kind, types, in_features)
 
     @property
@@ -87,7 +89,7 @@ class MixedGGMLWeight(PackedRows):
         return int(np.prod(self.raw.shape)) + int(np.prod(np.shape(self.kind))) * 4
 
     def layer_types(self) -> list[str]:
-        """The block type name of each layer (host-side)."""
+        """The block type name of each matrix, layer by layer (and expert by expert within a layer)."""
         return [self.qtypes[int(k)].name for k in np.asarray(self.kind).reshape(-1)]
 
     def layer(self, i: int) -> GGMLWeight:

@@ -326,7 +326,8 @@ def block_tensors(config: LlamaConfig) -> dict[str, str]:
 def _stacked_experts(gf: GGUFFile, config: LlamaConfig) -> dict[str, GGUFTensor]:
     """The file's tensors by name, with experts stored one tensor each (`blk.N.ffn_gate.E.weight`, the
     layout of files converted before llama.cpp stacked them; llama.cpp still reads it) stacked into
-    float32 `ffn_*_exps` tensors; the file's own tensors otherwise."""
+    `ffn_*_exps` tensors (their blocks as stored when a layer's experts share one type, float32
+    otherwise); the file's own tensors otherwise."""
     tensors = dict(gf.tensors)
     if not config.moe_experts or "blk.0.ffn_gate.0.weight" not in tensors:
         return tensors
@@ -337,9 +338,13 @@ def _stacked_experts(gf: GGUFFile, config: LlamaConfig) -> dict[str, GGUFTensor]
             if missing:
                 raise GGUFError(f"{gf.path}: tensor {missing[0]} is missing (the file stores one tensor per expert; "
                                 f"{config.moe_experts} experts per block)")
-            experts = np.stack([dequantize_tensor(tensors.pop(n)) for n in names])
-            tensors[f"blk.{i}.{kind}_exps.weight"] = GGUFTensor(f"blk.{i}.{kind}_exps.weight", "F32",
-                                                                 experts.shape, experts.astype(np.float32))
+            parts, name = [tensors.pop(n) for n in names], f"blk.{i}.{kind}_exps.weight"
+            if len({p.qtype for p in parts}) == 1:
+                tensors[name] = GGUFTensor(name, parts[0].qtype, (len(parts), *parts[0].shape),
+                                           np.stack([p.data for p in parts]))
+            else:
+                experts = np.stack([dequantize_tensor(p) for p in parts]).astype(np.float32)
+                tensors[name] = GGUFTensor(name, "F32", experts.shape, experts)
     return tensors
 
 
@@ -348,8 +353,9 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
 
     Matrices are dequantized to float32 `[in, out]`, or with `packed=True` block-quantized
     matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
-    step). The embedding is always dequantized (it is gathered, not multiplied), and so are a
-    mixture-of-experts block's router and experts. A matrix whose block type differs across
+    step), a mixture-of-experts block's router and experts included (`[layers, experts, in,
+    out]`; `moe_mlp` decodes one layer's experts at a time). The embedding is always
+    dequantized (it is gathered, not multiplied). A matrix whose block type differs across
     layers becomes one `MixedGGMLWeight` (still packed; each layer decodes its own type); one
     that mixes float and block layers is held as float32 with one warning (logger `jmem.io`)
     naming the extra bytes.
@@ -396,24 +402,24 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
         tensors = [get(f"blk.{i}.{theirs}.weight") for i in range(config.n_layers)]  # one shape: the metadata's
         heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(ours)
         qtypes = {t.qtype for t in tensors}
-        packed_here = packed and ours in BLOCK_TENSORS
+        packed_here = packed and not ours.endswith("norm")
         if packed_here and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]  # rows are whole blocks
-            weights[f"layers.{ours}.kernel"] = GGMLWeight(np.stack(raw), tensors[0].qtype)
+            weights[_weight_path(ours)] = GGMLWeight(np.stack(raw), tensors[0].qtype)
             continue
         if packed_here and len(qtypes) > 1 and all(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
             # llama.cpp's *_K_M files mix block types across layers (Q6_K / Q4_K in attn_v, ffn_down)
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]
-            weights[f"layers.{ours}.kernel"] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
-                                                                           in_features=tensors[0].shape[1])
+            weights[_weight_path(ours)] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
+                                                                      in_features=tensors[0].shape[-1])
             continue
         if packed_here and len(qtypes) > 1 and any(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
             # Float layers (F16/F32) mixed with block layers: held as float32, said once per matrix.
             packed_bytes = sum(int(t.data.nbytes) for t in tensors)
             f32_bytes = 4 * sum(int(np.prod(t.shape)) for t in tensors)
             per_layer = ",".join(t.qtype for t in tensors)
-            log.warning("packed=True: layers.%s.kernel (%s) mixes float and block types across layers (%s); held "
-                        "as float32: %s bytes instead of %s packed (+%s)", ours, theirs, per_layer, f"{f32_bytes:,}",
+            log.warning("packed=True: %s (%s) mixes float and block types across layers (%s); held as float32: "
+                        "%s bytes instead of %s packed (+%s)", _weight_path(ours), theirs, per_layer, f"{f32_bytes:,}",
                         f"{packed_bytes:,}", f"{f32_bytes - packed_bytes:,}")
         if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
             stacked = dequantize_tensor(GGUFTensor(f"blk.*.{theirs}.weight", tensors[0].qtype,
@@ -425,7 +431,12 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
             stacked = np.stack([unpermute_rotary(w, heads) for w in stacked])
         if stacked.ndim >= 3:
             stacked = np.swapaxes(stacked, -1, -2)  # [L, (experts,) out, in] -> [L, (experts,) in, out]
-        path = f"layers.{ours}" if ours.startswith("moe.") else \
-            f"layers.{ours}.{'scale' if ours.endswith('norm') else 'kernel'}"
-        weights[path] = np.ascontiguousarray(stacked)
+        weights[_weight_path(ours)] = np.ascontiguousarray(stacked)
     return weights
+
+
+def _weight_path(ours: str) -> str:
+    """The state path of block weight `ours` (a name of `block_tensors`)."""
+    if ours.startswith("moe."):
+        return f"layers.{ours}"
+    return f"layers.{ours}.{'scale' if ours.endswith('norm') else 'kernel'}"

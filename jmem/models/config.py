@@ -217,6 +217,12 @@ class LlamaConfig:
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
 
+    def shape_line(self) -> str:
+        """The model's shape in one line, as `jmem info` prints it."""
+        return (f"{self.n_layers}  width: {self.dim}  heads: {self.n_heads}/{self.n_kv_heads} (head dim "
+                f"{self.head_dim})  ffn: {self.ffn_dim}  vocab: {self.vocab_size}"
+                + (f"  experts: {self.moe_experts} (top {self.moe_top_k})" if self.moe_experts else ""))
+
     @property
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)

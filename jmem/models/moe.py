@@ -157,8 +157,9 @@ def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT=No
 
 def _array(w):
     """An expert weight as an array. A weight leaf that is not one (ZeRO-3's
-    `jmem.parallel.GatheredWeight`) gives it through `__jmem_array__`, so it is gathered
-    here, inside the layer scan, one layer at a time."""
+    `jmem.parallel.GatheredWeight`, a quantized or GGUF-packed leaf) gives it through
+    `__jmem_array__`, so it is gathered or decoded here, inside the layer scan, one layer
+    at a time."""
     get = getattr(w, "__jmem_array__", None)
     return w if get is None else get()
 

@@ -43,6 +43,10 @@ DEFAULT_BITS = {"int8": 8, "nf4": 4, "fp8": 8}
 AWQ_NO_CLIP = ("wq", "wk")
 # Substituted group sizes are multiples of this (the Pallas kernel's unit).
 SUBSTITUTE_MULTIPLE = 32
+# A mixture-of-experts block's experts `[layers, experts, in, out]`, quantized in place of the dense MLP's
+# linears. The router stays float (llama.cpp keeps `ffn_gate_inp` in F32 too): it is small, and its logits
+# decide which experts every token gets.
+EXPERTS = ("moe.expert_gate", "moe.expert_up", "moe.expert_down")
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +100,20 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
                      f"of {SUBSTITUTE_MULTIPLE} below it; accepted: {group_choices(n_in, bits, group_size)}")
 
 
+def quant_targets(model) -> dict:
+    """The weight variables `quantize` replaces, by name: each linear's kernel (`wq` ... `w_down`), and on
+    a mixture-of-experts model its experts (`EXPERTS`) in place of the MLP linears."""
+    layers = model.layers
+    out = {n: getattr(layers, n).kernel for n in LINEARS if hasattr(layers, n)}
+    if hasattr(layers, "moe"):
+        out.update({n: getattr(layers.moe, n.removeprefix("moe.")) for n in EXPERTS})
+    return out
+
+
 def _group_plan(weights: dict, group_size, bits: int):
-    """(effective group size by linear, one line per substituted input dimension)."""
+    """(effective group size by weight, one line per substituted input dimension)."""
     groups, by_dim = {}, {}
-    for name in LINEARS:
+    for name in weights:
         n_in = weights[name].shape[-2]
         try:
             groups[name] = resolve_group_size(n_in, group_size, bits)
@@ -130,26 +144,22 @@ def describe_quantized(leaf) -> str | None:
 
 
 def check_float_model(model) -> dict:
-    """The layers' weights of `model`; a ValueError when a linear kernel is already quantized or holds a
-    non-finite value.
+    """The weights `quantize` replaces (`quant_targets`), by name; a ValueError when one is already
+    quantized or holds a non-finite value.
 
     Quantizing quantized leaves would round their packed codes again, so the
     float model is the only accepted input. A NaN or inf would destroy its
     group's scale (GPTQ would spread it over the column), so it is refused
     naming the weight and its layers.
     """
-    experts = getattr(getattr(model, "config", None), "moe_experts", 0)
-    if experts:
-        raise ValueError(f"the model's MLP is a mixture of {experts} experts, whose expert weights quantize() does "
-                         "not handle; accepted: a dense model (moe_experts=0)")
-    weights = model.layers.weights()
-    for name in LINEARS:
-        kind = describe_quantized(weights.get(name))
+    weights = {n: v.get_value() for n, v in quant_targets(model).items()}
+    for name, w in weights.items():
+        kind = describe_quantized(w)
         if kind is not None:
             raise ValueError(f"the model is already quantized ({name}: {kind}); accepted: the float model "
                              "(quantize the model as loaded, before any quantization)")
-    for name in LINEARS:
-        check_finite(weights[name], f"layers.{name}", lead="layer")
+    for name, w in weights.items():
+        check_finite(w, f"layers.{name}", lead="layer")
     return weights
 
 
@@ -206,9 +216,13 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
     if method in ("int8", "fp8"):
         group_size = None
     weights = check_float_model(model)
+    experts = getattr(model.config, "moe_experts", 0)
+    if experts and method in CALIBRATED:
+        raise ValueError(f"method {method!r} calibrates dense layers; this model's MLP is a mixture of {experts} "
+                         f"experts; accepted for it: {', '.join(m for m in METHOD_BITS if m not in CALIBRATED)}")
     groups, lines = (), ()
     if method == "nf4":
-        for name in LINEARS:
+        for name in weights:
             n_in = weights[name].shape[-2]
             if n_in % NF4_BLOCK:
                 raise ValueError(f"NF4 needs input dimensions divisible by {NF4_BLOCK}; {name} has {n_in}")
@@ -324,7 +338,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
 
     Returns:
       The quantized model: every `layers.<linear>.kernel` holds a stacked
-      quantized leaf; AWQ also rewrites the norm scales it folded into.
+      quantized leaf; AWQ also rewrites the norm scales it folded into. On a
+      mixture-of-experts model (rtn, int8, nf4, fp8) the attention linears and
+      the experts `layers.moe.expert_*` ([layers, experts, in, out], decoded one
+      layer at a time inside the layer scan) are quantized; the router stays float.
 
     Example:
         >>> qmodel = quantize(model, "gptq", bits=4, group_size=64, calibration=ids_BT)
@@ -350,14 +367,13 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     if not inplace:
         model = nnx.clone(model)
     layers: Blocks = model.layers
-    weights = layers.weights()
+    targets = quant_targets(model)
     if method not in CALIBRATED:
-        new = {n: _quantize_plain(weights[n], spec, n) for n in LINEARS}
+        new = {n: _quantize_plain(var.get_value(), spec, n) for n, var in targets.items()}
     else:
-        new = _calibrated(model, weights, jnp.asarray(ids), spec, log)
+        new = _calibrated(model, layers.weights(), jnp.asarray(ids), spec, log)
     for n, v in new.items():
-        mod = getattr(layers, n)
-        (mod.scale if n.endswith("norm") else mod.kernel).set_value(v)
+        (targets[n] if n in targets else getattr(layers, n).scale).set_value(v)
     return model
 
 
@@ -373,42 +389,43 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
     return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label=spec.method))
 
 
-def _linear_names(names) -> tuple[str, ...]:
-    """`names` as a tuple of linear names (one string is one name); a ValueError naming unknown ones."""
+def _weights(model, names) -> dict:
+    """The quantizable weights of `model` (`quant_targets`) among `names` (one string is one name; None:
+    all of them); a ValueError naming unknown ones."""
+    weights = {n: v.get_value() for n, v in quant_targets(model).items()}
+    if names is None:
+        return weights
     names = (names,) if isinstance(names, str) else tuple(names)
-    unknown = [n for n in names if n not in LINEARS]
+    unknown = [n for n in names if n not in weights]
     if unknown:
-        raise ValueError(f"unknown linear name(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(LINEARS)} "
+        raise ValueError(f"unknown weight name(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(weights)} "
                          "(one name or a sequence of them)")
-    return names
+    return {n: weights[n] for n in names}
 
 
-def weight_bytes(model, names=LINEARS) -> int:
-    """Stored bytes of the layers' linear kernels (quantized leaves count their packed bytes).
+def weight_bytes(model, names=None) -> int:
+    """Stored bytes of the layers' quantizable weights (`quant_targets`; quantized leaves count their
+    packed bytes).
 
-    `names`: one linear name ("wq") or a sequence of them (default: all).
+    `names`: one weight name ("wq") or a sequence of them (default: all).
     """
-    names = _linear_names(names)
-    weights = model.layers.weights()
-    return int(sum(weights[n].nbytes for n in names))
+    return int(sum(w.nbytes for w in _weights(model, names).values()))
 
 
-def group_sizes(model, names=LINEARS) -> dict[str, int | None]:
-    """The group size each linear of a quantized model holds (per channel shows as the input dimension).
+def group_sizes(model, names=None) -> dict[str, int | None]:
+    """The group size each quantizable weight of a quantized model holds (per channel shows as the input
+    dimension).
 
     NF4 reports its 64-row block; float and FP8 (per-channel scales, no
     groups) kernels report None. A LoRA-wrapped kernel reports its base.
-    `names`: one linear name ("wq") or a sequence of them (default: all).
+    `names`: one weight name ("wq") or a sequence of them (default: all).
 
     Example:
         >>> group_sizes(quantize(smollm2, "rtn", bits=4, group_size=128))
         {'wq': 96, 'wk': 96, 'wv': 96, 'wo': 96, 'w_gate': 96, 'w_up': 96, 'w_down': 128}
     """
-    names = _linear_names(names)
-    weights = model.layers.weights()
     out: dict[str, int | None] = {}
-    for n in names:
-        w = weights[n]
+    for n, w in _weights(model, names).items():
         w = getattr(w, "base", w)
         out[n] = w.group_size if isinstance(w, IntTensor) else NF4_BLOCK if isinstance(w, NF4Tensor) else None
     return out

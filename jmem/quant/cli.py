@@ -163,13 +163,12 @@ def _check_numbers(args: QuantizeArgs, method: str) -> None:
 
 def check_group_fits(weights: dict, group_size: int | None, bits: int) -> None:
     """Refuse a --group-size that `jmem.quant.quantize` cannot use for some linear (its rule, said in flags)."""
-    from jmem.calibrate import LINEARS
     from jmem.quant.api import SUBSTITUTE_MULTIPLE, resolve_group_size
     from jmem.quant.qtensor import PACK_ROWS, group_size_choices
 
     shown = "-1 (per channel)" if group_size in (None, -1) else str(group_size)
-    for name in LINEARS:
-        n_in = int(weights[name].shape[-2])
+    for name, w in weights.items():
+        n_in = int(w.shape[-2])
         try:
             resolve_group_size(n_in, group_size, bits)
         except ValueError:
@@ -264,6 +263,10 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.quant.saved import save_quantized
 
     lm = jmem.load(args.model)
+    if kind == "gguf" and lm.config.moe_experts:  # before any quantization work
+        raise ValueError(f"--out {args.out!r}: a GGUF file is written for dense models; this model's MLP is a "
+                         f"mixture of {lm.config.moe_experts} experts; accepted: a directory --out (methods rtn, "
+                         "int8, nf4, fp8 or a GGML type such as q8_0)")
     weights = check_float_model(lm.model)
     if method in ("rtn", "gptq", "awq"):
         check_group_fits(weights, args.group_size, _bits(args, method))

@@ -50,6 +50,11 @@ class PackedRows:
         """The dtype the weights decode to."""
         return jnp.dtype(jnp.float32)
 
+    def __jmem_array__(self) -> jax.Array:
+        """The float kernel K[..., in, out] (f32), for code that reads a weight whole rather than through
+        `dot` (`jmem.models.moe.moe_mlp`'s expert weights, one layer at a time inside the scan)."""
+        return self.dequantize()
+
 
 @jax.tree_util.register_pytree_node_class
 class GGMLWeight(PackedRows):
@@ -158,7 +163,8 @@ class GGMLWeight(PackedRows):
 
 
 def quantize_gguf_blocks(model, qtype, *, inplace: bool = False, log=None):
-    """Store a float Llama model's linear kernels as packed `GGMLWeight`s of GGML type `qtype`.
+    """Store a float Llama model's linear kernels (and a mixture-of-experts block's experts, as
+    `quantize` does) as packed `GGMLWeight`s of GGML type `qtype`.
 
     A k-quant whose 256-weight super-block does not divide a kernel's input
     dimension falls back as llama.cpp does (`ggml.fitting_qtype`: Q4_K ->
@@ -185,12 +191,12 @@ def quantize_gguf_blocks(model, qtype, *, inplace: bool = False, log=None):
     """
     from flax import nnx
 
-    from jmem.quant.api import LINEARS, check_float_model
+    from jmem.quant.api import check_float_model, quant_targets
 
     qt = ggml.resolve_qtype(qtype)
     weights = check_float_model(model)
     plan = {}
-    for name in LINEARS:
+    for name in weights:
         n_in = weights[name].shape[-2]
         used = ggml.fitting_qtype(qt, n_in)
         if n_in % ggml.FORMATS[used].block_size:
@@ -202,7 +208,7 @@ def quantize_gguf_blocks(model, qtype, *, inplace: bool = False, log=None):
             log(line)
     if not inplace:
         model = nnx.clone(model)
+    targets = quant_targets(model)
     for name, (_, used) in plan.items():
-        kernel = getattr(model.layers, name).kernel
-        kernel.set_value(GGMLWeight.from_float(np.asarray(kernel.get_value()), used))
+        targets[name].set_value(GGMLWeight.from_float(np.asarray(targets[name].get_value()), used))
     return model, {name: used for name, (_, used) in plan.items()}

@@ -76,6 +76,11 @@ class QTensor:
         """`x[..., in] @ W[in, out]`, dequantizing inside the traced step."""
         return _matmul(x, self.dequantize(x.dtype))
 
+    def __jmem_array__(self) -> jax.Array:
+        """The float weight in the leaf's dtype, for code that reads a weight whole rather than through
+        `dot` (`jmem.models.moe.moe_mlp`'s expert weights, one layer at a time inside the scan)."""
+        return self.dequantize()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, {self._describe()}, nbytes={self.nbytes})"
 

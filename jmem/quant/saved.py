@@ -524,8 +524,7 @@ def describe(path: str | os.PathLike) -> str:
     spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
     return "\n".join([
         f"directory:     {path} ({FORMAT} v{m['format_version']})",
-        f"layers:        {c.n_layers}  width: {c.dim}  heads: {c.n_heads}/{c.n_kv_heads} (head dim {c.head_dim})  "
-        f"ffn: {c.ffn_dim}  vocab: {c.vocab_size}",
+        f"layers:        {c.shape_line()}",
         f"quantization:  {spec}",
         f"leaf types:    {', '.join(f'{k} x{v}' for k, v in types.most_common())}",
         f"tokenizer:     {m['tokenizer']['kind']}",

@@ -17,7 +17,8 @@ CFG = LlamaConfig.tiny_moe(moe_experts=4, moe_top_k=2, moe_dropless=True)
 def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_length=None, per_expert=False):
     """`model`'s weights in the layout llama.cpp's converter writes for Mixtral: numpy [out, in] matrices,
     q/k rows permuted for its rotary, experts stacked first ([experts, ffn, embed] for gate and up,
-    [experts, embed, ffn] for down), the router as `ffn_gate_inp` [experts, embed]."""
+    [experts, embed, ffn] for down), the router as `ffn_gate_inp` [experts, embed]. `expert_type`: the
+    experts' block type (None: F32), or one per layer."""
     import gguf
 
     c = model.config
@@ -56,14 +57,20 @@ def _write_mixtral(path, model, *, expert_type=None, extra=None, feed_forward_le
         for name, ours in (("ffn_gate_exps", "expert_gate"), ("ffn_up_exps", "expert_up"),
                            ("ffn_down_exps", "expert_down")):
             experts = f32(np.swapaxes(np.asarray(L["moe"][ours][i]), -1, -2))  # [experts, out, in]
+            kind = expert_type[i] if isinstance(expert_type, list) else expert_type
+
+            def add(tensor_name, value):
+                if kind is None:
+                    w.add_tensor(tensor_name, np.ascontiguousarray(value))
+                else:
+                    qtype = gguf.GGMLQuantizationType[kind]
+                    w.add_tensor(tensor_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
             if per_expert:  # the layout before llama.cpp stacked the experts
                 for e, matrix in enumerate(experts):
-                    w.add_tensor(f"{blk}{name.removesuffix('_exps')}.{e}.weight", np.ascontiguousarray(matrix))
-            elif expert_type is None:
-                w.add_tensor(f"{blk}{name}.weight", experts)
+                    add(f"{blk}{name.removesuffix('_exps')}.{e}.weight", matrix)
             else:
-                qtype = gguf.GGMLQuantizationType[expert_type]
-                w.add_tensor(f"{blk}{name}.weight", gguf.quants.quantize(experts, qtype), raw_dtype=qtype)
+                add(f"{blk}{name}.weight", experts)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -96,7 +103,7 @@ def test_a_mixtral_file_loads_as_the_moe_model_it_was_written_from(model, tmp_pa
 
     info(str(path))
     assert "ffn: 128  vocab: 259  experts: 4 (top 2)" in capsys.readouterr().out
-    # packed=True keeps the dense matrices packed only; the experts are float (here F32 throughout).
+    # packed=True keeps block types packed; F32 throughout here, so everything loads as float.
     np.testing.assert_allclose(_logits(jmem.load(str(path), packed=True).model, ids), _logits(model, ids),
                                rtol=1e-5, atol=1e-5)
 
@@ -140,3 +147,24 @@ def test_experts_stored_one_tensor_each_load_stacked(model, tmp_path):
     lm = jmem.load(str(_write_mixtral(tmp_path / "per_expert.gguf", model, per_expert=True)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(lm.model)),
                  nnx.to_pure_dict(nnx.state(model)))
+
+
+@pytest.mark.parametrize("expert_type, leaf, per_expert", [
+    ("Q8_0", "GGMLWeight", False),
+    (["Q8_0", "Q4_0"], "MixedGGMLWeight", False),  # block types differing across layers, as *_K_M files do
+    ("Q8_0", "GGMLWeight", True),
+])
+def test_packed_experts_stay_in_their_blocks(model, tmp_path, expert_type, leaf, per_expert):
+    """packed=True keeps quantized experts packed ([layers, experts, in, out], decoded one layer at a time
+    inside the layer scan): the same logits and greedy text as the file decoded to float, in fewer bytes."""
+    path = str(_write_mixtral(tmp_path / "q.gguf", model, expert_type=expert_type, per_expert=per_expert))
+    flat, packed = jmem.load(path), jmem.load(path, packed=True)
+    moe = packed.model.layers.moe
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        value, want = getattr(moe, name).get_value(), getattr(flat.model.layers.moe, name).get_value()
+        assert type(value).__name__ == leaf and tuple(value.shape) == tuple(want.shape)
+        assert value.nbytes < want.nbytes / 3
+        np.testing.assert_array_equal(np.asarray(value.__jmem_array__()), np.asarray(want))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(_logits(packed.model, ids), _logits(flat.model, ids), rtol=1e-5, atol=1e-5)
+    assert packed.generate(["hi"], max_new_tokens=6) == flat.generate(["hi"], max_new_tokens=6)

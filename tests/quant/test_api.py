@@ -253,8 +253,67 @@ def test_quantized_leaves_keep_the_model_dtype(data, method):
     assert w["attn_norm"].dtype == jnp.bfloat16
 
 
-def test_mixture_of_experts_models_are_refused_in_one_line():
-    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"^the model's MLP is a mixture of 4 experts, whose expert weights "
-                                         r"quantize\(\) does not handle; accepted: a dense model \(moe_experts=0\)$"):
-        quantize(moe, "rtn", bits=4)
+MOE = LlamaConfig.tiny_moe(moe_dropless=True)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return Llama(MOE, rngs=nnx.Rngs(0))
+
+
+def _decoded(model, qmodel):
+    """`model` with every weight `qmodel` quantized replaced by its decoded float value."""
+    from jmem.quant.api import quant_targets
+
+    ref = nnx.clone(model)
+    for name, var in quant_targets(ref).items():
+        var.set_value(quant_targets(qmodel)[name].get_value().__jmem_array__().astype(var.get_value().dtype))
+    return ref
+
+
+@pytest.mark.parametrize("method, leaf", [("rtn", IntTensor), ("int8", IntTensor), ("nf4", NF4Tensor),
+                                          ("fp8", FP8Tensor), ("Q8_0", None)])
+def test_mixture_of_experts_models_quantize_their_experts(moe, data, method, leaf):
+    """Attention linears and experts quantized ([layers, experts, in, out]; the router float): the model computes
+    what the float model holding the decoded weights computes, in a fraction of the bytes."""
+    from jmem.quant.ggml_weight import GGMLWeight, quantize_gguf_blocks
+
+    _, ids = data
+    if leaf is None:
+        q, types = quantize_gguf_blocks(moe, method)
+        leaf = GGMLWeight
+        assert set(types) == {"wq", "wk", "wv", "wo", "moe.expert_gate", "moe.expert_up", "moe.expert_down"}
+    else:
+        q = quantize(moe, method, **({"group_size": 32} if method == "rtn" else {}))
+    experts = q.layers.moe
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        value = getattr(experts, name).get_value()
+        assert isinstance(value, leaf) and value.shape == getattr(moe.layers.moe, name).get_value().shape
+    assert isinstance(experts.router.kernel.get_value(), jnp.ndarray)
+    assert weight_bytes(q) / weight_bytes(moe) < 0.3
+    np.testing.assert_allclose(_logits(q, ids), _logits(_decoded(moe, q), ids), rtol=1e-5, atol=1e-5)
+    # 8-bit grids stay close to the float model; the bound on 4-bit ones only rules out garbage (a flipped
+    # expert choice moves a token's output far).
+    assert _rel(_logits(q, ids), _logits(moe, ids)) < (1e-2 if method in ("int8", "Q8_0") else 0.5)
+    if method == "rtn":
+        assert group_sizes(q, ["moe.expert_down"]) == {"moe.expert_down": 32}
+
+
+def test_quantized_experts_are_decoded_one_layer_at_a_time():
+    """The compiled forward's temporaries hold about one layer's float experts, not all layers' (8 here)."""
+    from jmem.memory import measure
+
+    cfg = LlamaConfig.tiny_moe(n_layers=8, moe_experts=8, ffn_dim=256, moe_dropless=True)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(quantize(model, "int8"))
+    report = measure(lambda st, ids: nnx.merge(graph, st)(ids)[0], state, jnp.zeros((1, 8), jnp.int32))
+    one_layer = sum(getattr(model.layers.moe, n).get_value()[0].nbytes for n in ("expert_gate", "expert_up",
+                                                                                 "expert_down"))
+    assert one_layer <= report.temp_bytes < 2 * one_layer, (report.temp_bytes, one_layer)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_refuse_mixture_of_experts_models_in_one_line(moe, data, method):
+    with pytest.raises(ValueError, match=rf"^method '{method}' calibrates dense layers; this model's MLP is a "
+                                         r"mixture of 4 experts; accepted for it: rtn, int8, nf4, fp8$"):
+        quantize(moe, method, calibration=data[0])

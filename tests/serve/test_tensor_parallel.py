@@ -199,11 +199,15 @@ def test_quantized_weights_split_and_match_tp1(wide_model, fmt):
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
 
 
-def test_mixture_of_experts_splits_inside_each_expert():
-    """Every expert's gate/up columns and down rows split over the devices (the router whole): tp=1's
-    tokens, two all-reduces per layer (attention out, the MoE block's output), no weight gathered."""
+@pytest.mark.parametrize("fmt", [None, "Q8_0"])
+def test_mixture_of_experts_splits_inside_each_expert(fmt):
+    """Every expert's gate/up columns and down rows split over the devices (the router whole), float or
+    packed in GGML blocks: tp=1's tokens, two all-reduces per layer (attention out, the MoE block's
+    output), no weight gathered."""
     moe_config = LlamaConfig.tiny_moe(vocab_size=260)
     moe = Llama(moe_config, rngs=nnx.Rngs(2))
+    if fmt:
+        moe = _quantized(moe, fmt)
     out = {}
     for tp in (1, 2):
         engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL))
@@ -213,6 +217,8 @@ def test_mixture_of_experts_splits_inside_each_expert():
     for name, shard in (("expert_gate", (L, X, E, F // 2)), ("expert_down", (L, X, F // 2, E)),
                         ("router", (L, E, X))):
         leaf = experts[name][...] if name != "router" else experts[name]["kernel"][...]
+        if fmt and name != "router":  # raw blocks [L, X, out, bytes]: Q8_0 holds 34 bytes per 32 weights
+            leaf, shard = leaf.raw, (*shard[:2], shard[3], shard[2] // 32 * 34)
         assert {s.data.shape for s in leaf.addressable_shards} == {shard}, name
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
 
