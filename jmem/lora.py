@@ -68,6 +68,8 @@ class LoRA:
         if not is_int(rank) or rank <= 0:
             raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
         alpha, dropout, dtype = check_settings(alpha, dropout, rslora, dtype)
+        if len(base.shape) < 2:
+            raise ValueError(f"LoRA base of shape {tuple(base.shape)}; accepted: a weight [..., in, out]")
         *lead, n_in, n_out = base.shape
         if rank > min(n_in, n_out):
             raise ValueError(f"LoRA rank={rank} exceeds the {n_in} x {n_out} weight's smaller side; accepted: "

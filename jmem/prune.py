@@ -135,9 +135,20 @@ def pruned_count(sparsity: float, n_in: int) -> int:
     return math.floor(round(sparsity * n_in, 9))
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
-    """bool[..., in, out]: False for the `floor(sparsity * in)` lowest scores of each output column."""
+    """bool[..., in, out]: False for the `floor(sparsity * in)` lowest scores of each output column.
+
+    Raises:
+      ValueError: scores with fewer than 2 axes, or a sparsity outside [0, 1) (as `prune` says it).
+    """
+    if len(np.shape(scores_IO)) < 2:
+        raise ValueError(f"scores of shape {tuple(np.shape(scores_IO))}; accepted: [..., in, out]")
+    check_spec("magnitude", sparsity, None)
+    return _unstructured_mask(scores_IO, float(sparsity))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
     k = pruned_count(sparsity, scores_IO.shape[-2])
     if k == 0:
         return jnp.ones(scores_IO.shape, bool)

@@ -324,3 +324,8 @@ def test_dropout_only_in_train_steps_never_at_inference():
     np.testing.assert_array_equal(lm.logits(ids), want)
     assert generate_ids(model, [list(ids[0])], 6) == want_ids
     np.testing.assert_array_equal(merge(model).layers.wq.kernel.get_value(), merged.layers.wq.kernel.get_value())
+
+
+def test_an_adapter_needs_a_weight_matrix():
+    with pytest.raises(ValueError, match=r"LoRA base of shape \(8,\); accepted: a weight \[..., in, out\]"):
+        LoRA.init(jnp.ones(8), 2, 4.0, jax.random.key(0))

@@ -323,3 +323,14 @@ def test_smollm2_2_4_bytes_and_finite_loss():
     assert weight_bytes(pruned) / weight_bytes(lm.model) == pytest.approx(0.5 + 0.5 * 2 / 32, abs=1e-9)
     ids = jnp.asarray(lm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")[:16], jnp.int32)[None]
     assert np.all(np.isfinite(_logits(pruned, ids)))
+
+
+@pytest.mark.parametrize("scores, sparsity, message", [
+    (np.ones((8, 4)), 1.5, r"sparsity=1.5; accepted: a fraction of zeros in \[0, 1\)"),
+    (np.ones((8, 4)), -0.5, r"sparsity=-0.5; accepted"),
+    (np.ones((8, 4)), 1.0, r"sparsity=1.0; accepted"),  # was an all-False mask
+    (np.arange(8.0), 0.5, r"scores of shape \(8,\); accepted: \[..., in, out\]"),
+])
+def test_unstructured_mask_refuses_what_prune_refuses(scores, sparsity, message):
+    with pytest.raises(ValueError, match=message):
+        unstructured_mask(jnp.asarray(scores), sparsity)

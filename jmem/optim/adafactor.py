@@ -157,7 +157,7 @@ def _decay_rate(step, exponent):
 
 def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_dim_size_to_factor: int = 128,
                           decay_rate: float = 0.8, decay_offset: int = 0, eps: float = 1e-30,
-                          state_dtype=jnp.float32) -> optax.GradientTransformation:
+                          state_dtype="float32") -> optax.GradientTransformation:
     """Divides updates by a (factored) estimate of the gradient RMS.
 
     For a factored leaf with row axis r and column axis c (per batch block):
@@ -274,8 +274,8 @@ def relative_step_size(max_lr: float = 1e-2) -> optax.Schedule:
 def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_rule: "str | FactorRule" = "stacked",
               min_dim_size_to_factor: int = 128, decay_rate: float = 0.8, decay_offset: int = 0,
               multiply_by_parameter_scale: bool = True, clipping_threshold: Optional[float] = 1.0,
-              momentum: Optional[float] = None, momentum_dtype=jnp.bfloat16, weight_decay_rate: Optional[float] = None,
-              weight_decay_mask=None, eps: float = 1e-30, state_dtype=jnp.float32) -> optax.GradientTransformation:
+              momentum: Optional[float] = None, momentum_dtype="bfloat16", weight_decay_rate: Optional[float] = None,
+              weight_decay_mask=None, eps: float = 1e-30, state_dtype="float32") -> optax.GradientTransformation:
     """Adafactor: factored second moments, update clipping, relative step size.
 
     The chain is `scale_by_factored_rms -> clip_by_block_rms -> learning rate

@@ -199,7 +199,7 @@ def _basis_shape(shape, plan: Plan) -> tuple:
 def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
                     exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None,
-                    basis_dtype=jnp.float32, moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
+                    basis_dtype="float32", moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
                     svd_batch_size: int | None = None) -> optax.GradientTransformation:
     """Adam's scaling with GaLore projection of matrix leaves (no learning rate, no sign flip).
 
@@ -308,7 +308,7 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
 def galore(learning_rate: "float | optax.Schedule", rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
            b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4, *, mask=None,
            eps_root: float = 0.0, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, rule: ProjectRule | None = None,
-           basis_dtype=jnp.float32, moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
+           basis_dtype="float32", moments: str = "f32", block_size: int = 256, min_8bit_size: int = 4096,
            svd_batch_size: int | None = None) -> optax.GradientTransformation:
     """GaLore-AdamW: AdamW whose matrix leaves keep rank-`rank` projected moments.
 

@@ -326,6 +326,10 @@ def check_weight_shape(w, what: str = "quantize") -> None:
     if len(shape) < 2 or 0 in shape:
         raise ValueError(f"{what}: weight shape {shape} is not a weight matrix; accepted: an array with at least "
                          "2 axes [..., in, out] and no empty axis")
+    dtype = getattr(w, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{what}: weight dtype {dtype}; accepted: a float array (f32, bf16, f16), whose "
+                         "dequantized values are floats too")
 
 
 def group_size_choices(n_in: int, bits: int, near=None) -> list[int]:

@@ -112,10 +112,11 @@ def test_numpy_and_jax_scalars_pass_and_inject_hyperparams_tracers_are_skipped()
     txs = [
         optax.inject_hyperparams(adam8bit, static_args=("block_size", "min_8bit_size"))(
             1e-3, b1=0.8, block_size=32, min_8bit_size=64),
-        optax.inject_hyperparams(galore, static_args=("rank", "update_proj_gap", "block_size", "min_8bit_size",
-                                                      "basis_dtype"))(optax.linear_schedule(1e-3, 0.0, 10), rank=2),
-        optax.inject_hyperparams(adafactor, static_args=("min_dim_size_to_factor", "decay_offset", "state_dtype",
-                                                         "momentum_dtype"))(1e-3, momentum=0.9),
+        # The dtype defaults are names, not callables that inject_hyperparams would take for schedules.
+        optax.inject_hyperparams(galore, static_args=("rank", "update_proj_gap", "block_size", "min_8bit_size"))(
+            optax.linear_schedule(1e-3, 0.0, 10), rank=2),
+        optax.inject_hyperparams(adafactor, static_args=("min_dim_size_to_factor", "decay_offset"))(
+            1e-3, momentum=0.9),
     ]
     for tx in txs:
         state = tx.init(params)  # hyperparameters are concrete 0-d arrays here
@@ -124,10 +125,9 @@ def test_numpy_and_jax_scalars_pass_and_inject_hyperparams_tracers_are_skipped()
 
 
 @pytest.mark.parametrize("make,name", [
-    (lambda: optax.inject_hyperparams(galore, static_args=("basis_dtype",))(1e-3, rank=2), "galore rank"),
+    (lambda: optax.inject_hyperparams(galore)(1e-3, rank=2), "galore rank"),
     (lambda: optax.inject_hyperparams(adam8bit)(1e-3), "adam8bit block_size"),
-    (lambda: optax.inject_hyperparams(adafactor, static_args=("state_dtype", "momentum_dtype"))(1e-3),
-     "adafactor min_dim_size_to_factor"),
+    (lambda: optax.inject_hyperparams(adafactor)(1e-3), "adafactor min_dim_size_to_factor"),
 ])
 def test_a_traced_hyperparameter_that_sets_shapes_names_static_args(make, name):
     """Under optax.inject_hyperparams a rank or block size is traced inside a jitted update: one

@@ -134,7 +134,7 @@ def test_names_take_one_string_and_refuse_unknown(model):
     wq_bytes = model.layers.wq.kernel.get_value().nbytes
     assert weight_bytes(model, names="wq") == weight_bytes(model, names=("wq",)) == wq_bytes
     assert group_sizes(model, "wq") == {"wq": None}
-    msg = "unknown linear name(s) 'bogus'; accepted: wq, wk, wv, wo, w_gate, w_up, w_down"
+    msg = "unknown weight name(s) 'bogus'; accepted: wq, wk, wv, wo, w_gate, w_up, w_down"
     with pytest.raises(ValueError, match=re.escape(msg)):
         group_sizes(model, names=("bogus",))
     with pytest.raises(ValueError, match=re.escape(msg)):
@@ -186,3 +186,10 @@ def test_pack_bits_checks_bits_and_codes():
         pack_bits(codes - 1, 4)
     with pytest.raises(ValueError, match=r"codes of shape \(6, 2\) cannot be packed at 4 bits"):
         pack_bits(codes[:6], 4)
+
+
+@pytest.mark.parametrize("make", [lambda w: rtn_quantize(w, 4, 32), nf4_quantize, int8_quantize, fp8_quantize])
+def test_integer_weights_are_refused(make):
+    """An int32 weight was stored as int32, and its dequantized values were rounded integers (35 came back 34)."""
+    with pytest.raises(ValueError, match=r"weight dtype int32; accepted: a float array \(f32, bf16, f16\)"):
+        make(jnp.arange(-128, 128, dtype=jnp.int32).reshape(64, 4) // 3)
