@@ -93,9 +93,13 @@ class MixedGGMLWeight(PackedRows):
         return [self.qtypes[int(k)].name for k in np.asarray(self.kind).reshape(-1)]
 
     def layer(self, i: int) -> GGMLWeight:
-        """Layer i as a plain `GGMLWeight` (its own type, unpadded)."""
-        qt = self.qtypes[int(np.asarray(self.kind)[i])]
-        return GGMLWeight(np.asarray(self.raw[i])[:, : _row_bytes(qt, self.in_features)], qt)
+        """Layer i as a plain `GGMLWeight` (its own type, unpadded; all of a layer's experts share it)."""
+        kinds = np.unique(np.asarray(self.kind)[i])
+        if len(kinds) != 1:
+            raise ValueError(f"layer {i} mixes block types {'/'.join(self.qtypes[k].name for k in kinds)} across "
+                             "its experts; accepted: one block type per layer")
+        qt = self.qtypes[int(kinds[0])]
+        return GGMLWeight(np.asarray(self.raw[i])[..., : _row_bytes(qt, self.in_features)], qt)
 
     def __getitem__(self, index) -> "MixedGGMLWeight":
         """`w[...]` is `w` (as `nnx.Param` reads values); `w[i]` picks layer i."""

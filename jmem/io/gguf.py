@@ -405,12 +405,12 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
         packed_here = packed and not ours.endswith("norm")
         if packed_here and len(qtypes) == 1 and resolve_qtype(tensors[0].qtype) not in FLOAT_TYPES:
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]  # rows are whole blocks
-            weights[_weight_path(ours)] = GGMLWeight(np.stack(raw), tensors[0].qtype)
+            weights[block_weight_path(ours)] = GGMLWeight(np.stack(raw), tensors[0].qtype)
             continue
         if packed_here and len(qtypes) > 1 and all(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
             # llama.cpp's *_K_M files mix block types across layers (Q6_K / Q4_K in attn_v, ffn_down)
             raw = [unpermute_rotary(t.data, heads) if heads else t.data for t in tensors]
-            weights[_weight_path(ours)] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
+            weights[block_weight_path(ours)] = MixedGGMLWeight.from_layers(raw, [t.qtype for t in tensors],
                                                                       in_features=tensors[0].shape[-1])
             continue
         if packed_here and len(qtypes) > 1 and any(resolve_qtype(q) not in FLOAT_TYPES for q in qtypes):
@@ -419,8 +419,8 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
             f32_bytes = 4 * sum(int(np.prod(t.shape)) for t in tensors)
             per_layer = ",".join(t.qtype for t in tensors)
             log.warning("packed=True: %s (%s) mixes float and block types across layers (%s); held as float32: "
-                        "%s bytes instead of %s packed (+%s)", _weight_path(ours), theirs, per_layer, f"{f32_bytes:,}",
-                        f"{packed_bytes:,}", f"{f32_bytes - packed_bytes:,}")
+                        "%s bytes instead of %s packed (+%s)", block_weight_path(ours), theirs, per_layer,
+                        f"{f32_bytes:,}", f"{packed_bytes:,}", f"{f32_bytes - packed_bytes:,}")
         if len({(t.qtype, t.shape) for t in tensors}) == 1:  # one dequantize call for the whole stack
             stacked = dequantize_tensor(GGUFTensor(f"blk.*.{theirs}.weight", tensors[0].qtype,
                                                    (len(tensors), *tensors[0].shape),
@@ -431,11 +431,11 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
             stacked = np.stack([unpermute_rotary(w, heads) for w in stacked])
         if stacked.ndim >= 3:
             stacked = np.swapaxes(stacked, -1, -2)  # [L, (experts,) out, in] -> [L, (experts,) in, out]
-        weights[_weight_path(ours)] = np.ascontiguousarray(stacked)
+        weights[block_weight_path(ours)] = np.ascontiguousarray(stacked)
     return weights
 
 
-def _weight_path(ours: str) -> str:
+def block_weight_path(ours: str) -> str:
     """The state path of block weight `ours` (a name of `block_tensors`)."""
     if ours.startswith("moe."):
         return f"layers.{ours}"

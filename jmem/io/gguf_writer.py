@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jmem.io.ggml_mixed import MixedGGMLWeight
-from jmem.io.gguf import BLOCK_TENSORS, permute_rotary, tensor_shape
+from jmem.io.gguf import block_tensors, block_weight_path, permute_rotary, tensor_shape
 from jmem.io.paths import undo_on_failure
 from jmem.models.config import LlamaConfig
 from jmem.quant import ggml
@@ -202,16 +202,19 @@ def _resolve_target(spec: QTypeSpec, name: str, shape_OI: tuple[int, ...]):
 
 
 class _Matrix:
-    """One weight matrix to write, stored [out, in] in the file.
+    """One weight matrix to write, stored [out, in] in the file (a mixture-of-experts tensor: one
+    matrix per expert, [experts, out, in]).
 
     `leaf` is the model's leaf (float array, `GGMLWeight`, or another leaf with a
     `dequantize()` method), `layer` its index on the stacked axis (None when not
     stacked); `kernel` says jmem stores it [in, out] (every linear kernel; the
-    embedding is [vocab, dim] in both).
+    embedding is [vocab, dim] in both); `fixed` a type it is always stored in (the
+    MoE router's F32, as llama.cpp keeps it).
     """
 
-    def __init__(self, leaf, layer, rotary_heads, *, kernel=True, cache=None):
+    def __init__(self, leaf, layer, rotary_heads, *, kernel=True, cache=None, fixed=None):
         self.leaf, self.layer, self.rotary_heads, self.kernel = leaf, layer, rotary_heads, kernel
+        self.fixed = fixed
         self.packed = leaf if isinstance(leaf, GGMLWeight) else None
         self._packed_layer = layer
         if isinstance(leaf, MixedGGMLWeight) and layer is not None:  # this layer's own block type
@@ -221,18 +224,23 @@ class _Matrix:
     def _packed_raw(self):
         return self.packed.raw if self._packed_layer is None else self.packed.raw[self._packed_layer]
 
-    def shape_OI(self) -> tuple[int, ...]:
+    def tensor_shape(self) -> tuple[int, ...]:
+        """The tensor's numpy shape in the file: [out, in], or [experts, out, in]."""
         if self.packed is not None:
-            return (self.packed.out_features, self.packed.in_features)
+            return (*self._packed_raw().shape[:-2], self.packed.out_features, self.packed.in_features)
         shape = tuple(np.shape(self.leaf) if hasattr(self.leaf, "shape") else self.leaf.dequantize().shape)
         shape = shape[1:] if self.layer is not None else shape
-        return shape[::-1] if self.kernel else shape
+        return (*shape[:-2], shape[-1], shape[-2]) if self.kernel else shape
+
+    def shape_OI(self) -> tuple[int, ...]:
+        """[out, in] of one matrix (one expert's, in an experts tensor)."""
+        return self.tensor_shape()[-2:]
 
     def _float(self) -> np.ndarray:
         """The float weight in jmem's layout, this layer only."""
         if self.packed is not None:
             w_OI = np.asarray(ggml.dequantize(self._packed_raw(), self.packed.qtype))
-            return w_OI.T if self.kernel else w_OI
+            return np.swapaxes(w_OI, -1, -2) if self.kernel else w_OI
         leaf = self.leaf
         if hasattr(leaf, "dequantize") and not isinstance(leaf, np.ndarray):
             # Another quantized leaf: decode the whole stack once, shared across layers.
@@ -257,7 +265,7 @@ class _Matrix:
                 raw = permute_rotary(raw, self.rotary_heads)
             return np.ascontiguousarray(raw), target
         w = self._float()
-        w_OI = np.ascontiguousarray(w.T if self.kernel else w)
+        w_OI = np.ascontiguousarray(np.swapaxes(w, -1, -2) if self.kernel else w)
         if self.rotary_heads is not None:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
         if target not in ("F32", "F16"):
@@ -274,16 +282,17 @@ def _tensors(config: LlamaConfig, params) -> list[tuple[str, Any]]:
     cache: dict = {}
     out: list[tuple[str, Any]] = [
         ("token_embd.weight", _Matrix(_lookup(params, "embed.embedding"), None, None, kernel=False, cache=cache))]
-    leaves = {ours: _lookup(params, f"layers.{ours}.{'scale' if ours.endswith('norm') else 'kernel'}")
-              for ours in BLOCK_TENSORS}
+    blocks = block_tensors(config)
+    leaves = {ours: _lookup(params, block_weight_path(ours)) for ours in blocks}
     heads = {"wq": config.n_heads, "wk": config.n_kv_heads}
     for i in range(config.n_layers):
-        for ours, theirs in BLOCK_TENSORS.items():
+        for ours, theirs in blocks.items():
             name = f"blk.{i}.{theirs}.weight"
             if ours.endswith("norm"):
                 out.append((name, np.asarray(leaves[ours][i], dtype=np.float32)))
             else:
-                out.append((name, _Matrix(leaves[ours], i, heads.get(ours), cache=cache)))
+                fixed = "F32" if theirs == "ffn_gate_inp" else None
+                out.append((name, _Matrix(leaves[ours], i, heads.get(ours), cache=cache, fixed=fixed)))
     out.append(("output_norm.weight", np.asarray(_lookup(params, "norm.scale"), dtype=np.float32)))
     if not config.tie_embeddings:
         out.append(("output.weight", _Matrix(_lookup(params, "head.kernel"), None, None, cache=cache)))
@@ -324,14 +333,17 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         config: the model's `LlamaConfig` (hyper-parameters written as `llama.*`).
         params: the weights: a `Llama` module, its `nnx.State`, or a dict by state path
             (`embed.embedding` [vocab, dim], `layers.wq.kernel` [L, in, out], ...). Kernels
-            may be float arrays or `GGMLWeight`s.
+            may be float arrays or `GGMLWeight`s. A mixture-of-experts config writes Mixtral's
+            layout (`expert_count`, `expert_used_count`, `ffn_gate_inp` in F32 as llama.cpp keeps
+            it, `ffn_{gate,up,down}_exps` with one matrix per expert).
         tokenizer_metadata: fields to copy (for example `GGUFFile.tokenizer_metadata()` of
             the source file, or `byte_tokenizer_metadata()`); only `tokenizer.*` keys are written.
         qtype_by_tensor: GGML type per matrix: one type name for every matrix; a mapping from
             llama.cpp tensor names or fnmatch patterns (`"blk.*.ffn_down.weight"`) to type
             names, first match wins; or `f(name, shape_out_in) -> type | None`. Matrices
             without a type keep their form (packed weights as they are, float arrays as
-            F32/F16/BF16 by dtype). Norm weights are always F32.
+            F32/F16/BF16 by dtype); a callable gets one expert's [out, in] for an experts tensor.
+            Norm weights and the MoE router are always F32.
         general_metadata: the source's fields to keep, e.g. `GGUFFile.metadata`: its `general.*`
             keys (name, license, organization, ...) are written as llama.cpp's quantize keeps them,
             except those that describe the written file (`general.architecture`, `file_type`,
@@ -361,9 +373,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     """
     import gguf
 
-    if config.moe_experts:
-        raise ValueError(f"write_gguf writes dense llama models; this config has moe_experts={config.moe_experts} "
-                         "(accepted: 0)")
+    if config.moe_experts and config.moe_top_k == 1:
+        raise ValueError("write_gguf: moe_top_k=1: llama.cpp weighs the one chosen expert by 1, jmem's top-1 gate by "
+                         "its router probability, so the file would compute another model; accepted: moe_top_k >= 2")
     tok = {k: v for k, v in tokenizer_metadata.items() if k.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in tok:
         raise ValueError("tokenizer_metadata has no tokenizer.ggml.tokens; pass the source file's "
@@ -389,18 +401,19 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             check_finite(t, tname)
             plan.append((tname, t, "F32"))
             continue
-        shape = t.shape_OI()
-        expected = tensor_shape(config, tname.split(".")[-2])
+        shape, expected = t.tensor_shape(), tensor_shape(config, tname.split(".")[-2])
         if shape != expected:
-            raise ValueError(f"{tname}: weight has shape [out, in]={list(shape)}, config expects {list(expected)}")
-        target = _resolve_target(qtype_by_tensor, tname, shape) or t.native_type()
+            where = "[experts, out, in]" if len(shape) == 3 else "[out, in]"
+            raise ValueError(f"{tname}: weight has shape {where}={list(shape)}, config expects {list(expected)}")
+        shape = t.shape_OI()
+        target = t.fixed or _resolve_target(qtype_by_tensor, tname, shape) or t.native_type()
         fmt = ggml.block_format(target)
         if shape[1] % fmt.block_size:
             raise ValueError(f"{tname}: row length {shape[1]} is not a multiple of the {target} block size "
                              f"{fmt.block_size}; choose another type for this tensor")
         plan.append((tname, t, target))
     if isinstance(qtype_by_tensor, Mapping):  # a typo in a pattern would leave its matrices in their own type
-        names = [tname for tname, t, _ in plan if isinstance(t, _Matrix)]
+        names = [tname for tname, t, _ in plan if isinstance(t, _Matrix) and not t.fixed]
         unmatched = [p for p in qtype_by_tensor if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
         if unmatched:
             raise ValueError(f"qtype_by_tensor patterns {unmatched} match no matrix; accepted: patterns of the "
@@ -424,6 +437,9 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             w.add_embedding_length(config.dim)
             w.add_block_count(config.n_layers)
             w.add_feed_forward_length(config.ffn_dim)
+            if config.moe_experts:
+                w.add_expert_count(config.moe_experts)
+                w.add_expert_used_count(config.moe_top_k)
             w.add_head_count(config.n_heads)
             w.add_head_count_kv(config.n_kv_heads)
             w.add_key_length(config.head_dim)

@@ -263,10 +263,6 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.quant.saved import save_quantized
 
     lm = jmem.load(args.model)
-    if kind == "gguf" and lm.config.moe_experts:  # before any quantization work
-        raise ValueError(f"--out {args.out!r}: a GGUF file is written for dense models; this model's MLP is a "
-                         f"mixture of {lm.config.moe_experts} experts; accepted: a directory --out (methods rtn, "
-                         "int8, nf4, fp8 or a GGML type such as q8_0)")
     weights = check_float_model(lm.model)
     if method in ("rtn", "gptq", "awq"):
         check_group_fits(weights, args.group_size, _bits(args, method))

@@ -168,3 +168,71 @@ def test_packed_experts_stay_in_their_blocks(model, tmp_path, expert_type, leaf,
     ids = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
     np.testing.assert_allclose(_logits(packed.model, ids), _logits(flat.model, ids), rtol=1e-5, atol=1e-5)
     assert packed.generate(["hi"], max_new_tokens=6) == flat.generate(["hi"], max_new_tokens=6)
+
+
+def _tensors_of(path):
+    """{name: (GGML type name, shape, raw bytes)} as the `gguf` package reads the file."""
+    import gguf
+
+    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+            for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_write_gguf_writes_mixtral_s_layout(model, tmp_path):
+    """write_gguf of an MoE model: the tensors and expert fields llama.cpp's converter writes (checked against
+    the independent writer above, byte for byte), loading back as the same model."""
+    from jmem.io.gguf_writer import write_gguf
+
+    ours, theirs = tmp_path / "ours.gguf", _write_mixtral(tmp_path / "theirs.gguf", model)
+    write_gguf(str(ours), CFG, model, tokenizer_metadata=byte_tokenizer_metadata())
+    assert _tensors_of(ours) == _tensors_of(theirs)
+    lm = jmem.load(str(ours))
+    assert (lm.config.moe_experts, lm.config.moe_top_k) == (4, 2)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(lm.model)),
+                 nnx.to_pure_dict(nnx.state(model)))
+
+
+def test_a_quantized_moe_file_round_trips_its_blocks(model, tmp_path):
+    """`jmem quantize --model FILE --method q8_0 --out X.gguf`: experts in Q8_0, the router kept in F32 (as
+    llama.cpp keeps it); loaded packed and written again, every block tensor is the same bytes (the
+    embedding and head load as float)."""
+    from jmem.cli import main
+    from jmem.io.gguf_writer import write_gguf
+
+    src = _write_mixtral(tmp_path / "src.gguf", model)
+    out = tmp_path / "q8.gguf"
+    main(["quantize", "--model", str(src), "--method", "q8_0", "--out", str(out)])
+    tensors = _tensors_of(out)
+    assert tensors["blk.0.ffn_gate_inp.weight"][0] == "F32" and tensors["blk.1.ffn_down_exps.weight"][0] == "Q8_0"
+    packed = jmem.load(str(out), packed=True)
+    assert type(packed.model.layers.moe.expert_down.get_value()).__name__ == "GGMLWeight"
+    again = tmp_path / "again.gguf"
+    write_gguf(str(again), packed.config, packed.model, tokenizer_metadata=byte_tokenizer_metadata())
+    blocks = lambda ts: {k: v for k, v in ts.items() if k.startswith("blk.")}  # noqa: E731
+    assert blocks(_tensors_of(again)) == blocks(tensors)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(_logits(packed.model, ids), _logits(jmem.load(str(out)).model, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_write_gguf_refuses_top_1_moe(tmp_path):
+    from jmem.io.gguf_writer import write_gguf
+
+    top1 = Llama(CFG.replace(moe_top_k=1), rngs=nnx.Rngs(3))
+    with pytest.raises(ValueError, match=r"moe_top_k=1: llama.cpp weighs the one chosen expert by 1"):
+        write_gguf(str(tmp_path / "top1.gguf"), top1.config, top1, tokenizer_metadata=byte_tokenizer_metadata())
+    assert not (tmp_path / "top1.gguf").exists()
+
+
+def test_experts_whose_block_types_differ_by_layer_are_written_as_they_were(model, tmp_path):
+    """A packed MixedGGMLWeight of experts (Q8_0 in layer 0, Q4_0 in layer 1) is written layer by layer in its
+    own types: the same bytes as the file it came from."""
+    from jmem.io.gguf_writer import write_gguf
+
+    src = _write_mixtral(tmp_path / "mixed.gguf", model, expert_type=["Q8_0", "Q4_0"])
+    packed = jmem.load(str(src), packed=True)
+    out = tmp_path / "again.gguf"
+    write_gguf(str(out), packed.config, packed.model, tokenizer_metadata=byte_tokenizer_metadata())
+    blocks = lambda ts: {k: v for k, v in ts.items() if k.startswith("blk.")}  # noqa: E731
+    assert blocks(_tensors_of(out)) == blocks(_tensors_of(src))
+    assert _tensors_of(out)["blk.1.ffn_up_exps.weight"][0] == "Q4_0"

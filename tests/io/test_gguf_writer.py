@@ -253,13 +253,6 @@ def test_docstring_k_quant_fallback_example(tmp_path):
     assert set(types.values()) >= {"Q5_0", "F32"} and "Q4_K" not in types.values()
 
 
-def test_moe_config_is_refused_before_writing(tmp_path):
-    cfg = LlamaConfig.tiny_moe(n_layers=1)
-    with pytest.raises(ValueError, match="write_gguf writes dense llama models; this config has moe_experts=4"):
-        write_gguf(tmp_path / "m.gguf", cfg, {}, tokenizer_metadata=byte_tokenizer_metadata())
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_general_metadata_is_kept(tiny, tmp_path):
     """The source's general.* fields are written as they were (llama.cpp's quantize keeps them); the fields that
     describe the written file are the writer's own; other prefixes are not copied from general_metadata."""
