@@ -143,6 +143,8 @@ def unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
     """
     if len(np.shape(scores_IO)) < 2:
         raise ValueError(f"scores of shape {tuple(np.shape(scores_IO))}; accepted: [..., in, out]")
+    if sparsity is None:  # prune's "default" means nothing here
+        raise ValueError("sparsity=None; accepted: a fraction of zeros in [0, 1)")
     check_spec("magnitude", sparsity, None)
     return _unstructured_mask(scores_IO, float(sparsity))
 

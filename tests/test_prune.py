@@ -329,6 +329,7 @@ def test_smollm2_2_4_bytes_and_finite_loss():
     (np.ones((8, 4)), 1.5, r"sparsity=1.5; accepted: a fraction of zeros in \[0, 1\)"),
     (np.ones((8, 4)), -0.5, r"sparsity=-0.5; accepted"),
     (np.ones((8, 4)), 1.0, r"sparsity=1.0; accepted"),  # was an all-False mask
+    (np.ones((8, 4)), None, r"sparsity=None; accepted: a fraction of zeros in \[0, 1\)"),
     (np.arange(8.0), 0.5, r"scores of shape \(8,\); accepted: \[..., in, out\]"),
 ])
 def test_unstructured_mask_refuses_what_prune_refuses(scores, sparsity, message):

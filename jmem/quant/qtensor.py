@@ -327,7 +327,9 @@ def check_weight_shape(w, what: str = "quantize") -> None:
         raise ValueError(f"{what}: weight shape {shape} is not a weight matrix; accepted: an array with at least "
                          "2 axes [..., in, out] and no empty axis")
     dtype = getattr(w, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is None:  # a nested list of numbers
+        dtype = np.asarray(w).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{what}: weight dtype {dtype}; accepted: a float array (f32, bf16, f16), whose "
                          "dequantized values are floats too")
 

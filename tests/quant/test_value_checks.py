@@ -193,3 +193,5 @@ def test_integer_weights_are_refused(make):
     """An int32 weight was stored as int32, and its dequantized values were rounded integers (35 came back 34)."""
     with pytest.raises(ValueError, match=r"weight dtype int32; accepted: a float array \(f32, bf16, f16\)"):
         make(jnp.arange(-128, 128, dtype=jnp.int32).reshape(64, 4) // 3)
+    float_rows = np.linspace(-1, 1, 256).reshape(64, 4).tolist()  # nested lists of floats stay accepted
+    assert make(float_rows).shape == (64, 4)
