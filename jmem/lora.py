@@ -35,9 +35,12 @@ from jax.sharding import PartitionSpec as P
 from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
+from jmem.models.moe import EXPERT_TARGETS, expert_array
 from jmem.sampling import seed_key
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Every name `apply_lora` takes: the linears, a mixture-of-experts block's experts, the output head.
+TARGETS = LINEAR_TARGETS + EXPERT_TARGETS + ("head",)
 ADAPTER_FIELDS = ("lora_a", "lora_b")
 BASE_SAMPLE = 256  # values of each adapted base weight an adapter file records (`check_base`)
 BASE_MIN_CORRELATION = 0.5  # a quantized copy of the base keeps > 0.9; an unrelated base gives ~0 +- 0.06
@@ -129,16 +132,29 @@ class LoRA:
         return LoRA(partition_specs(self.base, lead, rows, cols, row_pieces), P(*lead, rows, None),
                     P(*lead, None, cols), self.alpha, self.dropout, self.rslora, dropout_key=key)
 
+    def _dropped(self, x: jax.Array) -> jax.Array:
+        """The adapter's input: `x` with dropout while the adapter carries a key (one key per layer: an
+        expert adapter's keys, one per expert, give their first)."""
+        if not (self.dropout > 0.0 and self.dropout_key is not None):
+            return x
+        key = jax.random.wrap_key_data(jnp.reshape(self.dropout_key, (-1, 2))[0])
+        keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
+        return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         y = dot(x, self.base)
-        xa = x
-        if self.dropout > 0.0 and self.dropout_key is not None:
-            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.dropout_key), 1.0 - self.dropout, x.shape)
-            xa = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         a, b = self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)
-        h = jnp.matmul(xa, a, preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jnp.matmul(self._dropped(x), a, preferred_element_type=jnp.float32).astype(x.dtype)
         u = jnp.matmul(h, b, preferred_element_type=jnp.float32)
         return (y.astype(jnp.float32) + self.scale * u).astype(x.dtype)
+
+    def __jmem_expert_dot__(self, x: jax.Array, matmul) -> jax.Array:
+        """An adapted expert weight `[experts, in, out]` in `jmem.models.moe.moe_mlp`: `matmul(x, w)` multiplies
+        rows by their expert's matrix; the adapter adds `scale * (x A) B` through it, as two thin matmuls
+        (no merged `[experts, in, out]` weight, nor its gradient)."""
+        y = matmul(x, expert_array(self.base))
+        u = matmul(matmul(self._dropped(x), self.lora_a), self.lora_b)
+        return (y.astype(jnp.float32) + self.scale * u.astype(jnp.float32)).astype(x.dtype)
 
 
 jax.tree_util.register_pytree_with_keys_class(LoRA)
@@ -175,13 +191,17 @@ def _kernel_var(model, name: str):
         if not hasattr(model, "head"):
             raise ValueError("target 'head' needs untied embeddings (the model ties its output to the embedding)")
         return model.head.kernel
-    if name not in LINEAR_TARGETS:
-        raise ValueError(f"unknown LoRA target {name!r}; accepted: {', '.join(LINEAR_TARGETS + ('head',))}")
-    if not hasattr(model.layers, name):  # a mixture-of-experts MLP has no w_gate/w_up/w_down linear
-        present = [t for t in LINEAR_TARGETS if hasattr(model.layers, t)] + (["head"] if hasattr(model, "head") else [])
-        raise ValueError(f"LoRA target {name!r} is not a linear layer of this model (its MLP is a mixture of "
-                         f"experts); accepted: {', '.join(present)}")
-    return getattr(model.layers, name).kernel
+    if name not in TARGETS:
+        raise ValueError(f"unknown LoRA target {name!r}; accepted: {', '.join(TARGETS)}")
+    layers = model.layers
+    moe = getattr(layers, "moe", None)
+    if not (hasattr(layers, name) or (moe is not None and name in EXPERT_TARGETS)):
+        present = [t for t in LINEAR_TARGETS if hasattr(layers, t)] + (list(EXPERT_TARGETS) if moe else []) \
+            + (["head"] if hasattr(model, "head") else [])
+        kind = "a mixture of experts" if moe is not None else "dense"
+        raise ValueError(f"LoRA target {name!r} is not a weight of this model (its MLP is {kind}); accepted: "
+                         f"{', '.join(present)}")
+    return getattr(moe, name.removeprefix("moe.")) if name in EXPERT_TARGETS else getattr(layers, name).kernel
 
 
 def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), *, dropout: float = 0.0,
@@ -193,7 +213,9 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
       rank, alpha, dropout, rslora: adapter hyper-parameters (scale alpha/rank,
         or alpha/sqrt(rank) with rslora). Dropout acts only in train steps that call
         `with_dropout(state, step_key)` (or `set_dropout_key` per step); inference never drops.
-      targets: names among wq, wk, wv, wo, w_gate, w_up, w_down, head.
+      targets: names among wq, wk, wv, wo, w_gate, w_up, w_down, head; a mixture-of-experts
+        model has moe.expert_gate, moe.expert_up, moe.expert_down (`[layers, experts, in, out]`:
+        one adapter per expert) instead of w_gate, w_up, w_down.
       seed: initialises A; dtype: adapter dtype (e.g. jnp.bfloat16 for QLoRA).
       inplace: modify `model` instead of a copy.
 
@@ -204,7 +226,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     Example:
         >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
     """
-    targets = check_targets(targets, LINEAR_TARGETS + ("head",))
+    targets = check_targets(targets, TARGETS)
     for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
@@ -222,7 +244,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
 
 def _lora_vars(model) -> dict:
     found = {}
-    for name in LINEAR_TARGETS + ("head",):
+    for name in TARGETS:
         try:
             var = _kernel_var(model, name)
         except ValueError:

@@ -205,9 +205,12 @@ def test_dropout_and_bad_inputs():
     from jmem.models.config import PRESETS
 
     moe = Llama(PRESETS["tiny-moe"](), rngs=nnx.Rngs(0))  # not an AttributeError from inside the model
-    with pytest.raises(ValueError, match="LoRA target 'w_up' is not a linear layer of this model .*mixture of experts"
-                                         r"\); accepted: wq, wk, wv, wo"):
+    with pytest.raises(ValueError, match="LoRA target 'w_up' is not a weight of this model .*mixture of experts"
+                                         r"\); accepted: wq, wk, wv, wo, moe.expert_gate, moe.expert_up, "
+                                         "moe.expert_down"):
         apply_lora(moe, targets=("wq", "w_up"))
+    with pytest.raises(ValueError, match="LoRA target 'moe.expert_up' is not a weight of this model .*dense"):
+        apply_lora(model, targets=("moe.expert_up",))
     with pytest.raises(ValueError, match="rank=0"):
         apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=0)
     base = Llama(CFG, rngs=nnx.Rngs(0))
@@ -224,7 +227,7 @@ def test_dropout_and_bad_inputs():
         with pytest.raises(ValueError, match=rf"^LoRA seed={seed!r}; accepted: an integer in \[-2\*\*63, 2\*\*64\)$"):
             apply_lora(base, seed=seed)
     with pytest.raises(ValueError, match="^targets is empty; accepted: names among wq, wk, wv, wo, w_gate, w_up, "
-                                         "w_down, head$"):
+                                         "w_down, moe.expert_gate, moe.expert_up, moe.expert_down, head$"):
         apply_lora(base, targets=())
     with pytest.raises(ValueError, match=r"^target 'wq' is listed twice in targets=\('wq', 'wv', 'wq'\); "
                                          "accepted: distinct names among wq"):

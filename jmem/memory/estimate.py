@@ -55,6 +55,7 @@ import numpy as np
 
 from jmem.checks import check_bool, is_int
 from jmem.memory.measure import format_bytes, tree_bytes
+from jmem.models.moe import EXPERT_TARGETS
 
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -122,11 +123,27 @@ def _quantized_shapes(sds: jax.ShapeDtypeStruct, fmt: str, group_size: int | Non
     return jax.eval_shape(make, sds)
 
 
+def weight_names(config) -> tuple[str, ...]:
+    """The layers' weights `quantize_base` quantizes and LoRA may target: the linears, with a mixture of
+    experts' experts (`moe.expert_gate`, ...) in place of the MLP linears."""
+    if config.moe_experts:
+        return LINEAR_NAMES[:4] + EXPERT_TARGETS
+    return LINEAR_NAMES
+
+
+def _holder(layers: dict, name: str) -> tuple[dict, str]:
+    """(the dict holding weight `name` in a layers' shape tree, its key)."""
+    if name in EXPERT_TARGETS:
+        return layers["moe"], name.removeprefix("moe.")
+    return layers[name], "kernel"
+
+
 def _lora_shapes(shapes: dict, rank: int, targets, dtype) -> dict:
-    """Adapter `A[L, in, r]`, `B[L, r, out]` shapes of each target kernel."""
+    """Adapter `A[L, (experts,) in, r]`, `B[L, (experts,) r, out]` shapes of each target weight."""
     out = {}
     for name in targets:
-        *lead, n_in, n_out = shapes["layers"][name]["kernel"].shape
+        holder, key = _holder(shapes["layers"], name)
+        *lead, n_in, n_out = holder[key].shape
         out[name] = {"lora_a": jax.ShapeDtypeStruct((*lead, n_in, rank), dtype),
                      "lora_b": jax.ShapeDtypeStruct((*lead, rank, n_out), dtype)}
     return out
@@ -178,8 +195,9 @@ def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
 
 # A matmul input the backward pass keeps only for its weight's gradient, by the weights reading it:
 # with LoRA the frozen ones need none, so an input no adapted weight reads is not saved.
-_WEIGHT_ONLY_INPUTS = {"attn_norm": ("wq", "wk", "wv"), "attention": ("wo",), "mlp_norm": ("w_gate", "w_up"),
-                       "mlp_hidden": ("w_down",)}
+_WEIGHT_ONLY_INPUTS = {"attn_norm": ("wq", "wk", "wv"), "attention": ("wo",),
+                       "mlp_norm": ("w_gate", "w_up", "moe.expert_gate", "moe.expert_up"),
+                       "mlp_hidden": ("w_down", "moe.expert_down")}
 
 
 def _lora_saved_sizes(sizes: _Sizes, targets) -> _Sizes:
@@ -243,8 +261,9 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             full `f32[batch, seq, vocab]` logits.
         master_weights: an f32 master copy in the optimizer state
             (`jmem.memory.precision.with_master_weights`).
-        lora_rank: > 0: LoRA adapters on `lora_targets` (names among wq, wk,
-            wv, wo, w_gate, w_up, w_down) are the only trainable parameters.
+        lora_rank: > 0: LoRA adapters on `lora_targets` (names among `weight_names(config)`: wq,
+            wk, wv, wo, w_gate, w_up, w_down, or an MoE model's moe.expert_gate/up/down; the
+            default means all of them) are the only trainable parameters.
         quantize_base: the frozen base's format: nf4, int8, fp8 or rtn (4
             bits, `base_group_size` rows per scale; None: per channel); needs
             lora_rank > 0.
@@ -289,13 +308,15 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         raise ValueError(f"optimizer_kw={optimizer_kw!r}; accepted: a dict of the optimizer's keywords, or None")
     check_bool("master_weights", master_weights)
     lora_targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)  # one str: one name
-    bad = [t for t in lora_targets if t not in LINEAR_NAMES]
+    names = weight_names(config)
+    if lora_targets == LINEAR_NAMES and config.moe_experts:  # the default: every weight of the model
+        lora_targets = names
+    bad = [t for t in lora_targets if t not in names]
     if bad:
-        raise ValueError(f"lora_targets {bad}; accepted: {', '.join(LINEAR_NAMES)}")
+        raise ValueError(f"lora_targets {bad}; accepted: {', '.join(names)}")
     lora_targets = tuple(dict.fromkeys(lora_targets))  # a name given twice is one adapter
     if lora_rank and not lora_targets:
-        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
-                         f"{', '.join(LINEAR_NAMES)}")
+        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of {', '.join(names)}")
     if quantize_base is not None:
         if quantize_base not in BASE_FORMATS:
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
@@ -340,7 +361,9 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
 
     sizes = _sizes(config, seq, c, resolve_impl(attention, _dtype(compute_dtype or config.compute_dtype)))
     if lora_rank:
-        sizes = dataclasses.replace(sizes, lora_internal=len(lora_targets) * int(lora_rank) * c)
+        # x @ A per adapter and token; an expert adapter's for each of the token's top_k experts
+        rows = sum(config.moe_top_k if t in EXPERT_TARGETS else 1 for t in lora_targets)
+        sizes = dataclasses.replace(sizes, lora_internal=rows * int(lora_rank) * c)
     # The workspace (one layer's cotangents, or its recomputation) counts every value; what is
     # saved across layers leaves out the inputs only frozen weights read.
     saved = _lora_saved_sizes(sizes, lora_targets) if lora_rank else sizes
@@ -349,7 +372,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     workspace = sizes.full_layer * tokens
     if quantize_base is not None:
         # One layer's kernels dequantized to the compute dtype inside the scan.
-        workspace += sum(int(np.prod(shapes["layers"][n]["kernel"].shape[1:])) for n in LINEAR_NAMES) * c
+        workspace += sum(int(np.prod(h[k].shape[1:])) for h, k in (_holder(shapes["layers"], n)
+                                                                    for n in weight_names(config))) * c
     # Embedding output and final norm (input, f32 normalised, output) outside the scan.
     activations += tokens * config.dim * (3 * c + 4)
     logits = 2 * micro * min(seq, loss_chunk or seq) * config.vocab_size * 4
@@ -377,8 +401,9 @@ def _param_trees(config, param_dtype, lora_rank, lora_targets, quantize_base, ba
     base = shapes
     if quantize_base is not None:
         layers = {k: dict(v) for k, v in shapes["layers"].items()}
-        for name in LINEAR_NAMES:
-            layers[name]["kernel"] = _quantized_shapes(layers[name]["kernel"], quantize_base, base_group_size)
+        for name in weight_names(config):
+            holder, key = _holder(layers, name)
+            holder[key] = _quantized_shapes(holder[key], quantize_base, base_group_size)
         base = {**shapes, "layers": layers}
     return shapes, base, _lora_shapes(shapes, int(lora_rank), lora_targets, _dtype(lora_dtype))
 
@@ -388,8 +413,11 @@ def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targ
     """Bytes of the stacked layers' parameters as a training run holds them (what `--offload-params host`
     moves off the device): the base's layer weights, quantized with `quantize_base`, and the LoRA
     adapters (every one sits in a layer). Arguments as `estimate`'s."""
-    _, base, adapters = _param_trees(config, param_dtype, lora_rank, tuple(dict.fromkeys(lora_targets)),
-                                     quantize_base, base_group_size, lora_dtype)
+    targets = tuple(dict.fromkeys(lora_targets))
+    if targets == LINEAR_NAMES and config.moe_experts:  # the default: every weight of the model
+        targets = weight_names(config)
+    _, base, adapters = _param_trees(config, param_dtype, lora_rank, targets, quantize_base, base_group_size,
+                                     lora_dtype)
     return tree_bytes(base["layers"]) + (tree_bytes(adapters) if adapters is not None else 0)
 
 

@@ -47,6 +47,11 @@ from jmem.checks import check_int, is_int, is_number
 from jmem.models.config import normal_init
 from jmem.models.dot import dot
 
+# The stacked expert weights `[(layers,) experts, in, out]`, and their names inside a model's blocks
+# (`layers.moe.<name>`), as `jmem.quant.quantize`, `jmem.lora.apply_lora` and `--lora-targets` take them.
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_TARGETS = tuple(f"moe.{n}" for n in EXPERT_WEIGHTS)
+
 # Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
 MOE_LOGICAL_AXES: dict[str, tuple] = {
     "router.kernel": ("embed", None),
@@ -155,13 +160,23 @@ def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT=No
     return B, T, E
 
 
-def _array(w):
+def expert_array(w):
     """An expert weight as an array. A weight leaf that is not one (ZeRO-3's
     `jmem.parallel.GatheredWeight`, a quantized or GGUF-packed leaf) gives it through
     `__jmem_array__`, so it is gathered or decoded here, inside the layer scan, one layer
     at a time."""
     get = getattr(w, "__jmem_array__", None)
     return w if get is None else get()
+
+
+def _expert_matmul(x, w, matmul):
+    """`matmul(x, W)`, `matmul` multiplying rows by each expert's `[in, out]` (batched or grouped), for an
+    expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul)` (a LoRA adapter) computes its own
+    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight."""
+    own = getattr(w, "__jmem_expert_dot__", None)
+    if own is not None:
+        return own(x, matmul)
+    return matmul(x, expert_array(w))
 
 
 def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, capacity_factor: float = 1.25,
@@ -172,7 +187,8 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
         x_BTE: [batch, seq, embed] activations.
         router_EX: [embed, experts] router kernel (any `dot` weight leaf).
         gate_XEF, up_XEF: [experts, embed, ffn]; down_XFE: [experts, ffn, embed]: arrays, or
-            leaves with `__jmem_array__()` (e.g. `jmem.parallel.GatheredWeight`).
+            leaves with `__jmem_array__()` (`jmem.parallel.GatheredWeight`, quantized leaves) or
+            `__jmem_expert_dot__` (`jmem.lora.LoRA`).
         top_k: experts per token; capacity_factor: see `capacity`.
         normalize: renormalise the top-k gates of each token to sum to 1.
         expert_constraint: optional `f(x[experts, cap, ...]) -> x` applied to the expert
@@ -187,7 +203,6 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     """
     X = router_EX.shape[-1]
     check_moe(X, top_k, capacity_factor)
-    gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
     B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT)
     if dropless:
         return moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, top_k=top_k, normalize=normalize,
@@ -203,10 +218,13 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     # dispatch, whose size grows with the square of the tokens.
     in_XCE = fix(jnp.zeros((X * cap, E), dt).at[slot_NK.reshape(-1)].add(
         jnp.repeat(x_NE, top_k, axis=0), mode="drop").reshape(X, cap, E))
-    g_XCF = checkpoint_name(jnp.einsum("xce,xef->xcf", in_XCE, gate_XEF.astype(dt)), "mlp_gate")
-    u_XCF = checkpoint_name(jnp.einsum("xce,xef->xcf", in_XCE, up_XEF.astype(dt)), "mlp_up")
+    def matmul(a, w):  # [experts, cap, in] @ [experts, in, out]
+        return jnp.einsum("xci,xio->xco", a, w.astype(a.dtype))
+
+    g_XCF = checkpoint_name(_expert_matmul(in_XCE, gate_XEF, matmul), "mlp_gate")
+    u_XCF = checkpoint_name(_expert_matmul(in_XCE, up_XEF, matmul), "mlp_up")
     h_XCF = checkpoint_name(jax.nn.silu(g_XCF) * u_XCF, "mlp_hidden")
-    out_XCE = fix(jnp.einsum("xcf,xfe->xce", h_XCF, down_XFE.astype(dt)))
+    out_XCE = fix(_expert_matmul(h_XCF, down_XFE, matmul))
     out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
@@ -227,7 +245,6 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     """
     X = router_EX.shape[-1]
     check_moe(X, top_k, 1.0)
-    gate_XEF, up_XEF, down_XFE = _array(gate_XEF), _array(up_XEF), _array(down_XFE)
     B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT)
     x_NE = x_BTE.reshape(B * T, E)
     logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
@@ -236,10 +253,14 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     order_Q = jnp.argsort(expert_Q, stable=True)  # assignment ids grouped by expert
     sizes_X = jnp.bincount(expert_Q, length=X).astype(jnp.int32)
     in_QE = jnp.take(x_NE, order_Q // top_k, axis=0)
-    g_QF = checkpoint_name(jax.lax.ragged_dot(in_QE, gate_XEF.astype(x_NE.dtype), sizes_X), "mlp_gate")
-    u_QF = checkpoint_name(jax.lax.ragged_dot(in_QE, up_XEF.astype(x_NE.dtype), sizes_X), "mlp_up")
+
+    def matmul(a, w):  # each expert's rows of [assignments, in] @ its [in, out]
+        return jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_X)
+
+    g_QF = checkpoint_name(_expert_matmul(in_QE, gate_XEF, matmul), "mlp_gate")
+    u_QF = checkpoint_name(_expert_matmul(in_QE, up_XEF, matmul), "mlp_up")
     h_QF = checkpoint_name(jax.nn.silu(g_QF) * u_QF, "mlp_hidden")
-    out_QE = jax.lax.ragged_dot(h_QF, down_XFE.astype(x_NE.dtype), sizes_X)
+    out_QE = _expert_matmul(h_QF, down_XFE, matmul)
     out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
     valid_N = None if token_mask_BT is None else token_mask_BT.reshape(B * T) != 0

@@ -24,6 +24,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.models.dot import dot
+from jmem.models.moe import EXPERT_WEIGHTS
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
 
@@ -63,11 +64,6 @@ class GatheredWeight:
 
     def __jmem_dot__(self, x):
         return dot(x, self.__jmem_array__())
-
-
-EXPERT_WEIGHTS: tuple[str, ...] = ("expert_gate", "expert_up", "expert_down")
-"""Stacked MoE expert weights `[layers, exp, ...]`: `jmem.models.moe.moe_mlp` takes them as
-leaves and reads a leaf's `__jmem_array__` inside the layer scan."""
 
 
 def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *,

@@ -29,6 +29,7 @@ from jmem.calibrate import STAGES as GPTQ_STAGES
 from jmem.calibrate import stack_records
 from jmem.checks import check_bool, is_int
 from jmem.models.llama import Blocks
+from jmem.models.moe import EXPERT_TARGETS
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
@@ -43,10 +44,6 @@ DEFAULT_BITS = {"int8": 8, "nf4": 4, "fp8": 8}
 AWQ_NO_CLIP = ("wq", "wk")
 # Substituted group sizes are multiples of this (the Pallas kernel's unit).
 SUBSTITUTE_MULTIPLE = 32
-# A mixture-of-experts block's experts `[layers, experts, in, out]`, quantized in place of the dense MLP's
-# linears. The router stays float (llama.cpp keeps `ffn_gate_inp` in F32 too): it is small, and its logits
-# decide which experts every token gets.
-EXPERTS = ("moe.expert_gate", "moe.expert_up", "moe.expert_down")
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +99,13 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
 
 def quant_targets(model) -> dict:
     """The weight variables `quantize` replaces, by name: each linear's kernel (`wq` ... `w_down`), and on
-    a mixture-of-experts model its experts (`EXPERTS`) in place of the MLP linears."""
+    a mixture-of-experts model its experts (`EXPERT_TARGETS`) in place of the MLP linears. The router stays
+    float (llama.cpp keeps `ffn_gate_inp` in F32 too): it is small, and its logits decide which experts
+    every token gets."""
     layers = model.layers
     out = {n: getattr(layers, n).kernel for n in LINEARS if hasattr(layers, n)}
     if hasattr(layers, "moe"):
-        out.update({n: getattr(layers.moe, n.removeprefix("moe.")) for n in EXPERTS})
+        out.update({n: getattr(layers.moe, n.removeprefix("moe.")) for n in EXPERT_TARGETS})
     return out
 
 

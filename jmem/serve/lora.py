@@ -206,7 +206,8 @@ def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str
         for target, m in meta.items():
             if target not in LINEAR_TARGETS:
                 raise ValueError(f"adapter {os.fspath(path)!r} targets {target!r}; served adapters may target: "
-                                 f"{', '.join(LINEAR_TARGETS)}")
+                                 f"{', '.join(LINEAR_TARGETS)} (serve one on experts or the head merged into the "
+                                 "model: jmem.lora.merge)")
             if m["rank"] > max_lora_rank:
                 raise ValueError(f"adapter {name!r} has rank {m['rank']} on {target}, above --max-lora-rank="
                                  f"{max_lora_rank}; accepted: ranks up to --max-lora-rank")

@@ -294,7 +294,18 @@ def check_layerwise_fits(cfg: TrainConfig, mc: LlamaConfig) -> None:
 
 
 BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "moe.expert_gate", "moe.expert_up",
+                "moe.expert_down")
+
+
+def lora_targets(cfg: TrainConfig, mc: LlamaConfig) -> tuple[str, ...]:
+    """The weights that get adapters: --lora-targets, whose default means every weight of the model
+    (an MoE model's experts in place of the MLP linears)."""
+    from jmem.memory.estimate import weight_names
+
+    if cfg.lora_targets == TrainConfig().lora_targets:
+        return weight_names(mc)
+    return tuple(cfg.lora_targets.split(","))
 
 
 def _validate_lora(cfg: TrainConfig) -> None:
@@ -321,16 +332,15 @@ def _validate_lora(cfg: TrainConfig) -> None:
             shown = ",".join(bad) if bad and all(bad) else repr(cfg.lora_targets)
             raise ValueError(f"--lora-targets {shown}; accepted: distinct names among {', '.join(LORA_TARGETS)}, "
                              "comma-separated")
-        mlp = [t for t in names if t in ("w_gate", "w_up", "w_down")]
-        moe = cfg.model in PRESETS and preset_config(cfg).moe_experts
-        if mlp and moe:
-            raise ValueError(f"--lora-targets {','.join(mlp)} with --model {cfg.model}: its MLP is a mixture of experts, "
-                             "which takes no LoRA adapters; accepted: --lora-targets among wq, wk, wv, wo "
-                             "(e.g. --lora-targets wq,wk,wv,wo)")
-        if cfg.quantize_base and moe:
-            raise ValueError(f"--quantize-base {cfg.quantize_base} with --model {cfg.model}: its MLP is a mixture of "
-                             "experts, whose weights are not quantized; accepted: --quantize-base with a dense "
-                             "model, or LoRA on a float base (drop --quantize-base)")
+        mc = preset_config(cfg)  # a model file's targets are checked once it loads (jmem.lora.apply_lora)
+        if mc is not None:
+            from jmem.memory.estimate import weight_names
+
+            absent = [t for t in lora_targets(cfg, mc) if t not in weight_names(mc)]
+            if absent:
+                kind = "a mixture of experts" if mc.moe_experts else "dense"
+                raise ValueError(f"--lora-targets {','.join(absent)} with --model {cfg.model}: not a weight of this "
+                                 f"model (its MLP is {kind}); accepted: names among {', '.join(weight_names(mc))}")
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:

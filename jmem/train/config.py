@@ -139,7 +139,8 @@ class TrainConfig:
     lora_alpha: float = 16.0
     """LoRA scale numerator (alpha / rank)."""
     lora_targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"
-    """Comma-separated linears that get adapters."""
+    """Comma-separated weights that get adapters; an MoE model has moe.expert_gate, moe.expert_up,
+    moe.expert_down (one adapter per expert) instead of the MLP linears, and the default means them."""
     lora_dropout: float = 0.0
     """Dropout on each adapter's input in training steps, 0 <= p < 1 (never in evaluation or inference)."""
     quantize_base: str | None = None

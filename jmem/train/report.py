@@ -17,13 +17,15 @@ from jmem.train.setup import Run
 def estimate_bytes(run: Run) -> dict[str, int]:
     """Analytic bytes of one step (`jmem.memory.estimate`) beside the measurement."""
     from jmem.memory.estimate import estimate
+    from jmem.train.checks import lora_targets
+    from jmem.train.setup import BASE_GROUP_SIZE
 
     cfg, mc = run.cfg, run.model_config
     lora = {}
     if cfg.lora_rank:
-        # Adapters are f32 and `--quantize-base rtn` is 4-bit per channel (jmem.train.setup).
-        lora = dict(lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
-                    quantize_base=cfg.quantize_base, base_group_size=None, lora_dtype="f32")
+        # Adapters are f32 and `--quantize-base rtn` is 4-bit in groups of BASE_GROUP_SIZE rows (jmem.train.setup).
+        lora = dict(lora_rank=cfg.lora_rank, lora_targets=lora_targets(cfg, mc), quantize_base=cfg.quantize_base,
+                    base_group_size=BASE_GROUP_SIZE if cfg.quantize_base == "rtn" else None, lora_dtype="f32")
     kw = {"rank": cfg.galore_rank} if cfg.optimizer == "galore" else None
     est = estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
                    loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32),

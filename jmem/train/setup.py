@@ -44,8 +44,10 @@ def _with_adapters(cfg: TrainConfig, model):
     if cfg.lora_rank:
         from jmem.lora import apply_lora
 
+        from jmem.train.checks import lora_targets
+
         model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                           targets=tuple(cfg.lora_targets.split(",")), seed=cfg.seed)
+                           targets=lora_targets(cfg, model.config), seed=cfg.seed)
     return model
 
 

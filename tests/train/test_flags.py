@@ -95,11 +95,11 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--num-processes", "2"], "num_processes=2 needs coordinator and process_id as well"),
     (["--remat", "offload", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
       "--mesh", "stage=2,data=4"], "--remat offload with --pipeline-schedule 1f1b is not supported"),
-    (["--model", "tiny-moe", "--lora-rank", "4"], "--lora-targets w_gate,w_up,w_down with --model tiny-moe: its MLP "
-                                                  "is a mixture of experts, which takes no LoRA adapters; accepted: "
-                                                  "--lora-targets among wq, wk, wv, wo (e.g."),  # named head, refused
-    (["--model", "tiny-moe", "--lora-rank", "4", "--lora-targets", "wq,wv", "--quantize-base", "nf4"],
-     "--quantize-base nf4 with --model tiny-moe: its MLP is a mixture of experts, whose weights are not quantized"),
+    (["--model", "tiny-moe", "--lora-rank", "4", "--lora-targets", "wq,w_up"],
+     "--lora-targets w_up with --model tiny-moe: not a weight of this model (its MLP is a mixture of experts); "
+     "accepted: names among wq, wk, wv, wo, moe.expert_gate, moe.expert_up, moe.expert_down"),
+    (["--model", "tiny", "--lora-rank", "4", "--lora-targets", "wq,moe.expert_up"],
+     "--lora-targets moe.expert_up with --model tiny: not a weight of this model (its MLP is dense)"),
     (["--model", "tiny-moe", "--moe-dropless", "--moe-capacity-factor", "0.5"],
      "--moe-capacity-factor 0.5 with --moe-dropless does nothing (dropless routing has no capacity)"),
     (["--moe-experts", "4", "--pipeline-stages", "2", "--mesh", "stage=2", "--microbatches", "2"],

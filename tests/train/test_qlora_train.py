@@ -166,3 +166,23 @@ def test_the_rtn_base_is_the_one_jmem_quantize_writes():
     for name in ("wq", "w_down"):
         a, b = (getattr(m.layers, name).kernel.get_value() for m in (trained, served))
         np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b.dequantize()))
+
+
+def test_qlora_on_a_mixture_of_experts_adapts_every_expert(tmp_path):
+    """`--model tiny-moe --lora-rank 4 --quantize-base nf4`: the default targets mean the attention linears and
+    the experts (one adapter per expert) over an NF4 base, experts included; the loss goes down and the memory
+    table's estimate counts the same trained parameters."""
+    cfg = dataclasses.replace(QLORA, model="tiny-moe", lora_targets=TrainConfig().lora_targets, steps=16,
+                              log=str(tmp_path / "log.jsonl"))
+    result = train(cfg, out=io.StringIO())
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+    run = build(dataclasses.replace(cfg, log=None))
+    mc = run.model_config
+    attention = mc.dim + mc.n_heads * mc.head_dim + 2 * (mc.dim + mc.n_kv_heads * mc.head_dim) + \
+        mc.n_heads * mc.head_dim + mc.dim
+    experts = mc.moe_experts * 3 * (mc.dim + mc.ffn_dim)
+    memory = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert memory["trained_params"] == mc.n_layers * 4 * (attention + experts)
+    assert memory["estimate"]["trainable"] == 4 * memory["trained_params"]  # f32 adapters
+    assert type(run.model.layers.moe.expert_up.get_value().base).__name__ == "NF4Tensor"
