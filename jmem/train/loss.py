@@ -121,6 +121,9 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         for a dense model)
     """
     check_lm_batch(batch)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and not any(isinstance(batch[k], jax.core.Tracer) for k in ("targets", "mask")):
+        _check_targets(np.asarray(batch["targets"]), np.asarray(batch["mask"]), vocab)
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
@@ -131,6 +134,16 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         (h_BTE, _), stats = model.hidden(batch["inputs"]), None
     s, c = chunked_cross_entropy(h_BTE, batch["targets"], batch["mask"], model.logits_from_hidden, chunk)
     return s, c, stats
+
+
+def _check_targets(targets_BT: np.ndarray, mask_BT: np.ndarray, vocab_size: int) -> None:
+    """Counted targets (mask != 0) outside the vocabulary would read NaN logits: one ValueError naming one.
+    Where the mask is 0 any value is fine (an ignore index of -100)."""
+    counted = targets_BT[mask_BT != 0]
+    if counted.size and not 0 <= counted.min() <= counted.max() < vocab_size:
+        bad = counted.min() if counted.min() < 0 else counted.max()
+        raise ValueError(f"batch['targets'] holds {bad} where the mask counts it; accepted: 0..{vocab_size - 1} "
+                         "(the model's vocabulary), or a mask of 0 there (e.g. for an ignore index of -100)")
 
 
 def check_lm_batch(batch) -> None:

@@ -117,3 +117,23 @@ def test_window_perplexity_of_an_moe_model_does_not_depend_on_the_batch():
     ppl = [window_perplexity(model, windows, batch=b) for b in (1, 2, 4)]
     assert ppl == pytest.approx([ppl[0]] * 3, rel=1e-5)
     assert ppl[0] == pytest.approx(window_perplexity(dropless, windows, batch=4), rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-100, 259])
+def test_a_counted_target_outside_the_vocabulary_is_named(bad):
+    """It read a NaN logit, so the loss was NaN without a word; where the mask is 0 it stays accepted."""
+    from flax import nnx
+
+    from jmem.models import Llama, LlamaConfig
+    from jmem.train.loss import lm_loss_sum
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(0).integers(0, 259, (2, 8)).astype(np.int32)
+    targets, mask = ids.copy(), np.ones((2, 8), np.float32)
+    targets[1, 5] = bad
+    with pytest.raises(ValueError, match=rf"batch\['targets'\] holds {bad} where the mask counts it; accepted: "
+                                         r"0..258 \(the model's vocabulary\)"):
+        lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})
+    mask[1, 5] = 0
+    total, count = lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})
+    assert np.isfinite(float(total)) and float(count) == 15
