@@ -36,7 +36,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
             jmem.lora.save_adapters) applied to MODEL, the base it was trained on.
     """
     import jmem
-    from jmem.checks import cut_at_stop, stop_strings
+    from jmem.checks import stop_strings
     from jmem.lm import model_source
 
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
@@ -72,8 +72,13 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         load_adapters(lm.model, lora, inplace=True)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   stop=stops or None)
+
+    def show(piece: str) -> None:  # the completion as it is generated
+        print(piece, end="", flush=True)
+
     if draft is not None:
         from jmem.io.tokenizer import check_same_tokens
+        from jmem.lm import CompletionWatch
         from jmem.speculative import speculative_generate
 
         tok = lm.tokenizer
@@ -82,16 +87,15 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         draft_lm = jmem.load(draft)
         check_same_tokens(tok, draft_lm.tokenizer, f"--draft {draft!r}")
         k = 4 if draft_k is None else draft_k
+        watch = CompletionWatch(tok, stops, on_text=show)  # streams each round's tokens, ends at a stop string
         out, stats = speculative_generate(lm.model, draft_lm.model, [ids], max_new_tokens, k=k,
-                                          temperature=temperature, seed=seed, eos_id=tok.eos_id)
-        text = tok.decode(out[0])
-        print(cut_at_stop(text, stops))
+                                          temperature=temperature, seed=seed, eos_id=tok.eos_id, stop=watch.stop)
+        watch.finish(out[0])
+        print()
         print(f"speculative: {stats.accepted}/{stats.proposed} proposals accepted "
               f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_pass:.2f} tokens per target pass",
               file=sys.stderr)
         return
-    def show(piece: str) -> None:  # the completion as it is generated
-        print(piece, end="", flush=True)
 
     if chat:
         lm.chat([{"role": "user", "content": prompt}], on_text=show, **kwargs)

@@ -181,11 +181,18 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             out[i].extend(row)
             if len(out[i]) >= max_new_tokens:
                 out[i], done[i] = out[i][:max_new_tokens], True
-            if stop is not None:
-                keep = stop(i, out[i])
-                if keep is not None:
-                    if not is_int(keep) or not 0 <= keep <= len(out[i]):
-                        raise ValueError(f"stop(row={i}, ids) returned {keep!r}; accepted: None, or how many of "
-                                         f"the row's {len(out[i])} ids to keep (0..{len(out[i])})")
-                    out[i], done[i] = out[i][:keep], True
+            out[i], stopped = apply_stop(stop, i, out[i])
+            done[i] = done[i] or stopped
     return out
+
+
+def apply_stop(stop, row: int, ids: list[int]) -> tuple[list[int], bool]:
+    """(the row's ids, whether it stopped) after the host-side `stop(row, ids) -> int | None` callback (None:
+    no callback); a ValueError naming what it returned when that is not None or a count of ids to keep."""
+    keep = None if stop is None else stop(row, ids)
+    if keep is None:
+        return ids, False
+    if not is_int(keep) or not 0 <= keep <= len(ids):
+        raise ValueError(f"stop(row={row}, ids) returned {keep!r}; accepted: None, or how many of the row's "
+                         f"{len(ids)} ids to keep (0..{len(ids)})")
+    return ids[:keep], True

@@ -32,6 +32,61 @@ def packaged_model_path(name: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], filename)
 
 
+# Decode steps per device call while streaming: text every few tokens, a host round trip per call (16 steps
+# per call otherwise).
+STREAM_CHUNK = 4
+
+
+class CompletionWatch:
+    """Stop strings and streaming for a generation loop that hands over each row's ids so far
+    (`generate_ids` and `speculative_generate` call `stop(row, ids)` after each device call).
+
+    `stop(row, ids)` returns how many ids to keep once the decoded text holds a stop string (the
+    shortest prefix that does), else None; with `on_text` (one row) it also passes on each new
+    piece of text, holding back an unfinished UTF-8 character and what may still begin a stop
+    string. `finish(ids)` is a row's final text, cut before its first stop string (and streams
+    the rest).
+    """
+
+    def __init__(self, tokenizer, stop: list[str], on_text: Callable[[str], None] | None = None):
+        self.tok, self.stops, self.on_text = tokenizer, stop, on_text
+        self.sent = 0  # characters of the completion passed to on_text
+
+    def _stream(self, text: str, final: bool) -> None:
+        end = len(text)
+        if not final:  # hold back an unfinished character and what may begin a stop string
+            end = len(text.rstrip("\ufffd"))
+            end -= max((n for s in self.stops for n in range(1, len(s)) if text[:end].endswith(s[:n])), default=0)
+        if end > self.sent:
+            self.on_text(text[self.sent:end])
+            self.sent = end
+
+    def _reached(self, ids, text=None) -> bool:
+        text = self.tok.decode(ids) if text is None else text
+        return any(s in text for s in self.stops)
+
+    def stop(self, _row, ids) -> int | None:
+        text = self.tok.decode(ids)  # once per call, for the stop check and the stream
+        if not self._reached(ids, text):
+            if self.on_text is not None:
+                self._stream(text, final=False)
+            return None
+        # The shortest id prefix whose text holds a whole stop string (the text is cut at it); the
+        # stop was not reached before the last call, so the search from the end is short.
+        n = len(ids)
+        while n > 1 and self._reached(ids[: n - 1]):
+            n -= 1
+        return n
+
+    def finish(self, ids) -> str:
+        text = self.tok.decode(ids)
+        if self.stops:
+            text = cut_at_stop(text, self.stops)
+        if self.on_text is not None:
+            self._stream(text, final=True)
+        return text
+
+
 class LM:
     """A loaded language model: `config`, `model` (NNX), `tokenizer`, `logits`, `generate`, `chat`.
 
@@ -77,7 +132,7 @@ class LM:
 
         `stop`: one stop string or a list of them; each completion ends before the first one it reaches.
         `on_text`: with one prompt, called with each new piece of the completion as it is generated (every
-        decode chunk); the pieces join to the returned text. Text that may still turn into a stop string,
+        `STREAM_CHUNK` tokens); the pieces join to the returned text. Text that may still turn into a stop string,
         or an unfinished UTF-8 character, is held back until it is known."""
         if isinstance(prompts, str):
             raise ValueError("generate expects a list of prompt strings, not a single string")
@@ -98,43 +153,11 @@ class LM:
                 raise ValueError(f"prompt {i} encodes to no tokens; give at least one character")
         if on_text is not None and (not callable(on_text) or len(encoded) != 1):
             raise ValueError("on_text streams one completion; accepted: a callable with one prompt")
-        sent = [0]  # characters of the completion passed to on_text
-
-        def stream(text: str, final: bool) -> None:
-            end = len(text)
-            if not final:  # hold back an unfinished character and what may begin a stop string
-                end = len(text.rstrip("\ufffd"))
-                held = max((n for s in stop for n in range(1, len(s)) if text[:end].endswith(s[:n])), default=0)
-                end -= held
-            if end > sent[0]:
-                on_text(text[sent[0]:end])
-                sent[0] = end
-
-        def reached(ids, text=None) -> bool:
-            text = tok.decode(ids) if text is None else text
-            return any(s in text for s in stop)
-
-        def stop_at(_row, ids):
-            text = tok.decode(ids)  # once per chunk, for the stop check and the stream
-            if not reached(ids, text):
-                if on_text is not None:
-                    stream(text, final=False)
-                return None
-            # The shortest id prefix whose text holds a whole stop string (the text is cut at it below);
-            # the stop was not reached before the last chunk, so the search from the end is short.
-            n = len(ids)
-            while n > 1 and reached(ids[: n - 1]):
-                n -= 1
-            return n
-
+        watch = CompletionWatch(tok, stop, on_text)
         new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
-                           stop=stop_at if stop or on_text is not None else None)
-        texts = [tok.decode(ids) for ids in new]
-        if stop:
-            texts = [cut_at_stop(t, stop) for t in texts]
-        if on_text is not None:
-            stream(texts[0], final=True)
-        return texts
+                           stop=watch.stop if stop or on_text is not None else None,
+                           chunk=16 if on_text is None else STREAM_CHUNK)
+        return [watch.finish(ids) for ids in new]
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> str:
         """One assistant reply to a list of `{"role", "content"}` messages (the file's chat template).

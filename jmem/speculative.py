@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jmem.checks import as_python_scalar, check_int, is_int, is_number
-from jmem.generate import check_prompt_ids
+from jmem.generate import apply_stop, check_prompt_ids
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.config import LlamaConfig
@@ -180,7 +180,7 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id)
 
 
 def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens: int, *, k: int = 4,
-                         temperature: float = 0.0, seed: int = 0, eos_id: int | None = None):
+                         temperature: float = 0.0, seed: int = 0, eos_id: int | None = None, stop=None):
     """Generate with `target`, `draft` proposing `k` tokens per target pass.
 
     Args:
@@ -193,6 +193,10 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
             each emitted token distributed as the target's softmax(logits / temperature).
         seed: PRNG seed of the draws (an integer in [-2**63, 2**64); every bit counts).
         eos_id: a row stops after this id (the id is not returned).
+        stop: optional `stop(row, ids) -> int | None`, called on the host after each round with the
+            row's ids so far, returning how many to keep when a stop condition was met (as
+            `jmem.generate.generate_ids` calls it; `jmem.lm.CompletionWatch.stop` stops at stop
+            strings and streams the text).
 
     Returns:
         (new ids per row, `SpeculativeStats`)
@@ -233,6 +237,8 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
             out[i], done[i] = row[:row.index(eos_id)], True
         if len(out[i]) >= max_new_tokens:
             out[i], done[i] = out[i][:max_new_tokens], True
+        out[i], stopped = apply_stop(stop, i, out[i])
+        done[i] = done[i] or stopped
         return produced
 
     for i in range(B):

@@ -142,3 +142,26 @@ def test_lora_dropout_keys_do_not_reach_inference():
     set_dropout_key(target, jax.random.key(1))
     assert generate_ids(target, PROMPTS, 12) == clean
     assert speculative_generate(target, target, PROMPTS, 12, k=3)[0] == clean
+
+
+def test_stop_strings_end_rows_early_and_the_text_streams(models):
+    """`stop(row, ids)` after each round, as generate_ids calls it: with `jmem.lm.CompletionWatch` a greedy
+    speculative completion ends at a stop string where the plain one does (fewer rounds than without it),
+    and the streamed pieces join to it."""
+    from jmem.io.tokenizer import ByteTokenizer
+    from jmem.lm import LM, CompletionWatch
+
+    target, draft = models
+    lm, tok = LM(target, ByteTokenizer()), ByteTokenizer()
+    text = lm.generate(["abc"], max_new_tokens=40)[0]
+    stop = [text[12:14]]
+    want = lm.generate(["abc"], max_new_tokens=40, stop=stop)[0]
+    assert len(want) < len(text)
+    pieces = []
+    watch = CompletionWatch(tok, stop, on_text=pieces.append)
+    out, stats = speculative_generate(target, draft, [tok.encode("abc")], 40, k=3, stop=watch.stop)
+    assert watch.finish(out[0]) == want == "".join(pieces) and len(pieces) >= 2
+    _, full = speculative_generate(target, draft, [tok.encode("abc")], 40, k=3)
+    assert stats.rounds < full.rounds
+    with pytest.raises(ValueError, match=r"stop\(row=0, ids\) returned -1; accepted: None, or how many"):
+        speculative_generate(target, draft, [[5, 6]], 8, k=3, stop=lambda row, ids: -1)
