@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
 from jmem.models.config import as_dtype
 from jmem.models.dot import dot, partition_specs
-from jmem.models.moe import EXPERT_TARGETS, expert_array
+from jmem.models.moe import EXPERT_TARGETS, expert_matmul
 from jmem.sampling import seed_key
 
 LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -152,7 +152,7 @@ class LoRA:
         """An adapted expert weight `[experts, in, out]` in `jmem.models.moe.moe_mlp`: `matmul(x, w)` multiplies
         rows by their expert's matrix; the adapter adds `scale * (x A) B` through it, as two thin matmuls
         (no merged `[experts, in, out]` weight, nor its gradient)."""
-        y = matmul(x, expert_array(self.base))
+        y = expert_matmul(x, self.base, matmul)
         u = matmul(matmul(self._dropped(x), self.lora_a), self.lora_b)
         return (y.astype(jnp.float32) + self.scale * u.astype(jnp.float32)).astype(x.dtype)
 

@@ -332,3 +332,28 @@ def test_dropout_only_in_train_steps_never_at_inference():
 def test_an_adapter_needs_a_weight_matrix():
     with pytest.raises(ValueError, match=r"LoRA base of shape \(8,\); accepted: a weight \[..., in, out\]"):
         LoRA.init(jnp.ones(8), 2, 4.0, jax.random.key(0))
+
+
+def test_a_qlora_step_keeps_no_decoded_weights():
+    """Without remat, the layer scan kept every layer's decoded NF4 weights for the backward pass (a QLoRA step
+    held more temporaries than LoRA on the float base); the backward decodes them again instead."""
+    from jmem.memory import measure
+    from jmem.quant import quantize
+
+    cfg = LlamaConfig.tiny(n_layers=4, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=512, remat="none")
+    temps = {}
+    for base in ("f32", "nf4"):
+        def make():
+            model = Llama(cfg, rngs=nnx.Rngs(0))
+            return apply_lora(quantize(model, base) if base != "f32" else model, rank=4, alpha=8.0,
+                              targets=("wq", "wv", "w_up"))
+
+        graph, state = nnx.split(nnx.eval_shape(make))
+        train, frozen = split_trainable(state)
+        ids = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+        def grad(train, frozen, ids):
+            return jax.grad(lambda t: jnp.mean(nnx.merge(graph, combine(t, frozen))(ids)[0]))(train)
+
+        temps[base] = measure(grad, train, frozen, ids).temp_bytes
+    decoded = cfg.n_layers * 4 * (2 * cfg.dim * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // 2 + cfg.dim * 512)
+    assert temps["nf4"] <= temps["f32"] + decoded // 8, (temps, decoded)

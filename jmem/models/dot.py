@@ -39,6 +39,14 @@ def dot(x: jax.Array, w) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def decode_in_backward(fn):
+    """`fn(x, w)`, a matmul that decodes the packed weight leaf `w`, with a backward pass that decodes `w` again
+    rather than keeping the decoded float weight: the residuals are `x` and the packed leaf. Inside a layer
+    scan without remat the decoded weights were otherwise kept for every layer, so a QLoRA step held more
+    than a LoRA step on the float base (docs/benchmarks.md); the decode runs twice instead."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def partition_specs(w, lead: tuple, rows, cols, row_pieces: int = 1):
     """How to split weight leaf `w` `[..., in, out]` over a mesh: a tree shaped like `w` of `PartitionSpec`s.
 

@@ -45,7 +45,7 @@ from flax import nnx
 
 from jmem.checks import check_int, is_int, is_number
 from jmem.models.config import normal_init
-from jmem.models.dot import dot
+from jmem.models.dot import decode_in_backward, dot
 
 # The stacked expert weights `[(layers,) experts, in, out]`, and their names inside a model's blocks
 # (`layers.moe.<name>`), as `jmem.quant.quantize`, `jmem.lora.apply_lora` and `--lora-targets` take them.
@@ -169,13 +169,16 @@ def expert_array(w):
     return w if get is None else get()
 
 
-def _expert_matmul(x, w, matmul):
+def expert_matmul(x, w, matmul):
     """`matmul(x, W)`, `matmul` multiplying rows by each expert's `[in, out]` (batched or grouped), for an
     expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul)` (a LoRA adapter) computes its own
-    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight."""
+    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight; a quantized or
+    packed leaf is decoded again in the backward pass (`decode_in_backward`), not kept decoded."""
     own = getattr(w, "__jmem_expert_dot__", None)
     if own is not None:
         return own(x, matmul)
+    if hasattr(w, "dequantize"):
+        return decode_in_backward(lambda x, w: matmul(x, expert_array(w)))(x, w)
     return matmul(x, expert_array(w))
 
 
@@ -221,10 +224,10 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     def matmul(a, w):  # [experts, cap, in] @ [experts, in, out]
         return jnp.einsum("xci,xio->xco", a, w.astype(a.dtype))
 
-    g_XCF = checkpoint_name(_expert_matmul(in_XCE, gate_XEF, matmul), "mlp_gate")
-    u_XCF = checkpoint_name(_expert_matmul(in_XCE, up_XEF, matmul), "mlp_up")
+    g_XCF = checkpoint_name(expert_matmul(in_XCE, gate_XEF, matmul), "mlp_gate")
+    u_XCF = checkpoint_name(expert_matmul(in_XCE, up_XEF, matmul), "mlp_up")
     h_XCF = checkpoint_name(jax.nn.silu(g_XCF) * u_XCF, "mlp_hidden")
-    out_XCE = fix(_expert_matmul(h_XCF, down_XFE, matmul))
+    out_XCE = fix(expert_matmul(h_XCF, down_XFE, matmul))
     out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
@@ -257,10 +260,10 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     def matmul(a, w):  # each expert's rows of [assignments, in] @ its [in, out]
         return jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_X)
 
-    g_QF = checkpoint_name(_expert_matmul(in_QE, gate_XEF, matmul), "mlp_gate")
-    u_QF = checkpoint_name(_expert_matmul(in_QE, up_XEF, matmul), "mlp_up")
+    g_QF = checkpoint_name(expert_matmul(in_QE, gate_XEF, matmul), "mlp_gate")
+    u_QF = checkpoint_name(expert_matmul(in_QE, up_XEF, matmul), "mlp_up")
     h_QF = checkpoint_name(jax.nn.silu(g_QF) * u_QF, "mlp_hidden")
-    out_QE = _expert_matmul(h_QF, down_XFE, matmul)
+    out_QE = expert_matmul(h_QF, down_XFE, matmul)
     out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
     valid_N = None if token_mask_BT is None else token_mask_BT.reshape(B * T) != 0

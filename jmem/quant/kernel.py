@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jmem.kernels.dispatch import target_platform
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
-from jmem.models.dot import float_input
+from jmem.models.dot import decode_in_backward, float_input
 from jmem.quant.qtensor import IntTensor
 
 MATMUL_IMPLS = ("auto", "pallas", "xla")
@@ -161,6 +161,7 @@ def kernel_unsupported(w, x_features: int | None = None) -> str | None:
     return None
 
 
+@decode_in_backward
 def _xla_dot(x: jax.Array, w) -> jax.Array:
     y = jnp.matmul(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

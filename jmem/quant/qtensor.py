@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmem.checks import check_bool, is_int
-from jmem.models.dot import check_row_split
+from jmem.models.dot import check_row_split, decode_in_backward
 
 # Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
 # as `bits` little-endian bytes. For 4 bits byte r then holds rows 2r (low
@@ -73,8 +73,8 @@ class QTensor:
         return jax.tree_util.tree_map(lambda c: c[index], self)
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
-        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step."""
-        return _matmul(x, self.dequantize(x.dtype))
+        """`x[..., in] @ W[in, out]`, dequantizing inside the traced step (and again in the backward pass)."""
+        return decode_in_backward(lambda x, w: _matmul(x, w.dequantize(x.dtype)))(x, self)
 
     def __jmem_array__(self) -> jax.Array:
         """The float weight in the leaf's dtype, for code that reads a weight whole rather than through
