@@ -71,8 +71,9 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
     """ZeRO-3 params ready for the forward pass.
 
     Every `*.kernel` leaf (used through `dot`) and every MoE expert weight (names ending
-    in `expert_weights`, used by `moe_mlp` through `__jmem_array__`) becomes a
-    `GatheredWeight`, gathered per use (per layer inside the scan). Other leaves
+    in `expert_weights`, used by `moe_mlp` through `__jmem_array__`), or the base of a
+    LoRA leaf at such a path, becomes a `GatheredWeight`, gathered per use (per layer
+    inside the scan). Other leaves
     (embedding, norm scales) are gathered once, here, to their model-parallel layout,
     so activations keep their batch sharding instead of following a data-axis split of
     a weight.
@@ -87,6 +88,7 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
 
     def one(path, x):
         name = path_str(path)
+        weight = name.removesuffix(".base")  # a LoRA leaf's base is used as the weight it wraps
         axes = lookup_axes(name, table)
         if axes is None or len(axes) != x.ndim:
             axes = (None,) * x.ndim
@@ -97,9 +99,9 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
             e = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
             e = tuple(a for a in e if a not in data_axes)
             entries.append(None if not e else (e[0] if len(e) == 1 else e))
-        if name.endswith(suffix) and x.ndim >= 2:
+        if weight.endswith(suffix) and x.ndim >= 2:
             return GatheredWeight(x, mesh, tuple(entries[-2:]))
-        if name.split(".")[-1] in expert_weights and x.ndim >= 3:  # [(layers,) exp, in, out]
+        if weight.split(".")[-1] in expert_weights and x.ndim >= 3:  # [(layers,) exp, in, out]
             return GatheredWeight(x, mesh, tuple(entries[-3:]))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*entries)))
 

@@ -108,3 +108,24 @@ def test_sharded_train_step_accumulates_moe_over_single_device_microbatches():
     ref = train_sharded(loss_fn, params, one, batches, accum=ACCUM)[0]
     got = train_sharded(loss_fn, params, par.make_mesh("data=4,expert=2"), batches, accum=ACCUM)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_zero3_gathers_the_bases_of_lora_wrapped_weights_per_layer():
+    """A LoRA leaf's base (an expert weight or a kernel) is all-gathered one layer at a time inside the scan,
+    as the weight unwrapped is; it was gathered whole, every layer at once, before the scan."""
+    from jmem.lora import apply_lora
+
+    cfg = LlamaConfig.tiny_moe(n_layers=2, loss_chunk=T)
+    model = apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, targets=("wq", "moe.expert_up"))
+    mesh = par.make_mesh("fsdp=4,expert=2")
+    tx = par.constrain_gradients(optax.adamw(1e-2), mesh, stage=3)
+    fns = make_train_fns(model, tx, mesh=mesh, zero=3, adapters_only=True)
+    state = fns.init_state(model)
+    jitted, _, _ = par.jit_train_step(fns.step, jax.eval_shape(lambda: state), mesh, zero=3)
+    text = jitted.lower(jax.eval_shape(lambda: state), _batches(cfg)[0]).compile().as_text()
+    X, E, F, L = cfg.moe_experts, cfg.dim, cfg.ffn_dim, cfg.n_layers
+    HD = cfg.n_heads * cfg.head_dim
+    outside = collective_shapes(text, "all-gather", in_loops=False)
+    assert not [s for s in outside if s[-2:] in ((E, F), (E, HD)) and s[0] == L], outside
+    inside = collective_shapes(text, "all-gather", in_loops=True)
+    assert (1, X // 2, E, F) in inside and (1, E, HD) in inside, inside
