@@ -131,6 +131,20 @@ def weight_names(config) -> tuple[str, ...]:
     return LINEAR_NAMES
 
 
+def resolve_lora_targets(config, lora_targets) -> tuple[str, ...]:
+    """`lora_targets` (one name or several) checked against `config`'s weights, a name given twice taken once;
+    the linears' full list (in any order), the default, means every weight of the model (an MoE model's
+    experts in place of its MLP linears). A ValueError names unknown or absent names."""
+    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
+    names = weight_names(config)
+    if set(targets) == set(LINEAR_NAMES):
+        return names
+    bad = [t for t in targets if t not in names]
+    if bad:
+        raise ValueError(f"lora_targets {bad}; accepted: {', '.join(names)}")
+    return tuple(dict.fromkeys(targets))
+
+
 def _holder(layers: dict, name: str) -> tuple[dict, str]:
     """(the dict holding weight `name` in a layers' shape tree, its key)."""
     if name in EXPERT_TARGETS:
@@ -170,6 +184,13 @@ class _Sizes:
             + self.mlp_internal + self.lora_internal
 
 
+def _expert_rows(config) -> float:
+    """Expert rows a token fills: top_k, times the capacity factor unless dropless (a capacity holds at most
+    every token once per expert: `jmem.models.moe.capacity`)."""
+    k = config.moe_top_k
+    return k * 1.0 if config.moe_dropless else min(config.moe_experts, k * config.moe_capacity_factor)
+
+
 def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     d, F = config.dim, config.ffn_dim
     HD, KD, H = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.n_heads
@@ -177,9 +198,7 @@ def _sizes(config, seq: int, c: int, attention: str) -> _Sizes:
     # way in and out of the experts, and the router's f32 logits and probabilities, come on top.
     rows, moe = 1.0, 0
     if config.moe_experts:
-        k = config.moe_top_k
-        # (a capacity holds at most every token once per expert: `jmem.models.moe.capacity`)
-        rows = k * 1.0 if config.moe_dropless else min(config.moe_experts, k * config.moe_capacity_factor)
+        rows = _expert_rows(config)
         moe = int(2 * rows * d * c) + 2 * config.moe_experts * 4
     Fr = int(F * rows)
     named = {"layer_input": d * c, "attn_norm": d * c, "query": HD * c, "key": KD * c, "value": KD * c,
@@ -307,16 +326,10 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     if optimizer_kw is not None and not isinstance(optimizer_kw, Mapping):
         raise ValueError(f"optimizer_kw={optimizer_kw!r}; accepted: a dict of the optimizer's keywords, or None")
     check_bool("master_weights", master_weights)
-    lora_targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)  # one str: one name
-    names = weight_names(config)
-    if lora_targets == LINEAR_NAMES and config.moe_experts:  # the default: every weight of the model
-        lora_targets = names
-    bad = [t for t in lora_targets if t not in names]
-    if bad:
-        raise ValueError(f"lora_targets {bad}; accepted: {', '.join(names)}")
-    lora_targets = tuple(dict.fromkeys(lora_targets))  # a name given twice is one adapter
+    lora_targets = resolve_lora_targets(config, lora_targets)
     if lora_rank and not lora_targets:
-        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of {', '.join(names)}")
+        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
+                         f"{', '.join(weight_names(config))}")
     if quantize_base is not None:
         if quantize_base not in BASE_FORMATS:
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
@@ -361,9 +374,9 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
 
     sizes = _sizes(config, seq, c, resolve_impl(attention, _dtype(compute_dtype or config.compute_dtype)))
     if lora_rank:
-        # x @ A per adapter and token; an expert adapter's for each of the token's top_k experts
-        rows = sum(config.moe_top_k if t in EXPERT_TARGETS else 1 for t in lora_targets)
-        sizes = dataclasses.replace(sizes, lora_internal=rows * int(lora_rank) * c)
+        # x @ A per adapter and token; an expert adapter's for each expert row a token fills (`_sizes`)
+        rows = sum(_expert_rows(config) if t in EXPERT_TARGETS else 1 for t in lora_targets)
+        sizes = dataclasses.replace(sizes, lora_internal=int(rows * int(lora_rank) * c))
     # The workspace (one layer's cotangents, or its recomputation) counts every value; what is
     # saved across layers leaves out the inputs only frozen weights read.
     saved = _lora_saved_sizes(sizes, lora_targets) if lora_rank else sizes
@@ -413,11 +426,8 @@ def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targ
     """Bytes of the stacked layers' parameters as a training run holds them (what `--offload-params host`
     moves off the device): the base's layer weights, quantized with `quantize_base`, and the LoRA
     adapters (every one sits in a layer). Arguments as `estimate`'s."""
-    targets = tuple(dict.fromkeys(lora_targets))
-    if targets == LINEAR_NAMES and config.moe_experts:  # the default: every weight of the model
-        targets = weight_names(config)
-    _, base, adapters = _param_trees(config, param_dtype, lora_rank, targets, quantize_base, base_group_size,
-                                     lora_dtype)
+    _, base, adapters = _param_trees(config, param_dtype, lora_rank, resolve_lora_targets(config, lora_targets),
+                                     quantize_base, base_group_size, lora_dtype)
     return tree_bytes(base["layers"]) + (tree_bytes(adapters) if adapters is not None else 0)
 
 

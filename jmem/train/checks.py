@@ -11,6 +11,7 @@ import pathlib
 
 from jmem.data import check_text_file
 from jmem.io.paths import prepare_output
+from jmem.lora import TARGETS
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.precision import Policy
 from jmem.memory.remat import validate as validate_remat
@@ -294,18 +295,16 @@ def check_layerwise_fits(cfg: TrainConfig, mc: LlamaConfig) -> None:
 
 
 BASE_QUANTIZATIONS = ("nf4", "int8", "fp8", "rtn")
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "moe.expert_gate", "moe.expert_up",
-                "moe.expert_down")
+LORA_TARGETS = tuple(t for t in TARGETS if t != "head")  # --lora-targets: the head is not offered
 
 
 def lora_targets(cfg: TrainConfig, mc: LlamaConfig) -> tuple[str, ...]:
-    """The weights that get adapters: --lora-targets, whose default means every weight of the model
-    (an MoE model's experts in place of the MLP linears)."""
-    from jmem.memory.estimate import weight_names
+    """The weights that get adapters: --lora-targets, whose default (the linears, in any order) means every
+    weight of the model (an MoE model's experts in place of the MLP linears)."""
+    from jmem.memory.estimate import LINEAR_NAMES, weight_names
 
-    if cfg.lora_targets == TrainConfig().lora_targets:
-        return weight_names(mc)
-    return tuple(cfg.lora_targets.split(","))
+    names = tuple(cfg.lora_targets.split(","))
+    return weight_names(mc) if set(names) == set(LINEAR_NAMES) else names
 
 
 def _validate_lora(cfg: TrainConfig) -> None:

@@ -12,6 +12,7 @@ from flax import nnx
 from jmem.memory.estimate import estimate, format_estimate, layer_param_bytes, param_shapes
 from jmem.memory.measure import measure, tree_bytes
 from jmem.models import Llama, LlamaConfig
+from jmem.models.moe import EXPERT_TARGETS
 from jmem.optim import make_optimizer
 
 CFG = LlamaConfig.tiny(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=512)
@@ -255,3 +256,16 @@ def test_frozen_base_bytes_equal_the_quantized_model(fmt):
     assert est["frozen"] == tree_bytes(frozen) and est["trainable"] == tree_bytes(train)
     with pytest.raises(ValueError, match="quantize_base needs lora_rank"):
         estimate(cfg, 2, 16, quantize_base=fmt)
+
+
+def test_lora_targets_are_checked_against_the_model_and_the_full_list_means_every_weight():
+    moe, dense = LlamaConfig.tiny_moe(), LlamaConfig.tiny()
+    for fn in (lambda c, t: estimate(c, 2, 32, lora_rank=4, lora_targets=t),
+               lambda c, t: layer_param_bytes(c, lora_rank=4, lora_targets=t)):  # was a KeyError
+        with pytest.raises(ValueError, match=r"lora_targets \['w_up'\]; accepted: wq, wk, wv, wo, moe.expert_gate"):
+            fn(moe, ("w_up",))
+        with pytest.raises(ValueError, match=r"lora_targets \['moe.expert_up'\]; accepted: wq, wk, wv, wo, w_gate"):
+            fn(dense, ("moe.expert_up",))
+        # The linears' full list in any order is the default: on an MoE model, the attention and the experts.
+        shuffled = ("w_down", "wq", "wk", "wv", "wo", "w_gate", "w_up")
+        assert fn(moe, shuffled) == fn(moe, ("wq", "wk", "wv", "wo") + EXPERT_TARGETS)
