@@ -33,7 +33,7 @@ from jmem.quant.ggml_quantize import check_f16_range, quantize
 from jmem.quant.ggml_weight import GGMLWeight
 from jmem.quant.qtensor import check_finite
 
-# `general.file_type` (llama.cpp's LlamaFileType) of the requested type, else of the most common matrix type.
+# `general.file_type` (llama.cpp's LlamaFileType) of the requested type, else of the type holding most weights.
 # Q3_K..Q5_K have no plain file type: the _S presets keep (nearly) every matrix in the one type, as written
 # here, while the _M presets move attn_v and ffn_down to wider types in some layers.
 _FILE_TYPES = {
@@ -350,7 +350,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
             `quantization_version`, `alignment`). `general.name` is "jmem-llama" when not given.
         file_type: the requested GGML type, which `general.file_type` names (as llama.cpp's quantize
             labels a file by the type asked for, also where some matrices fall back to another);
-            default: `qtype_by_tensor` when it is one type name, else the most common matrix type.
+            default: `qtype_by_tensor` when it is one type name, else the type that holds the most weights.
 
     Returns:
         The GGML type name written for each tensor, by tensor name.
@@ -414,11 +414,20 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
         plan.append((tname, t, target))
     if isinstance(qtype_by_tensor, Mapping):  # a typo in a pattern would leave its matrices in their own type
         names = [tname for tname, t, _ in plan if isinstance(t, _Matrix) and not t.fixed]
-        unmatched = [p for p in qtype_by_tensor if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
+        fixed = [tname for tname, t, _ in plan if isinstance(t, _Matrix) and t.fixed]
+        hits = lambda p, among: any(n == p or fnmatch.fnmatchcase(n, p) for n in among)  # noqa: E731
+        unmatched = [p for p in qtype_by_tensor if not hits(p, names)]
         if unmatched:
-            raise ValueError(f"qtype_by_tensor patterns {unmatched} match no matrix; accepted: patterns of the "
+            router = [p for p in unmatched if hits(p, fixed)]
+            why = (f"; {', '.join(router)} {'name' if len(router) > 1 else 'names'} only the MoE router "
+                   "(ffn_gate_inp), which is always F32, as llama.cpp keeps it") if router else ""
+            raise ValueError(f"qtype_by_tensor patterns {unmatched} match no matrix{why}; accepted: patterns of the "
                              f"matrices' names ({', '.join(names[:3])}, ..., e.g. 'blk.*.ffn_down.weight')")
-    counts = collections.Counter(q for _, t, q in plan if isinstance(t, _Matrix))
+    # The file's label: the type holding most weights among the matrices a type was chosen for (not the router).
+    counts = collections.Counter()
+    for _, t, q in plan:
+        if isinstance(t, _Matrix) and not t.fixed:
+            counts[q] += math.prod(t.tensor_shape())
     if file_type is None and isinstance(qtype_by_tensor, str):
         file_type = qtype_by_tensor
     label = counts.most_common(1)[0][0] if file_type is None else ggml.resolve_qtype(file_type).name

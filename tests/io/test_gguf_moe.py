@@ -236,3 +236,21 @@ def test_experts_whose_block_types_differ_by_layer_are_written_as_they_were(mode
     blocks = lambda ts: {k: v for k, v in ts.items() if k.startswith("blk.")}  # noqa: E731
     assert blocks(_tensors_of(out)) == blocks(_tensors_of(src))
     assert _tensors_of(out)["blk.1.ffn_up_exps.weight"][0] == "Q4_0"
+
+
+def test_the_router_stays_f32_and_the_label_follows_the_experts(model, tmp_path):
+    """A pattern naming only the router is refused saying why; a file whose experts are Q8_0 and everything
+    else F32 is labelled Q8_0 (most of its weights), not ALL_F32 (most of its matrices)."""
+    import gguf
+
+    from jmem.io.gguf_writer import write_gguf
+
+    with pytest.raises(ValueError, match=r"match no matrix; blk.\*.ffn_gate_inp.weight names only the MoE "
+                                         r"router \(ffn_gate_inp\), which is always F32"):
+        write_gguf(str(tmp_path / "r.gguf"), CFG, model, tokenizer_metadata=byte_tokenizer_metadata(),
+                   qtype_by_tensor={"blk.*.ffn_gate_inp.weight": "Q8_0"})
+    path = tmp_path / "experts.gguf"
+    write_gguf(str(path), CFG, model, tokenizer_metadata=byte_tokenizer_metadata(),
+               qtype_by_tensor={"blk.*.ffn_*_exps.weight": "Q8_0"})
+    label = int(gguf.GGUFReader(str(path)).fields["general.file_type"].parts[-1][0])
+    assert label == gguf.LlamaFileType.MOSTLY_Q8_0
