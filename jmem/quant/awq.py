@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmem.checks import is_int
 from jmem.models.dot import partition_specs
-from jmem.quant.qtensor import IntTensor, QTensor, check_finite, check_group_size, encode, group_params
+from jmem.quant.qtensor import (IntTensor, QTensor, check_finite, check_group_size, check_weight_shape, encode,
+                                group_params)
 
 N_GRID = 20
 CLIP_GRID = 20
@@ -185,6 +186,7 @@ def awq_quantize(w, x, bits: int = 4, group_size: int | None = 128, symmetric: b
         >>> q = awq_quantize(w, x_calib, bits=4, group_size=128)
         >>> y = jmem.models.dot.dot(x, q)
     """
+    check_weight_shape(w, "awq_quantize")  # a float array: integer weights would round to integers
     check_finite(w, "the weight w")
     check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
     dtype = jnp.asarray(w).dtype

@@ -23,7 +23,8 @@ import jax.scipy.linalg  # noqa: F401  (cho_solve)
 import numpy as np
 
 from jmem.checks import check_bool, is_int, is_number
-from jmem.quant.qtensor import IntTensor, check_finite, check_group_size, check_scale_range, group_params
+from jmem.quant.qtensor import (IntTensor, check_finite, check_group_size, check_scale_range, check_weight_shape,
+                                group_params)
 
 BLOCK = 128
 DAMP = 0.01
@@ -81,6 +82,7 @@ def gptq_quantize(w, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
     Example:
         >>> q = gptq_quantize(w, hessian(x_calib), bits=4, group_size=128)
     """
+    check_weight_shape(w, "gptq_quantize")  # a float array: integer weights would round to integers
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"gptq_quantize takes one [in, out] matrix; got shape {w.shape}")

@@ -188,7 +188,9 @@ def test_pack_bits_checks_bits_and_codes():
         pack_bits(codes[:6], 4)
 
 
-@pytest.mark.parametrize("make", [lambda w: rtn_quantize(w, 4, 32), nf4_quantize, int8_quantize, fp8_quantize])
+@pytest.mark.parametrize("make", [lambda w: rtn_quantize(w, 4, 32), nf4_quantize, int8_quantize, fp8_quantize,
+                                  lambda w: gptq_quantize(w, hessian(np.eye(64, dtype=np.float32)), 4, 32),
+                                  lambda w: awq_quantize(w, np.ones((8, 64), np.float32), 4, 32)])
 def test_integer_weights_are_refused(make):
     """An int32 weight was stored as int32, and its dequantized values were rounded integers (35 came back 34)."""
     with pytest.raises(ValueError, match=r"weight dtype int32; accepted: a float array \(f32, bf16, f16\)"):
