@@ -112,6 +112,14 @@ def run_layer(cfg, w: dict, x, positions):
     return y, sink
 
 
+def _layer_of(v, layer: int):
+    """Layer `layer` of a stacked weight (float arrays as f32; other leaves as stored), or of each weight of a
+    dict of them (a mixture-of-experts block's `moe`)."""
+    if isinstance(v, dict):
+        return {k: _layer_of(x, layer) for k, x in v.items()}
+    return jnp.asarray(v[layer], jnp.float32) if isinstance(v, jax.Array) else v[layer]
+
+
 def calibrate_layers(model, ids_BT, rewrite, *, log=None, label: str = "calibration") -> list:
     """Rewrite every block of `model` in order on its own activations.
 
@@ -126,7 +134,8 @@ def calibrate_layers(model, ids_BT, rewrite, *, log=None, label: str = "calibrat
     Returns:
         The `record` of every block, in order.
     """
-    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    # A mixture-of-experts model routes dropless, as at inference (no token's expert depends on the batch).
+    cfg = model.config.replace(remat="none", compute_dtype="f32", moe_dropless=True)
     B, T = ids_BT.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(jnp.float32)
@@ -134,8 +143,7 @@ def calibrate_layers(model, ids_BT, rewrite, *, log=None, label: str = "calibrat
     records = []
     t0 = time.perf_counter()
     for layer in range(cfg.n_layers):
-        w = {n: jnp.asarray(v[layer], jnp.float32) if isinstance(v, jax.Array) else v[layer]
-             for n, v in weights.items()}
+        w = {n: _layer_of(v, layer) for n, v in weights.items()}
         w, record = rewrite(cfg, w, x, positions)
         x, _ = run_layer(cfg, w, x, positions)
         records.append(record)

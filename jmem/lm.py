@@ -105,10 +105,16 @@ class LM:
     @functools.cached_property
     def _logits_fn(self):
         graphdef, _ = nnx.split(self.model)
-        return jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)[0])
+
+        def logits(state, ids):
+            model = nnx.merge(graphdef, state)
+            return model.logits_from_hidden(model.hidden(ids, dropless=True)[0])
+
+        return jax.jit(logits)
 
     def logits(self, ids) -> jax.Array:
-        """ids int32 `[batch, seq]` -> float32 logits `[batch, seq, vocab]`."""
+        """ids int32 `[batch, seq]` -> float32 logits `[batch, seq, vocab]`. A mixture-of-experts model routes
+        dropless, as generation and the server do: a row's logits do not depend on the rows beside it."""
         try:
             arr = np.asarray(ids)
         except ValueError:  # ragged rows

@@ -172,3 +172,32 @@ def test_eager_calls_refuse_ids_outside_the_vocabulary():
         with pytest.raises(ValueError, match=message):
             model(ids)
     assert model(jnp.array([[0, 258]]))[0].shape == (1, 2, 259)
+
+
+def test_lm_logits_of_a_row_do_not_depend_on_the_rows_beside_it():
+    """`LM.logits` scores as generation and the server do (dropless): a capacity-routed forward gave row 0
+    other logits beside another row (places fill from both)."""
+    from jmem.io.tokenizer import ByteTokenizer
+    from jmem.lm import LM
+
+    lm = LM(Llama(CFG.replace(moe_capacity_factor=0.5), rngs=nnx.Rngs(4)), ByteTokenizer())
+    ids = np.random.default_rng(6).integers(0, CFG.vocab_size, (2, 12)).astype(np.int32)
+    alone, beside = np.asarray(lm.logits(ids[:1])), np.asarray(lm.logits(ids))
+    np.testing.assert_allclose(beside[:1], alone, atol=2e-5)
+    prefix = np.asarray(lm.logits(ids[:1, :5]))  # nor on the positions after it
+    np.testing.assert_allclose(alone[:, :5], prefix, atol=2e-5)
+
+
+def test_calibrated_compression_of_attention_weights_runs_on_an_moe_model():
+    """Wanda pruning and whitened low-rank factorization of the attention linears read the blocks' weights
+    layer by layer; an MoE block's `moe` weights (a dict) raised KeyError: 0."""
+    from jmem.lowrank import factorize
+    from jmem.prune import prune, sparsity_report
+
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
+    pruned = prune(model, "wanda", sparsity=0.5, targets=("wq", "wk", "wv", "wo"), calibration=ids)
+    assert abs(sparsity_report(pruned, ("wq",))["wq"]["zeros"] - 0.5) < 1e-6
+    low = factorize(model, rank=8, targets=("wq", "wo"), calibration=ids)
+    assert type(low.layers.wq.kernel.get_value()).__name__ == "LowRank"
+    assert np.isfinite(np.asarray(low(jnp.asarray(ids))[0])).all()
