@@ -29,9 +29,8 @@ from collections import Counter
 import numpy as np
 
 import jmem
-from jmem.calibrate import LINEARS
 from jmem.data import load_documents
-from jmem.experiment import check_dense, check_flags_read, check_windows_fit, model_config, run_experiment
+from jmem.experiment import check_flags_read, check_windows_fit, model_config, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.quant import group_sizes, quantize, weight_bytes
 from jmem.quant.api import method_kwargs, resolve_group_size
@@ -104,7 +103,12 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         "--symmetric": ("symmetric", lambda m: kind(m) in ("int8", *GROUPED), "int8, rtn, gptq and awq methods"),
         "--no-act-order": ("act_order", lambda m: kind(m) == "gptq", "gptq4, gptq3"),
     })
-    check_dense(cfg.model, "quantization")
+    experts = model_config(cfg.model).moe_experts
+    calibrated = [m for m in methods if m in CALIBRATED]
+    if experts and calibrated:
+        raise ValueError(f"--methods {','.join(calibrated)} with --model {cfg.model!r}: gptq and awq calibrate dense "
+                         f"layers, and its MLP is a mixture of {experts} experts; accepted for it: "
+                         f"{', '.join(m for m in ALL if m not in CALIBRATED)}")
     grouped_bits = sorted({spec[m][1] for m in methods if m in spec and spec[m][0] in GROUPED})
     if grouped_bits:
         check_group_flag(cfg.group_size, cfg.model, grouped_bits)
@@ -113,26 +117,23 @@ def validate(cfg: Config) -> tuple[list[str], str]:
     return methods, text
 
 
-def input_dims(model: str) -> dict[str, int] | None:
-    """Input dimension of each block linear of `model` (a preset, or a GGUF file read from its header; no
-    weights are loaded); None for a quantized model directory."""
+def input_dims(model: str) -> dict[str, int]:
+    """Input dimension of each weight `quantize` replaces in `model` (`quant_targets`: the linears, or an MoE
+    model's experts in place of its MLP linears), from its config alone: no weights are loaded."""
     from flax import nnx
 
     from jmem.models.llama import Llama
+    from jmem.quant.api import quant_targets
 
     config = model_config(model)
-    if config is None:
-        return None
-    shapes = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))).layers.weights()
-    return {n: int(shapes[n].shape[-2]) for n in LINEARS}
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return {n: int(v.get_value().shape[-2]) for n, v in quant_targets(abstract).items()}
 
 
 def check_group_flag(group_size: int, model: str, bits: list[int]) -> None:
     """A ValueError naming --group-size when `quantize` at any of `bits` would refuse it for a linear of `model`
     (`resolve_group_size`'s rule, checked on the input dimensions before anything loads)."""
     dims = input_dims(model)
-    if dims is None:
-        return
 
     def fits(n_in, g):
         try:

@@ -55,21 +55,22 @@ def _exit_status(e: BaseException) -> int:
 
 def model_config(model: str, flag: str = "--model"):
     """The `LlamaConfig` of `model` without loading its weights (a preset's, or read from a GGUF file's
-    header), or None for a quantized model directory; a ValueError naming `flag` for a missing one."""
+    header or a quantized model directory's manifest); a ValueError naming `flag` for a missing one."""
     from jmem.io.gguf import config_from_gguf, read_gguf
     from jmem.lm import model_source
     from jmem.models.config import get_config
+    from jmem.quant.saved import config_from_manifest, read_manifest
 
     kind, path = model_source(model, flag)
     if kind == "preset":
         return get_config(path)
-    return config_from_gguf(read_gguf(path)) if kind == "gguf" else None
+    return config_from_gguf(read_gguf(path)) if kind == "gguf" else config_from_manifest(read_manifest(path))
 
 
 def check_dense(model: str, what: str, flag: str = "--model") -> None:
     """A ValueError naming `flag` when `model` is a mixture-of-experts model, which `what` does not handle."""
     config = model_config(model, flag)
-    if config is not None and config.moe_experts:
+    if config.moe_experts:
         raise ValueError(f"{flag} {model!r} is a mixture-of-experts model ({config.moe_experts} experts); {what} "
                          "reads dense MLP weights; accepted: a dense model")
 

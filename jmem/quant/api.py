@@ -218,7 +218,8 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
     experts = getattr(model.config, "moe_experts", 0)
     if experts and method in CALIBRATED:
         raise ValueError(f"method {method!r} calibrates dense layers; this model's MLP is a mixture of {experts} "
-                         f"experts; accepted for it: {', '.join(m for m in METHOD_BITS if m not in CALIBRATED)}")
+                         f"experts; accepted for it: {', '.join(m for m in METHOD_BITS if m not in CALIBRATED)} "
+                         "(or GGML block types: quantize_gguf_blocks)")
     groups, lines = (), ()
     if method == "nf4":
         for name in weights:

@@ -315,5 +315,6 @@ def test_quantized_experts_are_decoded_one_layer_at_a_time():
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_methods_refuse_mixture_of_experts_models_in_one_line(moe, data, method):
     with pytest.raises(ValueError, match=rf"^method '{method}' calibrates dense layers; this model's MLP is a "
-                                         r"mixture of 4 experts; accepted for it: rtn, int8, nf4, fp8$"):
+                                         r"mixture of 4 experts; accepted for it: rtn, int8, nf4, fp8 \(or GGML "
+                                         r"block types: quantize_gguf_blocks\)$"):
         quantize(moe, method, calibration=data[0])
