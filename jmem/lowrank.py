@@ -184,6 +184,10 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
     targets = check_targets(targets, LINEARS)
     weights = model.layers.weights()
     plan = {}
+    absent = [n for n in targets if n not in weights]
+    if absent:  # a mixture-of-experts block has no w_gate/w_up/w_down linear
+        raise ValueError(f"targets {absent} are not linear kernels of this model's blocks (its MLP is a mixture of "
+                         f"experts); accepted: {', '.join(n for n in LINEARS if n in weights)}")
     for name in targets:
         w = weights.get(name)
         if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):

@@ -198,6 +198,9 @@ def test_calibrated_compression_of_attention_weights_runs_on_an_moe_model():
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
     pruned = prune(model, "wanda", sparsity=0.5, targets=("wq", "wk", "wv", "wo"), calibration=ids)
     assert abs(sparsity_report(pruned, ("wq",))["wq"]["zeros"] - 0.5) < 1e-6
+    with pytest.raises(ValueError, match=r"targets \['w_gate', 'w_up', 'w_down'\] are not linear kernels of this "
+                                         r"model's blocks \(its MLP is a mixture of experts\); accepted: wq, wk"):
+        factorize(model, rank=8)  # the default targets (was "holds a NoneType ... factorize before quantizing")
     low = factorize(model, rank=8, targets=("wq", "wo"), calibration=ids)
     assert type(low.layers.wq.kernel.get_value()).__name__ == "LowRank"
     assert np.isfinite(np.asarray(low(jnp.asarray(ids))[0])).all()
