@@ -90,13 +90,11 @@ def validate(cfg: TrainConfig) -> Policy:
 
 
 def _validate_save(cfg: TrainConfig) -> None:
-    """--save: a new adapters file (with LoRA) or a new model directory (process 0 writes it)."""
+    """--save: a new adapters file (with LoRA, a path ending in .npz) or a new model directory (process 0
+    writes it; with LoRA, the adapters merged into the weights)."""
     if cfg.save is None:
         return
-    if cfg.lora_rank > 0:
-        if not cfg.save.endswith(".npz"):
-            raise ValueError(f"--save {cfg.save!r} with --lora-rank writes the adapters as an .npz file; "
-                             f"accepted: a path ending in .npz")
+    if cfg.lora_rank > 0 and cfg.save.endswith(".npz"):
         if pathlib.Path(cfg.save).expanduser().exists():
             raise ValueError(f"--save {cfg.save!r} exists (nothing is overwritten); accepted: a new path")
     else:
@@ -418,6 +416,10 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
     if "moe_capacity_factor" in given and given.get("moe_dropless"):
         raise ValueError(f"--moe-capacity-factor {cfg.moe_capacity_factor} with --moe-dropless does nothing "
                          "(dropless routing has no capacity); accepted: one of them")
+    if "moe_capacity_factor" in given and base.moe_dropless:  # a GGUF file's experts route as llama.cpp's do
+        raise ValueError(f"--moe-capacity-factor {cfg.moe_capacity_factor} with --model {cfg.model}, which routes "
+                         "dropless (no capacity, as llama.cpp routes a GGUF file's experts), does nothing; "
+                         "accepted: no --moe-capacity-factor with this model")
     try:
         base.replace(**given)
     except ValueError as e:

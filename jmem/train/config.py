@@ -77,7 +77,7 @@ class TrainConfig:
     plot: str | None = None
     """Write a PNG of the loss curve and the memory table to this file (by process 0 alone)."""
     save: str | None = None
-    """When the run finishes: with --lora-rank, the adapters to this .npz file (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`)."""
+    """When the run finishes: with --lora-rank and a path ending in .npz, the adapters (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`), with --lora-rank its adapters merged into its weights (a quantized base comes back as float)."""
     loss_chunk: int | None = None
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
 

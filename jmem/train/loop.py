@@ -438,7 +438,7 @@ def _save_result(run: Run, state, out: TextIO) -> None:
     else:
         params = jax.tree.map(np.asarray, state.params)
     model = run.fns.merge(params)
-    if run.cfg.lora_rank > 0:
+    if run.cfg.lora_rank > 0 and run.cfg.save.endswith(".npz"):
         from jmem.lora import save_adapters
 
         save_adapters(model, run.cfg.save)
@@ -446,8 +446,13 @@ def _save_result(run: Run, state, out: TextIO) -> None:
     else:
         from jmem.quant.saved import save_quantized
 
+        what = "trained model"
+        if run.cfg.lora_rank > 0:  # a model that serves without --lora-modules (adapters on experts too)
+            from jmem.lora import merge
+
+            model, what = merge(model), "model with its adapters merged into its weights"
         save_quantized(run.cfg.save, model, tokenizer=run.tokenizer)
-        print(f"wrote the trained model to {run.cfg.save}", file=out)
+        print(f"wrote the {what} to {run.cfg.save}", file=out)
 
 
 def _skipped(opt_state) -> int:

@@ -1,5 +1,6 @@
 """--save: a finished run writes its trained model (a directory `jmem.load` reads) or, with LoRA,
-its adapters (a file `jmem serve --lora-modules` reads), equal to the run's final parameters."""
+its adapters (an .npz file `jmem serve --lora-modules` reads) or its merged model (a directory), equal
+to the run's final parameters."""
 
 import dataclasses
 import io
@@ -53,9 +54,26 @@ def test_saved_adapters_are_the_trained_adapters(tmp_path):
         np.testing.assert_array_equal(v, trained[k])
 
 
+def test_a_lora_run_saved_to_a_directory_is_the_merged_model(tmp_path):
+    """--lora-rank with --save DIR: the model with its adapters merged (adapters on an MoE model's experts,
+    which `jmem serve --lora-modules` does not batch, serve this way), equal to merging the trained adapters."""
+    from jmem.lora import merge
+
+    cfg = TrainConfig(**{**BASE, "model": "tiny-moe"}, lora_rank=4, ckpt_dir=str(tmp_path / "ck"),
+                      save=str(tmp_path / "merged"))
+    out = io.StringIO()
+    train(cfg, out=out)
+    assert f"wrote the model with its adapters merged into its weights to {tmp_path / 'merged'}" in out.getvalue()
+    trained = _final_params(cfg)
+    assert type(trained.layers.moe.expert_up.get_value()).__name__ == "LoRA"
+    saved = jmem.load(str(tmp_path / "merged")).model
+    jax.tree.map(np.testing.assert_array_equal, _params(saved), _params(merge(trained)))
+
+
 @pytest.mark.parametrize("extra, expected", [
-    (dict(lora_rank=4, save="a.txt"), "--save 'a.txt' with --lora-rank writes the adapters as an .npz file"),
+    (dict(lora_rank=4, save="a.npz"), "--save 'a.npz' exists"),
     (dict(save="taken"), "--save 'taken' is a non-empty directory"),
+    (dict(lora_rank=4, save="taken"), "--save 'taken' is a non-empty directory"),
 ])
 def test_bad_save_paths_are_refused_before_training(extra, expected, tmp_path, monkeypatch):
     from jmem.train.checks import validate
@@ -63,5 +81,6 @@ def test_bad_save_paths_are_refused_before_training(extra, expected, tmp_path, m
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "f").write_text("x")
+    (tmp_path / "a.npz").write_text("x")
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         validate(TrainConfig(**{**BASE, **extra}))

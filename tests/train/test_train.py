@@ -467,3 +467,15 @@ def test_moe_flags_make_and_shape_the_experts(tmp_path):
     assert len(steps) == 2 and all(r["moe_dropped"] == 0 for r in steps)  # dropless: nothing dropped
     with pytest.raises(ValueError, match="--moe-experts 4 would replace the trained MLP of --model smollm2-135m"):
         validate(dataclasses.replace(BASE, model="smollm2-135m", moe_experts=4))
+
+
+def test_a_capacity_factor_for_a_model_that_routes_dropless_is_refused():
+    """A GGUF MoE routes dropless (as llama.cpp): --moe-capacity-factor was accepted and ignored."""
+    from jmem.models.config import LlamaConfig
+    from jmem.train.checks import check_moe_flags
+
+    cfg = dataclasses.replace(BASE, model="mixtral.gguf", moe_capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"--moe-capacity-factor 1.0 with --model mixtral.gguf, which routes dropless "
+                                         r"\(no capacity, as llama.cpp routes a GGUF file's experts\), does nothing"):
+        check_moe_flags(cfg, LlamaConfig.tiny_moe(moe_dropless=True))
+    check_moe_flags(cfg, LlamaConfig.tiny_moe())  # a capacity-routed model takes it
