@@ -262,3 +262,28 @@ def test_bench_multi_lora_table_of_one_small_step(capsys):
     assert [(r["slots"], r["impl"]) for r in records] == [(1, "onehot"), (1, "gather"), (2, "onehot"), (2, "gather")]
     assert all(r["temp_bytes"] > 0 and r["matmul_flops"] >= 2 * 8 * 16 * 16 for r in records)
     assert "| 2 | gather |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--experts", "0"], "error: moe n_experts=0; accepted: an integer >= 1"),
+    (["--top-k", "9"], "error: moe top_k=9; accepted: an integer in 1..n_experts=8"),
+    (["--seq", "2048"], "error: --seq 2048; accepted: 1..1024 (the model's context)"),
+    (["--lora-rank", "0"], "error: --lora-rank 0; accepted: an integer >= 1"),
+    (["--target", "tpu:v9:2x2"], "error: "),
+])
+def test_moe_memory_flags_are_one_line_before_compiling(argv, expected, monkeypatch, capsys):
+    err = _refused(experiment("moe_memory"), argv, monkeypatch, capsys)
+    assert err.startswith(expected), err
+
+
+@pytest.mark.slow
+def test_moe_memory_compiles_every_row(tmp_path):
+    """Small: the quantized experts hold less, and the adapters' (x A) B step less temp than merged weights."""
+    import json
+
+    out = tmp_path / "moe.json"
+    assert experiment("moe_memory").cli(["--experts", "2", "--seq", "32", "--lora-rank", "2", "--out", str(out)]) == 0
+    rows = {(r["kind"], r["experts"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("serving forward", "nf4")]["argument_bytes"] < 0.3 * rows[("serving forward", "f32")]["argument_bytes"]
+    for base in ("f32", "nf4"):
+        assert rows[("LoRA step, (x A) B", base)]["temp_bytes"] < rows[("LoRA step, merged weights", base)]["temp_bytes"]
