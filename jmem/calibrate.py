@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.checks import is_int
+from jmem.models.config import LINEARS  # noqa: F401 - the calibrated methods' weights, imported from here
 from jmem.models.dot import dot
 from jmem.models.llama import block
 
-LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # GPTQ's true-sequential order within a block: each stage sees the earlier stages rewritten.
 STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 

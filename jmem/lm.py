@@ -48,9 +48,9 @@ class CompletionWatch:
     the rest).
     """
 
-    def __init__(self, tokenizer, stop: list[str], on_text: Callable[[str], None] | None = None):
-        self.tok, self.stops, self.on_text = tokenizer, stop, on_text
-        self.sent = 0  # characters of the completion passed to on_text
+    def __init__(self, tokenizer, stop: str | list[str] | None, on_text: Callable[[str], None] | None = None):
+        self.tok, self.stops, self.on_text = tokenizer, stop_strings(stop), on_text
+        self.sent = 0  # characters of the completion passed to on_text (row 0's: one row streams)
 
     def _stream(self, text: str, final: bool) -> None:
         end = len(text)
@@ -65,7 +65,9 @@ class CompletionWatch:
         text = self.tok.decode(ids) if text is None else text
         return any(s in text for s in self.stops)
 
-    def stop(self, _row, ids) -> int | None:
+    def stop(self, row, ids) -> int | None:
+        if self.on_text is not None and row != 0:
+            raise ValueError(f"CompletionWatch with on_text streams one row; got row {row}")
         text = self.tok.decode(ids)  # once per call, for the stop check and the stream
         if not self._reached(ids, text):
             if self.on_text is not None:
@@ -162,7 +164,7 @@ class LM:
         watch = CompletionWatch(tok, stop, on_text)
         new = generate_ids(self.model, encoded, max_new_tokens, params, eos_id=tok.eos_id,
                            stop=watch.stop if stop or on_text is not None else None,
-                           chunk=16 if on_text is None else STREAM_CHUNK)
+                           **({} if on_text is None else {"chunk": STREAM_CHUNK}))
         return [watch.finish(ids) for ids in new]
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> str:

@@ -33,12 +33,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
-from jmem.models.config import as_dtype
+from jmem.models.config import LINEARS, as_dtype
 from jmem.models.dot import dot, partition_specs
 from jmem.models.moe import EXPERT_TARGETS, expert_matmul
 from jmem.sampling import seed_key
 
-LINEAR_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LINEAR_TARGETS = LINEARS  # the blocks' linear kernels
 # Every name `apply_lora` takes: the linears, a mixture-of-experts block's experts, the output head.
 TARGETS = LINEAR_TARGETS + EXPERT_TARGETS + ("head",)
 ADAPTER_FIELDS = ("lora_a", "lora_b")

@@ -269,7 +269,7 @@ def test_bench_multi_lora_table_of_one_small_step(capsys):
     (["--top-k", "9"], "error: moe top_k=9; accepted: an integer in 1..n_experts=8"),
     (["--seq", "2048"], "error: --seq 2048; accepted: 1..1024 (the model's context)"),
     (["--lora-rank", "0"], "error: --lora-rank 0; accepted: an integer >= 1"),
-    (["--target", "tpu:v9:2x2"], "error: "),
+    (["--target", "gpu"], "error: target 'gpu': expected 'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'"),
 ])
 def test_moe_memory_flags_are_one_line_before_compiling(argv, expected, monkeypatch, capsys):
     err = _refused(experiment("moe_memory"), argv, monkeypatch, capsys)

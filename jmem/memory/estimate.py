@@ -55,10 +55,11 @@ import numpy as np
 
 from jmem.checks import check_bool, is_int
 from jmem.memory.measure import format_bytes, tree_bytes
+from jmem.models.config import LINEARS
 from jmem.models.moe import EXPERT_TARGETS
 
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LINEAR_NAMES = LINEARS  # the blocks' linear kernels
 BASE_FORMATS = ("nf4", "int8", "fp8", "rtn")
 
 

@@ -10,6 +10,10 @@ import numpy as np
 
 from jmem.checks import check_bool, is_number
 
+# The linear kernels of a dense block (`layers.<name>.kernel`), which quantization, pruning, LoRA and
+# the memory estimate name.
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16}
 

@@ -94,7 +94,11 @@ def _validate_save(cfg: TrainConfig) -> None:
     writes it; with LoRA, the adapters merged into the weights)."""
     if cfg.save is None:
         return
-    if cfg.lora_rank > 0 and cfg.save.endswith(".npz"):
+    suffix = pathlib.Path(cfg.save).suffix
+    if cfg.lora_rank > 0 and suffix not in ("", ".npz"):  # a typo would write the whole merged model
+        raise ValueError(f"--save {cfg.save!r} with --lora-rank; accepted: a path ending in .npz (the adapters) or "
+                         "a directory name without an extension (the model with its adapters merged)")
+    if cfg.lora_rank > 0 and suffix == ".npz":
         if pathlib.Path(cfg.save).expanduser().exists():
             raise ValueError(f"--save {cfg.save!r} exists (nothing is overwritten); accepted: a new path")
     else:
@@ -299,10 +303,9 @@ LORA_TARGETS = tuple(t for t in TARGETS if t != "head")  # --lora-targets: the h
 def lora_targets(cfg: TrainConfig, mc: LlamaConfig) -> tuple[str, ...]:
     """The weights that get adapters: --lora-targets, whose default (the linears, in any order) means every
     weight of the model (an MoE model's experts in place of the MLP linears)."""
-    from jmem.memory.estimate import LINEAR_NAMES, weight_names
+    from jmem.memory.estimate import resolve_lora_targets
 
-    names = tuple(cfg.lora_targets.split(","))
-    return weight_names(mc) if set(names) == set(LINEAR_NAMES) else names
+    return resolve_lora_targets(mc, cfg.lora_targets.split(","))
 
 
 def _validate_lora(cfg: TrainConfig) -> None:
@@ -333,11 +336,14 @@ def _validate_lora(cfg: TrainConfig) -> None:
         if mc is not None:
             from jmem.memory.estimate import weight_names
 
-            absent = [t for t in lora_targets(cfg, mc) if t not in weight_names(mc)]
-            if absent:
+            try:
+                lora_targets(cfg, mc)
+            except ValueError:
+                absent = [t for t in names if t not in weight_names(mc)]
                 kind = "a mixture of experts" if mc.moe_experts else "dense"
                 raise ValueError(f"--lora-targets {','.join(absent)} with --model {cfg.model}: not a weight of this "
-                                 f"model (its MLP is {kind}); accepted: names among {', '.join(weight_names(mc))}")
+                                 f"model (its MLP is {kind}); accepted: names among {', '.join(weight_names(mc))}") \
+                    from None
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:
@@ -416,10 +422,10 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
     if "moe_capacity_factor" in given and given.get("moe_dropless"):
         raise ValueError(f"--moe-capacity-factor {cfg.moe_capacity_factor} with --moe-dropless does nothing "
                          "(dropless routing has no capacity); accepted: one of them")
-    if "moe_capacity_factor" in given and base.moe_dropless:  # a GGUF file's experts route as llama.cpp's do
+    if "moe_capacity_factor" in given and base.moe_dropless:  # e.g. a GGUF file's experts, routed as llama.cpp's
         raise ValueError(f"--moe-capacity-factor {cfg.moe_capacity_factor} with --model {cfg.model}, which routes "
-                         "dropless (no capacity, as llama.cpp routes a GGUF file's experts), does nothing; "
-                         "accepted: no --moe-capacity-factor with this model")
+                         "dropless (its config has no capacity), does nothing; accepted: no --moe-capacity-factor "
+                         "with this model")
     try:
         base.replace(**given)
     except ValueError as e:

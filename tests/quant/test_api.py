@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -309,7 +310,9 @@ def test_quantized_experts_are_decoded_one_layer_at_a_time():
     report = measure(lambda st, ids: nnx.merge(graph, st)(ids)[0], state, jnp.zeros((1, 8), jnp.int32))
     one_layer = sum(getattr(model.layers.moe, n).get_value()[0].nbytes for n in ("expert_gate", "expert_up",
                                                                                  "expert_down"))
-    assert one_layer <= report.temp_bytes < 2 * one_layer, (report.temp_bytes, one_layer)
+    assert report.temp_bytes < 2 * one_layer, (report.temp_bytes, one_layer)
+    if jax.default_backend() == "cpu":  # decoded apart from the matmul (an accelerator fuses it: less)
+        assert report.temp_bytes >= one_layer, (report.temp_bytes, one_layer)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

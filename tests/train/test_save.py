@@ -72,6 +72,7 @@ def test_a_lora_run_saved_to_a_directory_is_the_merged_model(tmp_path):
 
 @pytest.mark.parametrize("extra, expected", [
     (dict(lora_rank=4, save="a.npz"), "--save 'a.npz' exists"),
+    (dict(lora_rank=4, save="a.np"), "--save 'a.np' with --lora-rank; accepted: a path ending in .npz"),
     (dict(save="taken"), "--save 'taken' is a non-empty directory"),
     (dict(lora_rank=4, save="taken"), "--save 'taken' is a non-empty directory"),
 ])

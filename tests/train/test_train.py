@@ -476,6 +476,6 @@ def test_a_capacity_factor_for_a_model_that_routes_dropless_is_refused():
 
     cfg = dataclasses.replace(BASE, model="mixtral.gguf", moe_capacity_factor=1.0)
     with pytest.raises(ValueError, match=r"--moe-capacity-factor 1.0 with --model mixtral.gguf, which routes dropless "
-                                         r"\(no capacity, as llama.cpp routes a GGUF file's experts\), does nothing"):
+                                         r"\(its config has no capacity\), does nothing"):
         check_moe_flags(cfg, LlamaConfig.tiny_moe(moe_dropless=True))
     check_moe_flags(cfg, LlamaConfig.tiny_moe())  # a capacity-routed model takes it
