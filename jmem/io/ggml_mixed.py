@@ -19,7 +19,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.models.dot import decode_in_backward
+from jmem.models.dot import decoded_dot
 from jmem.quant import ggml
 from jmem.quant.ggml_weight import GGMLWeight, PackedRows
 
@@ -137,13 +137,8 @@ class MixedGGMLWeight(PackedRows):
                              f"{self.raw.shape}; slice the stacked layers axis first")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the weight has {self.in_features}")
-        return decode_in_backward(_mixed_dot)(x, self)
+        return decoded_dot(x, self)
 
     def __repr__(self) -> str:
         raw = getattr(self.raw, "shape", self.raw)
         return f"MixedGGMLWeight({'/'.join(q.name for q in self.qtypes)}, raw={raw})"
-
-
-def _mixed_dot(x: jax.Array, w: MixedGGMLWeight) -> jax.Array:
-    w_OI = w._decode_OI(w.raw, w.kind).astype(x.dtype)
-    return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32).astype(x.dtype)

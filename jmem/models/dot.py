@@ -47,6 +47,15 @@ def decode_in_backward(fn):
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
+@decode_in_backward
+def decoded_dot(x: jax.Array, w) -> jax.Array:
+    """`x[..., in] @ w.dequantize()[in, out]` in `x.dtype`, accumulating in f32: the `__jmem_dot__` of a packed
+    weight leaf (quantized tensors, GGUF blocks), decoded inside the traced step and again in the backward
+    pass (`decode_in_backward`)."""
+    y = jnp.matmul(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
 def partition_specs(w, lead: tuple, rows, cols, row_pieces: int = 1):
     """How to split weight leaf `w` `[..., in, out]` over a mesh: a tree shaped like `w` of `PartitionSpec`s.
 

@@ -221,6 +221,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     # dispatch, whose size grows with the square of the tokens.
     in_XCE = fix(jnp.zeros((X * cap, E), dt).at[slot_NK.reshape(-1)].add(
         jnp.repeat(x_NE, top_k, axis=0), mode="drop").reshape(X, cap, E))
+
     def matmul(a, w):  # [experts, cap, in] @ [experts, in, out]
         return jnp.einsum("xci,xio->xco", a, w.astype(a.dtype))
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.models.dot import check_row_split, decode_in_backward
+from jmem.models.dot import check_row_split, decoded_dot
 from jmem.quant import ggml
 from jmem.quant.ggml_quantize import quantize
 from jmem.quant.qtensor import check_finite
@@ -151,18 +151,13 @@ class GGMLWeight(PackedRows):
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the {self.qtype.name} weight has {self.in_features}")
-        return decode_in_backward(_ggml_dot)(x, self)
+        return decoded_dot(x, self)
 
     def __repr__(self) -> str:
         # Tree utilities may rebuild the node around a placeholder (a shape, None), so only
         # describe what is there.
         raw = getattr(self.raw, "shape", self.raw)
         return f"GGMLWeight({self.qtype.name}, raw={raw})"
-
-
-def _ggml_dot(x: jax.Array, w: GGMLWeight) -> jax.Array:
-    w_OI = ggml.dequantize(w.raw, w.qtype).astype(x.dtype)
-    return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def quantize_gguf_blocks(model, qtype, *, inplace: bool = False, log=None):

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jmem.kernels.dispatch import target_platform
 from jmem.kernels.flash_attention import kernel as fk
 from jmem.quant.nf4 import NF4_BLOCK, NF4_CODE, NF4Tensor
-from jmem.models.dot import decode_in_backward, float_input
+from jmem.models.dot import decoded_dot, float_input
 from jmem.quant.qtensor import IntTensor
 
 MATMUL_IMPLS = ("auto", "pallas", "xla")
@@ -161,12 +161,6 @@ def kernel_unsupported(w, x_features: int | None = None) -> str | None:
     return None
 
 
-@decode_in_backward
-def _xla_dot(x: jax.Array, w) -> jax.Array:
-    y = jnp.matmul(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _kernel_dot(x, w, interpret: bool):
     return dequant_matmul(x, w, interpret=interpret)
@@ -179,7 +173,7 @@ def _kernel_dot_fwd(x, w, interpret: bool):
 def _kernel_dot_bwd(interpret: bool, residuals, g):
     # Pallas calls have no transpose rule; the XLA path's gradient is the same function's.
     x, w = residuals
-    _, vjp = jax.vjp(_xla_dot, x, w)
+    _, vjp = jax.vjp(decoded_dot, x, w)
     return vjp(g)
 
 
@@ -215,7 +209,7 @@ def quantized_dot(x: jax.Array, w: IntTensor | NF4Tensor) -> jax.Array:
     """
     x = float_input(x, w.dtype)
     if not uses_kernel(x.shape[-1], w):
-        return _xla_dot(x, w)
+        return decoded_dot(x, w)
     interpret = fk.resolve_interpret(None)  # compiled for a GPU/TPU target, interpreted for CPU
     return _kernel_dot(x, w, interpret)
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmem.checks import check_bool, is_int
-from jmem.models.dot import check_row_split, decode_in_backward
+from jmem.models.dot import check_row_split, decoded_dot
 
 # Packing: 8 consecutive input rows form one word of `8 * bits` bits, stored
 # as `bits` little-endian bytes. For 4 bits byte r then holds rows 2r (low
@@ -39,11 +39,6 @@ PACK_BITS = (1, 2, 3, 4, 8)
 # Scales (and GGUF's F16 values and block scales) are f16: finite values up to this, subnormals down to the next.
 F16_MAX = float(np.finfo(np.float16).max)
 F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
-
-
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
 
 
 class QTensor:
@@ -74,7 +69,7 @@ class QTensor:
 
     def __jmem_dot__(self, x: jax.Array) -> jax.Array:
         """`x[..., in] @ W[in, out]`, dequantizing inside the traced step (and again in the backward pass)."""
-        return decode_in_backward(lambda x, w: _matmul(x, w.dequantize(x.dtype)))(x, self)
+        return decoded_dot(x, self)
 
     def __jmem_array__(self) -> jax.Array:
         """The float weight in the leaf's dtype, for code that reads a weight whole rather than through
