@@ -96,6 +96,9 @@ def resolve_impl(impl: str, dtype=None) -> str:
 
 
 def _check(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim"):
+            raise ValueError(f"attention: {name} is a {type(x).__name__}; accepted: an array")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"attention expects q [batch, q_len, q_heads, head_dim] and k/v "
@@ -117,23 +120,24 @@ def _check(q, k, v):
                          "three (cast them first)")
 
 
-def _per_row(name: str, value, batch: int, most: int | None = None):
+def _per_row(name: str, value, batch: int, most: int, what: str):
     """`q_offset` / `kv_lengths` as i32[batch]: a scalar is broadcast; anything else must be [batch] ints.
 
-    Concrete values must lie in [0, most] (most None: no upper bound); traced ones are not checked.
+    Concrete values must lie in [0, most] (`what` names the bound); traced ones are not checked.
     """
     if value is None:
         return None
     known = None if isinstance(value, jax.core.Tracer) else np.asarray(value)  # numpy: see `_zero`
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise ValueError(f"attention: {name} has dtype {value.dtype}; accepted: integers, one per row")
+    dtype = value.dtype if known is None else known.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"attention: {name} has dtype {dtype}; accepted: integers, one per row")
     flat = np.zeros(0) if known is None else known.reshape(-1)
-    bad = np.flatnonzero((flat < 0) | (flat > (np.inf if most is None else most)))
-    if bad.size:
+    bad = np.flatnonzero((flat < 0) | (flat > most))
+    if bad.size:  # checked before the int32 cast below, which would wrap a larger value
         i = int(bad[0])
-        accepted = "integers >= 0" if most is None else f"integers in [0, kv_len={most}]"
-        raise ValueError(f"attention: {name}{f'[{i}]' if known.ndim else ''}={int(flat[i])}; accepted: {accepted}")
+        raise ValueError(f"attention: {name}{f'[{i}]' if known.ndim else ''}={int(flat[i])}; accepted: integers in "
+                         f"[0, {what}={most}]")
+    value = jnp.asarray(value)
     if value.ndim == 0:
         return jnp.broadcast_to(value.astype(jnp.int32), (batch,))
     if value.shape != (batch,):
@@ -151,6 +155,19 @@ def masked_softmax(scores, visible):
     return p / jnp.where(l == 0, 1.0, l)
 
 
+def _check_call(q, k, v, causal, q_offset, kv_lengths, sm_scale, mask_TS=None):
+    """The inputs every attention impl refuses alike; (q_offset, kv_lengths) as i32[batch] or None."""
+    _check(q, k, v)
+    check_bool("attention: causal", causal)
+    check_scale("attention", sm_scale)  # as every kernel checks it
+    if mask_TS is not None and (not hasattr(mask_TS, "shape") or tuple(mask_TS.shape) != (q.shape[1], k.shape[1])):
+        raise ValueError(f"attention: mask_TS has shape {getattr(mask_TS, 'shape', type(mask_TS).__name__)}; "
+                         f"accepted: a bool array [q_len, kv_len]=({q.shape[1]}, {k.shape[1]})")
+    last = np.iinfo(np.int32).max - q.shape[1]  # int32 positions of every query row
+    return (_per_row("q_offset", q_offset, q.shape[0], last, "int32 max - q_len"),
+            _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1], "kv_len"))
+
+
 def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=None,
                   mask_TS=None):
     """Grouped-query attention in plain jnp; softmax in f32.
@@ -166,6 +183,11 @@ def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=True, q_offset=None, kv_leng
         mask_TS: optional bool[q_len, kv_len], True where query i may see key j
             (combined with the masks above). Rows that see no key give zeros.
     """
+    q_offset, kv_lengths = _check_call(q_BTHD, k_BSKD, v_BSKD, causal, q_offset, kv_lengths, sm_scale, mask_TS)
+    return _xla_attention(q_BTHD, k_BSKD, v_BSKD, causal, q_offset, kv_lengths, sm_scale, mask_TS)
+
+
+def _xla_attention(q_BTHD, k_BSKD, v_BSKD, causal, q_offset, kv_lengths, sm_scale, mask_TS):
     B, T, H, D = q_BTHD.shape
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     G = H // K
@@ -216,12 +238,9 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
     Example:
         >>> o = attention(q, k, v, causal=True, impl="xla")
     """
-    _check(q, k, v)
-    check_bool("attention: causal", causal)
-    check_scale("attention", sm_scale)  # as every kernel checks it
-    kernel_ok = _zero(q_offset) and kv_lengths is None
-    q_offset = _per_row("q_offset", q_offset, q.shape[0])
-    kv_lengths = _per_row("kv_lengths", kv_lengths, q.shape[0], k.shape[1])
+    checked = _check_call(q, k, v, causal, q_offset, kv_lengths, sm_scale)
+    kernel_ok = _zero(q_offset) and kv_lengths is None  # the values as given: no op staged into a trace
+    q_offset, kv_lengths = checked
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if impl == "auto":
@@ -233,5 +252,5 @@ def attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sm_scale=
 
         return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     # Offsets/lengths (decode against a cache, padded rows) go through XLA.
-    return xla_attention(q, k, v, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sm_scale=sm_scale)
+    return _xla_attention(q, k, v, causal, q_offset, kv_lengths, sm_scale, None)
 

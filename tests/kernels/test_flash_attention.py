@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem.kernels import attention
+from jmem.kernels import attention, xla_attention
 from jmem.kernels.flash_attention import attention_reference, flash_attention
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # bf16: a few ulps of values of order 1
@@ -260,15 +260,39 @@ def test_dispatcher_refuses_negative_offsets_and_lengths_past_kv_len():
     for kw, message in [(dict(kv_lengths=-3), r"attention: kv_lengths=-3; accepted: integers in \[0, kv_len=10\]"),
                         (dict(kv_lengths=jnp.array([10, -1])), r"attention: kv_lengths\[1\]=-1; accepted"),
                         (dict(kv_lengths=11), r"attention: kv_lengths=11; accepted: integers in \[0, kv_len=10\]"),
-                        (dict(q_offset=np.array([0, -5])), r"attention: q_offset\[1\]=-5; accepted: integers >= 0")]:
+                        (dict(q_offset=np.array([0, -5])), r"attention: q_offset\[1\]=-5; accepted: integers in \[0, "),
+                        # Past int32 (the positions' dtype): they wrapped to 0 or to a negative offset.
+                        (dict(q_offset=np.array([2**32, 0], np.int64)), r"q_offset\[0\]=4294967296; accepted: "
+                         r"integers in \[0, int32 max - q_len=2147483643\]"),
+                        (dict(q_offset=np.uint32(2**31)), r"q_offset=2147483648; accepted"),
+                        (dict(q_offset=2**31 - 4), r"q_offset=2147483644; accepted"),  # its last query's wraps
+                        (dict(q_offset=2**40), r"q_offset=1099511627776; accepted")]:
         for impl in ("xla", "pallas"):
             with pytest.raises(ValueError, match=message):
                 attention(q, k, v, impl=impl, **kw)
+        with pytest.raises(ValueError, match=message):  # the exported plain path checks alike
+            xla_attention(q, k, v, **kw)
     # The ends of the ranges are accepted; traced values are not checked (the cached decode's offsets are traced).
     assert not attention(q, k, v, kv_lengths=0, impl="xla").any()
+    np.testing.assert_allclose(attention(q, k, v, q_offset=2**31 - 5, impl="xla"),  # every key visible
+                               attention(q, k, v, causal=False, impl="xla"), atol=1e-6)
     want = attention(q, k, v, q_offset=20, kv_lengths=10, impl="xla")
     got = jax.jit(lambda off, n: attention(q, k, v, q_offset=off, kv_lengths=n, impl="xla"))(jnp.int32(20), jnp.int32(10))
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)  # jit may fuse differently: rounding only
+
+
+def test_plain_paths_refuse_what_the_dispatcher_refuses():
+    """`xla_attention` and `attention_reference` (exported) name bad input in one line; they failed deep inside
+    (a reshape, a subscript of an int offset, a broadcast of a wrong mask)."""
+    q, k, v, _ = _inputs(3, 2, 4, 10, 4, 2, 16, jnp.float32)
+    for fn in (xla_attention, attention_reference):
+        with pytest.raises(ValueError, match=r"q_heads=3 must be a multiple of kv_heads=2"):
+            fn(q[:, :, :3], k, v)
+        with pytest.raises(ValueError, match=r"mask_TS has shape \(3, 3\); accepted: a bool array \[q_len, kv_len\]"):
+            fn(q, k, v, mask_TS=np.ones((3, 3), bool))
+        with pytest.raises(ValueError, match="q is a list; accepted: an array"):
+            fn(q.tolist(), k, v)
+    np.testing.assert_allclose(xla_attention(q, k, v, q_offset=3), xla_attention(q, k, v, q_offset=jnp.full(2, 3)))
 
 
 @pytest.mark.parametrize("D,num_warps,expected", [(128, None, 8), (96, None, 8), (64, None, 4), (128, 2, 2)])

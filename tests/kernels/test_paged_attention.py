@@ -170,6 +170,14 @@ def test_bad_inputs_name_the_problem():
             paged_attention(q, kp, vp, lengths, table, **kw)
     with pytest.raises(ValueError, match="need k_scale"):
         paged_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), lengths, table)
+    # An empty pool dimension (a ZeroDivisionError, or a gather from page -1, before).
+    for cut, name in ((np.s_[:0], "kv_heads"), (np.s_[:, :0], "num_pages"), (np.s_[:, :, :0], "page_size")):
+        with pytest.raises(ValueError, match=rf"pages \(.*\) have {name}=0; accepted: \[kv_heads, num_pages"):
+            paged_attention(q, kp[cut], vp[cut], lengths * 0, table)
+    with pytest.raises(ValueError, match=r"have head_dim=0; accepted"):
+        paged_attention(q[..., :0], kp[..., :0], vp[..., :0], lengths, table)
+    with pytest.raises(ValueError, match="interpret='False'; accepted: True or False"):  # ran the interpreter
+        paged_attention(q, kp, vp, lengths, table, interpret="False")
     with pytest.raises(ValueError, match="head_dim=16 but pages have head_dim=8"):
         paged_attention(q, kp[..., :8], vp[..., :8], lengths, table)
     k8, v8 = kp.astype(jnp.int8), vp.astype(jnp.int8)

@@ -39,6 +39,10 @@ def check_pages(name: str, q_heads: int, head_dim: int, k_pages, v_pages, k_scal
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"{name}: k_pages dtype {k_pages.dtype} != v_pages dtype {v_pages.dtype}")
     kv_heads, num_pages, page_size, page_head_dim = k_pages.shape
+    empty = [n for n, size in zip(("kv_heads", "num_pages", "page_size", "head_dim"), k_pages.shape) if size < 1]
+    if empty:
+        raise ValueError(f"{name}: pages {k_pages.shape} have {', '.join(f'{n}=0' for n in empty)}; accepted: "
+                         "[kv_heads, num_pages, page_size, head_dim] pools of sizes >= 1")
     if page_head_dim != head_dim:
         raise ValueError(f"{name}: q head_dim={head_dim} but pages have head_dim={page_head_dim} (pages {k_pages.shape})")
     if q_heads % kv_heads:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jmem.checks import check_bool
 from jmem.kernels.paged_attention.checks import is_quantized
 
 BACKENDS = ("triton", "mosaic")
@@ -46,7 +47,8 @@ def resolve(backend, interpret):
         from jmem.kernels.dispatch import target_platform
 
         interpret = target_platform() == "cpu"
-    return backend, bool(interpret)
+    check_bool("interpret", interpret)
+    return backend, interpret
 
 
 def _power_of_two(n: int) -> bool:
