@@ -312,9 +312,10 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
 def write_adapters(model, n: int, rank: int, folder: str) -> dict[str, str]:
     """`n` freshly initialized adapters of `rank` on every linear weight of `model`, saved in `folder`
     ({name: path}); their B starts at zero as in training, which costs the same compute as trained ones."""
-    from jmem.lora import LINEAR_TARGETS, apply_lora, save_adapters
+    from jmem.lora import apply_lora, save_adapters
+    from jmem.models.config import LINEARS
 
-    targets = [t for t in LINEAR_TARGETS if hasattr(model.layers, t)]
+    targets = [t for t in LINEARS if hasattr(model.layers, t)]
     modules = {}
     for i in range(n):
         modules[f"lora{i}"] = os.path.join(folder, f"lora{i}.npz")

@@ -34,7 +34,8 @@ from jmem.lora import apply_lora, combine, merge, split_trainable
 from jmem.memory import measure
 from jmem.memory.measure import parse_target
 from jmem.models import Llama, LlamaConfig
-from jmem.models.moe import EXPERT_TARGETS, check_moe
+from jmem.models.config import EXPERT_TARGETS
+from jmem.models.moe import check_moe
 from jmem.quant import quantize
 
 

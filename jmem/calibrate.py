@@ -24,13 +24,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_targets, is_int
 from jmem.models.config import LINEARS  # noqa: F401 - the calibrated methods' weights, imported from here
 from jmem.models.dot import dot
 from jmem.models.llama import block
 
 # GPTQ's true-sequential order within a block: each stage sees the earlier stages rewritten.
 STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
+def linear_targets(model, targets) -> tuple[str, ...]:
+    """`targets` (a name or several) as a tuple of distinct linears of `model`'s blocks (`check_targets`);
+    a ValueError names those a mixture-of-experts block lacks (its experts replace the MLP linears)."""
+    targets = check_targets(targets, LINEARS)
+    present = model.config.weight_names()
+    absent = [t for t in targets if t not in present]
+    if absent:
+        raise ValueError(f"targets {absent} are not linear kernels of this model's blocks (its MLP is a mixture of "
+                         f"experts); accepted: {', '.join(n for n in LINEARS if n in present)}")
+    return targets
 
 
 def calibration_tokens(calibration, tokenizer=None, seq_len: int = 512, max_seqs: int = 32) -> np.ndarray:

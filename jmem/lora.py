@@ -33,14 +33,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
-from jmem.models.config import LINEARS, as_dtype
+from jmem.models.config import EXPERT_TARGETS, LINEARS, as_dtype
 from jmem.models.dot import dot, partition_specs
-from jmem.models.moe import EXPERT_TARGETS, expert_matmul
+from jmem.models.moe import expert_matmul
 from jmem.sampling import seed_key
 
-LINEAR_TARGETS = LINEARS  # the blocks' linear kernels
 # Every name `apply_lora` takes: the linears, a mixture-of-experts block's experts, the output head.
-TARGETS = LINEAR_TARGETS + EXPERT_TARGETS + ("head",)
+TARGETS = LINEARS + EXPERT_TARGETS + ("head",)
 ADAPTER_FIELDS = ("lora_a", "lora_b")
 BASE_SAMPLE = 256  # values of each adapted base weight an adapter file records (`check_base`)
 BASE_MIN_CORRELATION = 0.5  # a quantized copy of the base keeps > 0.9; an unrelated base gives ~0 +- 0.06
@@ -193,15 +192,12 @@ def _kernel_var(model, name: str):
         return model.head.kernel
     if name not in TARGETS:
         raise ValueError(f"unknown LoRA target {name!r}; accepted: {', '.join(TARGETS)}")
-    layers = model.layers
-    moe = getattr(layers, "moe", None)
-    if not (hasattr(layers, name) or (moe is not None and name in EXPERT_TARGETS)):
-        present = [t for t in LINEAR_TARGETS if hasattr(layers, t)] + (list(EXPERT_TARGETS) if moe else []) \
-            + (["head"] if hasattr(model, "head") else [])
-        kind = "a mixture of experts" if moe is not None else "dense"
+    present = model.config.weight_names()
+    if name not in present:
+        kind = "a mixture of experts" if model.config.moe_experts else "dense"
         raise ValueError(f"LoRA target {name!r} is not a weight of this model (its MLP is {kind}); accepted: "
-                         f"{', '.join(present)}")
-    return getattr(moe, name.removeprefix("moe.")) if name in EXPERT_TARGETS else getattr(layers, name).kernel
+                         f"{', '.join(present + (('head',) if hasattr(model, 'head') else ()))}")
+    return model.layers.weight_var(name)
 
 
 def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), *, dropout: float = 0.0,

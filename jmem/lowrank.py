@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_bool, check_targets, is_int, is_number
+from jmem.checks import check_bool, is_int, is_number
 from jmem.models.dot import dot
 from jmem.quant.qtensor import check_finite
-from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
-from jmem.calibrate import stack_records
+from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids
+from jmem.calibrate import linear_targets, run_layer, stack_records
 
 
 class LowRank:
@@ -181,15 +181,11 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
         raise ValueError(f"give exactly one of rank={rank!r} or keep={keep!r}")
     if keep is not None and (not is_number(keep) or not 0 < keep < 1):
         raise ValueError(f"keep={keep!r}; accepted: the fraction of each matrix's parameters to keep, in (0, 1)")
-    targets = check_targets(targets, LINEARS)
+    targets = linear_targets(model, targets)
     weights = model.layers.weights()
     plan = {}
-    absent = [n for n in targets if n not in weights]
-    if absent:  # a mixture-of-experts block has no w_gate/w_up/w_down linear
-        raise ValueError(f"targets {absent} are not linear kernels of this model's blocks (its MLP is a mixture of "
-                         f"experts); accepted: {', '.join(n for n in LINEARS if n in weights)}")
     for name in targets:
-        w = weights.get(name)
+        w = weights[name]
         if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"target {name!r} holds a {type(w).__name__}; accepted: float kernels "
                              "(factorize before quantizing or adding adapters)")
@@ -201,8 +197,6 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
                              f"than the {n_in * n_out} of the dense weight; accepted: rank < "
                              f"{math.ceil(n_in * n_out / (n_in + n_out))}")
         plan[name] = r
-    if not plan:
-        raise ValueError("targets is empty; accepted: names among " + ", ".join(LINEARS))
     return plan
 
 

@@ -45,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_bool, check_targets, is_number
-from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
-from jmem.calibrate import stack_records
+from jmem.checks import check_bool, is_number
+from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, linear_targets
+from jmem.calibrate import run_layer, stack_records
 from jmem.quant.api import describe_quantized
 from jmem.quant.qtensor import PACK_ROWS, QTensor, pack_bits, unpack_bits
 
@@ -381,28 +381,16 @@ SPARSE_LEAVES = (NMSparse, BitmaskSparse)
 # --------------------------------------------------------------------------- the model
 
 
-def _check_model(model, targets) -> dict:
+def check_fits(model, spec: PruneSpec, targets=LINEARS) -> dict:
+    """Refuse targets `prune` cannot prune in `model` (absent, quantized, or an input dimension M does
+    not divide) with one ValueError; the block's weights otherwise. Cheap: no scores, no copies."""
+    targets = linear_targets(model, targets)
     weights = model.layers.weights()
-    targets = tuple(targets)
-    if not targets:
-        raise ValueError("targets is empty; accepted: a non-empty subset of the block's linears "
-                         f"{', '.join(n for n in LINEARS if n in weights)}")
-    missing = [t for t in targets if t not in LINEARS or t not in weights]
-    if missing:
-        raise ValueError(f"targets {missing} are not linear kernels of this model's blocks; accepted: "
-                         f"{', '.join(n for n in LINEARS if n in weights)}")
     for t in targets:
         kind = describe_quantized(weights[t])
         if kind is not None:
             raise ValueError(f"{t} is already a {kind} weight leaf; accepted: float kernels (prune the model "
                              "as loaded, before quantizing or adding adapters)")
-    return weights
-
-
-def check_fits(model, spec: PruneSpec, targets=LINEARS) -> dict:
-    """Refuse targets `prune` cannot prune in `model` (absent, quantized, or an input dimension M does
-    not divide) with one ValueError; the block's weights otherwise. Cheap: no scores, no copies."""
-    weights = _check_model(model, targets)
     if spec.m is not None:
         for t in targets:
             n_in = weights[t].shape[-2]
@@ -451,7 +439,7 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
         >>> logits, _ = pruned(ids_BT)
     """
     spec = check_spec(method, sparsity, pattern)
-    targets = check_targets(targets, LINEARS)
+    targets = linear_targets(model, targets)
     check_bool("pack", pack)
     check_bool("inplace", inplace)
     weights = check_fits(model, spec, targets)

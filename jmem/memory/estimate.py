@@ -55,11 +55,9 @@ import numpy as np
 
 from jmem.checks import check_bool, is_int
 from jmem.memory.measure import format_bytes, tree_bytes
-from jmem.models.config import LINEARS
-from jmem.models.moe import EXPERT_TARGETS
+from jmem.models.config import EXPERT_TARGETS, LINEARS
 
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
-LINEAR_NAMES = LINEARS  # the blocks' linear kernels
 BASE_FORMATS = ("nf4", "int8", "fp8", "rtn")
 
 
@@ -124,21 +122,13 @@ def _quantized_shapes(sds: jax.ShapeDtypeStruct, fmt: str, group_size: int | Non
     return jax.eval_shape(make, sds)
 
 
-def weight_names(config) -> tuple[str, ...]:
-    """The layers' weights `quantize_base` quantizes and LoRA may target: the linears, with a mixture of
-    experts' experts (`moe.expert_gate`, ...) in place of the MLP linears."""
-    if config.moe_experts:
-        return LINEAR_NAMES[:4] + EXPERT_TARGETS
-    return LINEAR_NAMES
-
-
 def resolve_lora_targets(config, lora_targets) -> tuple[str, ...]:
     """`lora_targets` (one name or several) checked against `config`'s weights, a name given twice taken once;
     the linears' full list (in any order), the default, means every weight of the model (an MoE model's
     experts in place of its MLP linears). A ValueError names unknown or absent names."""
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
-    names = weight_names(config)
-    if set(targets) == set(LINEAR_NAMES):
+    names = config.weight_names()
+    if set(targets) == set(LINEARS):
         return names
     bad = [t for t in targets if t not in names]
     if bad:
@@ -260,7 +250,7 @@ def _saved_per_layer(policy: str, sizes: _Sizes, config, seq: int) -> tuple[int,
 
 def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dtype=None, compute_dtype=None,
              optimizer: str = "adamw", optimizer_kw: dict | None = None, accum: int = 1, attention: str | None = None, loss_chunk: int | None = None,
-             master_weights: bool = False, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
+             master_weights: bool = False, lora_rank: int = 0, lora_targets=LINEARS,
              quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32",
              trained_layers: int | None = None) -> dict:
     """Analytic per-device bytes of one training step (no sharding).
@@ -281,7 +271,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             full `f32[batch, seq, vocab]` logits.
         master_weights: an f32 master copy in the optimizer state
             (`jmem.memory.precision.with_master_weights`).
-        lora_rank: > 0: LoRA adapters on `lora_targets` (names among `weight_names(config)`: wq,
+        lora_rank: > 0: LoRA adapters on `lora_targets` (names among `config.weight_names()`: wq,
             wk, wv, wo, w_gate, w_up, w_down, or an MoE model's moe.expert_gate/up/down; the
             default means all of them) are the only trainable parameters.
         quantize_base: the frozen base's format: nf4, int8, fp8 or rtn (4
@@ -330,7 +320,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     lora_targets = resolve_lora_targets(config, lora_targets)
     if lora_rank and not lora_targets:
         raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
-                         f"{', '.join(weight_names(config))}")
+                         f"{', '.join(config.weight_names())}")
     if quantize_base is not None:
         if quantize_base not in BASE_FORMATS:
             raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
@@ -387,7 +377,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     if quantize_base is not None:
         # One layer's kernels dequantized to the compute dtype inside the scan.
         workspace += sum(int(np.prod(h[k].shape[1:])) for h, k in (_holder(shapes["layers"], n)
-                                                                    for n in weight_names(config))) * c
+                                                                    for n in config.weight_names())) * c
     # Embedding output and final norm (input, f32 normalised, output) outside the scan.
     activations += tokens * config.dim * (3 * c + 4)
     logits = 2 * micro * min(seq, loss_chunk or seq) * config.vocab_size * 4
@@ -415,14 +405,14 @@ def _param_trees(config, param_dtype, lora_rank, lora_targets, quantize_base, ba
     base = shapes
     if quantize_base is not None:
         layers = {k: dict(v) for k, v in shapes["layers"].items()}
-        for name in weight_names(config):
+        for name in config.weight_names():
             holder, key = _holder(layers, name)
             holder[key] = _quantized_shapes(holder[key], quantize_base, base_group_size)
         base = {**shapes, "layers": layers}
     return shapes, base, _lora_shapes(shapes, int(lora_rank), lora_targets, _dtype(lora_dtype))
 
 
-def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targets=LINEAR_NAMES,
+def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targets=LINEARS,
                       quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> int:
     """Bytes of the stacked layers' parameters as a training run holds them (what `--offload-params host`
     moves off the device): the base's layer weights, quantized with `quantize_base`, and the LoRA

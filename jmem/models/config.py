@@ -13,6 +13,11 @@ from jmem.checks import check_bool, is_number
 # The linear kernels of a dense block (`layers.<name>.kernel`), which quantization, pruning, LoRA and
 # the memory estimate name.
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The stacked expert weights `[(layers,) experts, in, out]` of a mixture-of-experts block, and their names
+# inside a model's blocks (`layers.moe.<name>`), as `jmem.quant.quantize`, `jmem.lora.apply_lora` and
+# `--lora-targets` take them.
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_TARGETS = tuple(f"moe.{n}" for n in EXPERT_WEIGHTS)
 
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16}
@@ -220,6 +225,12 @@ class LlamaConfig:
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
+
+    def weight_names(self) -> tuple[str, ...]:
+        """The layers' weights that quantization replaces and LoRA may target: the linears, with a mixture of
+        experts' experts (`moe.expert_gate`, ...) in place of the MLP linears (`Blocks.weight_var` gives
+        each one's variable)."""
+        return LINEARS[:4] + EXPERT_TARGETS if self.moe_experts else LINEARS
 
     def shape_line(self) -> str:
         """The model's shape in one line, as `jmem info` prints it."""

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jmem.kernels import attention
 from jmem.kernels.dispatch import resolve_impl
 from jmem.memory.offload import fetch_layer
-from jmem.models.config import LlamaConfig, as_dtype, normal_init
+from jmem.models.config import EXPERT_TARGETS, LlamaConfig, as_dtype, normal_init
 from jmem.models.dot import dot
 from jmem.models.moe import MoEMLP, MoEStats, moe_mlp
 from jmem.parallel.rules import ACTIVATION_AXES, MATMUL_INPUT_AXES, constrain, kernel_per_device
@@ -142,6 +142,11 @@ class Blocks(nnx.Module):
             self.w_gate = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
             self.w_up = Linear(d, cfg.ffn_dim, stack=s, dtype=dt, rngs=rngs)
             self.w_down = Linear(cfg.ffn_dim, d, stack=s, dtype=dt, rngs=rngs)
+
+    def weight_var(self, name: str) -> nnx.Variable:
+        """The variable of weight `name` (one of `LlamaConfig.weight_names()`): a linear's kernel, or a
+        mixture of experts' stacked experts (`moe.expert_gate`, ...)."""
+        return getattr(self.moe, name.removeprefix("moe.")) if name in EXPERT_TARGETS else getattr(self, name).kernel
 
     def weights(self) -> dict:
         """The stacked weight leaves by name (arrays or weight-leaf pytrees); MoE blocks have

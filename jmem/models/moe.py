@@ -47,11 +47,6 @@ from jmem.checks import check_int, is_int, is_number
 from jmem.models.config import normal_init
 from jmem.models.dot import decode_in_backward, dot
 
-# The stacked expert weights `[(layers,) experts, in, out]`, and their names inside a model's blocks
-# (`layers.moe.<name>`), as `jmem.quant.quantize`, `jmem.lora.apply_lora` and `--lora-targets` take them.
-EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
-EXPERT_TARGETS = tuple(f"moe.{n}" for n in EXPERT_WEIGHTS)
-
 # Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
 MOE_LOGICAL_AXES: dict[str, tuple] = {
     "router.kernel": ("embed", None),

@@ -24,7 +24,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem.models.dot import dot
-from jmem.models.moe import EXPERT_WEIGHTS
+from jmem.models.config import EXPERT_WEIGHTS
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
 

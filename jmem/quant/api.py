@@ -29,7 +29,6 @@ from jmem.calibrate import STAGES as GPTQ_STAGES
 from jmem.calibrate import stack_records
 from jmem.checks import check_bool, is_int
 from jmem.models.llama import Blocks
-from jmem.models.moe import EXPERT_TARGETS
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
 from jmem.quant.gptq import gptq_quantize, hessian
@@ -102,11 +101,7 @@ def quant_targets(model) -> dict:
     a mixture-of-experts model its experts (`EXPERT_TARGETS`) in place of the MLP linears. The router stays
     float (llama.cpp keeps `ffn_gate_inp` in F32 too): it is small, and its logits decide which experts
     every token gets."""
-    layers = model.layers
-    out = {n: getattr(layers, n).kernel for n in LINEARS if hasattr(layers, n)}
-    if hasattr(layers, "moe"):
-        out.update({n: getattr(layers.moe, n.removeprefix("moe.")) for n in EXPERT_TARGETS})
-    return out
+    return {n: model.layers.weight_var(n) for n in model.config.weight_names()}
 
 
 def _group_plan(weights: dict, group_size, bits: int):

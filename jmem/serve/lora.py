@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.lora import LINEAR_TARGETS, LoRA, check_base, read_adapters
+from jmem.lora import LoRA, check_base, read_adapters
+from jmem.models.config import LINEARS
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import dot, partition_specs
@@ -204,9 +205,9 @@ def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str
     for name, path in modules.items():
         meta, stored = read_adapters(path)
         for target, m in meta.items():
-            if target not in LINEAR_TARGETS:
+            if target not in LINEARS:
                 raise ValueError(f"adapter {os.fspath(path)!r} targets {target!r}; served adapters may target: "
-                                 f"{', '.join(LINEAR_TARGETS)} (serve one on experts or the head merged into the "
+                                 f"{', '.join(LINEARS)} (serve one on experts or the head merged into the "
                                  "model: jmem.lora.merge)")
             if m["rank"] > max_lora_rank:
                 raise ValueError(f"adapter {name!r} has rank {m['rank']} on {target}, above --max-lora-rank="
@@ -251,10 +252,10 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     read = check_adapter_files(modules, max_lora_rank)
     layers = model.layers
     if runtime_loading:
-        targets = [t for t in LINEAR_TARGETS if hasattr(layers, t)]
+        targets = [t for t in LINEARS if hasattr(layers, t)]
         R = max_lora_rank
     else:
-        targets = sorted({t for meta, _ in read.values() for t in meta}, key=LINEAR_TARGETS.index)
+        targets = sorted({t for meta, _ in read.values() for t in meta}, key=LINEARS.index)
         R = max(m["rank"] for meta, _ in read.values() for m in meta.values())
     bases = {}
     for t in targets:
@@ -284,7 +285,7 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
 
 def target_of(path) -> str:
     """The linear target (wq, ..., w_down) a `MultiLoRA` leaf's key path in a model state passes through."""
-    return next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEAR_TARGETS)
+    return next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEARS)
 
 
 def _multi_leaves(state) -> dict[str, MultiLoRA]:

@@ -334,15 +334,13 @@ def _validate_lora(cfg: TrainConfig) -> None:
                              "comma-separated")
         mc = preset_config(cfg)  # a model file's targets are checked once it loads (jmem.lora.apply_lora)
         if mc is not None:
-            from jmem.memory.estimate import weight_names
-
             try:
                 lora_targets(cfg, mc)
             except ValueError:
-                absent = [t for t in names if t not in weight_names(mc)]
+                absent = [t for t in names if t not in mc.weight_names()]
                 kind = "a mixture of experts" if mc.moe_experts else "dense"
                 raise ValueError(f"--lora-targets {','.join(absent)} with --model {cfg.model}: not a weight of this "
-                                 f"model (its MLP is {kind}); accepted: names among {', '.join(weight_names(mc))}") \
+                                 f"model (its MLP is {kind}); accepted: names among {', '.join(mc.weight_names())}") \
                     from None
 
 

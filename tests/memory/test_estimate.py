@@ -12,7 +12,7 @@ from flax import nnx
 from jmem.memory.estimate import estimate, format_estimate, layer_param_bytes, param_shapes
 from jmem.memory.measure import measure, tree_bytes
 from jmem.models import Llama, LlamaConfig
-from jmem.models.moe import EXPERT_TARGETS
+from jmem.models.config import EXPERT_TARGETS
 from jmem.optim import make_optimizer
 
 CFG = LlamaConfig.tiny(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384, vocab_size=512)
