@@ -6,6 +6,7 @@ cost one line and no time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import pathlib
 
@@ -85,8 +86,25 @@ def validate(cfg: TrainConfig) -> Policy:
     _validate_offload(cfg, policy)
     _validate_layerwise(cfg)
     _validate_save(cfg)
+    _validate_outputs_apart(cfg)
     _make_output_dirs(cfg)
     return policy
+
+
+def _validate_outputs_apart(cfg: TrainConfig) -> None:
+    """No two outputs at one path, and none inside --save (a new path when the run ends): either would
+    overwrite one output with another, or refuse the final save after the whole run."""
+    given = {f"--{n.replace('_', '-')}": getattr(cfg, n) for n in ("ckpt_dir", "offload_dir", "log", "plot", "save")
+             if getattr(cfg, n)}
+    paths = {flag: pathlib.Path(value).expanduser().resolve() for flag, value in given.items()}
+    for a, b in itertools.combinations(given, 2):
+        if paths[a] == paths[b]:
+            raise ValueError(f"{a} {given[a]!r} and {b} {given[b]!r} are one path; accepted: separate paths (one "
+                             "output would overwrite the other)")
+    for flag, path in paths.items():
+        if "--save" in paths and paths["--save"] in path.parents:
+            raise ValueError(f"{flag} {given[flag]!r} is inside --save {given['--save']!r}, which must be new when the "
+                             "run ends; accepted: a path outside it")
 
 
 def _validate_save(cfg: TrainConfig) -> None:
@@ -198,7 +216,8 @@ def _validate_resume(cfg: TrainConfig) -> None:
 
 
 def _validate_log(cfg: TrainConfig) -> None:
-    """A fresh run does not write over another run's log; a resumed run appends to its own."""
+    """A fresh run does not write over another run's log; a resumed run appends to its own (the loop
+    checks the run id its log names against the checkpoint's)."""
     if cfg.log and not cfg.resume:
         path = pathlib.Path(cfg.log).expanduser()
         if path.is_file() and path.stat().st_size:

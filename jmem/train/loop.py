@@ -192,6 +192,23 @@ class _Logger:
             self.f.close()
 
 
+def _check_log_is_the_runs(path: str, run_id: str, ckpt_dir: str) -> None:
+    """A resumed run's log is its own: the id its memory events name is the checkpoint's (logs and
+    checkpoints of earlier versions name none)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "memory" and rec.get("run_id") not in (None, run_id):
+                raise ValueError(f"--log {path!r} is the log of run {rec['run_id']}, not of the run of --ckpt-dir "
+                                 f"{ckpt_dir} ({run_id}); nothing is overwritten; accepted: that run's log, or a "
+                                 "new path")
+
+
 def _keep_logged(line: str, resume_step: int) -> bool:
     """A log line a run resumed at `resume_step` keeps: records up to that step and events other
     than the memory one (the resumed run writes its own); not a line cut short by a kill."""
@@ -281,6 +298,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
             old = ckpt.read_meta(resume_step) or {}
+            run.meta["run_id"] = old.get("run_id", run.meta["run_id"])  # the run continues under its id
             changed = None if "data_digest" not in old else old["data_digest"] != run.meta.get("data_digest")
             for line in resume_notes(old.get("config", {}), cfg, changed):
                 print(line, file=out)
@@ -332,7 +350,10 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
     log_path = cfg.log if jax.process_index() == 0 else None
-    log = _Logger(log_path, {"event": "memory", **report.as_dict(), "estimate": estimate, "params": n_params,
+    if start and log_path:
+        _check_log_is_the_runs(log_path, run.meta["run_id"], cfg.ckpt_dir)
+    log = _Logger(log_path, {"event": "memory", "run_id": run.meta["run_id"], **report.as_dict(),
+               "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
                **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})},
                   start)

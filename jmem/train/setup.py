@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 
 import jax
 import optax
@@ -181,6 +182,7 @@ def meta_for(cfg: TrainConfig, model_config: LlamaConfig, policy: Policy, abstra
         "structure": structure_fingerprint(abstract_state),
         "settings": {name: getattr(cfg, name) for name in STATE_SETTINGS},
         "config": dataclasses.asdict(cfg),
+        "run_id": secrets.token_hex(6),  # a resumed run keeps its checkpoint's (its log names it too)
         **({"adam8bit_nu": ADAM8BIT_NU} if cfg.optimizer == "adam8bit" else {}),
         **({"base_group_size": BASE_GROUP_SIZE} if cfg.quantize_base == "rtn" else {}),
     }

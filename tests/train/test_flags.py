@@ -261,6 +261,25 @@ def test_fresh_run_does_not_write_over_an_existing_log(tmp_path, capsys):
     validate(TrainConfig(model="tiny", log=str(log)))
 
 
+def test_outputs_at_one_path_or_inside_save_are_refused_before_the_run(tmp_path):
+    """Two outputs at one path overwrote one another (a PNG over the log, the adapters over the log), and an
+    output inside --save filled it, so the save was refused after the whole run."""
+    def cfg(**kw):
+        return TrainConfig(model="tiny", **{k: str(tmp_path / v) for k, v in kw.items()})
+
+    for kw, message in [(dict(log="a.png", plot="a.png"), "--log '{log}' and --plot '{plot}' are one path"),
+                        (dict(ckpt_dir="o", save="o"), "--ckpt-dir '{ckpt_dir}' and --save '{save}' are one path"),
+                        (dict(log="s/log.jsonl", save="s"), "--log '{log}' is inside --save '{save}', which must"),
+                        (dict(ckpt_dir="s/ck", save="s"), "--ckpt-dir '{ckpt_dir}' is inside --save"),
+                        (dict(log="x/../a.jsonl", plot="a.jsonl"), "are one path")]:
+        with pytest.raises(ValueError, match=re.escape(message.format(**{k: tmp_path / v for k, v in kw.items()}))):
+            validate(cfg(**kw))
+    with pytest.raises(ValueError, match="--log .* and --save .* are one path"):
+        validate(dataclasses.replace(cfg(log="a.npz", save="a.npz"), lora_rank=2))
+    assert list(tmp_path.iterdir()) == []  # refused before any output directory is made
+    validate(cfg(ckpt_dir="ck", log="ck/log.jsonl", save="model"))  # a log beside the checkpoints is fine
+
+
 def test_model_file_must_be_gguf(tmp_path):
     (tmp_path / "x.txt").write_text("not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):

@@ -58,6 +58,24 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     assert np.mean([straight.losses[k] for k in (7, 8, 9)]) < np.mean([straight.losses[k] for k in (0, 1, 2)])
 
 
+def test_a_resumed_run_continues_only_its_own_log(tmp_path):
+    """The log names the run's id (kept in its checkpoints): resuming with another run's log is refused before
+    anything is written; it appended one run's steps to another's."""
+    short = dataclasses.replace(BASE, steps=2)
+    mine, other, ck = tmp_path / "mine.jsonl", tmp_path / "other.jsonl", str(tmp_path / "ck")
+    train(dataclasses.replace(short, ckpt_dir=ck, log=str(mine)), out=io.StringIO())
+    train(dataclasses.replace(short, log=str(other)), out=io.StringIO())
+    before = other.read_text()
+    with pytest.raises(ValueError, match=rf"--log '{other}' is the log of run [0-9a-f]+, not of the run of --ckpt-dir"):
+        train(dataclasses.replace(short, steps=3, ckpt_dir=ck, resume=True, log=str(other)), out=io.StringIO())
+    assert other.read_text() == before
+    train(dataclasses.replace(short, steps=3, ckpt_dir=ck, resume=True, log=str(mine)), out=io.StringIO())
+    recs = [json.loads(line) for line in mine.read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
+    assert [r["event"] for r in recs if "event" in r] == ["memory"] and recs[0]["run_id"] != json.loads(
+        before.splitlines()[0])["run_id"]
+
+
 def test_resume_names_the_flags_it_changes():
     """A changed --layerwise-schedule or --layerwise-period (which layers train) resumed without a word."""
     from jmem.train.loop import resume_notes
