@@ -1,7 +1,10 @@
 """Training text -> tokens (cached on disk) -> packed sequences -> batches by seed.
 
 Default text: the standard library's `pydoc_data.topics` (English prose on
-every CPython), one document per help topic; any UTF-8 file by path.
+every CPython), one document per help topic; any UTF-8 file by path. The
+topics repeat paragraphs (a fifth of the characters), so part of the default
+text's held-out windows also occur in its training windows: its validation
+loss is optimistic, a smoke check rather than a measure of generalisation.
 
 Tokenizers: models trained from scratch (`LlamaConfig.tiny()/small()`, vocab
 259) use `jmem.io.tokenizer.ByteTokenizer`: the 256 byte values are the ids
