@@ -39,19 +39,21 @@ def dot(x: jax.Array, w) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def decode_in_backward(fn):
-    """`fn(x, w)`, a matmul that decodes the packed weight leaf `w`, with a backward pass that decodes `w` again
-    rather than keeping the decoded float weight: the residuals are `x` and the packed leaf. Inside a layer
-    scan without remat the decoded weights were otherwise kept for every layer, so a QLoRA step held more
-    than a LoRA step on the float base (docs/benchmarks.md); the decode runs twice instead."""
+def recompute_weight_in_backward(fn):
+    """`fn(x, w)`, a matmul that derives its float weight from the leaf `w` (decodes a packed leaf, all-gathers
+    a ZeRO-3 shard), with a backward pass that derives it again rather than keeping it: the residuals are `x`
+    and the leaf. Inside a layer scan without remat the derived weights were otherwise kept for every layer:
+    a QLoRA step held more than a LoRA step on the float base, and a ZeRO-3 step every layer's gathered
+    weights (docs/benchmarks.md); the decode or gather runs twice instead, as FSDP gathers again for the
+    backward pass."""
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
-@decode_in_backward
+@recompute_weight_in_backward
 def decoded_dot(x: jax.Array, w) -> jax.Array:
     """`x[..., in] @ w.dequantize()[in, out]` in `x.dtype`, accumulating in f32: the `__jmem_dot__` of a packed
     weight leaf (quantized tensors, GGUF blocks), decoded inside the traced step and again in the backward
-    pass (`decode_in_backward`)."""
+    pass (`recompute_weight_in_backward`)."""
     y = jnp.matmul(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 

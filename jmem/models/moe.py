@@ -45,7 +45,7 @@ from flax import nnx
 
 from jmem.checks import check_int, is_int, is_number
 from jmem.models.config import normal_init
-from jmem.models.dot import decode_in_backward, dot
+from jmem.models.dot import dot, recompute_weight_in_backward
 
 # Logical axes of the MoE parameters, standalone (`MoEMLP`) and inside a stacked block (`layers.moe`).
 MOE_LOGICAL_AXES: dict[str, tuple] = {
@@ -167,13 +167,14 @@ def expert_array(w):
 def expert_matmul(x, w, matmul):
     """`matmul(x, W)`, `matmul` multiplying rows by each expert's `[in, out]` (batched or grouped), for an
     expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul)` (a LoRA adapter) computes its own
-    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight; a quantized or
-    packed leaf is decoded again in the backward pass (`decode_in_backward`), not kept decoded."""
+    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight; any other leaf
+    that is not an array (quantized, packed, a ZeRO-3 shard gathered on use) gives its float value again in
+    the backward pass (`recompute_weight_in_backward`), not kept."""
     own = getattr(w, "__jmem_expert_dot__", None)
     if own is not None:
         return own(x, matmul)
-    if hasattr(w, "dequantize"):
-        return decode_in_backward(lambda x, w: matmul(x, expert_array(w)))(x, w)
+    if not isinstance(w, jax.Array):
+        return recompute_weight_in_backward(lambda x, w: matmul(x, expert_array(w)))(x, w)
     return matmul(x, expert_array(w))
 
 

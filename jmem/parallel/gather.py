@@ -5,11 +5,14 @@ With parameters sharded over the data axes, XLA may pick any way to compute
 partial product). FSDP/ZeRO-3 means the first: gather one layer's weight just
 before its matmul and drop it after. `GatheredWeight` is a weight leaf (see
 `jmem.models.dot`) that pins that choice: its `__jmem_dot__` constrains the
-weight to its model-parallel layout (data axes removed) and multiplies. Inside
-the model's layer scan the leaf holds one layer's slice, so the all-gather runs
-per layer, inside the loop. The MoE expert weights, which `moe_mlp` multiplies
-with einsums rather than `dot`, are read through `__jmem_array__` (the same
-constraint) at the same place.
+weight to its model-parallel layout (data axes removed) and multiplies, and
+gathers it again in the backward pass rather than keeping it as a residual.
+Inside the model's layer scan the leaf holds one layer's slice, so the
+all-gather runs per layer, inside the loop. The MoE expert weights, which
+`moe_mlp` multiplies with grouped matmuls rather than `dot`, are read through
+`__jmem_array__` (the same constraint) at the same place. A quantized or packed
+leaf (QLoRA's base) is gathered the same way, child by child, each child to the
+split the leaf gives it for its kernel's model-parallel layout.
 
 Example:
     >>> wrapped = gather_on_use(params, mesh, rules)   # kernels -> GatheredWeight
@@ -18,12 +21,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem.models.dot import dot
+from jmem.models.dot import dot, recompute_weight_in_backward
 from jmem.models.config import EXPERT_WEIGHTS
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
@@ -31,10 +35,11 @@ from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_s
 
 @jax.tree_util.register_pytree_node_class
 class GatheredWeight:
-    """A kernel `[..., in, out]` whose trailing dims are gathered to `entries` before `dot`.
+    """A kernel `[..., in, out]` (an array, or a packed weight leaf) gathered before `dot`: each array
+    of `w` (the array itself, or each child of a packed leaf, in flatten order) to its `entries`.
 
-    `entries` describes only the trailing dims (no stacked `layers` size in static
-    data), so the leaf survives `lax.scan` slicing of its leading axis.
+    `entries` holds one tuple per array, describing only its trailing dims (no stacked `layers` size
+    in static data), so the leaf survives `lax.scan` slicing of its leading axis.
     """
 
     def __init__(self, w, mesh: Mesh, entries: tuple):
@@ -55,15 +60,29 @@ class GatheredWeight:
     def dtype(self):
         return self.w.dtype
 
+    def gathered(self):
+        """`w` with every array constrained to its model-parallel layout (data axes removed)."""
+        arrays, treedef = jax.tree.flatten(self.w)
+
+        def one(x, entries):
+            spec = P(*((None,) * max(0, x.ndim - len(entries)) + entries[max(0, len(entries) - x.ndim):]))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return treedef.unflatten([one(x, e) for x, e in zip(arrays, self.entries)])
+
     def __jmem_array__(self):
-        """The weight gathered to its model-parallel layout (for code that does not call `dot`,
-        such as the MoE experts' einsums)."""
-        n = self.w.ndim
-        spec = P(*((None,) * max(0, n - len(self.entries)) + self.entries[-n:]))
-        return jax.lax.with_sharding_constraint(self.w, NamedSharding(self.mesh, spec))
+        """The weight gathered (a packed leaf's decoded), for code that does not call `dot`, such as the
+        MoE experts' grouped matmuls."""
+        w = self.gathered()
+        return w if isinstance(w, jax.Array) else w.__jmem_array__()
 
     def __jmem_dot__(self, x):
-        return dot(x, self.__jmem_array__())
+        return _gathered_dot(x, self)
+
+
+@recompute_weight_in_backward
+def _gathered_dot(x, g: GatheredWeight):
+    return dot(x, g.gathered())
 
 
 def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None = None, *,
@@ -89,24 +108,57 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
     def one(path, x):
         name = path_str(path)
         weight = name.removesuffix(".base")  # a LoRA leaf's base is used as the weight it wraps
+        ndim = len(x.shape)  # packed leaves give their kernel's shape
         axes = lookup_axes(name, table)
-        if axes is None or len(axes) != x.ndim:
-            axes = (None,) * x.ndim
+        if axes is None or len(axes) != ndim:
+            axes = (None,) * ndim
         spec = rules.spec(axes, x.shape, mesh, name=name)
         entries = []
-        for i in range(x.ndim):
+        for i in range(ndim):
             e = spec[i] if i < len(spec) else None
             e = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
             e = tuple(a for a in e if a not in data_axes)
             entries.append(None if not e else (e[0] if len(e) == 1 else e))
-        if weight.endswith(suffix) and x.ndim >= 2:
-            return GatheredWeight(x, mesh, tuple(entries[-2:]))
-        if weight.split(".")[-1] in expert_weights and x.ndim >= 3:  # [(layers,) exp, in, out]
-            return GatheredWeight(x, mesh, tuple(entries[-3:]))
+        trailing = 2 if weight.endswith(suffix) else 3 if weight.split(".")[-1] in expert_weights else 0
+        if _is_packed(x):  # gathered child by child, each as the leaf splits it for the kernel's entries
+            if not trailing:
+                raise ValueError(f"ZeRO-3: {name!r} holds a {type(x).__name__}; accepted: packed weights at a "
+                                 f"kernel or an expert weight")
+            return GatheredWeight(x, mesh, _child_entries(x, entries, mesh))
+        if trailing and ndim >= trailing:  # a kernel [(layers,) in, out] or experts [(layers,) exp, in, out]
+            return GatheredWeight(x, mesh, (tuple(entries[-trailing:]),))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*entries)))
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_packed)
+
+
+def _is_packed(x) -> bool:
+    """A quantized or packed weight leaf, gathered whole (a LoRA leaf is walked into: its base is the
+    weight, its adapters are small; an NNX variable proxies its value's attributes)."""
+    from flax import nnx
+
+    from jmem.lora import LoRA
+
+    return (not isinstance(x, (nnx.Variable, LoRA)) and hasattr(x, "__jmem_partition__")
+            and hasattr(x, "shape"))
+
+
+def _child_entries(leaf, entries: list, mesh: Mesh) -> tuple:
+    """Each child's entries (flatten order) for the kernel's model-parallel `entries`; a split of the
+    input rows that would cut a packing unit keeps them whole."""
+    from jmem.models.dot import partition_specs
+
+    lead, rows, cols = tuple(entries[:-2]), entries[-2], entries[-1]
+    pieces = 1 if rows is None else math.prod(mesh.shape[a] for a in ((rows,) if isinstance(rows, str) else rows))
+    try:
+        specs = partition_specs(leaf, lead, rows, cols, pieces)
+    except ValueError:
+        specs = partition_specs(leaf, lead, None, cols)
+    return tuple(tuple(spec) + (None,) * (x.ndim - len(spec)) for spec, x in
+                 zip(jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)), jax.tree.leaves(leaf)))
 
 
 def is_weight_leaf(x) -> bool:
-    return isinstance(x, GatheredWeight)
+    """A leaf of a params tree `gather_on_use` may replace whole: a `GatheredWeight`, or the packed weight
+    it wraps. Flatten the model's params and the gathered ones with it, so both give the same leaves."""
+    return isinstance(x, GatheredWeight) or _is_packed(x)

@@ -507,7 +507,7 @@ def model_loss_fn(model, *, chunk: int | None = None):
 
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
-    treedef = jax.tree.structure(param_state)
+    treedef = jax.tree.structure(param_state, is_leaf=is_weight_leaf)
 
     def loss_fn(p, batch):
         leaves = jax.tree.leaves(p, is_leaf=is_weight_leaf)

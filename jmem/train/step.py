@@ -72,11 +72,13 @@ def _has_lora_dropout(model) -> bool:
     return any(isinstance(x, LoRA) and x.dropout > 0 for x in leaves)
 
 
-def split_params(model: nnx.Module):
-    """`(graphdef, params pure dict, rest state, params treedef)` of an NNX model."""
+def split_params(model: nnx.Module, is_leaf=None):
+    """`(graphdef, params pure dict, rest state, params treedef)` of an NNX model; the treedef's leaves
+    are those `is_leaf` names (as `jax.tree.structure` takes it), so a params tree flattened with the same
+    `is_leaf` rebuilds the model."""
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     pure = nnx.to_pure_dict(param_state)
-    treedef = jax.tree.structure(param_state)
+    treedef = jax.tree.structure(param_state, is_leaf=is_leaf)
     # The NNX state and the pure dict must flatten in the same order for the
     # leaf-wise rebuild in `merge`; check it once here rather than trust it.
     def names(tree, drop_value):
@@ -145,7 +147,6 @@ def make_train_fns(
 
     check_optimizer(tx, "tx")
     zero = check_stage(zero)
-    graphdef, _, rest, treedef = split_params(model)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     config = getattr(model, "config", None)
     if mesh is not None:
@@ -160,6 +161,7 @@ def make_train_fns(
         is_leaf = par.gather.is_weight_leaf
     else:
         is_leaf = None
+    graphdef, _, rest, treedef = split_params(model, is_leaf)
     gather = mesh is not None and zero >= 3 and loss_fn is None
     moe = bool(getattr(config, "moe_experts", 0)) and loss_fn is None
     lora_dropout = _has_lora_dropout(model)

@@ -129,3 +129,43 @@ def test_zero3_gathers_the_bases_of_lora_wrapped_weights_per_layer():
     assert not [s for s in outside if s[-2:] in ((E, F), (E, HD)) and s[0] == L], outside
     inside = collective_shapes(text, "all-gather", in_loops=True)
     assert (1, X // 2, E, F) in inside and (1, E, HD) in inside, inside
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_zero3_gathers_quantized_bases_per_layer_and_trains_as_one_device(moe):
+    """QLoRA under ZeRO-3: each NF4 base (a dense kernel's, the experts') is all-gathered child by child
+    one layer at a time inside the scan; its packed codes and scales were gathered whole, every layer at
+    once, before the scan. The adapters train as on one device."""
+    from jmem.lora import apply_lora
+    from jmem.quant import quantize
+
+    cfg = (LlamaConfig.tiny_moe if moe else LlamaConfig.tiny)(n_layers=2, loss_chunk=T)
+    model = apply_lora(quantize(Llama(cfg, rngs=nnx.Rngs(0)), "nf4"), rank=2, alpha=4.0,
+                       targets=("wq", "moe.expert_up") if moe else ("wq", "w_up"))
+    mesh = par.make_mesh("fsdp=4,expert=2" if moe else "fsdp=8")
+    batches = _batches(cfg)
+    losses = {}
+    for where in ("one", "zero3"):
+        m = mesh if where == "zero3" else None
+        tx = par.constrain_gradients(optax.adamw(1e-2), mesh, stage=3) if m else optax.adamw(1e-2)
+        fns = make_train_fns(model, tx, mesh=m, zero=3 if m else 0, adapters_only=True)
+        state = fns.init_state(model)
+        if m is None:
+            step = jax.jit(fns.step)
+        else:
+            jitted, sh, _ = par.jit_train_step(fns.step, jax.eval_shape(lambda: state), mesh, zero=3)
+            state = jax.device_put(state, sh)
+            step = jitted.lower(state, batches[0]).compile()
+            text = step.as_text()
+        losses[where] = []
+        for b in batches:
+            state, metrics = step(state, b)
+            losses[where].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["zero3"], losses["one"], rtol=1e-5)
+    leaves = [model.layers.weight_var(n).get_value() for n in cfg.weight_names()]  # adapted or not
+    children = {tuple(x.shape) for w in leaves for x in jax.tree.leaves(getattr(w, "base", w)) if x.ndim >= 3}
+    assert children and all(s[0] == cfg.n_layers for s in children), children  # the packed codes [L, ...]
+    outside = set(collective_shapes(text, "all-gather", in_loops=False))
+    assert not outside & children, (outside, children)
+    inside = set(collective_shapes(text, "all-gather", in_loops=True))
+    assert any(s[0] == 1 and len(s) >= 2 for s in inside), inside
