@@ -31,6 +31,7 @@ from jmem.models.dot import dot, recompute_weight_in_backward
 from jmem.models.config import EXPERT_WEIGHTS
 from jmem.parallel.mesh import DATA_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
+from jmem.parallel.zero import is_packed_leaf
 
 
 @jax.tree_util.register_pytree_node_class
@@ -133,14 +134,11 @@ def gather_on_use(params, mesh: Mesh, rules=None, logical_axes: Mapping | None =
 
 
 def _is_packed(x) -> bool:
-    """A quantized or packed weight leaf, gathered whole (a LoRA leaf is walked into: its base is the
-    weight, its adapters are small; an NNX variable proxies its value's attributes)."""
-    from flax import nnx
-
+    """A quantized or packed weight leaf (`jmem.parallel.zero.is_packed_leaf`), gathered whole; a LoRA
+    leaf is walked into: its base is the weight, its adapters are small."""
     from jmem.lora import LoRA
 
-    return (not isinstance(x, (nnx.Variable, LoRA)) and hasattr(x, "__jmem_partition__")
-            and hasattr(x, "shape"))
+    return is_packed_leaf(x) and not isinstance(x, LoRA)
 
 
 def _child_entries(leaf, entries: list, mesh: Mesh) -> tuple:

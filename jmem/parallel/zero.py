@@ -110,7 +110,7 @@ def _entry(axes: tuple[str, ...]):
     return (axes[0] if len(axes) == 1 else axes) if axes else None
 
 
-def _is_packed(x) -> bool:
+def is_packed_leaf(x) -> bool:
     """A whole weight leaf that says how it splits (quantized, GGUF-packed, LoRA, several adapters).
     Trees holding part of one (the adapters of a trainable split, with None for the frozen base)
     have no shape: they are walked into, and the adapter arrays find their axes by path."""
@@ -161,7 +161,7 @@ def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = 
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
     param_shapes = {} if params is None else {
-        path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_packed)
+        path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_packed_leaf)
         if hasattr(x, "shape")}
 
     def shape_of_param(name: str):
@@ -171,13 +171,13 @@ def tree_shardings(tree, mesh: Mesh, rules=None, logical_axes: Mapping | None = 
 
     def one(path, x):
         name = path_str(path)
-        if _is_packed(x):
+        if is_packed_leaf(x):
             return _packed_shardings(name, x, mesh, rules, table, zero=zero, data_axes=data_axes,
                                      strict=strict_packing)
         return NamedSharding(mesh, leaf_spec(name, getattr(x, "shape", ()), mesh, rules, table, zero=zero,
                                              data_axes=data_axes, param_shape=shape_of_param(name)))
 
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_packed)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_packed_leaf)
 
 
 @dataclasses.dataclass(frozen=True)
