@@ -14,6 +14,7 @@ from flax import nnx
 
 from jmem.checks import cut_at_stop, stop_strings
 from jmem.generate import SamplingParams, generate_ids
+from jmem.io.tokenizer import IncrementalDecoder
 from jmem.models.config import PRESETS, LlamaConfig, get_config
 from jmem.models.llama import Llama
 
@@ -51,6 +52,7 @@ class CompletionWatch:
     def __init__(self, tokenizer, stop: str | list[str] | None, on_text: Callable[[str], None] | None = None):
         self.tok, self.stops, self.on_text = tokenizer, stop_strings(stop), on_text
         self.sent = 0  # characters of the completion passed to on_text (row 0's: one row streams)
+        self.texts: dict[int, IncrementalDecoder] = {}  # each row's text, decoding only a short tail per call
 
     def _stream(self, text: str, final: bool) -> None:
         end = len(text)
@@ -68,7 +70,7 @@ class CompletionWatch:
     def stop(self, row, ids) -> int | None:
         if self.on_text is not None and row != 0:
             raise ValueError(f"CompletionWatch with on_text streams one row; got row {row}")
-        text = self.tok.decode(ids)  # once per call, for the stop check and the stream
+        text = self.texts.setdefault(row, IncrementalDecoder(self.tok))(ids)  # for the stop check and the stream
         if not self._reached(ids, text):
             if self.on_text is not None:
                 self._stream(text, final=False)

@@ -247,3 +247,34 @@ def test_stop_callback_result_is_checked_and_chunks_end_near_the_last_token(lm, 
     monkeypatch.setattr(gen, "_decode", lambda *a, steps, **kw: calls.append(steps) or decode(*a, steps=steps, **kw))
     want = generate_ids(lm.model, [[1, 2]], 3, chunk=4)
     assert generate_ids(lm.model, [[1, 2]], 3, chunk=4000) == want and calls == [4, 4]
+
+
+def test_completion_watch_decodes_a_short_tail_per_call():
+    """`CompletionWatch.stop` decodes each row's text incrementally (`IncrementalDecoder`): over a
+    completion fed one id at a time it decodes O(length) ids in all, where decoding the whole
+    completion per call decoded length**2 / 2; the stop point and the streamed text are the same."""
+    from jmem.io.tokenizer import ByteTokenizer, IncrementalDecoder
+    from jmem.lm import CompletionWatch
+
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special=True):
+            Counting.decoded += len(ids)
+            return super().decode(ids, skip_special)
+
+    text = "naïve café — 東京 🙂 " * 20 + "the END here"
+    ids = list(text.encode())
+    pieces = []
+    watch = CompletionWatch(Counting(), "END", on_text=pieces.append)
+    for m in range(1, len(ids) + 1):
+        keep = watch.stop(0, ids[:m])
+        if keep is not None:
+            break
+    decode = ByteTokenizer().decode
+    assert decode(ids[:keep]).endswith("END") and not decode(ids[:keep - 1]).endswith("END")
+    calls = Counting.decoded
+    assert calls < 3 * IncrementalDecoder.SETTLE_AFTER * len(ids) < len(ids) ** 2 / 2, calls
+    assert watch.finish(ids[:keep]) == "".join(pieces) == text[: text.find("END")]
+    other = CompletionWatch(ByteTokenizer(), "END")  # rows of their own: each row's text is its own
+    assert other.stop(1, ids[:5]) is None and other.stop(0, list(b"x END")) == 5

@@ -191,6 +191,30 @@ class GGUFTokenizer:
                             eos_token=self._text(self.eos_id))
 
 
+class IncrementalDecoder:
+    """`tokenizer.decode(ids)` of a growing list of ids, decoding only the ids after the last settled
+    point (a tail of at most SETTLE_AFTER ids ending on a whole character), not the whole list again:
+    with a byte-level vocabulary (this module's tokenizers) the text of a sequence is the text of its
+    pieces joined when the earlier piece ends on a character boundary. A list shorter than the settled
+    point starts over. `skip_special=False` is passed on only when asked (a tokenizer whose `decode`
+    takes the ids alone serves the default)."""
+
+    SETTLE_AFTER = 16
+
+    def __init__(self, tokenizer, skip_special: bool = True):
+        self.tok, self.skip_special = tokenizer, skip_special
+        self._ids, self._text = 0, ""  # decode(ids[:_ids]), whole characters
+
+    def __call__(self, ids) -> str:
+        if len(ids) < self._ids:
+            self._ids, self._text = 0, ""
+        tail = self.tok.decode(ids[self._ids:], **({} if self.skip_special else {"skip_special": False}))
+        text = self._text + tail
+        if len(ids) - self._ids >= self.SETTLE_AFTER and not tail.endswith("\ufffd"):
+            self._ids, self._text = len(ids), text
+        return text
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 plus three specials: 256 BOS, 257 EOS, 258 PAD (vocab 259).
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jmem.checks import check_int, is_int
 from jmem.memory import bytes_per_device
+from jmem.io.tokenizer import IncrementalDecoder
 from jmem.models import LlamaConfig
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
@@ -173,35 +174,18 @@ def _stop_reason(req: Request, detok: "_Detok"):
 
 
 class _Detok:
-    """Incremental text of one request, with stop strings and held-back partial characters.
-
-    Each update decodes only the ids after the last settled point (a tail of at most
-    SETTLE_AFTER ids ending on a whole character), not the whole output again: with a
-    byte-level vocabulary the text of a sequence is the text of its pieces joined when
-    the earlier piece ends on a character boundary."""
-
-    SETTLE_AFTER = 16
+    """Incremental text of one request (`IncrementalDecoder`: each update decodes only a short tail),
+    with stop strings and held-back partial characters."""
 
     def __init__(self, tokenizer, params: SamplingParams):
-        self.tok = tokenizer
+        self._text = IncrementalDecoder(tokenizer, params.skip_special_tokens)
         self.stop = params.stop
-        self.skip_special = params.skip_special_tokens
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0
         self.num_ids = 0  # output tokens already emitted
         self.unchecked = 0  # characters no stop string may end within (those before min_tokens)
         self.matched: str | None = None  # the stop string that ended the output
-        self._settled_ids, self._settled_text = 0, ""  # decode(ids[:settled_ids]), whole characters
-
-    def _text(self, ids: list[int]) -> str:
-        if len(ids) < self._settled_ids:
-            self._settled_ids, self._settled_text = 0, ""
-        tail = self.tok.decode(ids[self._settled_ids :], skip_special=self.skip_special)
-        text = self._settled_text + tail
-        if len(ids) - self._settled_ids >= self.SETTLE_AFTER and not tail.endswith("\ufffd"):
-            self._settled_ids, self._settled_text = len(ids), text
-        return text
 
     def update(self, ids: list[int], finished: bool, check_stop: bool = True) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the output (looked for only when
