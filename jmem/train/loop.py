@@ -281,7 +281,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     if ckpt is not None:
         closing.callback(ckpt.close)
-    start = 0
+    start, checked_id = 0, None
     if ckpt is not None:
         _check_state_settings(ckpt, run)
         resume_step = ckpt.check(run.meta, resume=cfg.resume, upgrade=upgrade_meta)
@@ -298,7 +298,10 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
             start = int(state.step)
             print(f"resumed from {ckpt.directory} at step {start}", file=out)
             old = ckpt.read_meta(resume_step) or {}
-            run.meta["run_id"] = old.get("run_id", run.meta["run_id"])  # the run continues under its id
+            # The run continues under its checkpoint's id (one of an earlier version names none: its log
+            # is not checked, and the run takes the new id at its next checkpoint).
+            checked_id = old.get("run_id")
+            run.meta["run_id"] = checked_id or run.meta["run_id"]
             changed = None if "data_digest" not in old else old["data_digest"] != run.meta.get("data_digest")
             for line in resume_notes(old.get("config", {}), cfg, changed):
                 print(line, file=out)
@@ -350,8 +353,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
     log_path = cfg.log if jax.process_index() == 0 else None
-    if start and log_path:
-        _check_log_is_the_runs(log_path, run.meta["run_id"], cfg.ckpt_dir)
+    if checked_id and log_path:
+        _check_log_is_the_runs(log_path, checked_id, cfg.ckpt_dir)
     log = _Logger(log_path, {"event": "memory", "run_id": run.meta["run_id"], **report.as_dict(),
                "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],

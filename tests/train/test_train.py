@@ -74,6 +74,20 @@ def test_a_resumed_run_continues_only_its_own_log(tmp_path):
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
     assert [r["event"] for r in recs if "event" in r] == ["memory"] and recs[0]["run_id"] != json.loads(
         before.splitlines()[0])["run_id"]
+    # A checkpoint of an earlier version names no run: its log is not checked, also after a resumed run
+    # that died before its next checkpoint (its log then names an id no checkpoint holds).
+    for meta in pathlib.Path(ck).rglob("metadata"):
+        if meta.parent.name == "meta":
+            meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "run_id"}))
+
+    def killed(rec):
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(dataclasses.replace(short, steps=5, ckpt_dir=ck, resume=True, log=str(mine)), out=io.StringIO(),
+              on_step=killed)
+    train(dataclasses.replace(short, steps=5, ckpt_dir=ck, resume=True, log=str(mine)), out=io.StringIO())
+    assert [json.loads(line)["step"] for line in mine.read_text().splitlines() if '"loss"' in line] == [1, 2, 3, 4, 5]
 
 
 def test_resume_names_the_flags_it_changes():
