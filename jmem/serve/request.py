@@ -163,7 +163,8 @@ class SamplingParams:
                 raise RequestError(f"logit_bias key {tok!r} is not a token id; accepted: integer token ids",
                                    "logit_bias")
             if not is_number(value) or not -self.MAX_LOGIT_BIAS <= value <= self.MAX_LOGIT_BIAS:
-                raise RequestError(f"logit_bias[{tok}]={value!r} is out of range; accepted: a number in "
+                what = "is out of range" if is_number(value) else f"is a {type(value).__name__}"
+                raise RequestError(f"logit_bias[{tok}]={value!r} {what}; accepted: a number in "
                                    f"-{self.MAX_LOGIT_BIAS:g}..{self.MAX_LOGIT_BIAS:g}", "logit_bias")
         self.logit_bias = {int(t): float(v) for t, v in bias.items()}
 

@@ -142,6 +142,7 @@ def test_min_tokens_with_speculation_gives_the_same_tokens(model):
     (greedy(4, min_tokens=1.5), r"min_tokens=1.5; accepted: an integer"),
     (greedy(4, logit_bias={5: 101}), r"logit_bias\[5\]=101 is out of range; accepted: a number in -100..100"),
     (greedy(4, logit_bias={5: float("nan")}), r"logit_bias\[5\]=nan is out of range"),
+    (greedy(4, logit_bias={5: "x"}), r"logit_bias\[5\]='x' is a str; accepted: a number in -100..100"),
     (greedy(4, logit_bias={"5": 1.0}), r"logit_bias key '5' is not a token id; accepted: integer token ids"),
     (greedy(4, logit_bias=[5]), r"logit_bias=\[5\]; accepted: a map of token ids to numbers"),
     (greedy(4, logit_bias={10_000: 1.0}), r"logit_bias holds token id 10000; accepted: 0..258"),
