@@ -300,9 +300,9 @@ def test_vocabulary_parallel_head_by_default_where_the_vocabulary_divides():
 
 def test_zero3_gathers_again_for_the_backward_pass_rather_than_keeping_every_layer():
     """Without remat the layer scan kept each layer's all-gathered kernels as residuals, so a ZeRO-3 step's
-    temporaries held the whole model (145 MiB against ZeRO-2's 53 on an 8-layer width-512 model). Now
-    `GatheredWeight` gathers again in the backward pass, as FSDP does: its temporaries stay within one
-    layer's weights of ZeRO-2's, while its parameters take an eighth of the bytes."""
+    temporaries held the whole model (bench-8l: docs/benchmarks.md, ZeRO stages). Now `GatheredWeight`
+    gathers again in the backward pass, as FSDP does: its temporaries stay within one layer's weights of
+    ZeRO-2's, while its parameters take an eighth of the bytes."""
     from jmem.train import make_train_fns
 
     cfg = LlamaConfig.tiny(n_layers=6, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=4, head_dim=64, loss_chunk=T)
