@@ -103,12 +103,6 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         "--symmetric": ("symmetric", lambda m: kind(m) in ("int8", *GROUPED), "int8, rtn, gptq and awq methods"),
         "--no-act-order": ("act_order", lambda m: kind(m) == "gptq", "gptq4, gptq3"),
     })
-    experts = model_config(cfg.model).moe_experts
-    calibrated = [m for m in methods if m in CALIBRATED]
-    if experts and calibrated:
-        raise ValueError(f"--methods {','.join(calibrated)} with --model {cfg.model!r}: gptq and awq calibrate dense "
-                         f"layers, and its MLP is a mixture of {experts} experts; accepted for it: "
-                         f"{', '.join(m for m in ALL if m not in CALIBRATED)}")
     grouped_bits = sorted({spec[m][1] for m in methods if m in spec and spec[m][0] in GROUPED})
     if grouped_bits:
         check_group_flag(cfg.group_size, cfg.model, grouped_bits)

@@ -6,7 +6,10 @@ The calibration tokens are embedded once; then for each block in order a
 the already-rewritten earlier blocks: GPTQ's "sequential" calibration), returns
 the rewritten weights, and their output becomes the next block's input.
 `run_layer` gives a block's output and the input of every linear, captured by
-wrapping each kernel in a recording weight leaf for one trace.
+wrapping each kernel in a recording weight leaf for one trace. In a
+mixture-of-experts block it also gives the router's input and, for each expert
+weight, the routed rows with the expert of each row (`expert_rows` splits them
+by expert).
 
 Example:
     >>> def rewrite(cfg, w, x, positions):
@@ -25,12 +28,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.checks import check_targets, is_int
-from jmem.models.config import LINEARS  # noqa: F401 - the calibrated methods' weights, imported from here
+from jmem.models.config import EXPERT_TARGETS, LINEARS
 from jmem.models.dot import dot
 from jmem.models.llama import block
+from jmem.models.moe import expert_matmul
 
 # GPTQ's true-sequential order within a block: each stage sees the earlier stages rewritten.
 STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+# The same order in a mixture-of-experts block (its experts replace the MLP linears).
+EXPERT_STAGES = STAGES[:2] + (EXPERT_TARGETS[:2], EXPERT_TARGETS[2:])
+# A mixture-of-experts block's weights by name (`LlamaConfig.weight_names`, and the router), as roles of `w["moe"]`.
+MOE_ROLES = {"moe.router": "router", "moe.expert_gate": "gate", "moe.expert_up": "up", "moe.expert_down": "down"}
+
+
+def stages(cfg) -> tuple[tuple[str, ...], ...]:
+    """The block's weights in GPTQ's sequential order (`STAGES`, or `EXPERT_STAGES` for a mixture of experts)."""
+    return EXPERT_STAGES if cfg.moe_experts else STAGES
+
+
+def layer_weight(w: dict, name: str):
+    """Weight `name` ("wq", "moe.expert_up", "moe.router", "attn_norm", ...) of one block's weights `w`."""
+    return w["moe"][MOE_ROLES[name]] if name in MOE_ROLES else w[name]
+
+
+def with_weights(w: dict, new: dict) -> dict:
+    """A copy of one block's weights `w` with the weights in `new` (named as `layer_weight` takes them) replaced."""
+    out = {**w, **{n: v for n, v in new.items() if n not in MOE_ROLES}}
+    if any(n in MOE_ROLES for n in new):
+        out["moe"] = {**w["moe"], **{MOE_ROLES[n]: v for n, v in new.items() if n in MOE_ROLES}}
+    return out
 
 
 def linear_targets(model, targets) -> tuple[str, ...]:
@@ -109,19 +135,44 @@ class _Tap:
 
     def __init__(self, w, sink: dict, name: str):
         self.w, self.sink, self.name = w, sink, name
+        self.shape = w.shape
 
     def __jmem_dot__(self, x):
         self.sink[self.name] = x
         return dot(x, self.w)
 
 
+class _ExpertTap(_Tap):
+    """An expert weight leaf `[experts, in, out]` that records its routed input rows and the expert of each
+    row (inside one trace), then multiplies as `jmem.models.moe.expert_matmul` does."""
+
+    def __jmem_expert_dot__(self, x, matmul):
+        n_experts = self.shape[0]
+        # `matmul` multiplies each row by its expert's matrix: a row of ones times one-hot matrices names it.
+        one_hot = matmul(jnp.ones((*x.shape[:-1], 1), x.dtype), jnp.eye(n_experts, dtype=x.dtype)[:, None, :])
+        self.sink[self.name] = (x.reshape(-1, x.shape[-1]), jnp.argmax(one_hot, axis=-1).reshape(-1))
+        return expert_matmul(x, self.w, matmul)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def run_layer(cfg, w: dict, x, positions):
-    """One block on weights `w`; returns (output, the input of every linear by name)."""
+    """One block on weights `w`; returns (output, the input of every linear by name). A mixture-of-experts
+    block also gives its router's input ("moe.router") and, for each expert weight ("moe.expert_gate", ...),
+    (the routed rows [assignments, in], the expert of each row i32[assignments]): see `expert_rows`."""
     sink: dict = {}
     tapped = {n: (_Tap(v, sink, n) if n in LINEARS else v) for n, v in w.items()}
+    if "moe" in w:
+        tapped["moe"] = {MOE_ROLES[n]: (_ExpertTap if n in EXPERT_TARGETS else _Tap)(layer_weight(w, n), sink, n)
+                         for n in MOE_ROLES}
     y, _ = block(cfg, tapped, x, positions)
     return y, sink
+
+
+def expert_rows(recorded, n_experts: int) -> list[np.ndarray]:
+    """Each expert's routed input rows (f32[rows_e, in], possibly none), from what `run_layer` recorded for
+    an expert weight."""
+    x, expert = np.asarray(recorded[0], np.float32), np.asarray(recorded[1])
+    return [x[expert == e] for e in range(n_experts)]
 
 
 def _layer_of(v, layer: int):

@@ -6,6 +6,14 @@ inputs of its linears are captured with the already-quantized earlier layers,
 the layer is quantized, and its quantized output becomes the next layer's
 input. Embeddings, norms and the output head stay in float.
 
+In a mixture-of-experts block each expert is calibrated on the tokens the
+router sends to it (routed dropless, as at inference): GPTQ takes each
+expert's Hessian from its own rows; AWQ searches one gate/up scale over the
+block's input for all experts (folded into the norm and the router, which stays
+float) and each expert's down scale and clips on its own rows. An expert that
+no calibration token reaches is rounded to nearest (unscaled and unclipped
+under AWQ), with one logged line.
+
 Group-size substitution: a requested group size that does not divide a
 matrix's input dimension is replaced, for that matrix only, by the largest
 multiple of 32 below it that does (SmolLM2's width 576 takes 96 when 128 is
@@ -20,14 +28,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, run_layer
-from jmem.calibrate import STAGES as GPTQ_STAGES
-from jmem.calibrate import stack_records
+from jmem.calibrate import (LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, expert_rows,
+                            layer_weight, run_layer, stack_records, stages, with_weights)
 from jmem.checks import check_bool, is_int
+from jmem.models.config import EXPERT_TARGETS
 from jmem.models.llama import Blocks
 from jmem.quant.awq import awq_clip, awq_scale
 from jmem.quant.fp8 import FP8Tensor
@@ -210,11 +219,6 @@ def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantS
     if method in ("int8", "fp8"):
         group_size = None
     weights = check_float_model(model)
-    experts = getattr(model.config, "moe_experts", 0)
-    if experts and method in CALIBRATED:
-        raise ValueError(f"method {method!r} calibrates dense layers; this model's MLP is a mixture of {experts} "
-                         f"experts; accepted for it: {', '.join(m for m in METHOD_BITS if m not in CALIBRATED)} "
-                         "(or GGML block types: quantize_gguf_blocks)")
     groups, lines = (), ()
     if method == "nf4":
         for name in weights:
@@ -236,15 +240,32 @@ def _quantize_plain(w, spec: QuantSpec, name: str):
     return IntTensor.quantize(w, spec.bits, spec.group(name), spec.symmetric)
 
 
-def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
-    w = dict(w)
-    for stage in GPTQ_STAGES:
+def _gptq_layer(cfg, w: dict, x, positions, spec: QuantSpec, note) -> dict:
+    for stage in stages(cfg):
         _, inputs = run_layer(cfg, w, x, positions)
-        h = hessian(inputs[stage[0]])  # the linears of a stage share their input
-        for name in stage:
-            w[name] = gptq_quantize(np.asarray(w[name]), h, spec.bits, spec.group(name), spec.symmetric,
-                                    spec.act_order)
+        if stage[0] in EXPERT_TARGETS:  # each expert's Hessian from the rows routed to it
+            hs = [hessian(r) if len(r) else None for r in expert_rows(inputs[stage[0]], cfg.moe_experts)]
+            new = {n: _gptq_experts(layer_weight(w, n), hs, spec, n, note) for n in stage}
+        else:
+            h = hessian(inputs[stage[0]])  # the linears of a stage share their input
+            new = {n: gptq_quantize(np.asarray(w[n]), h, spec.bits, spec.group(n), spec.symmetric, spec.act_order)
+                   for n in stage}
+        w = with_weights(w, new)
     return w
+
+
+def _gptq_experts(w_XIO, hessians: list, spec: QuantSpec, name: str, note) -> IntTensor:
+    """GPTQ of each expert's matrix on its own Hessian (None: no calibration row was routed to it, so it
+    is rounded to nearest, with a note); one stacked leaf [experts, in, out]."""
+    out = []
+    for e, h in enumerate(hessians):
+        w_e = np.asarray(w_XIO[e])
+        if h is None:
+            note(f"{name} expert {e}: no calibration token was routed to it; rounded to nearest")
+            out.append(IntTensor.quantize(w_e, spec.bits, spec.group(name), spec.symmetric))
+        else:
+            out.append(gptq_quantize(w_e, h, spec.bits, spec.group(name), spec.symmetric, spec.act_order))
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *out)
 
 
 def fold_awq_scales(cfg, w: dict, s_qkv, s_o, s_gate_up, s_down) -> dict:
@@ -255,7 +276,10 @@ def fold_awq_scales(cfg, w: dict, s_qkv, s_o, s_gate_up, s_down) -> dict:
     attention is linear in v), mlp_norm (gate/up), up's output columns (down:
     silu(gate) * up is linear in up). Under grouped-query attention one v
     column serves n_heads / n_kv_heads query heads, so `s_o` (f32[n_heads *
-    head_dim]) must be equal across the query heads of a kv head.
+    head_dim]) must be equal across the query heads of a kv head. In a
+    mixture-of-experts block `s_gate_up` scales every expert's gate and up rows
+    and the router's rows (the router reads the same normed input and stays
+    float), and `s_down` holds one scale per expert (f32[experts, ffn]).
     """
     w = dict(w)
     rep, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
@@ -265,16 +289,23 @@ def fold_awq_scales(cfg, w: dict, s_qkv, s_o, s_gate_up, s_down) -> dict:
         w[n] = w[n] * s_qkv[:, None]
     w["wv"], w["wo"] = w["wv"] / s_v[None, :], w["wo"] * s_o[:, None]
     w["mlp_norm"] = w["mlp_norm"] / s_gate_up
+    if "moe" in w:
+        m = w["moe"]
+        return with_weights(w, {"moe.router": m["router"] * s_gate_up[:, None],
+                                "moe.expert_gate": m["gate"] * s_gate_up[None, :, None],
+                                "moe.expert_up": m["up"] * s_gate_up[None, :, None] / s_down[:, None, :],
+                                "moe.expert_down": m["down"] * s_down[:, :, None]})
     for n in ("w_gate", "w_up"):
         w[n] = w[n] * s_gate_up[:, None]
     w["w_up"], w["w_down"] = w["w_up"] / s_down[None, :], w["w_down"] * s_down[:, None]
     return w
 
 
-def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
-    w = {n: jnp.asarray(v, jnp.float32) for n, v in w.items()}
+def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec, note) -> dict:
+    w = jax.tree_util.tree_map(lambda v: jnp.asarray(v, jnp.float32), w)
     _, inputs = run_layer(cfg, w, x, positions)
-    xs = {n: inputs[n].reshape(-1, inputs[n].shape[-1]).astype(jnp.float32) for n in LINEARS}
+    moe = "moe" in w
+    xs = {n: inputs[n].reshape(-1, inputs[n].shape[-1]).astype(jnp.float32) for n in inputs if n in LINEARS}
     def args(name):  # the linears searched together share their input, so their group size
         return spec.bits, spec.group(name), spec.symmetric
 
@@ -286,17 +317,40 @@ def _awq_layer(cfg, w: dict, x, positions, spec: QuantSpec) -> dict:
     mean_o = jnp.abs(xs["wo"]).mean(axis=0).reshape(cfg.n_kv_heads, rep, hd).mean(axis=1)
     s_o = awq_scale(xs["wo"], [w["wo"]], *args("wo"),
                     x_mean=jnp.repeat(mean_o[:, None, :], rep, axis=1).reshape(-1))
-    s_gu = awq_scale(xs["w_gate"], [w["w_gate"], w["w_up"]], *args("w_gate"))
-    s_down = awq_scale(xs["w_down"], [w["w_down"]], *args("w_down"))
+    if moe:  # every expert's gate and up read the router's input; each expert's down its own rows
+        m, rows = w["moe"], {n: expert_rows(inputs[n], cfg.moe_experts) for n in EXPERT_TARGETS}
+        s_gu = awq_scale(inputs["moe.router"], [*m["gate"], *m["up"]], *args("moe.expert_gate"))
+        s_down = jnp.stack([awq_scale(r, [d], *args("moe.expert_down")) if len(r) else jnp.ones(d.shape[0])
+                            for r, d in zip(rows["moe.expert_down"], m["down"])])
+    else:
+        s_gu = awq_scale(xs["w_gate"], [w["w_gate"], w["w_up"]], *args("w_gate"))
+        s_down = awq_scale(xs["w_down"], [w["w_down"]], *args("w_down"))
     w = fold_awq_scales(cfg, w, s_qkv, s_o, s_gu, s_down)
+    # The clip search and the rounding see the folded weights and their inputs divided by the scales.
     for names, s in ((("wq", "wk", "wv"), s_qkv), (("wo",), s_o), (("w_gate", "w_up"), s_gu), (("w_down",), s_down)):
         for n in names:
-            xs[n] = xs[n] / s
+            if n in xs:
+                xs[n] = xs[n] / s
+    new = {n: IntTensor.quantize(w[n], *args(n), clip=None if n in AWQ_NO_CLIP else awq_clip(xs[n], w[n], *args(n)))
+           for n in xs}
+    if moe:
+        for n in EXPERT_TARGETS:
+            s = s_down if n == "moe.expert_down" else jnp.broadcast_to(s_gu, (cfg.moe_experts, cfg.dim))
+            new[n] = _awq_experts(layer_weight(w, n), [r / s_e for r, s_e in zip(rows[n], s)], args(n), n, note)
+    return with_weights(w, new)
 
-    for n in LINEARS:
-        clip = None if n in AWQ_NO_CLIP else awq_clip(xs[n], w[n], *args(n))
-        w[n] = IntTensor.quantize(w[n], *args(n), clip=clip)
-    return w
+
+def _awq_experts(w_XIO, rows: list, args: tuple, name: str, note) -> IntTensor:
+    """Round each expert's folded matrix with the clip searched on its own routed rows (an expert no
+    calibration row was routed to is not clipped, with a note); one stacked leaf [experts, in, out]."""
+    bits, group_size, _ = args
+    no_clip = jnp.ones((w_XIO.shape[1] // group_size, w_XIO.shape[2]), jnp.float32)
+    clips = []
+    for e, r in enumerate(rows):
+        if not len(r):
+            note(f"{name} expert {e}: no calibration token was routed to it; not clipped")
+        clips.append(awq_clip(r, w_XIO[e], *args) if len(r) else no_clip)
+    return IntTensor.quantize(w_XIO, *args, clip=jnp.stack(clips))
 
 
 
@@ -334,9 +388,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     Returns:
       The quantized model: every `layers.<linear>.kernel` holds a stacked
       quantized leaf; AWQ also rewrites the norm scales it folded into. On a
-      mixture-of-experts model (rtn, int8, nf4, fp8) the attention linears and
-      the experts `layers.moe.expert_*` ([layers, experts, in, out], decoded one
-      layer at a time inside the layer scan) are quantized; the router stays float.
+      mixture-of-experts model the attention linears and the experts
+      `layers.moe.expert_*` ([layers, experts, in, out], decoded one layer at a
+      time inside the layer scan) are quantized; the router stays float (AWQ
+      rescales its rows).
 
     Example:
         >>> qmodel = quantize(model, "gptq", bits=4, group_size=64, calibration=ids_BT)
@@ -367,19 +422,27 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
         new = {n: _quantize_plain(var.get_value(), spec, n) for n, var in targets.items()}
     else:
         new = _calibrated(model, layers.weights(), jnp.asarray(ids), spec, log)
-    for n, v in new.items():
-        (targets[n] if n in targets else getattr(layers, n).scale).set_value(v)
+    for n, v in new.items():  # AWQ also rewrites the norms (and a mixture of experts' router) it folded into
+        var = targets.get(n) or (layers.moe.router.kernel if n == "moe.router" else getattr(layers, n).scale)
+        var.set_value(v)
     return model
 
 
 def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict:
     layer_fn = _gptq_layer if spec.method == "gptq" else _awq_layer
-    names = LINEARS + (("attn_norm", "mlp_norm") if spec.method == "awq" else ())
+    quantized = model.config.weight_names()
+    folded = ("attn_norm", "mlp_norm") + (("moe.router",) if model.config.moe_experts else ())
+    names = quantized + (folded if spec.method == "awq" else ())
+    done = []
 
     def rewrite(cfg, w, x, positions):  # the layer runs in f32; its leaves keep the model's dtypes
-        wq = layer_fn(cfg, w, x, positions, spec)
-        return wq, {n: (wq[n].with_dtype(weights[n].dtype) if n in LINEARS else wq[n].astype(weights[n].dtype))
-                    for n in names}
+        def note(line):
+            (log or logger.warning)(f"{spec.method}: layer {len(done) + 1}: {line}")
+        wq = layer_fn(cfg, w, x, positions, spec, note)
+        done.append(True)
+        dtype = {n: layer_weight(weights, n).dtype for n in names}
+        return wq, {n: (layer_weight(wq, n).with_dtype(dtype[n]) if n in quantized
+                        else layer_weight(wq, n).astype(dtype[n])) for n in names}
 
     return stack_records(calibrate_layers(model, ids_BT, rewrite, log=log, label=spec.method))
 

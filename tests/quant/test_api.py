@@ -11,6 +11,7 @@ from flax import nnx
 from jmem.models.llama import Llama, LlamaConfig
 from jmem.quant import (FP8Tensor, IntTensor, NF4Tensor, awq_scale, calibration_tokens, gptq_quantize, group_sizes,
                         quantize, weight_bytes)
+from jmem.models.config import EXPERT_WEIGHTS
 from jmem.quant.api import LINEARS, resolve_group_size
 
 CFG = LlamaConfig.tiny()
@@ -315,9 +316,91 @@ def test_quantized_experts_are_decoded_one_layer_at_a_time():
         assert report.temp_bytes >= one_layer, (report.temp_bytes, one_layer)
 
 
+def _layer0_router_input(model, qmodel, calib):
+    """The MoE input of layer 0 (its normed hidden state) for `calib`, after `qmodel`'s attention, and
+    layer 0's weights of both models."""
+    from jmem.calibrate import _layer_of, run_layer
+
+    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    B, T = calib.shape
+    x = jnp.take(model.embed.embedding.get_value(), jnp.asarray(calib), axis=0).astype(jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    wq = {n: _layer_of(v, 0) for n, v in qmodel.layers.weights().items()}
+    wf = {n: _layer_of(v, 0) for n, v in model.layers.weights().items()}
+    _, inputs = run_layer(cfg, {**wq, "moe": wf["moe"]}, x, pos)
+    return np.asarray(inputs["moe.router"]), wf, wq
+
+
+def _expert(leaf, e):
+    return jax.tree_util.tree_map(lambda a: a[e], leaf)
+
+
+def test_gptq_quantizes_each_expert_on_the_rows_routed_to_it(moe, data):
+    """Each expert's matrices equal `gptq_quantize` on the Hessian of the tokens routed to it (routed here
+    with NumPy from the router's logits), gate/up on the normed input, down on silu(gate) * up computed with
+    the already-quantized gate and up; the router stays float."""
+    from jmem.quant.gptq import hessian
+
+    calib = data[0][:2, :32]
+    q = quantize(moe, "gptq", bits=4, group_size=32, calibration=calib)
+    assert isinstance(q.layers.moe.router.kernel.get_value(), jnp.ndarray)
+    h, wf, wq = _layer0_router_input(moe, q, calib)
+    top = np.argsort(-(h @ np.asarray(wf["moe"]["router"])), axis=-1, kind="stable")[:, :MOE.moe_top_k]
+    for e in range(MOE.moe_experts):
+        rows = h[(top == e).any(-1)]
+        assert len(rows), e
+        for role in ("gate", "up"):
+            ref = gptq_quantize(np.asarray(wf["moe"][role][e]), hessian(rows), 4, 32)
+            np.testing.assert_array_equal(_expert(wq["moe"][role], e).packed, ref.packed)
+        gate, up = (rows @ np.asarray(_expert(wq["moe"][r], e).__jmem_array__()) for r in ("gate", "up"))
+        ref = gptq_quantize(np.asarray(wf["moe"]["down"][e]), hessian(gate / (1 + np.exp(-gate)) * up), 4, 32)
+        # down's input is computed by the model's grouped matmul here and by NumPy above: a code may round apart
+        assert np.mean(np.asarray(_expert(wq["moe"]["down"], e).packed) == np.asarray(ref.packed)) > 0.99, e
+
+
+def test_awq_fold_preserves_a_mixture_of_experts_layer(moe):
+    """Random scales folded into a MoE block (router and every expert's gate/up rows, each expert's own down
+    scale through its up columns) leave its output, routing included, unchanged."""
+    from jmem.calibrate import _layer_of, run_layer
+    from jmem.quant.api import fold_awq_scales
+
+    cfg = MOE.replace(remat="none", compute_dtype="f32")
+    w = {n: _layer_of(v, 0) for n, v in moe.layers.weights().items()}
+    rng = np.random.default_rng(1)
+    scale = lambda *shape: jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)  # noqa: E731
+    rep = MOE.n_heads // MOE.n_kv_heads
+    s_o = jnp.repeat(scale(MOE.n_kv_heads, 1, MOE.head_dim), rep, axis=1).reshape(-1)
+    x = jnp.asarray(rng.standard_normal((2, 16, MOE.dim)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+    ref = np.asarray(run_layer(cfg, w, x, pos)[0])
+    folded = fold_awq_scales(cfg, w, scale(MOE.dim), s_o, scale(MOE.dim), scale(MOE.moe_experts, MOE.ffn_dim))
+    assert not np.allclose(folded["moe"]["router"], w["moe"]["router"])
+    np.testing.assert_allclose(run_layer(cfg, folded, x, pos)[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_quantizes_a_mixture_of_experts_model(moe, data):
+    """At 8 bits the output stays as close to float as round-to-nearest's (a wrong fold would move it far)."""
+    calib, ids = data
+    q = quantize(moe, "awq", bits=8, group_size=32, calibration=calib)
+    assert all(isinstance(getattr(q.layers.moe, n).get_value(), IntTensor) for n in EXPERT_WEIGHTS)
+    assert not np.allclose(q.layers.moe.router.kernel.get_value(), moe.layers.moe.router.kernel.get_value())
+    ref = _logits(moe, ids)
+    assert _rel(_logits(q, ids), ref) < 2 * _rel(_logits(quantize(moe, "rtn", bits=8, group_size=32), ids), ref)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_methods_refuse_mixture_of_experts_models_in_one_line(moe, data, method):
-    with pytest.raises(ValueError, match=rf"^method '{method}' calibrates dense layers; this model's MLP is a "
-                                         r"mixture of 4 experts; accepted for it: rtn, int8, nf4, fp8 \(or GGML "
-                                         r"block types: quantize_gguf_blocks\)$"):
-        quantize(moe, method, calibration=data[0])
+def test_an_expert_no_calibration_token_reaches_is_rounded_to_nearest(moe, data, method):
+    """One calibration token reaches top_k=2 of the 4 experts of each layer: the other two are said and
+    rounded to nearest (GPTQ on an empty Hessian would zero them), unclipped and unscaled under AWQ."""
+    lines = []
+    q = quantize(moe, method, bits=4, group_size=32, calibration=data[0][:1, :1], log=lines.append)
+    notes = [line for line in lines if "no calibration token" in line]
+    assert len(notes) == 3 * 2 * MOE.n_layers, lines  # gate, up and down of two experts per layer
+    assert re.fullmatch(rf"{method}: layer 1: moe.expert_gate expert \d: no calibration token was routed to it; "
+                        rf"{'rounded to nearest' if method == 'gptq' else 'not clipped'}", notes[0]), notes[0]
+    e = int(notes[0].split("expert ")[1][0])
+    h, wf, wq = _layer0_router_input(moe, q, data[0][:1, :1])
+    # AWQ scales every expert's gate/up rows by one shared scale; down's scale is the expert's own (1 here)
+    for role in ("gate", "up", "down") if method == "gptq" else ("down",):
+        rtn = IntTensor.quantize(wf["moe"][role][e], 4, 32)
+        np.testing.assert_array_equal(_expert(wq["moe"][role], e).packed, rtn.packed)
