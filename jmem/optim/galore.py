@@ -17,8 +17,10 @@ carried across a basis refresh, as in the paper's reference implementation.
 Which leaves are projected (the plan): a leaf is a matrix on its last two
 axes; leading axes (the stacked `[L, in, out]` layer axis of a scanned model,
 an expert axis) are batch axes, so every layer gets its own basis from one
-batched SVD. A leaf is projected when the rule accepts it (by default: at
-least 2-D and no path key in `exclude`, the embeddings and the LM head) and
+batched SVD. A leaf is projected when the rule accepts it (by default: a
+matrix per layer, i.e. at least 2-D besides the stacked axis of a leaf under
+a `layers` key, so a stacked norm scale `[L, dim]` is no matrix, and no path
+key in `exclude`, the embeddings and the LM head) and
 `rank < min(m, n)`: at full rank a basis saves nothing, so those leaves, norm
 scales, biases and excluded leaves run plain Adam (unscaled). Note that a
 projection at full rank would not reproduce Adam either: Adam's normalisation
@@ -74,14 +76,15 @@ class Plan(NamedTuple):
     rank: int
 
 
-def default_rule(exclude: "str | tuple[str, ...]" = DEFAULT_EXCLUDE) -> ProjectRule:
-    """Project leaves of at least 2 axes with no path key in `exclude` (one name or a tuple of names).
+def default_rule(exclude: "str | tuple[str, ...]" = DEFAULT_EXCLUDE, stacked_key: str = "layers") -> ProjectRule:
+    """Project leaves of at least 2 axes per layer (a leaf with `stacked_key` in its path has a leading layer
+    axis besides) with no path key in `exclude` (one name or a tuple of names).
 
     Raises:
         ValueError: `exclude` is neither a string nor a sequence of strings.
     """
     exclude = checks.names("galore", "exclude", exclude)
-    return lambda path, shape: len(shape) >= 2 and not any(k in exclude for k in path)
+    return lambda path, shape: (len(shape) - (stacked_key in path) >= 2 and not any(k in exclude for k in path))
 
 
 def leaf_plan(path: tuple, shape: tuple, rank: int, rule: ProjectRule) -> Plan:

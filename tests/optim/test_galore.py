@@ -353,3 +353,18 @@ def test_lora_adapter_trees_train_through_make_train_fns():
     for before, after in zip(jax.tree.leaves(train), jax.tree.leaves(new_train)):
         assert float(jnp.abs(after - before).max()) > 1e-4
     assert int(opt_state[0].count) == 1
+
+
+def test_a_stacked_norm_scale_is_no_matrix():
+    """`layers/norm/scale [L, dim]` is one vector per layer: plain Adam, each layer's update its own
+    (it was projected across the layer axis whenever rank < L, mixing the layers' gradients)."""
+    params = {"layers": {"norm": {"scale": jnp.ones((4, 64))}, "w": jnp.ones((4, 16, 16))}, "m": jnp.ones((4, 64))}
+    plans, _ = galore_plan(params, rank=2)
+    assert [p.side for p in plans] == [None, "left", "left"]  # norm, w; m [4, 64] outside `layers` is a matrix
+    tx = galore(1e-2, rank=2, weight_decay=0.0)
+    g = jax.random.normal(jax.random.key(0), (4, 64))
+    updates = [tx.update({**params, "layers": {**params["layers"], "norm": {"scale": gi}}}, tx.init(params),
+                         params)[0]["layers"]["norm"]["scale"] for gi in (g, g.at[3].multiply(5.0))]
+    np.testing.assert_array_equal(updates[0][0], updates[1][0])
+    ref, _ = optax.adam(1e-2).update(g, optax.adam(1e-2).init(g))
+    np.testing.assert_allclose(updates[0], ref, rtol=1e-5)
