@@ -49,6 +49,13 @@ _META = "chunks.json"
 _CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # every name `_chunk_file` makes
 
 
+def _storage_dtype(dtype) -> np.dtype:
+    """The dtype a state leaf's file holds: its own, or an unsigned integer of its size for a dtype `.npy`
+    cannot name (bfloat16 and the float8 types, which it would write as raw bytes and read back as void)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(f"u{dtype.itemsize}") if dtype.kind == "V" else dtype
+
+
 def _chunk_file(c: int, j: int) -> str:
     """The file of chunk `c`'s `j`-th state array."""
     return f"chunk{c:05d}_{j}.npy"
@@ -113,8 +120,9 @@ def _check_files(src: pathlib.Path, shapes) -> None:
                 raise _damaged(src, f"{f.name} is missing") from None
             except (OSError, ValueError) as e:
                 raise _damaged(src, f"{f.name}: {e}") from None
-            if (a.shape, a.dtype) != want:
-                raise _damaged(src, f"{f.name} holds {a.dtype}{list(a.shape)}; expected {want[1]}{list(want[0])}")
+            if (a.shape, a.dtype) != (want[0], _storage_dtype(want[1])):
+                raise _damaged(src, f"{f.name} holds {a.dtype}{list(a.shape)}; expected "
+                                    f"{_storage_dtype(want[1])}{list(want[0])} ({want[1]})")
 
 
 def _damaged(src: pathlib.Path, why: str) -> OffloadError:
@@ -259,9 +267,10 @@ class DiskOptimizer:
     def _write(self, c: int, leaves):
         for f, x in zip(self._files(c), leaves):
             try:
-                mm = np.lib.format.open_memmap(f, mode="w+", dtype=x.dtype, shape=x.shape)
+                stored = _storage_dtype(x.dtype)
+                mm = np.lib.format.open_memmap(f, mode="w+", dtype=stored, shape=x.shape)
                 _reserve(f)  # a full disk is an error here, not a SIGBUS when the mapped pages are written
-                mm[...] = np.asarray(x)
+                mm[...] = np.asarray(x).view(stored)
                 mm.flush()
                 del mm
             except OSError as e:  # e.g. no space for the file, or for the header of a new one
@@ -269,7 +278,8 @@ class DiskOptimizer:
 
     def _read(self, c: int):
         # A copy in RAM of this chunk only; the memmap is closed before the next chunk.
-        return [np.array(np.load(f, mmap_mode="r")) for f in self._files(c)]
+        return [np.array(np.load(f, mmap_mode="r")).view(dtype)
+                for f, (_, dtype) in zip(self._files(c), self._state_shapes[c])]
 
     def read_state(self) -> list[list[np.ndarray]]:
         """Every chunk's state leaves (tests and inspection; loads the whole state)."""

@@ -262,6 +262,31 @@ def test_disk_optimizer_matches_the_in_memory_update(tmp_path, name, param_dtype
     assert {p.name for p in (tmp_path / "opt").glob("*.npy")} == names
 
 
+@pytest.mark.parametrize("name", ["adamw_bf16_mu", "adafactor_momentum"])
+def test_bf16_optimizer_state_goes_through_the_files(tmp_path, name):
+    """State leaves in bfloat16 (adamw's `mu_dtype`, adafactor's momentum) were written as raw `.npy`
+    bytes and read back as void: the first update failed inside JAX, and a snapshot read as damaged."""
+    import jax.numpy as jnp
+
+    params = _stacked_params(np.float32)
+    opt = optax.adamw(1e-2, mu_dtype=jnp.bfloat16) if name == "adamw_bf16_mu" else adafactor(1e-2, momentum=0.9)
+    disk = DiskOptimizer(opt, params, str(tmp_path / "opt"))
+    state, handle = opt.init(params), disk.place(params)
+    update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+    p_mem = p_disk = params
+    for k in range(STEPS):
+        if k == 1:  # a snapshot after the first step, restored: the run goes on from it
+            disk.snapshot(str(tmp_path / "snap"))
+            disk.restore(str(tmp_path / "snap"))
+        grads = _fixed_grads(params, k)
+        p_mem, state = update(grads, state, p_mem)
+        p_disk, handle = disk.update(grads, handle, p_disk)
+    assert _max_diff(p_mem, params) > 1e-3
+    for a, b in zip(jax.tree.leaves(p_mem), jax.tree.leaves(p_disk)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-6, atol=1e-6)
+    assert any(x.dtype == jnp.bfloat16 for c in disk.read_state() for x in c)
+
+
 def test_disk_snapshot_never_deletes_files_it_did_not_write(tmp_path):
     params = _stacked_params(np.float32)
     disk = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
