@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.checks import is_int
 from jmem.optim import checks
 from jmem.pytree import leaf_paths
 
@@ -125,9 +126,25 @@ def get_rule(rule: "str | FactorRule", min_dim_size_to_factor: int = 128) -> Fac
 
 
 def _layouts(rule: FactorRule, tree):
-    """A tree of `Layout`s (as opaque leaves in a list) matching `tree`."""
+    """A tree of `Layout`s (as opaque leaves in a list) matching `tree`, each checked against its leaf."""
     leaves, treedef = leaf_paths(tree)
-    return [rule(path, tuple(x.shape)) for path, x in leaves], treedef
+    return [_checked_layout(rule(path, tuple(x.shape)), path, tuple(x.shape)) for path, x in leaves], treedef
+
+
+def _checked_layout(layout, path: tuple, shape: tuple) -> Layout:
+    """`layout` if it fits a leaf of `shape`; else one ValueError naming the leaf, the layout and what fits
+    (a custom rule's mistake would give per-element statistics or an error deep in the update)."""
+    n = len(shape)
+    ok = isinstance(layout, Layout) and is_int(layout.batch_ndim) and 0 <= layout.batch_ndim <= n
+    if ok and layout.factored is not None:
+        f = layout.factored
+        ok = (isinstance(f, tuple) and len(f) == 2 and all(is_int(a) and layout.batch_ndim <= a < n for a in f)
+              and f[0] != f[1])
+    if not ok:
+        raise ValueError(f"adafactor factor_rule gave {layout!r} for {'/'.join(map(str, path))} of shape "
+                         f"{list(shape)}; accepted: Layout(batch_ndim, factored) with batch_ndim in 0..{n} and "
+                         "factored None or two distinct axes in batch_ndim..ndim-1")
+    return layout
 
 
 def _block_axes(x, layout: Layout) -> tuple[int, ...]:

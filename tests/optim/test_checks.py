@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from jmem.optim.adafactor import Layout
 from jmem.optim import adafactor, adam8bit, dequantize, galore, galore_plan, make_optimizer, quantize
 
 LR = "learning_rate={}; accepted: a finite number >= 0 or a schedule"
@@ -137,3 +138,16 @@ def test_a_traced_hyperparameter_that_sets_shapes_names_static_args(make, name):
     state = tx.init(params)
     with pytest.raises(ValueError, match=f"{name}=.*list '{name.split()[1]}' in static_args"):
         jax.jit(tx.update)(params, state, params)
+
+
+@pytest.mark.parametrize("layout", [Layout(0, (0, 0)), Layout(0, (0, 5)), Layout(3, None), Layout(1, (0, 1)),
+                                    (0, None), None])
+def test_a_factor_rule_layout_that_does_not_fit_its_leaf_is_one_error(layout):
+    """A repeated axis, an axis past the leaf, more batch axes than it has or a factored axis among them
+    gave per-element statistics silently or an IndexError deep in the update; a non-Layout an
+    AttributeError."""
+    tx = adafactor(1e-2, factor_rule=lambda path, shape: layout)
+    with pytest.raises(ValueError, match=r"^adafactor factor_rule gave .* for w of shape \[4, 6\]; accepted: "
+                                         r"Layout\(batch_ndim, factored\) with batch_ndim in 0\.\.2 and factored "
+                                         r"None or two distinct axes in batch_ndim\.\.ndim-1$"):
+        tx.init({"w": jnp.ones((4, 6))})
