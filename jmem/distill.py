@@ -40,10 +40,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmem.checks import is_int, is_number
+from jmem.checks import as_python_scalar, check_bool, check_optimizer, is_int, is_number
 from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
-from jmem.train.loss import masked_nll, router_loss
+from jmem.train.loss import check_targets, check_token_ids, masked_nll, router_loss
 
 KINDS = ("forward", "reverse")
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -54,8 +54,9 @@ def check_distill_args(temperature: float, alpha: float, kind: str) -> tuple[flo
 
     Raises:
         ValueError: temperature not a finite number > 0, alpha not a number in [0, 1] (a
-            bool or a string is not a number), or an unknown `kind`.
+            bool or a string is not a number), or an unknown `kind`. 0-d arrays count as their numbers.
     """
+    temperature, alpha = as_python_scalar(temperature), as_python_scalar(alpha)
     if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"distillation temperature={temperature!r}; accepted: a finite number > 0")
     if not (is_number(alpha) and 0.0 <= alpha <= 1.0):
@@ -76,6 +77,7 @@ def check_batch(batch) -> tuple[int, int]:
     if len(shapes["inputs"]) != 2 or len(set(shapes.values())) != 1:
         got = ", ".join(f"{k}={list(v)}" for k, v in shapes.items())
         raise ValueError(f"distillation batch shapes {got}; {accepted}")
+    check_token_ids(batch)
     return shapes["inputs"]
 
 
@@ -152,6 +154,7 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; distillation compares "
                          "distributions over the same token ids: accepted: equal vocabularies")
     B, T = check_batch(batch)
+    check_targets(student, batch)
     inputs, targets_BT, mask_BT = batch["inputs"], batch["targets"], batch["mask"]
     chunk = _resolve_chunk(chunk, T, getattr(getattr(student, "config", None), "loss_chunk", 1024))
     need_kl = alpha > 0  # the cross-entropy is always computed: it is logged (`_weighted` leaves it out at alpha=1)
@@ -267,6 +270,8 @@ def student_from_teacher(teacher: Llama, layers: Sequence[int]) -> Llama:
     Example:
         >>> student = student_from_teacher(teacher, range(0, teacher.config.n_layers, 2))
     """
+    if not isinstance(teacher, Llama):
+        raise ValueError(f"teacher={teacher!r:.80}; accepted: a jmem.models.Llama")
     n = teacher.config.n_layers
     try:
         layers = list(layers)
@@ -341,6 +346,8 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
         >>> params, opt, metrics = step(params, opt, nnx.state(teacher), batch)
     """
     temperature, alpha = check_distill_args(temperature, alpha, kind)
+    check_optimizer(tx, "tx")
+    check_bool("adapters_only", adapters_only)
     if chunk is not None and (not is_int(chunk) or chunk <= 0):  # its divisibility waits for the batch's length
         raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer dividing the sequence length, "
                          "or None")

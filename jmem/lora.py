@@ -516,8 +516,10 @@ def load_adapters(model, path, *, inplace: bool = False):
     for name in meta:
         base = _base_of(_kernel_var(model, name).get_value())
         a, b = arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"]
-        if a.shape[:-1] != tuple(base.shape[:-1]) or b.shape[-1] != base.shape[-1]:
-            raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}")
+        lead, (n_in, n_out) = tuple(base.shape[:-2]), tuple(base.shape[-2:])
+        if a.ndim != len(base.shape) or a.shape[:-1] != (*lead, n_in) or b.shape != (*lead, a.shape[-1], n_out):
+            raise ValueError(f"adapter {name} has A {a.shape}, B {b.shape}, which do not fit the weight {base.shape}; "
+                             f"accepted: A {[*lead, n_in, 'rank']} and B {[*lead, 'rank', n_out]}")
         check_base(path, name, meta[name], base)
     if not inplace:
         model = nnx.clone(model)

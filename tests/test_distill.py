@@ -334,7 +334,7 @@ def test_vocab_mismatch_and_layer_errors():
     with pytest.raises(ValueError, match="vocab_size=96 differs from teacher vocab_size=128"):
         distill_loss_sum(student, teacher, batch)
     with pytest.raises(ValueError, match="vocab_size=96 differs"):
-        make_distill_fns(student, teacher, None)
+        make_distill_fns(student, teacher, optax.sgd(0.1))
     for chunk in (-3, 0, 2.5):  # refused when built, not at the first step
         with pytest.raises(ValueError, match=rf"^distillation chunk={chunk}; accepted: a positive integer dividing"):
             make_distill_fns(student, student, optax.sgd(0.1), chunk=chunk)
@@ -366,6 +366,34 @@ def test_bad_batch_is_one_clear_error():
     fns = make_distill_fns(student, student, optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"^distillation batch keys="):
         fns.step(None, None, None, no_mask)
+
+
+def test_targets_empty_batches_and_arguments_are_checked_as_for_the_plain_loss():
+    """A counted target outside the vocabulary gave a NaN (or a wrong finite) loss, float targets a
+    TypeError, an empty batch a ZeroDivisionError; a 0-d array temperature was refused, a teacher that
+    is no model an AttributeError, and tx=None or adapters_only="False" passed until the step."""
+    student = Llama(CFG, rngs=nnx.Rngs(0))
+    good = _batch(np.random.default_rng(0), 2, 8, CFG.vocab_size, masked=False)
+    for bad in (CFG.vocab_size + 5, -1):
+        batch = {**good, "targets": good["targets"].at[0, 3].set(bad)}
+        with pytest.raises(ValueError, match=rf"^batch\['targets'\] holds {bad} where the mask counts it"):
+            distill_loss_sum(student, student, batch)
+    with pytest.raises(ValueError, match=r"^batch\['targets'\] of dtype float32; accepted: integer token ids$"):
+        distill_loss_sum(student, student, {**good, "targets": good["targets"].astype(jnp.float32)})
+    for shape in ((1, 0), (0, 4)):
+        empty = {k: jnp.zeros(shape, jnp.int32) for k in good}
+        with pytest.raises(ValueError, match=rf"^batch of shape {list(shape)}; accepted: at least one row of at least "
+                                             "one token$".replace("[", r"\[").replace("]", r"\]")):
+            distill_loss_sum(student, student, empty)
+        with pytest.raises(ValueError, match=r"^batch of shape"):
+            lm_loss_sum(student, empty)
+    distill_loss_sum(student, student, good, temperature=jnp.float32(2.0), alpha=np.float32(0.5))
+    with pytest.raises(ValueError, match=r"^teacher=<object object at .*>; accepted: a jmem.models.Llama$"):
+        student_from_teacher(object(), [0])
+    with pytest.raises(ValueError, match=r"^tx=None; accepted: an optax.GradientTransformation"):
+        make_distill_fns(student, student, None)
+    with pytest.raises(ValueError, match=r"^adapters_only='False'; accepted: True or False$"):
+        make_distill_fns(student, student, optax.sgd(0.1), adapters_only="False")
 
 
 def test_script_refuses_a_save_student_path_through_a_file_before_loading(tmp_path, capsys):

@@ -281,6 +281,16 @@ def test_settings_are_checked_wherever_adapters_come_from(tmp_path):
         np.savez(bad, __meta__=np.frombuffer(json.dumps(edited).encode(), np.uint8), **arrays)
         with pytest.raises(ValueError, match=f"adapter '{bad}': metadata of 'wq': {message}"):
             load_adapters(base, bad)
+    # B's leading (layers) axes were not checked: the forward failed in the layer scan.
+    bad = tmp_path / "b_lead.npz"
+    np.savez(bad, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+             **{**arrays, "wq.lora_b": arrays["wq.lora_b"][0]})
+    lead_in, out = list(arrays["wq.lora_a"].shape[:-1]), arrays["wq.lora_b"].shape[-1]
+    with pytest.raises(ValueError, match=re.escape(
+            f"adapter wq has A {arrays['wq.lora_a'].shape}, B {arrays['wq.lora_b'][0].shape}, which do not fit the "
+            f"weight {base.layers.wq.kernel.get_value().shape}; accepted: A {[*lead_in, 'rank']} and B "
+            f"{[*lead_in[:-1], 'rank', out]}")):
+        load_adapters(base, bad)
     from jmem.train import make_train_fns
 
     loss_fn = lambda params, batch: (0.0, 1)  # noqa: E731 - never reached

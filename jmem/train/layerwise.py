@@ -63,7 +63,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, check_optimizer, check_seed, is_int
 from jmem.lora import LoRA, combine, set_dropout_key, trainable_split, with_dropout
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.measure import tree_bytes
@@ -73,7 +73,8 @@ from jmem.models.config import as_dtype
 from jmem.models.llama import block_and_stats, rms_norm
 from jmem.models.moe import MoEStats
 from jmem.parallel.rules import ACTIVATION_AXES, constrain
-from jmem.train.loss import chunked_cross_entropy, lm_loss_terms, router_loss
+from jmem.sampling import seed_key
+from jmem.train.loss import check_lm_batch, chunked_cross_entropy, lm_loss_terms, router_loss
 from jmem.train.step import TrainFns, TrainState, split_params
 
 SCHEDULES = ("random", "bottom-up", "top-down")
@@ -114,7 +115,7 @@ def active_layers(step, *, n_layers: int, n_active: int, period: int, schedule: 
     _check_schedule(n_layers, n_active, period, schedule)
     p = jnp.asarray(step, jnp.int32) // period
     if schedule == "random":
-        key = jax.random.fold_in(jax.random.key(seed), p)
+        key = jax.random.fold_in(seed_key(seed), p)
         idx = jax.random.permutation(key, n_layers)[:n_active]
     else:
         idx = (p * n_active + jnp.arange(n_active, dtype=jnp.int32)) % n_layers
@@ -208,6 +209,10 @@ def make_layerwise_fns(
                              f"{type(model).__name__}")
     n_layers = int(config.n_layers)
     _check_schedule(n_layers, n_active, period, schedule)
+    check_optimizer(tx, "tx")
+    check_bool("adapters_only", adapters_only)
+    check_seed("seed", seed)
+    check_seed("dropout_seed", dropout_seed)
     n_active, period = int(n_active), int(period)
     graphdef, _, rest, treedef = split_params(model)
     groups = tuple(k for k in nnx.to_pure_dict(nnx.state(model, nnx.Param)) if k != LAYERS)
@@ -215,6 +220,9 @@ def make_layerwise_fns(
         always_train = groups
     elif isinstance(always_train, str):
         always_train = (always_train,)
+    elif not (isinstance(always_train, (tuple, list)) and all(isinstance(g, str) for g in always_train)):
+        raise LayerwiseError(f"always_train={always_train!r}; accepted: a group name or a tuple of them among "
+                             f"{', '.join(groups)} (or () for none)")
     bad = [g for g in always_train if g not in groups]
     if bad:
         raise LayerwiseError(f"always_train={tuple(always_train)!r}: {', '.join(map(repr, bad))} is not a parameter "
@@ -289,13 +297,14 @@ def make_layerwise_fns(
                                                       nnx.to_pure_dict(nnx.state(model, nnx.Param))))
 
     def step(state: TrainState, batch: dict):
+        check_lm_batch(batch)
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         ls = state.loss_scale
         idx = layers_at(state.step)
         slot_L = jnp.full((n_layers,), -1, jnp.int32).at[idx].set(jnp.arange(n_active, dtype=jnp.int32))
         train, frozen = split(state.params, idx)
         stored = state.params  # closed over below: never differentiated
-        dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step) if lora_dropout else None
+        dropout_key = jax.random.fold_in(seed_key(dropout_seed), state.step) if lora_dropout else None
         if lora_dropout:
             batch = {**batch, "lora_row": jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)}
 

@@ -121,9 +121,7 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         for a dense model)
     """
     check_lm_batch(batch)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and not any(isinstance(batch[k], jax.core.Tracer) for k in ("targets", "mask")):
-        _check_targets(np.asarray(batch["targets"]), np.asarray(batch["mask"]), vocab)
+    check_targets(model, batch)
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
@@ -136,9 +134,14 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
     return s, c, stats
 
 
-def _check_targets(targets_BT: np.ndarray, mask_BT: np.ndarray, vocab_size: int) -> None:
-    """Counted targets (mask != 0) outside the vocabulary would read NaN logits: one ValueError naming one.
-    Where the mask is 0 any value is fine (an ignore index of -100)."""
+def check_targets(model, batch: dict) -> None:
+    """Counted targets (mask != 0) outside `model`'s vocabulary would read NaN logits: one ValueError naming
+    one. Where the mask is 0 any value is fine (an ignore index of -100). Checked on concrete arrays only (not
+    while tracing), and only for a model with `config.vocab_size`."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is None or any(isinstance(batch[k], jax.core.Tracer) for k in ("targets", "mask")):
+        return
+    targets_BT, mask_BT = np.asarray(batch["targets"]), np.asarray(batch["mask"])
     counted = targets_BT[mask_BT != 0]
     if counted.size and not 0 <= counted.min() <= counted.max() < vocab_size:
         bad = counted.min() if counted.min() < 0 else counted.max()
@@ -158,6 +161,15 @@ def check_lm_batch(batch) -> None:
     if len(shapes["inputs"]) != 2 or len(set(shapes.values())) != 1:
         raise ValueError(f"language-model batch shapes {shapes}; accepted: 'inputs', 'targets' and 'mask' all "
                          "of one shape [batch, seq]")
+    check_token_ids(batch)
+
+
+def check_token_ids(batch) -> None:
+    """ValueError for a batch of no token ([0, T] or [B, 0]) or non-integer "inputs"/"targets" (shapes and
+    dtypes, so also while tracing)."""
+    shape = tuple(jnp.shape(batch["inputs"]))
+    if 0 in shape:
+        raise ValueError(f"batch of shape {list(shape)}; accepted: at least one row of at least one token")
     for k in ("inputs", "targets"):
         if not jnp.issubdtype(jnp.result_type(batch[k]), jnp.integer):
             raise ValueError(f"batch[{k!r}] of dtype {jnp.result_type(batch[k])}; accepted: integer token ids")

@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jmem.checks import check_optimizer, loss_pair
+from jmem.checks import check_bool, check_optimizer, check_seed, loss_pair
 from jmem.lora import combine, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite, global_norm
-from jmem.train.loss import lm_loss_terms, router_loss
+from jmem.sampling import seed_key
+from jmem.train.loss import check_lm_batch, lm_loss_terms, router_loss
 
 
 class TrainState(NamedTuple):
@@ -146,6 +147,8 @@ def make_train_fns(
     from jmem.parallel.zero import check_stage
 
     check_optimizer(tx, "tx")
+    check_bool("adapters_only", adapters_only)
+    check_seed("dropout_seed", dropout_seed)
     zero = check_stage(zero)
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     config = getattr(model, "config", None)
@@ -203,11 +206,13 @@ def make_train_fns(
         return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
     def grads_fn(state: TrainState, batch: dict):
+        if loss_fn is None:  # the model's own loss reads this batch layout (a custom loss_fn reads its own)
+            check_lm_batch(batch)
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         ls = state.loss_scale
         dropout_key = None
         if lora_dropout:  # a pure function of (seed, step, row): a resumed run draws the same masks
-            dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+            dropout_key = jax.random.fold_in(seed_key(dropout_seed), state.step)
             batch = {**batch, "lora_row": jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)}
 
         def objective(params, mb):

@@ -108,6 +108,29 @@ def test_bad_settings_are_refused_before_any_work(model):
         make_layerwise_fns(model, TX, 1, always_train=("embed", "lm_head"))
     with pytest.raises(LayerwiseError, match="needs a jmem.models.Llama"):
         make_layerwise_fns(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), TX, 1)
+    # An AttributeError, a TypeError from JAX at the first draw, "'int' object is not iterable", or a
+    # string taken as true, before:
+    for kwargs, message in [({"tx": None}, r"^tx=None; accepted: an optax.GradientTransformation"),
+                            ({"seed": "a"}, r"^seed='a'; accepted: an integer"),
+                            ({"seed": 1.5}, r"^seed=1.5; accepted: an integer"),
+                            ({"dropout_seed": 2**64}, r"^dropout_seed=18446744073709551616; accepted: an integer"),
+                            ({"always_train": 5}, r"^always_train=5; accepted: a group name or a tuple of them"),
+                            ({"adapters_only": "yes"}, r"^adapters_only='yes'; accepted: True or False$")]:
+        with pytest.raises(ValueError, match=message):
+            make_layerwise_fns(model, **{"tx": TX, "n_active": 1, **kwargs})
+    with pytest.raises(ValueError, match=r"^adapters_only='False'; accepted: True or False$"):
+        make_train_fns(model, TX, adapters_only="False")
+
+
+def test_a_malformed_batch_is_one_error_naming_it(model, data):
+    """A 1-D batch was 'not enough values to unpack'; one without a mask a KeyError."""
+    fns = make_layerwise_fns(model, TX, 1)
+    state = fns.init_state(model)
+    good = _batch(data, 0)
+    with pytest.raises(ValueError, match=r"^language-model batch shapes"):
+        fns.step(state, {k: v[0] for k, v in good.items()})
+    with pytest.raises(ValueError, match=r"^language-model batch \['inputs', 'targets'\]; accepted"):
+        fns.step(state, {k: v for k, v in good.items() if k != "mask"})
 
 
 def test_all_layers_active_equals_the_plain_train_step(compiled, model, data):
