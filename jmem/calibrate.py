@@ -61,9 +61,12 @@ def with_weights(w: dict, new: dict) -> dict:
 
 def linear_targets(model, targets) -> tuple[str, ...]:
     """`targets` (a name or several) as a tuple of distinct linears of `model`'s blocks (`check_targets`);
-    a ValueError names those a mixture-of-experts block lacks (its experts replace the MLP linears)."""
-    targets = check_targets(targets, LINEARS)
+    a ValueError names those a mixture-of-experts block lacks (its experts replace the MLP linears). None:
+    every linear the blocks have (the seven, or a mixture of experts' four attention linears)."""
     present = model.config.weight_names()
+    if targets is None:
+        return tuple(n for n in LINEARS if n in present)
+    targets = check_targets(targets, LINEARS)
     absent = [t for t in targets if t not in present]
     if absent:
         raise ValueError(f"targets {absent} are not linear kernels of this model's blocks (its MLP is a mixture of "

@@ -35,7 +35,7 @@ from flax import nnx
 from jmem.checks import check_bool, is_int, is_number
 from jmem.models.dot import dot
 from jmem.quant.qtensor import check_finite
-from jmem.calibrate import LINEARS, STAGES, calibrate_layers, calibration_tokens, check_calibration_ids
+from jmem.calibrate import STAGES, calibrate_layers, calibration_tokens, check_calibration_ids
 from jmem.calibrate import linear_targets, run_layer, stack_records
 
 
@@ -200,7 +200,7 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
     return plan
 
 
-def factorize(model, rank: int | None = None, *, keep: float | None = None, targets=LINEARS, calibration=None,
+def factorize(model, rank: int | None = None, *, keep: float | None = None, targets=None, calibration=None,
               tokenizer=None, seq_len: int = 512, max_seqs: int = 32, damp: float = 0.01, inplace: bool = False,
               log=None):
     """Replace the target linear kernels of a jmem Llama model by low-rank factors.
@@ -210,7 +210,8 @@ def factorize(model, rank: int | None = None, *, keep: float | None = None, targ
         rank: one rank for every target; or
         keep: the fraction (0, 1) of each target's parameters (and bytes, and matmul FLOPs)
             to keep; each matrix gets `rank_for(keep, in, out)`.
-        targets: names among wq, wk, wv, wo, w_gate, w_up, w_down.
+        targets: names among wq, wk, wv, wo, w_gate, w_up, w_down (default None: every linear the blocks
+            have, the four attention linears of a mixture-of-experts model).
         calibration: optional text(s) (with `tokenizer`) or token ids `[B, T]`: factors
             whitened by each layer's own inputs (SVD-LLM), layer by layer; without it,
             plain truncated SVD.

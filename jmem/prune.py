@@ -381,7 +381,7 @@ SPARSE_LEAVES = (NMSparse, BitmaskSparse)
 # --------------------------------------------------------------------------- the model
 
 
-def check_fits(model, spec: PruneSpec, targets=LINEARS) -> dict:
+def check_fits(model, spec: PruneSpec, targets=None) -> dict:
     """Refuse targets `prune` cannot prune in `model` (absent, quantized, or an input dimension M does
     not divide) with one ValueError; the block's weights otherwise. Cheap: no scores, no copies."""
     targets = linear_targets(model, targets)
@@ -402,7 +402,7 @@ def check_fits(model, spec: PruneSpec, targets=LINEARS) -> dict:
 
 
 def prune(model, method: str = "magnitude", sparsity: float | None = None, pattern: str | None = None,
-          calibration=None, *, targets=LINEARS, tokenizer=None, seq_len: int = 512, max_seqs: int = 32,
+          calibration=None, *, targets=None, tokenizer=None, seq_len: int = 512, max_seqs: int = 32,
           pack: bool = True, inplace: bool = False, log=None):
     """Prune the linear kernels of a jmem Llama model.
 
@@ -415,7 +415,8 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
         consecutive input weights of each output column.
       calibration: wanda only (ignored by magnitude): text(s) (with
         `tokenizer`) or token ids (int [B, T] or a list of 1-D arrays).
-      targets: which block linears to prune (default all seven).
+      targets: which block linears to prune (default None: all seven, or the four attention linears of a
+        mixture-of-experts model).
       tokenizer: for text calibration; anything with `.encode(text)`.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
       pack: store kernels as `NMSparse` (a pattern) or `BitmaskSparse`

@@ -175,3 +175,13 @@ def test_bad_gram_is_one_clear_error():
     one = LowRank.from_svd(stacked, 3, gram=x.T @ x)
     per_layer = LowRank.from_svd(stacked, 3, gram=np.stack([x.T @ x] * 2))
     np.testing.assert_allclose(one.dequantize(), per_layer.dequantize(), rtol=1e-5, atol=1e-5)
+
+
+def test_default_targets_of_a_mixture_of_experts_model_are_its_attention_linears():
+    """The default was all seven linears, which an MoE block lacks: factorize(moe) was an error by default."""
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    low = factorize(moe, rank=8)
+    assert [n for n in moe.config.weight_names() if isinstance(low.layers.weight_var(n).get_value(), LowRank)] == [
+        "wq", "wk", "wv", "wo"]
+    with pytest.raises(ValueError, match=r"^targets \['w_down'\] are not linear kernels of this model's blocks"):
+        factorize(moe, rank=8, targets="w_down")

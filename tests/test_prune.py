@@ -335,3 +335,14 @@ def test_smollm2_2_4_bytes_and_finite_loss():
 def test_unstructured_mask_refuses_what_prune_refuses(scores, sparsity, message):
     with pytest.raises(ValueError, match=message):
         unstructured_mask(jnp.asarray(scores), sparsity)
+
+
+def test_default_targets_of_a_mixture_of_experts_model_are_its_attention_linears():
+    """The default was all seven linears, which an MoE block lacks: prune(moe) was an error by default."""
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    pruned = prune(moe, "magnitude", 0.5)
+    kernels = {n: moe.layers.weight_var(n).get_value() for n in moe.config.weight_names()}
+    assert {n for n in kernels if isinstance(pruned.layers.weight_var(n).get_value(), BitmaskSparse)} == set(
+        LINEARS[:4])
+    with pytest.raises(ValueError, match=r"^targets \['w_up'\] are not linear kernels of this model's blocks"):
+        prune(moe, "magnitude", 0.5, targets=("wq", "w_up"))
