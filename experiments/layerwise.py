@@ -74,8 +74,8 @@ def _counts(text: str, layers: int) -> list[int]:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         out = []
-    if not out or any(not 1 <= n <= layers for n in out):
-        raise ValueError(f"--n-active {text!r}; accepted: comma-separated integers in 1..{layers} "
+    if not out or any(not 1 <= n <= layers for n in out) or len(set(out)) < len(out):
+        raise ValueError(f"--n-active {text!r}; accepted: comma-separated distinct integers in 1..{layers} "
                          f"(the layers of --model and --train-model)")
     return out
 

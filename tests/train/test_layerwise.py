@@ -312,8 +312,9 @@ def _script():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--n-active", "0"], "--n-active '0'; accepted: comma-separated integers in 1..4"),
+    (["--n-active", "0"], "--n-active '0'; accepted: comma-separated distinct integers in 1..4"),
     (["--n-active", "2,x"], "--n-active '2,x'; accepted"),
+    (["--n-active", "1,1"], "--n-active '1,1'; accepted: comma-separated distinct integers"),
     (["--schedule", "greedy"], "--schedule 'greedy'; accepted: random, bottom-up, top-down"),
     (["--model", "gpt2"], "--model 'gpt2'; accepted: tiny, small"),
     (["--optimizer", "lion"], "--optimizer 'lion'; accepted: adamw"),
