@@ -25,7 +25,9 @@ Patterns:
   2-bit (for M=4) positions, expanded to dense inside the jitted step; an f32
   2:4 kernel takes 0.53x of its dense bytes.
 
-Embeddings, norms and the output head stay dense.
+Embeddings, norms and the output head stay dense. A model pruned with
+`pack=False` is fine-tuned sparse by chaining `keep_pruned_zeros()` after the
+optimizer: it zeroes the pruned kernels' updates where the weight is zero.
 
 Example:
     >>> pruned = prune(model, "wanda", pattern="2:4", calibration=ids_BT)
@@ -43,11 +45,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-from jmem.checks import check_bool, is_number
+from jmem.checks import check_bool, check_targets, is_number
 from jmem.calibrate import LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, linear_targets
 from jmem.calibrate import run_layer, stack_records
+from jmem.pytree import leaf_paths
 from jmem.quant.api import describe_quantized
 from jmem.quant.qtensor import PACK_ROWS, QTensor, pack_bits, unpack_bits
 
@@ -422,7 +426,8 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
       pack: store kernels as `NMSparse` (a pattern) or `BitmaskSparse`
         (unstructured, where the dropped values outweigh a 1-bit mask and the
         input dimension is a multiple of 8) leaves; False: dense arrays with
-        zeros, e.g. to quantize or fine-tune them afterwards.
+        zeros, e.g. to quantize or fine-tune them afterwards (with the
+        optimizer chained before `keep_pruned_zeros`, the zeros stay zero).
       inplace: modify `model` instead of a copy.
       log: optional callable taking one progress line per calibrated layer.
 
@@ -470,6 +475,32 @@ def _store(w, mask, spec: PruneSpec, pack: bool):
     if pack and w.shape[-2] % PACK_ROWS == 0 and (w.shape[-2] - kept) * jnp.dtype(w.dtype).itemsize * 8 > w.shape[-2]:
         return BitmaskSparse.from_mask(w, mask)
     return jnp.where(mask, w, jnp.zeros((), w.dtype))
+
+
+def keep_pruned_zeros(targets=LINEARS) -> optax.GradientTransformation:
+    """An optax transform that zeroes the updates of pruned kernels where the weight is zero, so a model
+    pruned with `pack=False` keeps its sparsity while it is fine-tuned (a plain optimizer fills the zeros in
+    the first step). Chain it after the optimizer; it keeps no state.
+
+    It reads the parameters (`tx.update(updates, state, params)`, as `jmem.train` calls it) at the paths
+    `layers/<target>/kernel`; other leaves pass unchanged. A kept weight that training makes exactly 0.0
+    stays 0 from then on.
+
+    Example:
+        >>> tx = optax.chain(optax.adamw(1e-4), keep_pruned_zeros())
+        >>> fns = make_train_fns(prune(model, "wanda", pattern="2:4", calibration=ids, pack=False), tx)
+    """
+    pruned = {("layers", t, "kernel") for t in check_targets(targets, LINEARS)}
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("keep_pruned_zeros needs the parameters: call tx.update(updates, state, params)")
+        entries, treedef = leaf_paths(updates)
+        kept = [jnp.where(p != 0, u, jnp.zeros((), u.dtype)) if path in pruned else u
+                for (path, u), p in zip(entries, treedef.flatten_up_to(params))]
+        return jax.tree.unflatten(treedef, kept), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def _wanda_masks(model, weights: dict, ids_BT, spec: PruneSpec, targets: tuple, log=None) -> dict:

@@ -346,3 +346,34 @@ def test_default_targets_of_a_mixture_of_experts_model_are_its_attention_linears
         LINEARS[:4])
     with pytest.raises(ValueError, match=r"^targets \['w_up'\] are not linear kernels of this model's blocks"):
         prune(moe, "magnitude", 0.5, targets=("wq", "w_up"))
+
+
+def test_fine_tuning_with_keep_pruned_zeros_keeps_the_sparsity():
+    """A plain optimizer fills a pack=False model's zeros in its first step; chained with keep_pruned_zeros
+    the pruned kernels keep exactly their zeros while their kept weights and every other leaf train."""
+    import optax
+
+    from jmem.prune import keep_pruned_zeros
+    from jmem.train import make_train_fns
+
+    cfg = LlamaConfig.tiny(n_layers=2)
+    pruned = prune(Llama(cfg, rngs=nnx.Rngs(0)), pattern="2:4", pack=False, targets=("wq", "w_up"))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": jnp.ones((2, 16))}
+    zeros = {t: np.asarray(pruned.layers.weight_var(t).get_value()) == 0 for t in LINEARS}
+    assert zeros["wq"].mean() == 0.5 and zeros["wk"].mean() == 0.0
+    for tx, keeps in ((optax.adamw(1e-2), False), (optax.chain(optax.adamw(1e-2), keep_pruned_zeros(["wq", "w_up"])),
+                                                   True)):
+        fns = make_train_fns(pruned, tx)
+        state = fns.init_state(pruned)
+        for _ in range(2):
+            state, _ = jax.jit(fns.step)(state, batch)
+        trained = fns.merge(state.params).layers
+        for t in ("wq", "w_up"):
+            w, w0 = np.asarray(trained.weight_var(t).get_value()), np.asarray(pruned.layers.weight_var(t).get_value())
+            assert np.array_equal(w == 0, zeros[t]) == keeps, t
+            assert not np.allclose(w[~zeros[t]], w0[~zeros[t]])  # the kept weights train
+        assert not np.allclose(trained.wk.kernel.get_value(), pruned.layers.wk.kernel.get_value())
+    with pytest.raises(ValueError, match="needs the parameters"):
+        keep_pruned_zeros().update({"a": jnp.ones(2)}, optax.EmptyState())
