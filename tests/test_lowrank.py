@@ -112,7 +112,7 @@ def test_factorized_model_runs_under_jit_and_halves_its_bytes(tiny):
     (dict(rank=31), "stores"),
     (dict(rank=4, targets=("wz",)), "unknown target 'wz'"),
     (dict(rank=4, targets=()), "targets is empty"),
-    (dict(rank=4, targets=None), "targets=None; accepted: a name or a list of names among wq"),
+    (dict(rank=4, targets=5), "targets=5; accepted: a name or a list of names among wq"),
     (dict(rank=4, targets=("wq", "wq")), "target 'wq' is listed twice"),
     (dict(rank=4, inplace="false"), "inplace='false'; accepted: True or False"),
     (dict(keep=0.5, calibration=np.zeros((1, 8), np.int32), damp=-1.0), "damp=-1.0; accepted: a finite number >= 0"),

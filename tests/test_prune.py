@@ -258,7 +258,7 @@ def test_wanda_beats_magnitude_with_outlier_channels(outlier_model, data):
     (dict(method="sparsegpt"), r"unknown pruning method 'sparsegpt'"),
     (dict(method="wanda"), r"needs calibration"),
     (dict(targets=("head",)), r"unknown target 'head'; accepted: names among wq, wk, wv, wo, w_gate, w_up, w_down"),
-    (dict(targets=None), r"targets=None; accepted: a name or a list of names among wq"),
+    (dict(targets=5), r"targets=5; accepted: a name or a list of names among wq"),
     (dict(targets=("wq", "wq")), r"target 'wq' is listed twice"),
     (dict(inplace="false"), r"inplace='false'; accepted: True or False"),
     (dict(pack="no"), r"pack='no'; accepted: True or False"),
