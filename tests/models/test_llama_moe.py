@@ -192,6 +192,7 @@ def test_calibrated_compression_of_attention_weights_runs_on_an_moe_model():
     """Wanda pruning and whitened low-rank factorization of the attention linears read the blocks' weights
     layer by layer; an MoE block's `moe` weights (a dict) raised KeyError: 0."""
     from jmem.lowrank import factorize
+    from jmem.models.config import LINEARS
     from jmem.prune import prune, sparsity_report
 
     model = Llama(CFG, rngs=nnx.Rngs(0))
@@ -200,7 +201,7 @@ def test_calibrated_compression_of_attention_weights_runs_on_an_moe_model():
     assert abs(sparsity_report(pruned, ("wq",))["wq"]["zeros"] - 0.5) < 1e-6
     with pytest.raises(ValueError, match=r"targets \['w_gate', 'w_up', 'w_down'\] are not linear kernels of this "
                                          r"model's blocks \(its MLP is a mixture of experts\); accepted: wq, wk"):
-        factorize(model, rank=8)  # the default targets (was "holds a NoneType ... factorize before quantizing")
+        factorize(model, rank=8, targets=LINEARS)  # (was "holds a NoneType ... factorize before quantizing")
     low = factorize(model, rank=8, targets=("wq", "wo"), calibration=ids)
     assert type(low.layers.wq.kernel.get_value()).__name__ == "LowRank"
     assert np.isfinite(np.asarray(low(jnp.asarray(ids))[0])).all()
