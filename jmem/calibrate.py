@@ -149,7 +149,7 @@ class _ExpertTap(_Tap):
     """An expert weight leaf `[experts, in, out]` that records its routed input rows and the expert of each
     row (inside one trace), then multiplies as `jmem.models.moe.expert_matmul` does."""
 
-    def __jmem_expert_dot__(self, x, matmul):
+    def __jmem_expert_dot__(self, x, matmul, tokens=None):
         n_experts = self.shape[0]
         # `matmul` multiplies each row by its expert's matrix: a row of ones times one-hot matrices names it.
         one_hot = matmul(jnp.ones((*x.shape[:-1], 1), x.dtype), jnp.eye(n_experts, dtype=x.dtype)[:, None, :])

@@ -147,7 +147,7 @@ class LoRA:
         u = jnp.matmul(h, b, preferred_element_type=jnp.float32)
         return (y.astype(jnp.float32) + self.scale * u).astype(x.dtype)
 
-    def __jmem_expert_dot__(self, x: jax.Array, matmul) -> jax.Array:
+    def __jmem_expert_dot__(self, x: jax.Array, matmul, tokens=None) -> jax.Array:
         """An adapted expert weight `[experts, in, out]` in `jmem.models.moe.moe_mlp`: `matmul(x, w)` multiplies
         rows by their expert's matrix; the adapter adds `scale * (x A) B` through it, as two thin matmuls
         (no merged `[experts, in, out]` weight, nor its gradient)."""

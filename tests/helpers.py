@@ -150,7 +150,7 @@ def random_adapter(model, path, seed, rank, targets, alpha=16.0, rslora=False):
     m = nnx.clone(model)
     rng = np.random.default_rng(seed)
     for t in targets:
-        var = getattr(m.layers, t).kernel
+        var = m.layers.weight_var(t)
         *lead, n_in, n_out = var.get_value().shape
         a = rng.normal(size=(*lead, n_in, rank)) * n_in ** -0.5
         b = rng.normal(size=(*lead, rank, n_out)) * 0.5

@@ -164,15 +164,17 @@ def expert_array(w):
     return w if get is None else get()
 
 
-def expert_matmul(x, w, matmul):
+def expert_matmul(x, w, matmul, tokens=None):
     """`matmul(x, W)`, `matmul` multiplying rows by each expert's `[in, out]` (batched or grouped), for an
-    expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul)` (a LoRA adapter) computes its own
-    product from `matmul`, so an adapter runs as two thin matmuls, never as a merged weight; any other leaf
-    that is not an array (quantized, packed, a ZeRO-3 shard gathered on use) gives its float value again in
-    the backward pass (`recompute_weight_in_backward`), not kept."""
+    expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul, tokens)` (a LoRA adapter, the serving
+    engine's per-request adapters) computes its own product from `matmul`, so an adapter runs as two thin
+    matmuls, never as a merged weight; `tokens` (i32, x's rows: the input row, in [batch * seq] order, each
+    row of x routes, -1 for an empty place) tells it whose row is whose. Any other leaf that is not an array
+    (quantized, packed, a ZeRO-3 shard gathered on use) gives its float value again in the backward pass
+    (`recompute_weight_in_backward`), not kept."""
     own = getattr(w, "__jmem_expert_dot__", None)
     if own is not None:
-        return own(x, matmul)
+        return own(x, matmul, tokens)
     if not isinstance(w, jax.Array):
         return recompute_weight_in_backward(lambda x, w: matmul(x, expert_array(w)))(x, w)
     return matmul(x, expert_array(w))
@@ -221,10 +223,14 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     def matmul(a, w):  # [experts, cap, in] @ [experts, in, out]
         return jnp.einsum("xci,xio->xco", a, w.astype(a.dtype))
 
-    g_XCF = checkpoint_name(expert_matmul(in_XCE, gate_XEF, matmul), "mlp_gate")
-    u_XCF = checkpoint_name(expert_matmul(in_XCE, up_XEF, matmul), "mlp_up")
+    # The input row ([batch * seq] order) of each place; -1 for an empty one.
+    n_N = jnp.arange(T * B, dtype=jnp.int32)
+    tok_XC = jnp.full((X * cap,), -1, jnp.int32).at[slot_NK.reshape(-1)].set(
+        jnp.repeat(n_N % B * T + n_N // B, top_k), mode="drop").reshape(X, cap)
+    g_XCF = checkpoint_name(expert_matmul(in_XCE, gate_XEF, matmul, tok_XC), "mlp_gate")
+    u_XCF = checkpoint_name(expert_matmul(in_XCE, up_XEF, matmul, tok_XC), "mlp_up")
     h_XCF = checkpoint_name(jax.nn.silu(g_XCF) * u_XCF, "mlp_hidden")
-    out_XCE = fix(expert_matmul(h_XCF, down_XFE, matmul))
+    out_XCE = fix(expert_matmul(h_XCF, down_XFE, matmul, tok_XC))
     out_NKE = jnp.take(out_XCE.reshape(X * cap, E), slot_NK, axis=0, mode="fill", fill_value=0)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(dt))
     return y_NE.reshape(T, B, E).swapaxes(0, 1), stats
@@ -257,10 +263,11 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     def matmul(a, w):  # each expert's rows of [assignments, in] @ its [in, out]
         return jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_X)
 
-    g_QF = checkpoint_name(expert_matmul(in_QE, gate_XEF, matmul), "mlp_gate")
-    u_QF = checkpoint_name(expert_matmul(in_QE, up_XEF, matmul), "mlp_up")
+    tok_Q = (order_Q // top_k).astype(jnp.int32)  # each row's input row
+    g_QF = checkpoint_name(expert_matmul(in_QE, gate_XEF, matmul, tok_Q), "mlp_gate")
+    u_QF = checkpoint_name(expert_matmul(in_QE, up_XEF, matmul, tok_Q), "mlp_up")
     h_QF = checkpoint_name(jax.nn.silu(g_QF) * u_QF, "mlp_hidden")
-    out_QE = expert_matmul(h_QF, down_XFE, matmul)
+    out_QE = expert_matmul(h_QF, down_XFE, matmul, tok_Q)
     out_NKE = jnp.zeros_like(out_QE).at[order_Q].set(out_QE).reshape(B * T, top_k, E)
     y_NE = jnp.einsum("nke,nk->ne", out_NKE, gate_NK.astype(out_NKE.dtype))
     valid_N = None if token_mask_BT is None else token_mask_BT.reshape(B * T) != 0

@@ -62,7 +62,7 @@ class EngineConfig:
         max_lora_rank: the largest adapter rank accepted (slots are padded to the largest one loaded, or to
             this rank with allow_runtime_lora).
         allow_runtime_lora: adapters may be loaded and unloaded while serving (`Engine.load_adapter`,
-            `Engine.unload_adapter`); the slots then hold every linear target at max_lora_rank.
+            `Engine.unload_adapter`); the slots then hold every target (linears, experts) at max_lora_rank.
         lora_impl: batched adapter matmul: onehot | ragged (see `jmem.serve.lora`).
         tensor_parallel_size: local devices to split the model over (Megatron tensor parallelism,
             `jmem.serve.tensor_parallel`); the KV budgets are per device, so the pool holds this

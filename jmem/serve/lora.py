@@ -21,10 +21,16 @@ of the A or B matrices (that gather would hold tokens x in x R values):
   backend has a grouped matmul; XLA's CPU expansion of it holds S x N x in, so
   it is opt-in.
 
+An expert weight `[experts, in, out]` of a mixture-of-experts model stacks
+its slots the same way (`lora_a [*lead, experts, S, in, R]`); inside
+`jmem.models.moe.moe_mlp` each routed row takes the slot of its input row, and
+the adapter term runs one-hot through the MLP's own grouped matmul.
+
 `stack_adapters` reads adapter files written by `jmem.lora.save_adapters`,
 checks that they fit the model, and wraps its kernels. With `runtime_loading`
-the slots hold every linear target of the model at `max_lora_rank`, so that
-adapters read later (`read_adapter`) fit whatever they target.
+the slots hold every target of the model (its linears, or its attention linears
+and experts) at `max_lora_rank`, so that adapters read later (`read_adapter`)
+fit whatever they target.
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import numpy as np
 from flax import nnx
 
 from jmem.lora import LoRA, check_base, read_adapters
-from jmem.models.config import LINEARS
+from jmem.models.config import EXPERT_TARGETS, EXPERT_WEIGHTS, LINEARS
+from jmem.models.moe import expert_matmul
 from jax.sharding import PartitionSpec as P
 
 from jmem.models.dot import dot, partition_specs
 
 IMPLS = ("onehot", "ragged")
+SERVABLE = LINEARS + EXPERT_TARGETS  # the weights served adapters may target
 BASE_SLOT = -1  # slot id of rows served by the base model (and of padding rows)
 
 
@@ -131,6 +139,26 @@ class MultiLoRA:
         out = jnp.where((slots_N >= 0)[:, None], (y_NO.astype(jnp.float32) + u_NO).astype(y.dtype), y_NO)
         return out.reshape(*lead, -1)
 
+    def __jmem_expert_dot__(self, x, matmul, tokens=None):
+        """An expert weight `[experts, in, out]` with adapters `A [experts, S, in, R]`, `B [experts, S, R, out]`
+        in `jmem.models.moe.moe_mlp`: each routed row of `x` takes the slot of its input row (`tokens`).
+        The slots' A (and B) go through `matmul` side by side, `[experts, in, S*R]`, and each row keeps its
+        own slot's R columns (the one-hot form of `__jmem_dot__`): two grouped matmuls."""
+        y = expert_matmul(x, self.base, matmul)
+        if self.slots is None:
+            return y
+        if tokens is None:
+            raise ValueError("a MultiLoRA expert weight needs the input row of each routed row (tokens)")
+        slots_N = self.slots.reshape(-1, self.slots.shape[-1])[0]  # the same slot ids for every expert
+        slot_R = jnp.where(tokens >= 0, slots_N[jnp.maximum(tokens, 0)], BASE_SLOT)  # each routed row's
+        X, S, D, R = self.lora_a.shape
+        a = self.lora_a.swapaxes(1, 2).reshape(X, D, S * R)
+        h = matmul(x, a.astype(x.dtype))  # [..., S * R]
+        keep = slot_R[..., None] == jnp.repeat(jnp.arange(S), R)
+        u = matmul(jnp.where(keep, h, 0).astype(x.dtype), self.lora_b.reshape(X, S * R, -1).astype(x.dtype))
+        return jnp.where((slot_R >= 0)[..., None], (y.astype(jnp.float32) + u.astype(jnp.float32)).astype(y.dtype),
+                         y)
+
 
 jax.tree_util.register_pytree_with_keys_class(MultiLoRA)
 
@@ -205,10 +233,10 @@ def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str
     for name, path in modules.items():
         meta, stored = read_adapters(path)
         for target, m in meta.items():
-            if target not in LINEARS:
+            if target not in SERVABLE:
                 raise ValueError(f"adapter {os.fspath(path)!r} targets {target!r}; served adapters may target: "
-                                 f"{', '.join(LINEARS)} (serve one on experts or the head merged into the "
-                                 "model: jmem.lora.merge)")
+                                 f"{', '.join(SERVABLE)} (serve one on the head merged into the model: "
+                                 "jmem.lora.merge)")
             if m["rank"] > max_lora_rank:
                 raise ValueError(f"adapter {name!r} has rank {m['rank']} on {target}, above --max-lora-rank="
                                  f"{max_lora_rank}; accepted: ranks up to --max-lora-rank")
@@ -228,8 +256,8 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
             (`jmem.serve.lora_slots`).
         max_lora_rank: the largest rank accepted; slots are zero-padded to the largest rank loaded.
         impl: "onehot" or "ragged" (see the module docstring).
-        runtime_loading: slots for adapters read later (`read_adapter`): every linear target of the
-            model, at rank `max_lora_rank`; `modules` may then be empty.
+        runtime_loading: slots for adapters read later (`read_adapter`): every target of the model (its
+            `config.weight_names()`), at rank `max_lora_rank`; `modules` may then be empty.
 
     Returns:
         (model copy, {name: AdapterInfo}).
@@ -250,18 +278,18 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"--max-loras={max_loras!r}; accepted: an integer >= 1")
     read = check_adapter_files(modules, max_lora_rank)
-    layers = model.layers
+    layers, present = model.layers, model.config.weight_names()
     if runtime_loading:
-        targets = [t for t in LINEARS if hasattr(layers, t)]
+        targets = list(present)
         R = max_lora_rank
     else:
-        targets = sorted({t for meta, _ in read.values() for t in meta}, key=LINEARS.index)
+        targets = sorted({t for meta, _ in read.values() for t in meta}, key=SERVABLE.index)
         R = max(m["rank"] for meta, _ in read.values() for m in meta.values())
     bases = {}
     for t in targets:
-        if not hasattr(layers, t):
-            raise ValueError(f"LoRA target {t!r} is not a weight of this model (an MoE model has no {t})")
-        base = getattr(layers, t).kernel.get_value()
+        if t not in present:
+            raise ValueError(f"LoRA target {t!r} is not a weight of this model; accepted: {', '.join(present)}")
+        base = layers.weight_var(t).get_value()
         if isinstance(base, (LoRA, MultiLoRA)):
             raise ValueError(f"the model's {t} kernel already carries an adapter; serve the base model "
                              f"(jmem.lora.remove_adapters or merge first)")
@@ -279,13 +307,15 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
         b_list = [info.arrays[t][1] for info in resident] + [np.zeros((*lead, R, n_out), dtype)] * free
         a = jnp.asarray(np.stack(a_list, axis=-3))  # [*lead, S, in, R]
         b = jnp.asarray(np.stack(b_list, axis=-3))  # [*lead, S, R, out]
-        getattr(served.layers, t).kernel.set_value(MultiLoRA(bases[t], a, b, impl=impl))
+        served.layers.weight_var(t).set_value(MultiLoRA(bases[t], a, b, impl=impl))
     return served, infos
 
 
 def target_of(path) -> str:
-    """The linear target (wq, ..., w_down) a `MultiLoRA` leaf's key path in a model state passes through."""
-    return next(n for n in (getattr(k, "key", getattr(k, "name", None)) for k in path) if n in LINEARS)
+    """The target (wq, ..., w_down, moe.expert_gate, ...) a `MultiLoRA` leaf's key path in a model state
+    passes through."""
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return next(n if n in LINEARS else f"moe.{n}" for n in names if n in LINEARS or n in EXPERT_WEIGHTS)
 
 
 def _multi_leaves(state) -> dict[str, MultiLoRA]:

@@ -107,6 +107,54 @@ def test_batched_dot_temp_memory_does_not_grow_beyond_the_stacked_adapters():
     assert t8 < gather_bytes / 4
 
 
+@pytest.mark.parametrize("dropless", [True, False])
+def test_batched_expert_weights_match_each_adapter_alone(dropless):
+    """Expert weights [experts, in, out] with stacked adapters in the MoE MLP: each token's output equals
+    the MLP's with that token's adapter alone on every expert (`LoRA` leaves), base tokens the base MLP's
+    exactly; routed, as a serving step routes (dropless), and with capacity places."""
+    from jmem.models.moe import moe_mlp
+
+    X, E, F, S, R, B, T = 4, 32, 48, 2, 4, 2, 12
+    ks = iter(jax.random.split(jax.random.key(5), 12))
+    router = jax.random.normal(next(ks), (E, X))
+    w = {n: jax.random.normal(next(ks), (X, *shape)) * shape[0] ** -0.5
+         for n, shape in (("gate", (E, F)), ("up", (E, F)), ("down", (F, E)))}
+    adapters = {n: (jax.random.normal(next(ks), (X, S, v.shape[1], R)) * 0.3,
+                    jax.random.normal(next(ks), (X, S, R, v.shape[2])) * 0.3) for n, v in w.items()}
+    x = jax.random.normal(next(ks), (B, T, E))
+    slots = jnp.asarray(np.random.default_rng(0).integers(-1, S, B * T), jnp.int32)
+
+    def run(leaves):
+        kw = dict(top_k=2, dropless=dropless, capacity_factor=4.0)
+        return np.asarray(jax.jit(lambda x, l: moe_mlp(x, router, l["gate"], l["up"], l["down"], **kw)[0])(x, leaves))
+
+    y = run({n: MultiLoRA(v, *adapters[n]).with_slots(slots) for n, v in w.items()}).reshape(B * T, E)
+    rows = np.asarray(slots)
+    np.testing.assert_array_equal(y[rows < 0], run(w).reshape(B * T, E)[rows < 0])
+    for s in range(S):
+        alone = run({n: LoRA(v, adapters[n][0][:, s], adapters[n][1][:, s], alpha=R) for n, v in w.items()})
+        np.testing.assert_allclose(y[rows == s], alone.reshape(B * T, E)[rows == s], rtol=1e-5, atol=1e-5)
+    assert {-1, 0, 1} <= set(rows.tolist())
+
+
+def test_a_mixture_of_experts_model_serves_expert_adapters(tmp_path):
+    """Adapters on experts (and attention) of an MoE model, mixed with the base in one batch, through one
+    slot they take turns in: each request's tokens equal its adapter merged into the model, alone."""
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    files = {"a": str(random_adapter(moe, tmp_path / "a.npz", 1, 4, ("wq", "moe.expert_up", "moe.expert_down"))),
+             "b": str(random_adapter(moe, tmp_path / "b.npz", 2, 8, ("moe.expert_gate", "wo"), alpha=8.0))}
+    names = ["a", None, "b", "a"]
+    want = {n: reference(moe, None if n is None else files[n], PROMPTS[:4], 6) for n in ("a", "b", None)}
+    assert all(len({tuple(want[n][i]) for n in want}) == 3 for i in range(4))  # the adapters change the output
+    engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=40, max_loras=1, **SMALL), lora_modules=files)
+    outs = engine.generate(PROMPTS[:4], greedy(), adapters=names)
+    assert [o.token_ids for o in outs] == [want[n][i] for i, n in enumerate(names)]
+    assert engine.runner.adapter_slots.num_loads > 0
+    experts = engine.runner.state["layers"]["moe"]["expert_up"][...]
+    L, X, E, F = 2, 4, moe.config.dim, moe.config.ffn_dim
+    assert experts.lora_a.shape == (L, X, 1, E, 8) and experts.lora_b.shape == (L, X, 1, 8, F)
+
+
 # ---------------------------------------------------------------------------- the engine
 def greedy(n=6):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
