@@ -138,15 +138,18 @@ def test_batched_expert_weights_match_each_adapter_alone(dropless):
 
 
 def test_a_mixture_of_experts_model_serves_expert_adapters(tmp_path):
-    """Adapters on experts (and attention) of an MoE model, mixed with the base in one batch, through one
-    slot they take turns in: each request's tokens equal its adapter merged into the model, alone."""
+    """Adapters on experts (and attention) of an MoE model, one given at startup and one loaded while
+    serving, mixed with the base in one batch, through one slot they take turns in: each request's tokens
+    equal its adapter merged into the model, alone."""
     moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
     files = {"a": str(random_adapter(moe, tmp_path / "a.npz", 1, 4, ("wq", "moe.expert_up", "moe.expert_down"))),
              "b": str(random_adapter(moe, tmp_path / "b.npz", 2, 8, ("moe.expert_gate", "wo"), alpha=8.0))}
     names = ["a", None, "b", "a"]
     want = {n: reference(moe, None if n is None else files[n], PROMPTS[:4], 6) for n in ("a", "b", None)}
     assert all(len({tuple(want[n][i]) for n in want}) == 3 for i in range(4))  # the adapters change the output
-    engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=40, max_loras=1, **SMALL), lora_modules=files)
+    engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=40, max_loras=1, max_lora_rank=8,
+                                                     allow_runtime_lora=True, **SMALL), lora_modules={"a": files["a"]})
+    engine.load_adapter("b", files["b"])
     outs = engine.generate(PROMPTS[:4], greedy(), adapters=names)
     assert [o.token_ids for o in outs] == [want[n][i] for i, n in enumerate(names)]
     assert engine.runner.adapter_slots.num_loads > 0

@@ -223,6 +223,25 @@ def test_mixture_of_experts_splits_inside_each_expert(fmt):
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
 
 
+def test_expert_adapters_split_inside_each_expert(tmp_path):
+    """Adapters on the experts of an MoE model under tensor parallelism: each expert's A/B split as its
+    weight (gate/up B on the output columns, down A on the input rows); requests of an adapter and the
+    base in one batch give tp=1's tokens with two all-reduces per layer and no weight gathered."""
+    moe = Llama(LlamaConfig.tiny_moe(vocab_size=260), rngs=nnx.Rngs(2))
+    files = {"a": str(random_adapter(moe, tmp_path / "a.npz", 1, 4, ("moe.expert_up", "moe.expert_down")))}
+    names = ["a", None, "a", None, "a"]
+    out = {}
+    for tp in (1, 2):
+        engine = Engine(moe, ByteTokenizer(), EngineConfig(num_blocks=12, tensor_parallel_size=tp, **SMALL),
+                        lora_modules=files)
+        out[tp] = engine.generate(PROMPTS, GREEDY, adapters=names)
+    experts = engine.runner.state["layers"]["moe"]
+    L, X, E, F = 2, 4, moe.config.dim, moe.config.ffn_dim
+    assert {s.data.shape for s in experts["expert_up"][...].lora_b.addressable_shards} == {(L, X, 1, 4, F // 2)}
+    assert {s.data.shape for s in experts["expert_down"][...].lora_a.addressable_shards} == {(L, X, 1, F // 2, 4)}
+    _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
+
+
 def test_packing_units_a_split_would_cut_are_refused(wide_model):
     """A Q4_K weight whose 256 input rows (one super-block) would be cut in two: one error naming it."""
     q = _quantized(wide_model, "Q4_K")
