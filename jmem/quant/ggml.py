@@ -123,16 +123,18 @@ def fitting_qtype(qtype, row_length: int) -> T:
 def output_qtype(qtype, row_length: int) -> T:
     """The type llama.cpp's quantize gives the output head (the token embedding, when it is tied to the
     head) for a request of `qtype`: Q6_K, or Q8_0 when that is asked or when the row is not a multiple
-    of a k-quant super-block (256). Float types are kept.
+    of a k-quant super-block (256), or F16 when not of Q8_0's block (32) either (as `fitting_qtype` falls
+    back). Float types are kept.
 
     Example:
-        >>> output_qtype("Q4_K", 576).name, output_qtype("Q4_0", 512).name, output_qtype("F16", 576).name
+        >>> output_qtype("Q4_K", 576).name, output_qtype("Q4_0", 512).name, output_qtype("Q4_K", 72).name
         ('Q8_0', 'Q6_K', 'F16')
     """
     qt = resolve_qtype(qtype)
-    if qt in FLOAT_TYPES:
+    if qt in FLOAT_TYPES or qt == T.Q8_0:  # as asked (a row Q8_0 does not divide is refused, named, later)
         return qt
-    return T.Q8_0 if qt == T.Q8_0 or row_length % QK_K else T.Q6_K
+    head = T.Q8_0 if row_length % QK_K else T.Q6_K
+    return head if row_length % FORMATS[head].block_size == 0 else T.F16
 
 
 def fallback_lines(qtype, chosen: dict[str, tuple[int, str]]) -> list[str]:

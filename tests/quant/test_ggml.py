@@ -187,3 +187,11 @@ def test_format_table_matches_gguf():
     for qt, fmt in ggml.FORMATS.items():
         assert (fmt.block_size, fmt.type_size) == gguf.GGML_QUANT_SIZES[qt]
     assert ggml.row_bytes(512, "Q6_K") == 420
+
+
+def test_the_output_head_falls_back_like_every_other_matrix():
+    """A head row that Q8_0's 32-weight block does not divide got Q8_0 anyway, and `jmem quantize --out X.gguf`
+    stopped with advice it offers no flag to follow; it now takes F16, as `fitting_qtype` gives the blocks."""
+    assert [ggml.output_qtype(q, 72).name for q in ("Q4_K", "Q2_K", "Q6_K", "Q4_0")] == ["F16"] * 4
+    assert ggml.output_qtype("Q4_K", 576).name == "Q8_0" and ggml.output_qtype("Q4_K", 512).name == "Q6_K"
+    assert ggml.output_qtype("Q8_0", 72).name == "Q8_0"  # as asked: refused by name where it does not fit
