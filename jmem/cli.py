@@ -111,8 +111,8 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
         raise ValueError(f"--max-new-tokens={max_new_tokens}; accepted: an integer >= 0")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"--temperature={temperature}; accepted: a finite number >= 0 (0 is greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"--top-k={top_k}; accepted: an integer >= 1, or unset (off)")
+    if top_k is not None and not 1 <= top_k < 2**31:
+        raise ValueError(f"--top-k={top_k}; accepted: an integer in 1..2**31-1, or unset (off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p={top_p}; accepted: a number in (0, 1], or unset (off)")
     if draft_k is not None and draft_k < 1:

@@ -44,8 +44,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
         if is_int(self.top_k) and self.top_k in (0, -1):  # off, as the serving params (and vLLM) read them
             object.__setattr__(self, "top_k", None)
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k!r}; accepted: an integer >= 1, or None, 0 or -1 (off)")
+        if self.top_k is not None and (not is_int(self.top_k) or not 1 <= self.top_k < 2**31):
+            raise ValueError(f"top_k={self.top_k!r}; accepted: an integer in 1..2**31-1, or None, 0 or -1 (off)")
         if self.top_p is not None and not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}; accepted: a number in (0, 1], or None (off)")
         check_seed("seed", self.seed)

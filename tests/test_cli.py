@@ -106,7 +106,8 @@ def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatc
     (["--top-p", "inf"], "--top-p=inf; accepted: a number in (0, 1], or unset (off)"),
     (["--top-p", "nan"], "--top-p=nan; accepted: a number in (0, 1]"),
     (["--top-p", "0"], "--top-p=0.0; accepted: a number in (0, 1]"),
-    (["--top-k", "0"], "--top-k=0; accepted: an integer >= 1, or unset (off)"),
+    (["--top-k", "0"], "--top-k=0; accepted: an integer in 1..2**31-1, or unset (off)"),
+    (["--top-k", "2147483648"], "--top-k=2147483648; accepted: an integer in 1..2**31-1, or unset (off)"),
     (["--max-new-tokens", "-1"], "--max-new-tokens=-1; accepted: an integer >= 0"),
     (["--draft", "tiny", "--draft-k", "0"], "--draft-k=0; accepted: an integer >= 1"),
     (["--draft-k", "3"], "--draft-k=3 without --draft; accepted: --draft-k with a --draft model"),  # was ignored

@@ -160,7 +160,7 @@ def test_bad_arguments(lm):
         generate_ids(lm.model, [[1, 2]], 2.5)
     with pytest.raises(ValueError, match="chunk=0; accepted: an integer >= 1"):
         generate_ids(lm.model, [[1, 2]], 2, chunk=0)
-    with pytest.raises(ValueError, match=re.escape("top_k=2.5; accepted: an integer >= 1, or None, 0 or -1 (off)")):
+    with pytest.raises(ValueError, match=re.escape("top_k=2.5; accepted: an integer in 1..2**31-1, or None, 0 or -1 (off)")):
         SamplingParams(top_k=2.5)
     assert SamplingParams(top_k=0).top_k is None and SamplingParams(top_k=-1).top_k is None  # off, as in serving
     with pytest.raises(ValueError, match="attention_impl='flash'; accepted: auto, pallas, xla, reference"):
@@ -174,7 +174,8 @@ def test_bad_arguments(lm):
     (dict(temperature=True), "temperature=True; accepted: a finite number >= 0"),
     (dict(top_p="0.5"), "top_p='0.5'; accepted: a number in (0, 1], or None (off)"),
     (dict(top_p=float("nan")), "top_p=nan; accepted: a number in (0, 1]"),
-    (dict(top_k=5.0), "top_k=5.0; accepted: an integer >= 1, or None, 0 or -1 (off)"),
+    (dict(top_k=5.0), "top_k=5.0; accepted: an integer in 1..2**31-1, or None, 0 or -1 (off)"),
+    (dict(top_k=2**31), "top_k=2147483648; accepted: an integer in 1..2**31-1, or None, 0 or -1 (off)"),
     (dict(seed="a"), "seed='a'; accepted: an integer"),
     (dict(seed=1.5), "seed=1.5; accepted: an integer"),
     (dict(seed=True), "seed=True; accepted: an integer"),
