@@ -128,6 +128,9 @@ class LM:
         ids = jnp.asarray(arr, jnp.int32)
         if ids.ndim != 2 or 0 in ids.shape:
             raise ValueError(f"logits expects ids of shape [batch, seq] with batch >= 1 and seq >= 1; got {ids.shape}")
+        if ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"logits expects at most the model's context of {self.config.max_seq_len} tokens per "
+                             f"row; got {ids.shape[1]}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         from jmem.lora import without_dropout

@@ -172,10 +172,12 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id)
         raise ValueError(f"temperature={temperature!r}; accepted: a finite number >= 0 (0 is greedy)")
     key = seed_key(seed)
     lengths = check_prompt_ids(prompts, tc.vocab_size)
+    # As without a draft: the proposals past the last kept token are scored and dropped (rotary angles are
+    # computed for any position, and the caches are sized with room for them).
     context = min(tc.max_seq_len, dc.max_seq_len)
-    if int(lengths.max()) + max_new_tokens + k > context:
-        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + k ({k}) "
-                         f"exceeds the models' context of {context} tokens")
+    if int(lengths.max()) + max_new_tokens > context:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"models' context of {context} tokens")
     return lengths, key
 
 

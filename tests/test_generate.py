@@ -142,6 +142,10 @@ def test_bad_arguments(lm):
         lm.logits([[1.7, 2.2]])
     with pytest.raises(ValueError, match="rows of equal length"):
         lm.logits([[1, 2], [3]])
+    n = lm.config.max_seq_len + 1  # generate refused this length; logits computed it
+    with pytest.raises(ValueError, match=f"^logits expects at most the model's context of {n - 1} tokens per row; "
+                                         f"got {n}$"):
+        lm.logits(np.ones((1, n), np.int32))
     # Straight to generate_ids: ids outside the vocabulary (NaN logits or wrapped rows before),
     # a flat prompt, a float count, chunk=0 (never finished), a float top_k: one clear error each.
     for prompts, message in [([[1, 259]], "prompt 0 holds 259; accepted: integer token ids in 0..258"),

@@ -33,6 +33,20 @@ def test_greedy_equals_the_targets_greedy_generation(models):
     assert full.acceptance_rate == 1.0 and full.tokens_per_target_pass > 3.0
 
 
+def test_a_draft_generates_up_to_the_context_as_plain_generation_does():
+    """prompt + max_new_tokens may fill the context (a draft's k was added to the limit: refused there); the
+    proposals past it are scored and dropped, so the tokens equal the target's own up to the last position."""
+    target = Llama(LlamaConfig.tiny(n_layers=2, max_seq_len=24), rngs=nnx.Rngs(0))
+    draft = student_from_teacher(target, [0])
+    prompts = [[5, 17, 42], [7]]
+    for d in (draft, target):  # some proposals kept; every one kept
+        got, _ = speculative_generate(target, d, prompts, 21, k=4)
+        assert got == generate_ids(target, prompts, 21)
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(22\) exceeds the models' "
+                                         r"context of 24 tokens"):
+        speculative_generate(target, draft, prompts, 22, k=4)
+
+
 def test_tokens_per_target_pass_is_per_row(models):
     """Tokens kept in the output after the prefill over row-passes: the same for 1 row as for 4 alike,
     k + 1 with the target drafting for itself (cut only by max_new_tokens), 1.0 when nothing is accepted."""
