@@ -236,7 +236,7 @@ def test_expert_adapters_split_inside_each_expert(tmp_path):
                         lora_modules=files)
         out[tp] = engine.generate(PROMPTS, GREEDY, adapters=names)
     experts = engine.runner.state["layers"]["moe"]
-    L, X, E, F = 2, 4, moe.config.dim, moe.config.ffn_dim
+    L, X, F = 2, 4, moe.config.ffn_dim
     assert {s.data.shape for s in experts["expert_up"][...].lora_b.addressable_shards} == {(L, X, 1, 4, F // 2)}
     assert {s.data.shape for s in experts["expert_down"][...].lora_a.addressable_shards} == {(L, X, 1, F // 2, 4)}
     _assert_same_outputs_and_two_all_reduces(out[1], out[2], engine)
