@@ -168,10 +168,10 @@ def expert_matmul(x, w, matmul, tokens=None):
     """`matmul(x, W)`, `matmul` multiplying rows by each expert's `[in, out]` (batched or grouped), for an
     expert weight leaf `w`. A leaf with `__jmem_expert_dot__(x, matmul, tokens)` (a LoRA adapter, the serving
     engine's per-request adapters) computes its own product from `matmul`, so an adapter runs as two thin
-    matmuls, never as a merged weight; `tokens` (i32, x's rows: the input row, in [batch * seq] order, each
-    row of x routes, -1 for an empty place) tells it whose row is whose. Any other leaf that is not an array
-    (quantized, packed, a ZeRO-3 shard gathered on use) gives its float value again in the backward pass
-    (`recompute_weight_in_backward`), not kept."""
+    matmuls, never as a merged weight; `tokens` (i32, one per row of x: the index in [batch * seq] of the
+    input row it was routed from, -1 for an empty place) tells it whose row is whose. Any other leaf that is
+    not an array (quantized, packed, a ZeRO-3 shard gathered on use) gives its float value again in the
+    backward pass (`recompute_weight_in_backward`), not kept."""
     own = getattr(w, "__jmem_expert_dot__", None)
     if own is not None:
         return own(x, matmul, tokens)
