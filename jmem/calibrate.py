@@ -154,7 +154,7 @@ class _ExpertTap(_Tap):
         # `matmul` multiplies each row by its expert's matrix: a row of ones times one-hot matrices names it.
         one_hot = matmul(jnp.ones((*x.shape[:-1], 1), x.dtype), jnp.eye(n_experts, dtype=x.dtype)[:, None, :])
         self.sink[self.name] = (x.reshape(-1, x.shape[-1]), jnp.argmax(one_hot, axis=-1).reshape(-1))
-        return expert_matmul(x, self.w, matmul)
+        return expert_matmul(x, self.w, matmul, tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -43,7 +43,7 @@ from flax import nnx
 from jmem.checks import as_python_scalar, check_bool, check_optimizer, is_int, is_number
 from jmem.lora import combine, trainable_split
 from jmem.models.llama import Llama
-from jmem.train.loss import check_targets, check_token_ids, masked_nll, router_loss
+from jmem.train.loss import check_target_ids, check_token_ids, masked_nll, router_loss
 
 KINDS = ("forward", "reverse")
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -154,7 +154,7 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; distillation compares "
                          "distributions over the same token ids: accepted: equal vocabularies")
     B, T = check_batch(batch)
-    check_targets(student, batch)
+    check_target_ids(student, batch)
     inputs, targets_BT, mask_BT = batch["inputs"], batch["targets"], batch["mask"]
     chunk = _resolve_chunk(chunk, T, getattr(getattr(student, "config", None), "loss_chunk", 1024))
     need_kl = alpha > 0  # the cross-entropy is always computed: it is logged (`_weighted` leaves it out at alpha=1)

@@ -11,8 +11,8 @@ router sends to it (routed dropless, as at inference): GPTQ takes each
 expert's Hessian from its own rows; AWQ searches one gate/up scale over the
 block's input for all experts (folded into the norm and the router, which stays
 float) and each expert's down scale and clips on its own rows. An expert that
-no calibration token reaches is rounded to nearest (unscaled and unclipped
-under AWQ), with one logged line.
+no calibration token reaches is rounded to nearest, with one logged line (under
+AWQ its gate/up take the shared scale, its down none, and nothing is clipped).
 
 Group-size substitution: a requested group size that does not divide a
 matrix's input dimension is replaced, for that matrix only, by the largest
@@ -381,9 +381,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
       act_order: GPTQ: quantize columns by decreasing Hessian diagonal.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
       inplace: modify `model` instead of a copy.
-      log: optional callable taking one progress line per calibrated layer and
-        per group-size substitution (e.g. `print`); default: this module's
-        logger (substitutions as warnings).
+      log: optional callable taking one progress line per calibrated layer,
+        per group-size substitution and per expert no calibration token
+        reaches (e.g. `print`); default: this module's logger (substitutions
+        and unreached experts as warnings).
 
     Returns:
       The quantized model: every `layers.<linear>.kernel` holds a stacked

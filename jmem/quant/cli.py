@@ -6,7 +6,8 @@ tensor's rows falls back for that tensor as llama.cpp does (q4_k -> Q5_0, q6_k -
 Q8_0, ...; `jmem.quant.ggml.fitting_qtype`), one printed line per substitution:
 SmolLM2's width 576 needs it. The output head (the token embedding, when tied to it)
 is stored as llama.cpp's quantize stores it: Q6_K, or Q8_0 where asked or where 256
-does not divide its rows (`jmem.quant.ggml.output_qtype`). The other methods (rtn,
+does not divide its rows, or F16 where Q8_0's 32 does not divide them either
+(`jmem.quant.ggml.output_qtype`). The other methods (rtn,
 int8, nf4, fp8, gptq, awq) have no GGUF block type of their own: their quantized
 weights are dequantized and stored as `--store-type` (F16 by default, with the same
 k-quant fallback), which keeps the method's accuracy in any llama.cpp-compatible
@@ -289,7 +290,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             _say(line)
         if types.get(head, qtype.upper()) != qtype.upper():
             _say(f"{head} (the output head): stored as {types[head]}, as llama.cpp keeps the head at Q6_K "
-                 f"(Q8_0 where 256 does not divide its rows)")
+                 f"(Q8_0 where 256 does not divide its rows, F16 where 32 does not either)")
         return types
 
     if method in GGUF_METHODS:

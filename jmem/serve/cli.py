@@ -90,8 +90,9 @@ class ServeArgs:
     allow_runtime_lora: bool = False
     """Load and unload adapters while serving: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
     POST /v1/unload_lora_adapter {"lora_name"}, as vLLM. The --max-loras slots (one when unset and no
-    --lora-modules) then hold every linear weight at --max-lora-rank. The paths are read on this machine:
-    allow it only where clients may read its files (and set --api-key)."""
+    --lora-modules) then hold every target weight at --max-lora-rank (the linears, and an MoE model's
+    experts). The paths are read on this machine: allow it only where clients may read its files (and set
+    --api-key)."""
     lora_impl: str = "onehot"
     """Batched adapter matmul: onehot (two dense matmuls) or ragged (jax.lax.ragged_dot on slot-sorted tokens)."""
     tensor_parallel_size: int = 1

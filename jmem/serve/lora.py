@@ -24,7 +24,10 @@ of the A or B matrices (that gather would hold tokens x in x R values):
 An expert weight `[experts, in, out]` of a mixture-of-experts model stacks
 its slots the same way (`lora_a [*lead, experts, S, in, R]`); inside
 `jmem.models.moe.moe_mlp` each routed row takes the slot of its input row, and
-the adapter term runs one-hot through the MLP's own grouped matmul.
+the adapter term runs one-hot through the MLP's own grouped matmul (whatever
+`impl`). Every expert holds its own slots, so runtime-loading slots on an MoE
+model (which cover its experts) take about `experts` times the bytes of a
+dense MLP's.
 
 `stack_adapters` reads adapter files written by `jmem.lora.save_adapters`,
 checks that they fit the model, and wraps its kernels. With `runtime_loading`

@@ -121,7 +121,7 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         for a dense model)
     """
     check_lm_batch(batch)
-    check_targets(model, batch)
+    check_target_ids(model, batch)
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
@@ -134,7 +134,7 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
     return s, c, stats
 
 
-def check_targets(model, batch: dict) -> None:
+def check_target_ids(model, batch: dict) -> None:
     """Counted targets (mask != 0) outside `model`'s vocabulary would read NaN logits: one ValueError naming
     one. Where the mask is 0 any value is fine (an ignore index of -100). Checked on concrete arrays only (not
     while tracing), and only for a model with `config.vocab_size`."""
