@@ -148,7 +148,7 @@ def pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params, x_M,
     return out_M
 
 
-def _check_micro_rows(batch: int, n_microbatches: int) -> None:
+def check_micro_rows(batch: int, n_microbatches: int) -> None:
     """Under `activation_sharding`, each microbatch's rows split over the `batch` rule's mesh axes."""
     from jmem.parallel.rules import active_activation_sharding
 
@@ -179,7 +179,7 @@ def pipeline_hidden(model, ids_BT, *, n_stages: int, n_microbatches: int, mesh: 
     check_stage_axis(n_stages, mesh, "stage")
     if not is_int(n_microbatches) or n_microbatches < 1 or B % n_microbatches:
         raise PipelineError(f"microbatches={n_microbatches} must be >= 1 and divide the batch {B}")
-    _check_micro_rows(B, n_microbatches)
+    check_micro_rows(B, n_microbatches)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B // n_microbatches, T))
     x = jnp.take(model.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
     weights = split_stages(model.layers.weights(), n_stages)

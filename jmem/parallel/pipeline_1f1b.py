@@ -73,8 +73,8 @@ from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jmem.checks import is_int
-from jmem.parallel.pipeline import (PipelineError, check_dense, check_stage_axis, check_stages, pipeline_lm_loss_fn,
-                                    split_microbatches, split_stages)
+from jmem.parallel.pipeline import (PipelineError, check_micro_rows, check_dense, check_stage_axis, check_stages,
+                                    pipeline_lm_loss_fn, split_microbatches, split_stages)
 from jmem.parallel.residuals import split_residuals
 from jmem.parallel.rules import active_activation_sharding, check_heads
 
@@ -397,6 +397,7 @@ def pipeline_1f1b_lm_value_and_grad(model, *, n_stages: int, n_microbatches: int
         # checked against the rules the step is traced under (`activation_sharding`), else the defaults.
         active = active_activation_sharding()
         check_heads(cfg.n_heads, cfg.n_kv_heads, active[0] if active else None, mesh)
+        check_micro_rows(batch["inputs"].shape[0], n_microbatches)
         micro = lambda x: split_microbatches(x, n_microbatches)  # noqa: E731
         shared = {k: v for k, v in p.items() if k != "layers"}
         w_S = split_stages(p["layers"], n_stages)

@@ -150,6 +150,9 @@ def make_train_fns(
     check_bool("adapters_only", adapters_only)
     check_seed("dropout_seed", dropout_seed)
     zero = check_stage(zero)
+    if zero and mesh is None:
+        raise ValueError(f"zero={zero} without a mesh; accepted: zero=0, or a mesh (jmem.parallel.make_mesh) whose "
+                         "data-parallel axes the stage partitions over")
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     config = getattr(model, "config", None)
     if mesh is not None:

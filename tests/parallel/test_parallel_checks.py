@@ -197,6 +197,8 @@ def test_library_entry_points_refuse_bad_arguments_in_one_error(tmp_path):
     for bad in (5, -1, 2.5, "3", None):
         with pytest.raises(par.ZeroStageError, match=re.escape(f"zero={bad!r} is not a ZeRO stage; accepted: 0, 1, 2")):
             make_train_fns(model, optax.sgd(0.1), mesh=mesh, zero=bad)
+    with pytest.raises(ValueError, match=r"^zero=3 without a mesh; accepted: zero=0, or a mesh"):
+        make_train_fns(model, optax.sgd(0.1), zero=3)  # was accepted, and the stage had no effect
     with pytest.raises(ValueError, match=r"optimizer=None; accepted: an optax.GradientTransformation"):
         par.make_sharded_train_step(loss_fn, None, params, mesh)
     with pytest.raises(ValueError, match=r"tx=None; accepted: an optax.GradientTransformation"):
