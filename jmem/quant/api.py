@@ -434,14 +434,15 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
     quantized = model.config.weight_names()
     folded = ("attn_norm", "mlp_norm") + (("moe.router",) if model.config.moe_experts else ())
     names = quantized + (folded if spec.method == "awq" else ())
-    done = []
+    dtype = {n: layer_weight(weights, n).dtype for n in names}
+    layers = iter(range(1, model.config.n_layers + 1))  # calibrate_layers rewrites the layers in order
 
     def rewrite(cfg, w, x, positions):  # the layer runs in f32; its leaves keep the model's dtypes
+        layer = next(layers)
+
         def note(line):
-            (log or logger.warning)(f"{spec.method}: layer {len(done) + 1}: {line}")
+            (log or logger.warning)(f"{spec.method}: layer {layer}: {line}")
         wq = layer_fn(cfg, w, x, positions, spec, note)
-        done.append(True)
-        dtype = {n: layer_weight(weights, n).dtype for n in names}
         return wq, {n: (layer_weight(wq, n).with_dtype(dtype[n]) if n in quantized
                         else layer_weight(wq, n).astype(dtype[n])) for n in names}
 
