@@ -369,7 +369,10 @@ def check_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
         raise ValueError(f"group_size={group_size!r} cannot serve the input dimension {n_in}, nor can any group "
                          f"size: {bits}-bit codes are packed {unit} rows at a time and {n_in} is not a multiple of "
                          f"{unit}; accepted: bits=8 for this matrix")
-    if not ok_type or group_size <= 0 or n_in % group_size:
+    if not ok_type or group_size <= 0:
+        raise ValueError(f"group_size={group_size!r} is not a positive integer; accepted: "
+                         + group_choices(n_in, bits, None))
+    if n_in % group_size:
         raise ValueError(f"group_size={group_size!r} does not divide the input dimension {n_in}; accepted: "
                          + group_choices(n_in, bits, group_size if ok_type else None))
     if group_size % unit:

@@ -205,7 +205,7 @@ def _encode(value, key: str, arrays: dict, narrow: bool = True) -> dict:
     return node
 
 
-def _decode(node: dict, arrays: Mapping[str, Any]):
+def _decode(node: dict, arrays: Mapping[str, Any], key: str):
     if "array" in node and "stored_as" in node:
         form = node["stored_as"]
         if form not in (*NARROW_BLOCK_TYPES, *NARROW_FLOATS):
@@ -218,9 +218,19 @@ def _decode(node: dict, arrays: Mapping[str, Any]):
     types = _leaf_types()
     if node.get("type") not in types:
         raise QuantizedDirError(f"{MANIFEST} names leaf type {node.get('type')!r}; accepted: {', '.join(types)}")
-    children = [None if c is None else _decode(c, arrays) for c in node["children"]]
-    # The leaf's own unflatten skips constructor validation (it also rebuilds tracers), as in a jax transform.
-    return types[node["type"]].tree_unflatten(_aux_from_json(node["aux"]), children)
+    children = [None if c is None else _decode(c, arrays, f"{key}.{i}") for i, c in enumerate(node["children"])]
+    # The leaf's own unflatten skips constructor validation (it also rebuilds tracers), as in a jax transform;
+    # flattening it again shows whether its static fields and its arrays agree (an edited manifest).
+    try:
+        leaf = types[node["type"]].tree_unflatten(_aux_from_json(node["aux"]), children)
+        agree = len(leaf.tree_flatten()[0]) == len(children)
+    except (IndexError, ValueError):
+        agree = False
+    if not agree:
+        raise QuantizedDirError(f"{MANIFEST}: leaf {key!r} ({node['type']}, static fields {node['aux']}) lists "
+                                f"{len(children)} arrays, which its static fields do not describe; write the "
+                                "directory again")
+    return leaf
 
 
 def _array_specs(node: dict, arrays: dict) -> None:
@@ -449,7 +459,7 @@ def load_weights(path: str | os.PathLike, manifest: Mapping) -> dict[str, Any]:
     for k in list(arrays):
         arrays[k] = jnp.asarray(np.asarray(arrays.pop(k)))
     try:
-        return {k: _decode(node, arrays) for k, node in manifest["leaves"].items()}
+        return {k: _decode(node, arrays, k) for k, node in manifest["leaves"].items()}
     except (KeyError, TypeError, AttributeError) as e:
         raise QuantizedDirError(f"{MANIFEST}: a leaf entry is malformed ({type(e).__name__}: {e}); "
                                 "write the directory again") from None

@@ -51,7 +51,9 @@ def _partial(q_KNGD, k_KNCD, v_KNCD, visible_NC, sm_scale):
     m_KNG = jnp.max(s, axis=2)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m_KNG), m_KNG, 0.0)[:, :, None])
     l_KNG = jnp.sum(p, axis=2)
-    o_KNGD = jnp.sum(p[..., None] * v_KNCD[:, :, :, None, :].astype(jnp.float32), axis=2)
+    # Invisible values to 0: a reused page keeps stale slots, and 0 * inf would be NaN.
+    v_KNCD = jnp.where(visible_NC[None, :, :, None], v_KNCD.astype(jnp.float32), 0.0)
+    o_KNGD = jnp.sum(p[..., None] * v_KNCD[:, :, :, None, :], axis=2)
     return m_KNG, l_KNG, o_KNGD
 
 

@@ -55,6 +55,9 @@ def test_group_size_suggestions_divide_the_dimension():
     with pytest.raises(ValueError, match=r"group_size=12 must be a multiple of 8 .*\(e.g. 8, 24, 72\)"):
         rtn_quantize(w, bits=4, group_size=12)
     assert rtn_quantize(w, bits=4, group_size=24).group_size == 24
+    for bad in (0, -8, 8.0):
+        with pytest.raises(ValueError, match=rf"group_size={bad} is not a positive integer; accepted: a divisor"):
+            rtn_quantize(w, bits=4, group_size=bad)
 
 
 @pytest.mark.parametrize("group_size", [12, 32, 36])

@@ -319,6 +319,11 @@ def _edit_manifest(out, edit):
                                                          "norm.scale is in the checkpoint but not in the template"),
     (lambda m: m["leaves"]["layers.wq.kernel"].pop("aux"), "a leaf entry is malformed"),
     (lambda m: m["arrays"]["norm.scale"].pop("shape"), "a leaf or array entry is malformed"),
+    # Static fields and arrays that disagree: a zero point named but not stored, one stored but not named.
+    (lambda m: m["leaves"]["layers.wq.kernel"]["aux"]["tuple"].__setitem__(2, False),
+     "leaf 'layers.wq.kernel' "),
+    (lambda m: m["leaves"]["layers.wq.kernel"]["children"].append(m["leaves"]["layers.wq.kernel"]["children"][1]),
+     "lists 3 arrays, which its static fields do not describe"),
 ])
 def test_a_damaged_manifest_is_one_error_line(tiny, tmp_path, capsys, edit, message):
     cfg, model, _ = tiny

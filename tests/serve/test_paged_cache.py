@@ -70,10 +70,21 @@ def test_overlay_of_new_tokens_equals_writing_them_first():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def poison_past_context(pages, seqs, value):
+    """`pages` [K, P, S, ...] with every slot of the sequences' pages past their context set to `value`."""
+    out = np.array(pages)
+    for start, n, pgs in seqs:
+        for p in range(start + n, len(pgs) * PAGE):
+            out[:, pgs[p // PAGE], p % PAGE] = value
+    return jnp.asarray(out)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
-def test_decode_rows_split_over_chunks_match_reference(dtype):
+@pytest.mark.parametrize("stale", ["finite", "nonfinite"])
+def test_decode_rows_split_over_chunks_match_reference(dtype, stale):
     """Decode rows whose contexts span several chunks (and one page), mixed with a prefill chunk,
-    with this step's tokens laid over stale pages: equal to attention after writing them."""
+    with this step's tokens laid over stale pages: equal to attention after writing them. Stale
+    slots past a context may hold inf or NaN (a reused page keeps them): no NaN reaches the output."""
     from jmem.serve.paged_decode import DECODE_CHUNK_KEYS
 
     rng = np.random.default_rng(4)
@@ -81,7 +92,7 @@ def test_decode_rows_split_over_chunks_match_reference(dtype):
     perm = rng.permutation(npages - 1)
     starts = [0, 3, DECODE_CHUNK_KEYS - 1, DECODE_CHUNK_KEYS, 2 * DECODE_CHUNK_KEYS + 5, 3 * DECODE_CHUNK_KEYS + 17]
     seqs, used = [], 0
-    for start, n in [(s, 1) for s in starts] + [(9, 7)]:
+    for start, n in [(s, 1) for s in starts] + [(9, 6)]:  # the chunk's last page part-filled
         npg = -(-(start + n) // PAGE)
         seqs.append((start, n, list(perm[used : used + npg])))
         used += npg
@@ -98,12 +109,14 @@ def test_decode_rows_split_over_chunks_match_reference(dtype):
     v_new = jnp.asarray(rng.normal(size=(K, T, D)), jnp.float32)
     k_full = stale_k.at[:, lay.write_page, lay.write_offset].set(k_new)
     v_full = stale_v.at[:, lay.write_page, lay.write_offset].set(v_new)
+    bad = (lambda x, v: poison_past_context(x, seqs, v)) if stale == "nonfinite" else (lambda x, v: x)
     if dtype == "f32":
-        got = tiled_paged_attention(q, stale_k, stale_v, None, None, lay, new_kv=(k_new, v_new))
+        got = tiled_paged_attention(q, bad(stale_k, np.nan), bad(stale_v, np.inf), None, None, lay,
+                                    new_kv=(k_new, v_new))
         kf, vf = k_full, v_full
     else:  # pages already written, per-slot int8 scales
         (kq, ks), (vq, vs) = quantize(k_full, jnp.int8), quantize(v_full, jnp.int8)
-        got = tiled_paged_attention(q, kq, vq, ks, vs, lay)
+        got = tiled_paged_attention(q, kq, vq, bad(ks, np.nan), bad(vs, np.inf), lay)
         kf, vf = dequantize(kq, ks, jnp.float32), dequantize(vq, vs, jnp.float32)
     want = ragged_paged_attention_reference(q, kf, vf, lay.seq_kv_lens, lay.seq_pages, lay.cu_q_lens, lay.num_seqs)
     n = T - 2
