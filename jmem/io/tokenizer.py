@@ -62,8 +62,9 @@ def _chat_template(template: str) -> jinja2.Template:
 
 
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra) -> str:
-    if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"chat messages {messages!r}; accepted: a list of {{'role': str, 'content': str}} dicts")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"chat messages {messages!r}; accepted: a non-empty list of {{'role': str, 'content': str}} "
+                         "dicts")
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"chat message {m!r}; accepted: a dict with a string 'role' and a string 'content'")

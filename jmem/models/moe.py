@@ -127,6 +127,12 @@ def _stats(logits_NX, probs_NX, flat_QX, dropped, valid_N=None) -> MoEStats:
     return MoEStats(aux, z, dropped, load_X)
 
 
+def router_logits(x_NE, router_EX):
+    """f32 router logits from an f32 copy of the input, whatever the compute dtype: bf16 inputs or logits
+    flip near-tied top-k choices (ST-MoE's selective precision; llama.cpp routes in f32 too)."""
+    return dot(x_NE.astype(jnp.float32), router_EX)
+
+
 def _top_k_gates(logits_NX, top_k: int, normalize: bool):
     probs_NX = jax.nn.softmax(logits_NX, axis=-1)
     gate_NK, idx_NK = jax.lax.top_k(probs_NX, top_k)
@@ -143,6 +149,8 @@ def _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT=No
     if len(x_BTE.shape) != 3:
         raise ValueError(f"moe input of shape {tuple(x_BTE.shape)}; accepted: [batch, seq, embed]")
     B, T, E = x_BTE.shape
+    if B * T == 0:
+        raise ValueError(f"moe input of shape {tuple(x_BTE.shape)}; accepted: at least one token")
     X = router_EX.shape[-1]
     want = {"router": (router_EX.shape, (E, X)), "gate": (gate_XEF.shape, (X, E, None)),
             "up": (up_XEF.shape, (X, E, None)), "down": (down_XFE.shape, (X, None, E))}
@@ -211,7 +219,7 @@ def moe_mlp(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int = 2, cap
     cap = capacity(B * T, X, top_k, capacity_factor)
     x_NE = x_BTE.swapaxes(0, 1).reshape(T * B, E)  # position-major: the routing priority
     valid_N = None if token_mask_BT is None else (token_mask_BT.swapaxes(0, 1).reshape(T * B) != 0)
-    logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
+    logits_NX = router_logits(x_NE, router_EX)
     dt = x_NE.dtype
     slot_NK, gate_NK, stats = route(logits_NX, top_k, cap, normalize=normalize, valid_N=valid_N)
     fix = expert_constraint or (lambda v: v)
@@ -253,7 +261,7 @@ def moe_mlp_dropless(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, *, top_k: int
     check_moe(X, top_k, 1.0)
     B, T, E = _check_shapes(x_BTE, router_EX, gate_XEF, up_XEF, down_XFE, token_mask_BT)
     x_NE = x_BTE.reshape(B * T, E)
-    logits_NX = dot(x_NE, router_EX).astype(jnp.float32)
+    logits_NX = router_logits(x_NE, router_EX)
     probs_NX, gate_NK, idx_NK = _top_k_gates(logits_NX, top_k, normalize)
     expert_Q = idx_NK.reshape(-1)
     order_Q = jnp.argsort(expert_Q, stable=True)  # assignment ids grouped by expert

@@ -595,6 +595,8 @@ class Engine:
         stream = self._streams.pop(rid, None)
         self._detok.pop(rid, None)
         if stream is not None:
+            with self._lock:
+                self.stats["requests_failed"] += 1
             stream.put(RequestOutput(rid, "", [], finished=True, finish_reason="error", error=message))
 
     def run_until_idle(self) -> None:
@@ -690,8 +692,9 @@ class Engine:
         "generation_tokens_total": "Tokens generated.",
         "computed_tokens_total": "Tokens computed by the model (prefill and decode).",
         "preemptions_total": "Requests preempted (their KV blocks freed, recomputed later).",
-        "requests_finished_total": "Requests finished (stop, length or abort).",
+        "requests_finished_total": "Requests finished by a stop condition or their length limit.",
         "requests_aborted_total": "Requests aborted (client gone, or shutdown).",
+        "requests_failed_total": "Requests ended by an error in the engine.",
         "engine_steps_total": "Model steps run.",
         "spec_decode_num_draft_tokens_total": "Speculative tokens proposed.",
         "spec_decode_num_accepted_tokens_total": "Speculative tokens accepted.",
@@ -735,6 +738,7 @@ class Engine:
                 "preemptions_total": sched.num_preemptions,
                 "requests_finished_total": self.stats["requests_finished"],
                 "requests_aborted_total": self.stats["requests_aborted"],
+                "requests_failed_total": self.stats["requests_failed"],
                 "engine_steps_total": self.stats["steps"],
                 "spec_decode_num_draft_tokens_total": self.stats["spec_draft_tokens"],
                 "spec_decode_num_accepted_tokens_total": self.stats["spec_accepted_tokens"],

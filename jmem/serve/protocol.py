@@ -194,11 +194,12 @@ def _token_keys(bias: dict | None) -> dict | None:
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            tok = int(key)
-        except ValueError:
+        # Plain decimal digits only: int() also reads "01", "1_0", " 3 " and non-ASCII digits, so two keys
+        # could name one token and the last would win unseen.
+        if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
             raise APIError(400, f"logit_bias key {key!r} is not a token id; accepted: token ids as strings "
-                           "(e.g. '50256') mapping to numbers in -100..100", "logit_bias") from None
+                           "(e.g. '50256') mapping to numbers in -100..100", "logit_bias")
+        tok = int(key)
         if isinstance(value, bool):  # JSON true would pass as 1
             raise APIError(400, f"logit_bias[{key}]={value!r}; accepted: a number in -100..100", "logit_bias")
         out[tok] = value

@@ -101,8 +101,9 @@ def test_chat_template_raise_exception_is_a_value_error():
         for t in (tok, ByteTokenizer()):
             with pytest.raises(ValueError, match=r"chat message .*; accepted: a dict with a string 'role' and a string"):
                 t.apply_chat_template(bad)
-    with pytest.raises(ValueError, match="chat messages 'hi'; accepted: a list of"):
-        tok.apply_chat_template("hi")
+    for bad in ("hi", []):  # an empty chat rendered a bare generation prompt
+        with pytest.raises(ValueError, match=re.escape(f"chat messages {bad!r}; accepted: a non-empty list of")):
+            tok.apply_chat_template(bad)
 
 
 BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"

@@ -197,6 +197,24 @@ def test_z_loss_and_bad_settings():
         MoEMLP(8, 8, n_experts=4, capacity_factor=0.0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("dropless", [False, True])
+def test_bf16_inputs_route_on_f32_logits(dropless):
+    """Experts 0 and 1 score within a bf16 rounding of each other: the choice follows the f32 logits of the
+    bf16 input (bf16 logits tied them, and the tie went to expert 0 for every token)."""
+    rng = np.random.default_rng(0)
+    w = MoEMLP(16, 8, 4, rngs=nnx.Rngs(0)).weights()
+    r = np.asarray(rng.normal(size=(16, 4)), np.float32)
+    r[:, 1] = r[:, 0] * (1 + 2**-10)  # expert 1 beats expert 0 where expert 0's logit is positive
+    x = jnp.asarray(rng.normal(size=(1, 64, 16)), jnp.bfloat16)
+    logits = np.asarray(x[0], np.float32) @ r
+    want = np.bincount(np.argmax(logits, -1), minlength=4) / 64
+    rounded = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float32)
+    assert (np.argmax(rounded, -1) != np.argmax(logits, -1)).sum() >= 5  # bf16 logits choose otherwise
+    fn = moe_mlp_dropless if dropless else moe_mlp
+    _, stats = fn(x, jnp.asarray(r), *(w[k].astype(jnp.bfloat16) for k in ("gate", "up", "down")), top_k=1)
+    np.testing.assert_array_equal(np.asarray(stats.load), want)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_k=1.5), r"^moe top_k=1\.5; accepted: an integer in 1\.\.n_experts=4$"),
     (dict(top_k=True), r"^moe top_k=True; accepted: an integer in 1\.\.n_experts=4$"),
@@ -231,6 +249,8 @@ def test_mismatched_shapes_and_helper_arguments_are_one_clear_error():
             fn(x, w["router"], three["gate"], three["up"], three["down"])
         with pytest.raises(ValueError, match=r"^moe input of shape \(4, 8\); accepted: \[batch, seq, embed\]"):
             fn(x[0], w["router"], w["gate"], w["up"], w["down"])
+        with pytest.raises(ValueError, match=r"^moe input of shape \(1, 0, 8\); accepted: at least one token$"):
+            fn(x[:, :0], w["router"], w["gate"], w["up"], w["down"])  # ZeroDivisionError before
         # A [seq, batch] mask of the same size masked the wrong tokens without a word.
         for mask in (jnp.ones((4, 1)), jnp.ones((1, 5)), jnp.ones((4,))):
             with pytest.raises(ValueError, match=rf"^token_mask_BT of shape {re.escape(str(mask.shape))}; accepted: "

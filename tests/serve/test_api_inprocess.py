@@ -151,6 +151,8 @@ def test_tokenize_returns_vocabulary_pieces_on_request(gguf_tokenizer):
     assert got.json()["token_strs"][0] == "<|im_start|>"
     r = client.post("/tokenize", json={"prompt": "x", "return_token_strs": "yes"})
     assert r.status_code == 400 and "return_token_strs" in r.json()["error"]["message"]
+    r = client.post("/tokenize", json={"messages": []})  # the chat route refuses it; this one gave a bare prompt
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_token_bytes_of_partial_characters(gguf_tokenizer):

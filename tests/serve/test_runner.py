@@ -455,6 +455,7 @@ def test_a_failed_step_or_output_ends_its_requests_and_leaves_no_stale_prefix(mo
     engine.step()
     last = s.get_nowait()
     assert last.finish_reason == "error" and "device lost" in last.error
+    assert engine.metrics()["requests_failed_total"] == 1 and engine.metrics()["requests_finished_total"] == 0
     engine.add_request(y, greedy(), request_id="A")
     engine.run_until_idle()
     [o] = engine.generate([x], greedy())
@@ -470,6 +471,7 @@ def test_a_failed_step_or_output_ends_its_requests_and_leaves_no_stale_prefix(mo
     engine = Engine(model, BadDecode(), EngineConfig(num_blocks=16, **SMALL))
     [o] = engine.generate([[1, 2, 3]], greedy(max_tokens=6))
     assert o.finish_reason == "error" and "UnicodeError: cannot decode" in o.error
+    assert engine.metrics()["requests_failed_total"] == 1
     assert engine.kv.pool.num_used == 0 and not engine._streams and not engine._detok
 
 

@@ -344,6 +344,8 @@ def test_float_fields_take_json_ints(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5, "01": -100}}, "logit_bias"),  # "01" was token 1
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1_0": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),
