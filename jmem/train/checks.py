@@ -102,6 +102,11 @@ def _validate_outputs_apart(cfg: TrainConfig) -> None:
             raise ValueError(f"{a} {given[a]!r} and {b} {given[b]!r} are one path; accepted: separate paths (one "
                              "output would overwrite the other)")
     for flag, path in paths.items():
+        # A checkpoint's step folder in --ckpt-dir replaces whatever has its name (a --log named "2").
+        ck = paths.get("--ckpt-dir")
+        if flag != "--ckpt-dir" and ck in path.parents and path.relative_to(ck).parts[0].isdigit():
+            raise ValueError(f"{flag} {given[flag]!r} is at a step folder's name inside --ckpt-dir "
+                             f"{given['--ckpt-dir']!r}, which a checkpoint would replace; accepted: another name")
         if "--save" in paths and paths["--save"] in path.parents:
             raise ValueError(f"{flag} {given[flag]!r} is inside --save {given['--save']!r}, which must be new when the "
                              "run ends; accepted: a path outside it")

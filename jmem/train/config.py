@@ -73,9 +73,11 @@ class TrainConfig:
     """Held-out batches of --batch windows per evaluation (each run in --accum microbatches, as a train step)."""
     log: str | None = None
     """Write one JSON line per step (and per evaluation) to this file: a new (or empty) file, or with
-    --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job)."""
+    --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job). Strict
+    JSON: a non-finite number (a skipped fp16 step's gradient norm) is written as null."""
     plot: str | None = None
-    """Write a PNG of the loss curve and the memory table to this file (by process 0 alone)."""
+    """Write a PNG of the loss curve and the memory table to this file (by process 0 alone). The curve holds the
+    steps this invocation trained; a resumed run's --log holds the whole run's."""
     save: str | None = None
     """When the run finishes: with --lora-rank and a path ending in .npz, the adapters (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`), with --lora-rank its adapters merged into its weights (a quantized base comes back as float)."""
     loss_chunk: int | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -163,6 +164,16 @@ def _changed_flags(old_config: dict, cfg: TrainConfig, names: tuple[str, ...]) -
             if name in old_config and old_config[name] != getattr(cfg, name)]
 
 
+def _json_line(record: dict) -> str:
+    """One line of strict JSON: NaN and infinities (a skipped fp16 step's) as null, which every parser reads."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        return {k: finite(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+    return json.dumps(finite(record), allow_nan=False) + "\n"
+
+
 class _Logger:
     """JSON lines, `first` (the memory event) on top. A resumed run continues its log, cut back
     to the resumed step (rewritten atomically), so it reads as one uninterrupted run's; a fresh
@@ -178,13 +189,13 @@ class _Logger:
                 lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if _keep_logged(ln, resume_step)]
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            f.writelines([json.dumps(first) + "\n", *lines])
+            f.writelines([_json_line(first), *lines])
         os.replace(tmp, path)
         self.f = open(path, "a")
 
     def write(self, record: dict):
         if self.f:
-            self.f.write(json.dumps(record) + "\n")
+            self.f.write(_json_line(record))
             self.f.flush()
 
     def close(self):
@@ -346,7 +357,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         print(f"mesh {par.mesh_summary(run.mesh)} ({jax.process_count()} process(es)), zero={cfg.zero}{pipe}; "
               f"{where}", file=out)
     print(memory_table(report, estimate, matmul, offload=offload_report if offload is not None else None,
-                       devices=run.mesh.size if run.mesh is not None else 1), file=out)
+                       devices=run.mesh.size if run.mesh is not None else 1, compute_dtype=run.policy.compute),
+          file=out)
     limit, holder = memory_limit()
     if report.total_bytes > limit:
         raise ValueError(_out_of_memory(report, f"{holder} {limit / 2**20:.0f} MiB"))
@@ -416,7 +428,9 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         final = int(state.step)
         if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
             _save(ckpt, final, state, run.meta, offload)
-        interrupted = interrupted or stop[0]
+        # A signal in or after the last step stops nothing: the final eval and --save still run (a resume
+        # would find no step left to train, and they would be lost).
+        interrupted = (interrupted or stop[0]) and final < cfg.steps
     if interrupted:
         print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
     elif final < cfg.steps:  # --stop-after

@@ -63,12 +63,14 @@ def step_matmul_flops(cfg: TrainConfig, report: MemoryReport, compiled) -> tuple
 
 
 def memory_table(report: MemoryReport, estimate: dict[str, int],
-                 matmul: tuple[str, float] | None = None, *, offload=None, devices: int = 1) -> str:
+                 matmul: tuple[str, float] | None = None, *, offload=None, devices: int = 1,
+                 compute_dtype=None) -> str:
     """Measured (compiler) and estimated (analytic) memory of one step, MiB; `matmul` is
     `step_matmul_flops`'s (label, FLOPs), the report's own count when None. `offload`: the
     `jmem.memory.offload.OffloadReport` of an offloaded step (`report` is its device program).
     `devices` > 1: the step runs on a mesh; the measured rows and FLOPs are one device's, the
-    estimate is the unsharded model's (the header and a last line say so)."""
+    estimate is the unsharded model's (the header and a last line say so). `compute_dtype` of 2 bytes
+    measured on the CPU backend: a last line says the backend computes it in f32 (the estimate does not)."""
     matmul = ("every loop iteration", report.matmul_flops) if matmul is None else matmul
     if offload is None:
         args = ("arguments (params, opt state, batch)", report.argument_bytes)
@@ -92,10 +94,12 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
     title = f"memory of one train step [{report.target}]" + (f", per device of {devices}" if devices > 1 else "")
     lines = [title + " " * max(1, 49 - len(title)) + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]
-    lines.append(f"  {'cost model GFLOPs per step':<48s}{report.flops / 1e9:10.3f}")
+    lines.append(f"  {'cost model GFLOPs (loop bodies once)':<48s}{report.flops / 1e9:10.3f}")
     lines.append(f"  {f'matmul GFLOPs per step ({matmul[0]})':<48s}{matmul[1] / 1e9:10.3f}")
     if devices > 1:
         lines.append("  (estimated: the whole step on one device, unsharded)")
+    if report.target == "cpu" and compute_dtype is not None and np.dtype(compute_dtype).itemsize == 2:
+        lines.append(f"  (estimated: {np.dtype(compute_dtype).name} activations; the CPU backend computes them in f32)")
     return "\n".join(lines)
 
 

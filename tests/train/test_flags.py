@@ -271,7 +271,10 @@ def test_outputs_at_one_path_or_inside_save_are_refused_before_the_run(tmp_path)
                         (dict(ckpt_dir="o", save="o"), "--ckpt-dir '{ckpt_dir}' and --save '{save}' are one path"),
                         (dict(log="s/log.jsonl", save="s"), "--log '{log}' is inside --save '{save}', which must"),
                         (dict(ckpt_dir="s/ck", save="s"), "--ckpt-dir '{ckpt_dir}' is inside --save"),
-                        (dict(log="x/../a.jsonl", plot="a.jsonl"), "are one path")]:
+                        (dict(log="x/../a.jsonl", plot="a.jsonl"), "are one path"),
+                        # The step-2 checkpoint replaced the log; the save was refused after the run.
+                        (dict(ckpt_dir="ck", log="ck/2"), "--log '{log}' is at a step folder's name inside"),
+                        (dict(ckpt_dir="ck", save="ck/10/m"), "--save '{save}' is at a step folder's name inside")]:
         with pytest.raises(ValueError, match=re.escape(message.format(**{k: tmp_path / v for k, v in kw.items()}))):
             validate(cfg(**kw))
     with pytest.raises(ValueError, match="--log .* and --save .* are one path"):
@@ -333,6 +336,10 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     on_mesh = report_mod.memory_table(report, {"total": 1}, (label, flops), devices=8).splitlines()
     assert on_mesh[0].startswith("memory of one train step [cpu], per device of 8")
     assert on_mesh[-1] == "  (estimated: the whole step on one device, unsharded)"
+    # The CPU backend computes bf16 in f32: a bf16 step measures above its estimate there.
+    widened = report_mod.memory_table(report, {"total": 1}, compute_dtype=jnp.bfloat16).splitlines()[-1]
+    assert widened == "  (estimated: bfloat16 activations; the CPU backend computes them in f32)"
+    assert "CPU backend" not in report_mod.memory_table(report, {"total": 1}, compute_dtype=jnp.float32)
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
     assert report_mod.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
 

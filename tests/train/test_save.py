@@ -43,6 +43,24 @@ def test_saved_model_is_the_trained_model(tmp_path):
                                                          jax.tree.leaves(_params(jmem.load("tiny").model))))
 
 
+def test_a_signal_in_the_last_step_still_saves(tmp_path):
+    """A signal in the last step stopped the run before its final eval and --save, and --resume then had no
+    step left to train: the export was lost."""
+    import os
+    import signal
+
+    def sigterm_in_last_step(rec):
+        if rec["step"] == BASE["steps"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = TrainConfig(**BASE, ckpt_dir=str(tmp_path / "ck"), save=str(tmp_path / "model"))
+    out = io.StringIO()
+    result = train(cfg, out=out, on_step=sigterm_in_last_step)
+    assert not result.interrupted and sorted(result.eval_losses) == [3] and "interrupted" not in out.getvalue()
+    jax.tree.map(np.testing.assert_array_equal, _params(jmem.load(str(tmp_path / "model")).model),
+                 _params(_final_params(cfg)))
+
+
 def test_saved_adapters_are_the_trained_adapters(tmp_path):
     path = tmp_path / "adapters.npz"
     cfg = TrainConfig(**BASE, lora_rank=4, lora_targets="wq,wv", ckpt_dir=str(tmp_path / "ck"), save=str(path))

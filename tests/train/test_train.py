@@ -58,6 +58,22 @@ def test_resume_after_signal_and_stop_equals_uninterrupted(tmp_path):
     assert np.mean([straight.losses[k] for k in (7, 8, 9)]) < np.mean([straight.losses[k] for k in (0, 1, 2)])
 
 
+def test_the_log_is_strict_json(tmp_path):
+    """A skipped fp16 step's gradient norm was written as NaN or Infinity, which strict JSON parsers refuse."""
+    from jmem.train.loop import _Logger
+
+    log = _Logger(str(tmp_path / "log.jsonl"), {"event": "memory", "flops": {"x": float("inf")}})
+    log.write({"step": 1, "loss": 1.5, "grad_norm": float("nan"), "finite": False})
+    log.close()
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    recs = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert recs == [{"event": "memory", "flops": {"x": None}}, {"step": 1, "loss": 1.5, "grad_norm": None,
+                                                                 "finite": False}]
+
+
 def test_a_resumed_run_continues_only_its_own_log(tmp_path):
     """The log names the run's id (kept in its checkpoints): resuming with another run's log is refused before
     anything is written; it appended one run's steps to another's."""
