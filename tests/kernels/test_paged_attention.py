@@ -191,6 +191,9 @@ def test_bad_inputs_name_the_problem():
         write_pages(kp, vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), jnp.array([9999]))
     with pytest.raises(ValueError, match="Triton \\(GPU\\) kernel needs a power-of-two head_dim; got 12"):
         paged_attention(q[..., :12], kp[..., :12], vp[..., :12], lengths, table, backend="triton", interpret=False)
+    with pytest.raises(ValueError, match=r"^paged_attention: backend='cuda'; accepted: None \(the platform's\), "
+                                         r"'triton', 'mosaic' \(GPU: 'triton'"):
+        paged_attention(q, kp, vp, lengths, table, backend="cuda")
     # Under jit values are unknown, but shapes are still checked before the kernel.
     with pytest.raises(ValueError, match="block_tables has 1 rows but the batch is 2"):
         jax.jit(lambda l, t: paged_attention(q, kp, vp, l, t))(lengths[:1], table[:1])

@@ -39,10 +39,12 @@ def default_backend() -> str:
     return "triton" if target_platform() == "gpu" else "mosaic"
 
 
-def resolve(backend, interpret):
+def resolve(fn: str, backend, interpret):
+    """(backend, interpret) of a call of `fn`, defaults filled in from the platform compiled for."""
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; accepted: None, {', '.join(map(repr, BACKENDS))}")
+        raise ValueError(f"{fn}: backend={backend!r}; accepted: None (the platform's), "
+                         f"{', '.join(map(repr, BACKENDS))} (GPU: 'triton', TPU: 'mosaic')")
     if interpret is None:
         from jmem.kernels.dispatch import target_platform
 

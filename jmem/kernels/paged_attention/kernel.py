@@ -117,7 +117,7 @@ def paged_attention(
     K, N, page, _ = k_pages.shape
     lengths, block_tables = as_array(lengths), as_array(block_tables)
     check_tables("paged_attention", lengths, block_tables, N, page, rows=B)
-    backend, interpret = core.resolve(backend, interpret)
+    backend, interpret = core.resolve("paged_attention", backend, interpret)
     core.check_backend_shapes("paged_attention", backend, interpret, page, D)
     npages = block_tables.shape[1]
     ppb = default_pages_per_block(page, npages) if pages_per_compute_block is None else pages_per_compute_block

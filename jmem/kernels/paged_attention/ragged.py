@@ -163,7 +163,7 @@ def ragged_paged_attention(
     K, N, page, _ = k_pages.shape
     kv_lens, block_tables, cu_q_lens = as_array(kv_lens), as_array(block_tables), as_array(cu_q_lens)
     _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, N, page)
-    backend, interpret = core.resolve(backend, interpret)
+    backend, interpret = core.resolve("ragged_paged_attention", backend, interpret)
     core.check_backend_shapes("ragged_paged_attention", backend, interpret, page, D)
     ppb = default_pages_per_block(page, block_tables.shape[1]) if pages_per_compute_block is None \
         else pages_per_compute_block
