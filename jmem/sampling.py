@@ -260,6 +260,7 @@ def sample(logits_BV, s: SamplingArrays):
         unless some row's `logprobs` > 0).
 
     Example:
+        >>> from jmem.serve.request import SamplingParams
         >>> arrs = make_arrays([SamplingParams(temperature=0.0)], seeds=[0], steps=[0])
         >>> tok, lp, top_lp, top_ids = jax.jit(sample)(logits, arrs)
     """

@@ -8,12 +8,9 @@ the layer scan, per microbatch in gradient accumulation).
 
 Example:
     >>> text = jax.jit(step).lower(state, batch).compile().as_text()
-    >>> collectives(text)  # tiny, fsdp=8, ZeRO-3 on CPU; what XLA picks varies by backend
-    {'all-gather': 12, 'all-reduce': 3}
-    >>> collectives(text, in_loops=True)
-    {'all-gather': 7, 'all-reduce': 1}
-    >>> collective_shapes(text, "all-gather", in_loops=True)[:1]
-    [(1, 64, 32)]
+    >>> collectives(text)  # {'all-gather': ..., 'all-reduce': ...}: the counts depend on the step and backend
+    >>> collectives(text, in_loops=True)  # those inside while bodies (run once per iteration)
+    >>> collective_shapes(text, "all-gather", in_loops=True)[:1]  # [(1, 64, 32)]: a tiny layer's ZeRO-3 shard
 
 `branch_collectives` finds the collectives inside the run-time branches of a
 named `lax.switch` (the 1F1B tick; see `jmem.parallel.check_tick_collectives`).

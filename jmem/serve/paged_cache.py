@@ -247,6 +247,7 @@ class PagedKVCache:
     """Paged K/V pages for every layer plus this step's ragged layout; satisfies the model's cache protocol.
 
     Example:
+        >>> from jmem.serve.step_layout import build_layout
         >>> cache = PagedKVCache.create(config, num_pages=65, page_size=16, kv_dtype="fp8_e4m3")
         >>> cache = cache.replace(layout=build_layout(seqs, 32, 8, 4, 16, spare_page=64))
         >>> h, cache = model.hidden(ids_1T, positions=pos_1T, cache=cache)
