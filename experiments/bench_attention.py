@@ -28,7 +28,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from jmem.io.paths import prepare_output, remove_unused_dirs
+from jmem.experiment import exit_status
+from jmem.io.paths import forget_created_dirs, prepare_output, remove_unused_dirs
 from jmem.kernels.flash_attention.kernel import effective_block
 from jmem.kernels.paged_attention import paged_attention, quantize_pages, ragged_paged_attention
 
@@ -336,10 +337,10 @@ def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 2 with one `error: ...` line for bad flags."""
     try:
         main(parse_args(argv))
-    except ValueError as e:
+    except BaseException as e:  # one line and the status of every experiment script (an OSError at --out, ^C)
         remove_unused_dirs()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e)
+    forget_created_dirs()
     return 0
 
 

@@ -57,9 +57,14 @@ def validate(cfg: Config) -> tuple[list[int], list[str]]:
     try:
         slots = [int(s) for s in cfg.slots.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated positive integers") from None
-    if not slots or min(slots) < 1:
-        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated positive integers")
+        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated integers in 1..{2**31 - 1}") from None
+    if not slots or min(slots) < 1 or max(slots) >= 2**31:
+        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated integers in 1..{2**31 - 1}")
+    stacked = max(slots) * max(cfg.d_in, cfg.d_out) * cfg.rank  # every slot's A (or B)
+    if stacked > MAX_COMPILE_ELEMENTS:
+        raise ValueError(f"--slots {max(slots)} x --d-in/--d-out x --rank {cfg.rank}: {stacked:.3g} elements in the "
+                         f"stacked adapters, beyond the {MAX_COMPILE_ELEMENTS:.3g} XLA can compile; accepted: fewer "
+                         "slots or smaller sizes")
     impls = [s.strip() for s in cfg.impls.split(",") if s.strip()]
     known = IMPLS + BASELINES
     if not impls or any(i not in known for i in impls):

@@ -29,7 +29,7 @@ import sys
 
 import tyro
 
-from jmem.io.paths import prepare_output, remove_unused_dirs
+from jmem.io.paths import check_separate, prepare_output, remove_unused_dirs
 from jmem.models.config import PRESETS
 from jmem.memory.remat import POLICIES
 from jmem.train.plot import check_image_path
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_grid(cfg.batch, seq=cfg.seq, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
                       pipeline_stages=cfg.pipeline_stages, mc=PRESETS[cfg.preset](), **grid)
         # Outputs after the flags, before compiling: a path that cannot be written fails now, not after the sweep.
+        check_separate({"--out": cfg.out, "--md": cfg.md, "--png": cfg.png})
         out, md, png = (prepare_output(p, f) for f, p in (("--out", cfg.out), ("--md", cfg.md), ("--png", cfg.png)))
         n = 1
         for v in grid.values():

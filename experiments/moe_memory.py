@@ -63,7 +63,12 @@ def validate(cfg: MoEMemoryConfig) -> LlamaConfig:
     for flag, value in (("--batch", cfg.batch), ("--seq", cfg.seq), ("--lora-rank", cfg.lora_rank)):
         if value < 1:
             raise ValueError(f"{flag} {value}; accepted: an integer >= 1")
-    check_moe(cfg.experts, cfg.top_k, 1.0)
+    if cfg.batch * cfg.seq >= 2**31:  # token indices are int32
+        raise ValueError(f"--batch {cfg.batch} x --seq {cfg.seq}: {cfg.batch * cfg.seq} tokens; accepted: under 2**31")
+    try:
+        check_moe(cfg.experts, cfg.top_k, 1.0)
+    except ValueError as e:  # its names are the module's (n_experts, top_k): say the flags
+        raise ValueError(f"--experts {cfg.experts} --top-k {cfg.top_k}: {e}") from None
     if cfg.target is not None:
         parse_target(cfg.target)
     if cfg.out is not None:

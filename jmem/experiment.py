@@ -13,8 +13,6 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-import tyro
-
 from jmem.io.paths import forget_created_dirs, quiet_closed_stdout, remove_unused_dirs
 
 
@@ -28,18 +26,20 @@ def run_experiment(config_cls: type, main: Callable, argv: list[str] | None = No
     would.
     `description`: the script's docstring (its first paragraph becomes the `--help` summary).
     """
+    import tyro  # here: `exit_status` serves scripts that run where tyro is not installed
+
     summary = description.split("\n\n")[0] if description else None
     cfg = tyro.cli(config_cls, args=argv, description=summary)
     try:
         main(cfg)
     except BaseException as e:
         remove_unused_dirs()  # output directories made for a run that failed before writing into them
-        return _exit_status(e)
+        return exit_status(e)
     forget_created_dirs()
     return 0
 
 
-def _exit_status(e: BaseException) -> int:
+def exit_status(e: BaseException) -> int:
     """The exit status of a script that raised `e`, after its one line on stderr; other errors re-raised."""
     if isinstance(e, BrokenPipeError):
         quiet_closed_stdout()

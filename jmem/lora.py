@@ -423,7 +423,9 @@ def read_adapters(path) -> tuple[dict, dict]:
             meta = json.loads(bytes(f["__meta__"]).decode())
             arrays = {k: f[k] for k in f.files if k != "__meta__"}
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
-        raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({e})") from None
+        # numpy's own text for a file that is no .npz suggests loading it as a pickle: name only its kind.
+        why = "not an .npz archive" if "allow_pickle" in str(e) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({why})") from None
     if not isinstance(meta, dict) or not meta:
         raise ValueError(f"adapter {path!r}: metadata {str(meta)[:60]!r} is not a map of targets; accepted: a file "
                          "written by jmem.lora.save_adapters")

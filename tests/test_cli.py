@@ -328,3 +328,4 @@ def test_generate_with_a_lora_adapter_matches_the_merged_model(tmp_path, capsys)
     (tmp_path / "junk.npz").write_bytes(b"no")
     code, _, err = _in_process(main, [*argv, "--lora", str(tmp_path / "junk.npz")], capsys)
     assert code == 2 and "junk.npz' is not a LoRA adapter file written by jmem.lora.save_adapters" in err, err
+    assert "(not an .npz archive)" in err and "pickle" not in err, err  # numpy's text invited an unsafe load

@@ -244,7 +244,10 @@ def test_interrupts_missing_files_and_closed_pipes_end_scripts_in_one_line(monke
     (["--tokens", "1000000000000"], "error: --tokens 1000000000000; accepted: an integer in 1..2147483647"),
     (["--tokens", "2000000000", "--d-in", "4096", "--rank", "10000"],
      "error: --tokens 2000000000 x --d-in/--d-out x --rank 10000: 8.19e+16 elements in one array, beyond the"),
-    (["--slots", "1,x"], "error: --slots '1,x'; accepted: comma-separated positive integers"),
+    (["--slots", "1,x"], "error: --slots '1,x'; accepted: comma-separated integers in 1..2147483647"),
+    (["--slots", "100000000000"], "error: --slots '100000000000'; accepted: comma-separated integers in 1.."),
+    (["--slots", "2000000000", "--d-in", "100000", "--rank", "1000", "--tokens", "1"],
+     "error: --slots 2000000000 x --d-in/--d-out x --rank 1000: 2e+17 elements in the stacked adapters"),
     (["--impls", "onehot,bogus"], "error: --impls 'onehot,bogus'; accepted: a comma-separated list among onehot"),
 ])
 def test_bench_multi_lora_refuses_bad_flags_before_compiling(argv, expected, monkeypatch, capsys):
@@ -262,8 +265,9 @@ def test_bench_multi_lora_table_of_one_small_step(capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--experts", "0"], "error: moe n_experts=0; accepted: an integer >= 1"),
-    (["--top-k", "9"], "error: moe top_k=9; accepted: an integer in 1..n_experts=8"),
+    (["--experts", "0"], "error: --experts 0 --top-k 2: moe n_experts=0; accepted: an integer >= 1"),
+    (["--top-k", "9"], "error: --experts 8 --top-k 9: moe top_k=9; accepted: an integer in 1..n_experts=8"),
+    (["--batch", "100000000"], "error: --batch 100000000 x --seq 256: 25600000000 tokens; accepted: under 2**31"),
     (["--seq", "2048"], "error: --seq 2048; accepted: 1..1024 (the model's context)"),
     (["--lora-rank", "0"], "error: --lora-rank 0; accepted: an integer >= 1"),
     (["--target", "gpu"], "error: target 'gpu': expected 'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import pathlib
 import shutil
@@ -116,6 +117,17 @@ def forget_created_dirs() -> None:
     _CREATED_DIRS.clear()
 
 
+def check_separate(outputs: dict[str, str | os.PathLike | None]) -> None:
+    """No two of the `{flag: path}` outputs (None: not given) at one path, `~` and `..` resolved: a ValueError
+    naming both, since one output would overwrite the other."""
+    given = {flag: value for flag, value in outputs.items() if value}
+    resolved = {flag: pathlib.Path(value).expanduser().resolve() for flag, value in given.items()}
+    for a, b in itertools.combinations(given, 2):
+        if resolved[a] == resolved[b]:
+            raise ValueError(f"{a} {str(given[a])!r} and {b} {str(given[b])!r} are one path; accepted: separate "
+                             "paths (one output would overwrite the other)")
+
+
 def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = False) -> pathlib.Path:
     """Create the directory that the output `value` of `flag` goes into; return the path.
 
@@ -149,6 +161,14 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
         where, mode = target, os.W_OK | os.X_OK  # new entries are made in the directory
     if not os.access(where, mode):
         raise ValueError(f"{flag} {str(value)!r}: {str(where)!r} is not writable; accepted: a writable path")
+    if not directory and not path.exists():
+        # os.access answers yes to root everywhere, /proc included: make the file, then take it away again.
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.unlink(path)
+        except OSError as e:
+            raise ValueError(f"{flag} {str(value)!r}: cannot create the file ({e.strerror or e}); accepted: a "
+                             "writable path") from None
     return path
 
 

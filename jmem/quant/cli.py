@@ -223,6 +223,9 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     from jmem.quant.ggml import resolve_qtype
     from jmem.quant.saved import check_new_dir
 
+    from jmem.lm import model_source
+
+    model_source(args.model, "--model")  # a missing model named as the flag, before the other checks
     kind = out_kind(args.out)
     method = args.method.lower()
     if method not in (*METHOD_BITS, *GGUF_METHODS):
@@ -234,7 +237,10 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     _check_numbers(args, method)
     docs = load_documents(args.calibration, "--calibration") if method in CALIBRATED else None
     if kind == "gguf":
-        resolve_qtype(args.store_type)
+        try:
+            resolve_qtype(args.store_type)
+        except ValueError as e:
+            raise ValueError(f"--store-type {args.store_type!r}: {e}") from None
         check_gguf_out(args.out, args.model, args.force)
     else:
         check_new_dir(args.out)

@@ -303,8 +303,10 @@ def _fail(message: str) -> NoReturn:
 
 
 def serve_main(argv: list[str] | None = None) -> None:
-    """`python -m jmem.serve`: parse the flags of `jmem serve` and run it."""
-    run_serve(tyro.cli(ServeArgs, args=sys.argv[1:] if argv is None else argv, prog="jmem serve"))
+    """`python -m jmem.serve`: `jmem serve` with these flags (its exit statuses: `| head`, Ctrl-C)."""
+    from jmem.cli import main
+
+    main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _graceful_server(config, engine, shutdown_timeout: int):

@@ -6,12 +6,11 @@ cost one line and no time.
 
 from __future__ import annotations
 
-import itertools
 import math
 import pathlib
 
 from jmem.data import check_text_file
-from jmem.io.paths import prepare_output
+from jmem.io.paths import check_separate, prepare_output
 from jmem.lora import TARGETS
 from jmem.memory.accumulate import check_divisible
 from jmem.memory.precision import Policy
@@ -96,11 +95,8 @@ def _validate_outputs_apart(cfg: TrainConfig) -> None:
     overwrite one output with another, or refuse the final save after the whole run."""
     given = {f"--{n.replace('_', '-')}": getattr(cfg, n) for n in ("ckpt_dir", "offload_dir", "log", "plot", "save")
              if getattr(cfg, n)}
+    check_separate(given)
     paths = {flag: pathlib.Path(value).expanduser().resolve() for flag, value in given.items()}
-    for a, b in itertools.combinations(given, 2):
-        if paths[a] == paths[b]:
-            raise ValueError(f"{a} {given[a]!r} and {b} {given[b]!r} are one path; accepted: separate paths (one "
-                             "output would overwrite the other)")
     for flag, path in paths.items():
         # A checkpoint's step folder in --ckpt-dir replaces whatever has its name (a --log named "2").
         ck = paths.get("--ckpt-dir")

@@ -1,5 +1,7 @@
 """Output paths are prepared (or refused in one line) before the work that fills them."""
 
+import pathlib
+
 import pytest
 
 from jmem.io.paths import prepare_output, undo_on_failure
@@ -24,6 +26,14 @@ def test_refusals_name_the_flag_and_the_path(tmp_path):
     with pytest.raises(ValueError, match="--log '.*' is a directory; accepted: a file path"):
         prepare_output(tmp_path, "--log")
     assert (tmp_path / "file").read_text() == "keep"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_file_that_cannot_be_made_is_refused_before_the_run():
+    """Permission bits say yes to root everywhere: a benchmark ran to its end, then failed to write /proc/x.json."""
+    with pytest.raises(ValueError, match=r"^--out '/proc/x.json': cannot create the file \(.*\); accepted: a "
+                                         r"writable path$"):
+        prepare_output("/proc/x.json", "--out")
 
 
 def test_undo_on_failure_removes_only_what_the_failed_run_created(tmp_path):

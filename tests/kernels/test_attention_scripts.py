@@ -61,6 +61,8 @@ def test_sparse_eval_seq_beyond_the_context(sparse, tmp_path, capsys):
     (["--quick", "--context", "1000000000000"], "--batch x --context x --kv-heads x --head-dim: the inputs need "
                                                 "732421875 MiB and "),
     (["--quick", "--flash-seq", "100000000000"], "--flash-batch x --flash-seq x --flash-heads: the inputs need"),
+    # Permission bits let root through: the whole benchmark ran, then a traceback at the write.
+    (["--quick", "--out", "/proc/x.json"], "--out '/proc/x.json': cannot create the file"),
 ])
 def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run", lambda cfg: pytest.fail("a benchmark ran before the flags were checked"))
@@ -68,6 +70,17 @@ def test_bench_bad_flags_before_any_row(bench, argv, expected, monkeypatch, caps
     cap = capsys.readouterr()
     err = cap.err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+
+def test_bench_late_failures_are_one_line(bench, monkeypatch, capsys):
+    """An error after the flags (a disk full at --out, Ctrl-C) ends as every experiment script's does."""
+    for exc, code, line in ((OSError(28, "No space left on device"), 1, "error: [Errno 28] No space left on device"),
+                            (KeyboardInterrupt(), 130, "interrupted")):
+        def fail(cfg, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(bench, "main", fail)
+        assert bench.cli(["--quick"]) == code and capsys.readouterr().err.strip() == line
 
 
 @pytest.mark.parametrize("argv, given", [

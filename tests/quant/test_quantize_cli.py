@@ -66,6 +66,8 @@ def test_bad_input_one_line(tmp_path):
     (["--method", "fp8", "--no-symmetric"], "--no-symmetric does not apply to --method fp8"),
     (["--method", "q4_0", "--store-type", "Q8_0"], "--store-type=Q8_0 does not apply to --method q4_0"),
     (["--method", "nf4", "--bits", "8"], "--bits=8 is not supported by --method nf4; accepted: 4"),
+    (["--method", "rtn", "--store-type", "Q9"], "--store-type 'Q9': unsupported GGML tensor type 'Q9'"),
+    (["--method", "rtn", "--model", "nosuch"], "--model 'nosuch' is neither a file nor a directory"),
 ])
 def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypatch, capsys):
     from jmem.cli import main

@@ -161,6 +161,16 @@ def test_chart_format_matplotlib_cannot_write_fails_before_compiling(capsys, tmp
     assert "compilations" not in cap.out and list(tmp_path.iterdir()) == []  # nothing compiled, nothing written
 
 
+def test_outputs_at_one_path_fail_before_compiling(capsys, tmp_path):
+    """--out and --md at one path: the table overwrote the records, and the run said it wrote both."""
+    argv = _tiny_argv(tmp_path)
+    argv[argv.index("--md") + 1] = argv[argv.index("--out") + 1]
+    rc, cap = _main(argv, capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: --out ") and "are one path" in lines[0]
+    assert "compilations" not in cap.out and list(tmp_path.iterdir()) == []
+
+
 def test_output_directory_without_write_permission_fails_before_compiling(monkeypatch, capsys, tmp_path):
     """A directory that exists but cannot be written into (permissions, a read-only file system) is
     refused with the flags. Simulated: the tests may run as root, which no mode bit stops."""
