@@ -114,6 +114,9 @@ def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatc
     (["--draft", "/missing/draft.gguf"], "--draft '/missing/draft.gguf' is neither a file nor a directory nor a "
                                          "known name; accepted: a .gguf path"),
     (["--draft", "tinyy"], "--draft 'tinyy' is neither"),
+    # Refused after both models loaded, by the decoder, without naming --draft.
+    (["--draft", "bench-8l"], "--draft 'bench-8l' has a vocabulary of 8192 tokens, --model 'tiny' one of 259; "
+                              "accepted: a draft with the model's tokenizer"),
 ])
 def test_generate_refuses_bad_sampling_flags_before_loading(args, expected, monkeypatch, capsys):
     import jmem
