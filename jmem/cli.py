@@ -61,13 +61,10 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     if draft is None and draft_k is not None:
         raise ValueError(f"--draft-k={draft_k} without --draft; accepted: --draft-k with a --draft model")
     model_source(model, "--model")
-    if draft is not None:  # the vocabularies from the files' headers, before either model loads
-        from jmem.experiment import model_config
+    if draft is not None:
+        from jmem.experiment import check_draft_vocabulary
 
-        vocab, draft_vocab = model_config(model).vocab_size, model_config(draft, "--draft").vocab_size
-        if vocab != draft_vocab:
-            raise ValueError(f"--draft {draft!r} has a vocabulary of {draft_vocab} tokens, --model {model!r} one of "
-                             f"{vocab}; accepted: a draft with the model's tokenizer")
+        check_draft_vocabulary(model, draft, "--draft")
     if lora is not None:
         from jmem.lora import load_adapters, read_adapters
 

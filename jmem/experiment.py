@@ -67,6 +67,15 @@ def model_config(model: str, flag: str = "--model"):
     return config_from_gguf(read_gguf(path)) if kind == "gguf" else config_from_manifest(read_manifest(path))
 
 
+def check_draft_vocabulary(model: str, draft: str, draft_flag: str) -> None:
+    """A ValueError naming `draft_flag` when the draft's vocabulary size is not `--model`'s, read from their
+    headers (presets, GGUF files, model directories) before either model loads."""
+    vocab, draft_vocab = model_config(model).vocab_size, model_config(draft, draft_flag).vocab_size
+    if vocab != draft_vocab:
+        raise ValueError(f"{draft_flag} {draft!r} has a vocabulary of {draft_vocab} tokens, --model {model!r} one of "
+                         f"{vocab}; accepted: a draft with the model's tokenizer")
+
+
 def check_dense(model: str, what: str, flag: str = "--model") -> None:
     """A ValueError naming `flag` when `model` is a mixture-of-experts model, which `what` does not handle."""
     config = model_config(model, flag)

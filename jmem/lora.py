@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -424,7 +425,7 @@ def read_adapters(path) -> tuple[dict, dict]:
             arrays = {k: f[k] for k in f.files if k != "__meta__"}
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
         # numpy's own text for a file that is no .npz suggests loading it as a pickle: name only its kind.
-        why = "not an .npz archive" if "allow_pickle" in str(e) else f"{type(e).__name__}: {e}"
+        why = f"{type(e).__name__}: {e}" if zipfile.is_zipfile(path) else "not an .npz archive"
         raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({why})") from None
     if not isinstance(meta, dict) or not meta:
         raise ValueError(f"adapter {path!r}: metadata {str(meta)[:60]!r} is not a map of targets; accepted: a file "

@@ -161,15 +161,26 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
         where, mode = target, os.W_OK | os.X_OK  # new entries are made in the directory
     if not os.access(where, mode):
         raise ValueError(f"{flag} {str(value)!r}: {str(where)!r} is not writable; accepted: a writable path")
-    if not directory and not path.exists():
-        # os.access answers yes to root everywhere, /proc included: make the file, then take it away again.
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-            os.unlink(path)
-        except OSError as e:
-            raise ValueError(f"{flag} {str(value)!r}: cannot create the file ({e.strerror or e}); accepted: a "
-                             "writable path") from None
+    if not directory:
+        _try_opening(path, flag, value)
     return path
+
+
+def _try_opening(path: pathlib.Path, flag: str, value) -> None:
+    """Open the file for writing as the run will (os.access answers yes to root everywhere, /proc included):
+    an existing file for appending (its content kept), a new one created and taken away again."""
+    target = pathlib.Path(os.path.realpath(path))  # a link's target, which the write creates
+    existed = target.exists()
+    try:
+        fd = os.open(target, os.O_WRONLY | (os.O_APPEND if existed else os.O_CREAT | os.O_EXCL))
+    except FileExistsError:  # made meanwhile by someone else: writable as far as this check goes
+        return
+    except OSError as e:
+        raise ValueError(f"{flag} {str(value)!r}: cannot {'write' if existed else 'create'} the file "
+                         f"({e.strerror or e}); accepted: a writable path") from None
+    os.close(fd)
+    if not existed:
+        os.unlink(target)
 
 
 @contextlib.contextmanager

@@ -184,23 +184,6 @@ def check_group_fits(weights: dict, group_size: int | None, bits: int) -> None:
                              f"(e.g. {examples}), or --group-size -1 for per channel") from None
 
 
-def _check_gguf_writable(out: str) -> None:
-    """Create and remove the .gguf --out once (its directory already exists), so a path the file system
-    refuses (a read-only mount, /proc) fails before the model loads, not after it is quantized."""
-    import pathlib
-
-    path = pathlib.Path(out).expanduser()
-    existed = path.exists()
-    try:
-        with open(path, "ab" if existed else "xb"):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out!r}: cannot create file {str(path)!r} ({e.strerror or e}); "
-                         "accepted: a writable path") from None
-    if not existed:
-        path.unlink()
-
-
 def _leaf_kinds(model) -> dict[str, str]:
     from flax import nnx
 
@@ -219,11 +202,10 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     """
     from jmem.data import load_documents
     from jmem.io.paths import undo_on_failure
+    from jmem.lm import model_source
     from jmem.quant.api import CALIBRATED, METHOD_BITS
     from jmem.quant.ggml import resolve_qtype
     from jmem.quant.saved import check_new_dir
-
-    from jmem.lm import model_source
 
     model_source(args.model, "--model")  # a missing model named as the flag, before the other checks
     kind = out_kind(args.out)
@@ -244,9 +226,8 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
         check_gguf_out(args.out, args.model, args.force)
     else:
         check_new_dir(args.out)
-    with undo_on_failure(args.out, "--out", directory=kind == "dir"):  # a directory --out is created empty now
-        if kind == "gguf":
-            _check_gguf_writable(args.out)
+    # A directory --out is created empty now; a .gguf one is opened once (a read-only mount, /proc: refused now).
+    with undo_on_failure(args.out, "--out", directory=kind == "dir"):
         return _quantize_and_write(args, method, kind, docs)
 
 

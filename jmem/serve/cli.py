@@ -162,7 +162,9 @@ def check_args(args: ServeArgs) -> None:
     check_speculative_args(args.num_speculative_tokens, args.prompt_lookup_max, flags=True,
                            draft_model=args.speculative_model, draft_layers=args.speculative_layers)
     if args.speculative_model is not None:
-        model_source(args.speculative_model, "--speculative-model")
+        from jmem.experiment import check_draft_vocabulary
+
+        check_draft_vocabulary(args.model, args.speculative_model, "--speculative-model")
     lora_modules(args)  # each adapter file read and its rank checked
     check_tensor_parallel_args(args)
 

@@ -38,8 +38,11 @@ def dequantize(x, scale, dtype):
     return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
-def _partial(q_KNGD, k_KNCD, v_KNCD, visible_NC, sm_scale):
+def _partial(q_KNGD, k_KNCD, v_KNCD, visible_NC, sm_scale, stale_values: bool = False):
     """Softmax partials of queries [K, N, G, D] over keys [K, N, C, D] where visible: (max, sum, weighted V).
+
+    `stale_values`: invisible slots may hold anything (a reused page's stale slots, inf included): their
+    values are zeroed, since 0 * inf is NaN. Complete pages and the spare page hold written, finite values.
 
     Shapes for XLA's CPU backend, which the decode path serves: with G (a few)
     query rows per batch, scores [K, N, C, G] (keys leading) run faster than
@@ -51,9 +54,9 @@ def _partial(q_KNGD, k_KNCD, v_KNCD, visible_NC, sm_scale):
     m_KNG = jnp.max(s, axis=2)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m_KNG), m_KNG, 0.0)[:, :, None])
     l_KNG = jnp.sum(p, axis=2)
-    # Invisible values to 0: a reused page keeps stale slots, and 0 * inf would be NaN.
-    v_KNCD = jnp.where(visible_NC[None, :, :, None], v_KNCD.astype(jnp.float32), 0.0)
-    o_KNGD = jnp.sum(p[..., None] * v_KNCD[:, :, :, None, :], axis=2)
+    if stale_values:
+        v_KNCD = jnp.where(visible_NC[None, :, :, None], v_KNCD, 0)
+    o_KNGD = jnp.sum(p[..., None] * v_KNCD[:, :, :, None, :].astype(jnp.float32), axis=2)
     return m_KNG, l_KNG, o_KNGD
 
 
@@ -93,7 +96,8 @@ def decode_attention(q_RKGD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, cur_k
 
     # The page each row writes, up to and including the row's own token.
     visible_cur = jnp.arange(S)[None, :] <= (layout.dec_pos % S)[:, None]
-    m_r, l_r, o_r = _partial(q_KRGD, dequantize(*cur_k, dtype), dequantize(*cur_v, dtype), visible_cur, sm_scale)
+    m_r, l_r, o_r = _partial(q_KRGD, dequantize(*cur_k, dtype), dequantize(*cur_v, dtype), visible_cur, sm_scale,
+                             stale_values=True)
 
     # Each row's chunk partials and its page's, merged by their log-sum-exp as split-KV kernels merge
     # their splits. Chunks reach their row by segment reductions (padding chunks, row Rd, drop out), so

@@ -100,7 +100,8 @@ def _validate_outputs_apart(cfg: TrainConfig) -> None:
     for flag, path in paths.items():
         # A checkpoint's step folder in --ckpt-dir replaces whatever has its name (a --log named "2").
         ck = paths.get("--ckpt-dir")
-        if flag != "--ckpt-dir" and ck in path.parents and path.relative_to(ck).parts[0].isdigit():
+        first = path.relative_to(ck).parts[0] if ck in path.parents else ""
+        if flag != "--ckpt-dir" and first.isascii() and first.isdecimal() and str(int(first)) == first:
             raise ValueError(f"{flag} {given[flag]!r} is at a step folder's name inside --ckpt-dir "
                              f"{given['--ckpt-dir']!r}, which a checkpoint would replace; accepted: another name")
         if "--save" in paths and paths["--save"] in path.parents:

@@ -428,8 +428,9 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         final = int(state.step)
         if ckpt is not None and (final == end or interrupted) and ckpt.latest_step() != final:
             _save(ckpt, final, state, run.meta, offload)
-        # A signal in or after the last step stops nothing: the final eval and --save still run (a resume
+        # A signal in or after the last step stops nothing: --save and the final eval still run (a resume
         # would find no step left to train, and they would be lost).
+        signalled_at_end = stop[0] and final == cfg.steps
         interrupted = (interrupted or stop[0]) and final < cfg.steps
     if interrupted:
         print(f"interrupted at step {final}" + (f"; checkpoint in {ckpt.directory}" if ckpt else ""), file=out)
@@ -437,13 +438,16 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         print(f"stopped at step {final} of {cfg.steps} (--stop-after {cfg.stop_after})"
               + (f"; checkpoint in {ckpt.directory}, --resume continues it" if ckpt else ""), file=out)
     if not interrupted and final == cfg.steps:
+        if signalled_at_end:
+            print(f"signal after the last step: the run is complete; {'--save, then ' if cfg.save else ''}the final "
+                  "eval (a second Ctrl-C stops at once)", file=out)
+        if cfg.save:  # before the eval: a preempted job's grace period goes to the export first
+            _save_result(run, state, out)
         ev = _evaluate(_jitted_eval(fns), state.params, run)
         if ev is not None:
             evals[final] = ev
             log.write({"step": final, "eval_loss": ev})
             print(f"final eval loss {ev:.4f} (train loss {losses.get(final - 1, float('nan')):.4f})", file=out)
-        if cfg.save:
-            _save_result(run, state, out)
     skipped = _skipped(state.opt_state)
     if skipped:
         print(f"{skipped} non-finite steps skipped (loss scale {float(state.loss_scale.scale_value):g})", file=out)

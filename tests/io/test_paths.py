@@ -36,6 +36,18 @@ def test_a_file_that_cannot_be_made_is_refused_before_the_run():
         prepare_output("/proc/x.json", "--out")
 
 
+def test_the_opening_check_leaves_files_and_links_as_they_were(tmp_path):
+    """An existing file keeps its content; a link to a file not yet written is accepted (the write creates its
+    target) and left dangling; a new path is not left behind."""
+    (tmp_path / "kept.json").write_text("keep")
+    (tmp_path / "link.json").symlink_to(tmp_path / "real" / "out.json")
+    (tmp_path / "real").mkdir()
+    for name in ("kept.json", "link.json", "new.json"):
+        assert prepare_output(tmp_path / name, "--out") == tmp_path / name
+    assert (tmp_path / "kept.json").read_text() == "keep" and not (tmp_path / "real" / "out.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "link.json", "real"]
+
+
 def test_undo_on_failure_removes_only_what_the_failed_run_created(tmp_path):
     out = tmp_path / "new" / "dir"
     with pytest.raises(KeyError):

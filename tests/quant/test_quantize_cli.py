@@ -250,8 +250,8 @@ def test_unwritable_gguf_out_is_refused_before_the_model_loads(tmp_path, monkeyp
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--model", "tiny", "--method", "rtn", "--out", "/proc/x.gguf"])
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and err == ("jmem quantize: error: --out '/proc/x.gguf': cannot create file "
-                                           "'/proc/x.gguf' (No such file or directory); accepted: a writable path"), err
+    assert exc.value.code == 2 and err == ("jmem quantize: error: --out '/proc/x.gguf': cannot create the file "
+                                           "(No such file or directory); accepted: a writable path"), err
 
 
 def test_file_type_names_the_requested_type(tmp_path, capsys):

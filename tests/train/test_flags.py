@@ -281,6 +281,7 @@ def test_outputs_at_one_path_or_inside_save_are_refused_before_the_run(tmp_path)
         validate(dataclasses.replace(cfg(log="a.npz", save="a.npz"), lora_rank=2))
     assert list(tmp_path.iterdir()) == []  # refused before any output directory is made
     validate(cfg(ckpt_dir="ck", log="ck/log.jsonl", save="model"))  # a log beside the checkpoints is fine
+    validate(cfg(ckpt_dir="ck", log="ck/02"))  # no step folder is named "02"
 
 
 def test_model_file_must_be_gguf(tmp_path):

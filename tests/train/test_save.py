@@ -57,6 +57,7 @@ def test_a_signal_in_the_last_step_still_saves(tmp_path):
     out = io.StringIO()
     result = train(cfg, out=out, on_step=sigterm_in_last_step)
     assert not result.interrupted and sorted(result.eval_losses) == [3] and "interrupted" not in out.getvalue()
+    assert "signal after the last step: the run is complete; --save, then the final eval" in out.getvalue()
     jax.tree.map(np.testing.assert_array_equal, _params(jmem.load(str(tmp_path / "model")).model),
                  _params(_final_params(cfg)))
 
