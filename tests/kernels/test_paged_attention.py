@@ -337,12 +337,12 @@ def test_kernel_body_follows_the_compile_target():
     from jmem.kernels.dispatch import compiling_for
     from jmem.kernels.paged_attention import core
 
-    assert core.resolve(None, None) == ("mosaic", True)  # this CPU machine
+    assert core.resolve("paged_attention", None, None) == ("mosaic", True)  # this CPU machine
     with compiling_for("tpu"):
-        assert core.resolve(None, None) == ("mosaic", False)
+        assert core.resolve("paged_attention", None, None) == ("mosaic", False)
     with compiling_for("gpu"):
-        assert core.resolve(None, None) == ("triton", False)
-    assert core.resolve(None, None) == ("mosaic", True)
+        assert core.resolve("paged_attention", None, None) == ("triton", False)
+    assert core.resolve("paged_attention", None, None) == ("mosaic", True)
 
 
 def test_slots_for_drops_positions_past_the_table():
