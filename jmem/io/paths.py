@@ -117,15 +117,16 @@ def forget_created_dirs() -> None:
     _CREATED_DIRS.clear()
 
 
-def check_separate(outputs: dict[str, str | os.PathLike | None]) -> None:
+def check_separate(outputs: dict[str, str | os.PathLike | None]) -> dict[str, pathlib.Path]:
     """No two of the `{flag: path}` outputs (None: not given) at one path, `~` and `..` resolved: a ValueError
-    naming both, since one output would overwrite the other."""
+    naming both, since one output would overwrite the other. Returns the given ones resolved, by flag."""
     given = {flag: value for flag, value in outputs.items() if value}
     resolved = {flag: pathlib.Path(value).expanduser().resolve() for flag, value in given.items()}
     for a, b in itertools.combinations(given, 2):
         if resolved[a] == resolved[b]:
             raise ValueError(f"{a} {str(given[a])!r} and {b} {str(given[b])!r} are one path; accepted: separate "
                              "paths (one output would overwrite the other)")
+    return resolved
 
 
 def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = False) -> pathlib.Path:

@@ -73,7 +73,7 @@ from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jmem.checks import is_int
-from jmem.parallel.pipeline import (PipelineError, check_micro_rows, check_dense, check_stage_axis, check_stages,
+from jmem.parallel.pipeline import (PipelineError, check_dense, check_micro_rows, check_stage_axis, check_stages,
                                     pipeline_lm_loss_fn, split_microbatches, split_stages)
 from jmem.parallel.residuals import split_residuals
 from jmem.parallel.rules import active_activation_sharding, check_heads

@@ -150,12 +150,12 @@ def tiled_paged_attention(q_THD, k_pages_KPSD, v_pages_KPSD, k_scale, v_scale, l
     q_KNQD = jnp.transpose(q_NRKGD, (2, 0, 3, 1, 4)).reshape(K, N, G * TILE, D)
     s_KNQC = jnp.einsum("knqd,kncd->knqc", q_KNQD, k_KNCD, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(M * S)
-    mask_NRC = (key_pos[None, None, :] <= layout.tile_positions[:, :, None]) & (
-        key_pos[None, None, :] < layout.tile_kv_len[:, None, None])
+    written_NC = key_pos[None, :] < layout.tile_kv_len[:, None]  # the tile's sequence's keys after this step
+    mask_NRC = (key_pos[None, None, :] <= layout.tile_positions[:, :, None]) & written_NC[:, None, :]
     mask_NQC = jnp.broadcast_to(mask_NRC[:, None], (N, G, TILE, M * S)).reshape(N, G * TILE, M * S)
     p = masked_softmax(s_KNQC, mask_NQC[None])
-    # Stale slots past each tile's keys to 0: a reused page keeps them, and 0 * inf would be NaN.
-    v_KNCD = jnp.where((key_pos[None, :] < layout.tile_kv_len[:, None])[None, :, :, None], v_KNCD, 0)
+    # Stale slots past the written keys to 0: a reused page keeps them, and 0 * inf would be NaN.
+    v_KNCD = jnp.where(written_NC[None, :, :, None], v_KNCD, 0)
     o_KNQD = jnp.einsum("knqc,kncd->knqd", p.astype(v_KNCD.dtype), v_KNCD, preferred_element_type=jnp.float32)
     o_flat = jnp.transpose(o_KNQD.reshape(K, N, G, TILE, D), (1, 3, 0, 2, 4)).reshape(N * TILE, H, D)
     o_dec = decode_attention(q_pad[layout.dec_token].reshape(-1, K, G, D), k_pages_KPSD, v_pages_KPSD, k_scale,

@@ -95,11 +95,10 @@ def _validate_outputs_apart(cfg: TrainConfig) -> None:
     overwrite one output with another, or refuse the final save after the whole run."""
     given = {f"--{n.replace('_', '-')}": getattr(cfg, n) for n in ("ckpt_dir", "offload_dir", "log", "plot", "save")
              if getattr(cfg, n)}
-    check_separate(given)
-    paths = {flag: pathlib.Path(value).expanduser().resolve() for flag, value in given.items()}
+    paths = check_separate(given)
+    ck = paths.get("--ckpt-dir")
     for flag, path in paths.items():
         # A checkpoint's step folder in --ckpt-dir replaces whatever has its name (a --log named "2").
-        ck = paths.get("--ckpt-dir")
         first = path.relative_to(ck).parts[0] if ck in path.parents else ""
         if flag != "--ckpt-dir" and first.isascii() and first.isdecimal() and str(int(first)) == first:
             raise ValueError(f"{flag} {given[flag]!r} is at a step folder's name inside --ckpt-dir "
