@@ -354,8 +354,8 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     Matrices are dequantized to float32 `[in, out]`, or with `packed=True` block-quantized
     matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
     step), a mixture-of-experts block's router and experts included (`[layers, experts, in,
-    out]`; `moe_mlp` decodes one layer's experts at a time). The embedding is always
-    dequantized (it is gathered, not multiplied). A matrix whose block type differs across
+    out]`; `moe_mlp` decodes one layer's experts at a time) and an untied output head. The
+    embedding is always dequantized (it is gathered, not multiplied). A matrix whose block type differs across
     layers becomes one `MixedGGMLWeight` (still packed; each layer decodes its own type); one
     that mixes float and block layers is held as float32 with one warning (logger `jmem.io`)
     naming the extra bytes.
@@ -389,7 +389,9 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
         "norm.scale": dequantize_tensor(get("output_norm.weight")),
     }
     if not config.tie_embeddings:
-        weights["head.kernel"] = dequantize_tensor(get("output.weight")).T
+        head = get("output.weight")
+        keep = packed and resolve_qtype(head.qtype) not in FLOAT_TYPES
+        weights["head.kernel"] = GGMLWeight(head.data, head.qtype) if keep else dequantize_tensor(head).T
     blocks = block_tensors(config)
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
         f"blk.{i}.{theirs}.weight" for i in range(config.n_layers) for theirs in blocks.values()}

@@ -268,9 +268,9 @@ class _Matrix:
         w_OI = np.ascontiguousarray(np.swapaxes(w, -1, -2) if self.kernel else w)
         if self.rotary_heads is not None:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
+        check_finite(w_OI, name)  # BF16 and F32 would store NaN/inf as they are
         if target not in ("F32", "F16"):
-            return quantize(w_OI, target, name=name), target  # checks finiteness and the f16 range
-        check_finite(w_OI, name)
+            return quantize(w_OI, target, name=name), target  # checks the f16 range of the block types
         if target == "F32":
             return w_OI, target
         check_f16_range(w_OI, name, target)

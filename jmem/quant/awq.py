@@ -89,6 +89,8 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
     """
     _check_grid(n_grid)
     rows = sorted({np.shape(w)[0] for w in ws})
+    if not rows:
+        raise ValueError("ws is empty; accepted: one or more weights [in, out_j] that read x")
     if len(rows) > 1:
         raise ValueError(f"ws have different input dimensions {rows}; accepted: weights [in, out_j] that all read x "
                          "(one input dimension)")

@@ -246,7 +246,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.quant import quantize
     from jmem.quant.api import check_float_model, group_sizes, method_kwargs
-    from jmem.quant.ggml import fallback_lines, fitting_qtype, output_qtype
+    from jmem.quant.ggml import block_format, fallback_lines, fitting_qtype, output_qtype
     from jmem.quant.ggml_weight import quantize_gguf_blocks
     from jmem.quant.saved import save_quantized
 
@@ -268,7 +268,12 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             if name == head:
                 return output_qtype(qtype, shape_OI[1]).name
             rows[name] = shape_OI[1]
-            return fitting_qtype(qtype, shape_OI[1]).name
+            fitting = fitting_qtype(qtype, shape_OI[1])
+            if shape_OI[1] % block_format(fitting).block_size:
+                raise ValueError(f"{name}: row length {shape_OI[1]} is not a multiple of the {fitting.name} block "
+                                 f"size {block_format(fitting).block_size}; accepted: a k-quant --method (q2_k .. "
+                                 "q6_k), which falls back per tensor as llama.cpp does, down to F16")
+            return fitting.name
 
         types = write_gguf(args.out, lm.config, params, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of,
                            general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None,

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as T
+
+from jmem.checks import is_int
 
 QK_K = 256  # weights per K-quant super-block
 
@@ -78,12 +81,9 @@ def resolve_qtype(qtype) -> T:
     Raises:
         UnsupportedGGMLTypeError: the type is unknown or not in `SUPPORTED_TYPES`.
     """
-    try:
-        if isinstance(qtype, str):
-            qt = T[qtype.upper()]
-        else:
-            qt = T(int(qtype))
-    except (KeyError, ValueError, TypeError):
+    try:  # a float or bool is no type id: int() would truncate 8.9 to Q8_0
+        qt = T[qtype.upper()] if isinstance(qtype, str) else T(int(qtype)) if is_int(qtype) else None
+    except (KeyError, ValueError):
         qt = None
     if qt not in FORMATS:
         shown = qt.name if qt is not None else repr(qtype)
@@ -372,5 +372,9 @@ def dequantize(raw, qtype, shape=None) -> jax.Array:
     else:
         out = _decode_rows(raw, qt)
     if shape is not None:
-        out = out.reshape(tuple(shape))
+        shape = tuple(shape)
+        if math.prod(shape) != out.size:
+            raise ValueError(f"shape={list(shape)} holds {math.prod(shape)} values, the {qt.name} data decodes to "
+                             f"{out.size}; accepted: a shape of {out.size} values")
+        out = out.reshape(shape)
     return out

@@ -315,7 +315,7 @@ def test_bad_metadata_is_refused_before_writing(tiny, tmp_path, extra, message):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "F32"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "F32", "BF16"])
 def test_non_finite_weight_is_refused_before_writing(tmp_path, qtype):
     """As GGMLWeight.from_float refuses them: a NaN would spread over its whole block (256 weights in Q4_K)."""
     cfg = config(dim=256, ffn_dim=512, head_dim=64)

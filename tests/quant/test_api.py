@@ -241,6 +241,8 @@ def test_tensor_level_group_size_is_strict():
         gptq_quantize(w, x.T @ x, 4, 64)
     with pytest.raises(ValueError, match=msg):
         awq_scale(jnp.asarray(x), [jnp.asarray(w)], 4, 64)
+    with pytest.raises(ValueError, match="ws is empty; accepted: one or more weights"):  # an IndexError before
+        awq_scale(jnp.asarray(x), [], 4, 32)
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])

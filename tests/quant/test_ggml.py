@@ -1,5 +1,7 @@
 """GGML block formats: our jnp dequantize vs `gguf.quants`, quantize round trips."""
 
+import re
+
 import gguf
 import jax
 import numpy as np
@@ -151,6 +153,9 @@ def test_unsupported_type_error_names_type_and_lists_supported():
         assert str(bad if not isinstance(bad, T) else bad.name) in str(info.value)
     with pytest.raises(ggml.UnsupportedGGMLTypeError, match="IQ4_XS"):
         quantize(np.zeros((1, 256), np.float32), T.IQ4_XS)
+    for not_an_id in (8.9, True, np.float32(2.5)):  # int() would truncate them to Q8_0, F16, Q4_0
+        with pytest.raises(ggml.UnsupportedGGMLTypeError, match=re.escape(repr(not_an_id))):
+            quantize(np.zeros((1, 32), np.float32), not_an_id)
 
 
 def test_bad_shapes_raise():
@@ -158,6 +163,8 @@ def test_bad_shapes_raise():
         quantize(np.zeros((2, 100), np.float32), "q4_k")
     with pytest.raises(ValueError, match="18-byte blocks"):
         ggml.dequantize(np.zeros((2, 20), np.uint8), "Q4_0")
+    with pytest.raises(ValueError, match=r"shape=\[3, 32\] holds 96 values, the Q8_0 data decodes to 64"):
+        ggml.dequantize(np.zeros((2, 34), np.uint8), "Q8_0", shape=(3, 32))  # jax's reshape TypeError before
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.Q4_K, T.IQ4_NL], ids=lambda t: t.name)

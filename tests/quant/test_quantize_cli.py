@@ -109,6 +109,25 @@ def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys)
     assert 0 < np.abs(logits - float_logits).mean() / float_logits.std() < 0.2
 
 
+def test_legacy_block_type_that_fits_no_row_names_the_methods_that_fall_back(tmp_path, capsys):
+    """A width of 72 fits no 32-weight block: Q4_0 has no fallback (as in llama.cpp), and the advice names the
+    methods that have one, as the command line has no per-tensor type."""
+    from flax import nnx
+
+    from jmem.cli import main
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(n_layers=1).replace(dim=72, n_heads=4, n_kv_heads=2, head_dim=18, ffn_dim=96)
+    write_gguf(tmp_path / "d72.gguf", cfg, Llama(cfg, rngs=nnx.Rngs(0)), tokenizer_metadata=byte_tokenizer_metadata())
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", str(tmp_path / "d72.gguf"), "--method", "q4_0", "--out", str(tmp_path / "q.gguf")])
+    assert ("token_embd.weight: row length 72 is not a multiple of the Q4_0 block size 32; accepted: a k-quant "
+            "--method (q2_k .. q6_k), which falls back per tensor") in capsys.readouterr().err
+    main(["quantize", "--model", str(tmp_path / "d72.gguf"), "--method", "q4_k", "--out", str(tmp_path / "q.gguf")])
+    assert jmem.load(str(tmp_path / "q.gguf")).config.dim == 72
+
+
 @pytest.mark.parametrize("method, head", [("q4_0", "Q6_K"), ("q8_0", "Q8_0"), ("q4_k", "Q6_K")])
 def test_a_tied_head_is_stored_as_llama_cpp_stores_it(method, head, tmp_path, capsys):
     """small ties its head to the 256-wide token embedding: that matrix is the output head, which llama.cpp
