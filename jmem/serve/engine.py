@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -23,13 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_int, is_int
+from jmem.checks import check_bool, check_int, is_int
 from jmem.memory import bytes_per_device
 from jmem.io.tokenizer import IncrementalDecoder
 from jmem.models import LlamaConfig
 from jmem.serve.draft import DraftProposer, check_draft
 from jmem.serve.kv_cache import KVCacheManager
-from jmem.serve.lora import adapter_bytes, read_adapter, stack_adapters
+from jmem.serve.lora import IMPLS, adapter_bytes, read_adapter, stack_adapters
 from jmem.serve.ngram import check_speculative_args
 from jmem.serve.request import Request, RequestError, SamplingParams, Status, UnknownAdapter, check_fits
 from jmem.serve.runner import ModelRunner, check_pool_fits, kv_cache_budget, resident_bytes
@@ -103,6 +104,14 @@ class EngineConfig:
                              "max_seq_len, or None")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("prompt_lookup_max", self.prompt_lookup_max, 0)  # >= 1 with speculation (Engine checks)
+        # The adapter settings are checked with or without adapters: a typo would otherwise wait for the first one.
+        if self.max_loras is not None:
+            check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.lora_impl not in IMPLS:
+            raise ValueError(f"lora_impl={self.lora_impl!r}; accepted: {', '.join(IMPLS)}")
+        for name in ("enable_prefix_caching", "static_batching", "allow_runtime_lora"):
+            check_bool(name, getattr(self, name))
 
 
 @dataclass
@@ -240,6 +249,10 @@ class Engine:
                              "jmem.serve.draft.load_draft takes a name or path)")
         if lora_modules is not None and not isinstance(lora_modules, dict):
             raise ValueError(f"lora_modules={lora_modules!r:.80}; accepted: a dict of adapter name -> .npz path")
+        bad = next((n for n, p in (lora_modules or {}).items() if not isinstance(p, (str, os.PathLike))), None)
+        if bad is not None:
+            raise ValueError(f"LoRA module {bad!r} path {lora_modules[bad]!r:.80}; accepted: a path to an .npz "
+                             "written by jmem.lora.save_adapters")
         check_speculative_args(config.num_speculative_tokens, config.prompt_lookup_max, draft_model=draft_model)
         self.config = config
         self.tokenizer = tokenizer

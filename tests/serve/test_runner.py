@@ -481,9 +481,17 @@ def test_engine_arguments_of_the_wrong_kind_are_one_error(model):
                         (dict(num_blocks=2.5), "num_blocks=2.5; accepted: an integer >= 1"),
                         (dict(num_blocks=True), "num_blocks=True; accepted: an integer >= 1"),
                         (dict(max_model_len=40.5), "max_model_len=40.5; accepted: an integer in 1..the model's"),
-                        (dict(max_model_len="64"), "max_model_len='64'; accepted: an integer")):
+                        (dict(max_model_len="64"), "max_model_len='64'; accepted: an integer"),
+                        # Adapter settings are checked without adapters too (a typo waited for the first one).
+                        (dict(max_loras=0), "max_loras=0; accepted: an integer >= 1"),
+                        (dict(max_lora_rank=0), "max_lora_rank=0; accepted: an integer >= 1"),
+                        (dict(lora_impl="dense"), "lora_impl='dense'; accepted: onehot, ragged"),
+                        (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'; accepted: True or False"),
+                        (dict(static_batching=1), "static_batching=1; accepted: True or False")):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             EngineConfig(**kw)
+    with pytest.raises(ValueError, match="^LoRA module 'a' path 5; accepted: a path to an .npz"):  # a TypeError before
+        Engine(model, tok, EngineConfig(num_blocks=16, **SMALL), lora_modules={"a": 5})
     engine = Engine(model, tok, EngineConfig(num_blocks=16, **SMALL))
     for prompt, message in ((None, "prompt of type NoneType; accepted: a list of integer token ids"),
                             ("abc", "prompt of type str; accepted: a list of integer token ids")):
