@@ -103,11 +103,9 @@ def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature:
     if need_kl:
         logp_s = jax.nn.log_softmax(s_BTV / temperature, axis=-1)
         logp_t = jax.nn.log_softmax(t_BTV.astype(jnp.float32) / temperature, axis=-1)
-        if kind == "forward":  # a token the teacher rules out (-inf logit) adds 0, not 0 * -inf
-            p_t = jnp.exp(logp_t)
-            kl_BT = jnp.sum(jnp.where(p_t > 0, p_t * (logp_t - logp_s), 0.0), axis=-1)
-        else:
-            kl_BT = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), axis=-1)
+        logp_a, logp_b = (logp_t, logp_s) if kind == "forward" else (logp_s, logp_t)
+        p_a = jnp.exp(logp_a)  # KL(a || b): an entry `a` rules out (-inf logit) adds 0, not 0 * -inf, in the
+        kl_BT = jnp.sum(p_a * jnp.where(p_a > 0, logp_a - logp_b, 0.0), axis=-1)  # value and in the gradient
         kl = jnp.sum(jnp.where(mask_BT != 0, kl_BT * mask_BT, 0.0))
     return kl, ce
 

@@ -79,35 +79,42 @@ def test_chunked_loss_and_grads_match_full_logits_reference(kind):
         assert float(jnp.abs(a).max()) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["forward", "reverse"])
-def test_ruled_out_tokens_and_ignored_targets_keep_the_loss_finite(kind):
-    """A teacher logit of -inf (a masked vocabulary entry) adds 0 to forward KL (was 0 * -inf = NaN), and
-    a masked position's out-of-range target (-100) counts nothing; both equal the float64 reference."""
+@pytest.mark.parametrize("kind, ruled_out", [("forward", "teacher"), ("forward", "both"), ("reverse", "student"),
+                                              ("reverse", "both")])
+def test_ruled_out_tokens_and_ignored_targets_keep_the_loss_finite(kind, ruled_out):
+    """A vocabulary entry that the distribution KL weighs by rules out (-inf logit: the teacher's in forward KL,
+    the student's in reverse) adds 0 to the loss and to its gradient (was 0 * -inf = NaN), and a masked
+    position's out-of-range target (-100) counts nothing; both equal a float64 reference."""
     rng = np.random.default_rng(4)
     B, T, V = 2, 6, 12
     s = rng.normal(size=(B, T, V)).astype(np.float32)
     t = rng.normal(size=(B, T, V)).astype(np.float32)
-    targets = rng.integers(0, V, (B, T))
+    targets = rng.integers(0, V - 1, (B, T))
+    targets[targets >= 7] += 1  # never the ruled-out entry
     mask = np.ones((B, T), np.float32)
     mask[0, 4:] = 0
     ref_targets = targets.copy()
     targets[0, 4:] = -100
-    if kind == "forward":
-        t[:, :, 7] = -np.inf
-    kl, ce = distill_terms_from_logits(jnp.asarray(s), jnp.asarray(t), jnp.asarray(targets), jnp.asarray(mask),
-                                       temperature=1.5, kind=kind)
-    if kind == "forward":  # the reference with the ruled-out entry left out of the teacher's sum
-        keep = np.arange(V) != 7
-        with np.errstate(invalid="ignore"):
-            ref_kl, _ = _np_reference(s, t, ref_targets, mask, 1.5, 1.0, kind)
-        assert not np.isfinite(ref_kl)  # naive float64 numpy gives NaN too
-        lt = t[..., keep] / 1.5
-        lt = lt - np.log(np.exp(lt - lt.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lt.max(-1, keepdims=True)
-        ls = s / 1.5 - np.log(np.exp(s / 1.5).sum(-1, keepdims=True))
-        ref_kl = ((np.exp(lt) * (lt - ls[..., keep])).sum(-1) * mask).sum()
-    else:
-        ref_kl = _np_reference(s, t, ref_targets, mask, 1.5, 1.0, kind)[0] / 1.5**2
-    ref_ce = _np_reference(s, s, ref_targets, mask, 1.0, 0.0, kind)[0]
+    for name, logits in (("teacher", t), ("student", s)):
+        if ruled_out in (name, "both"):
+            logits[:, :, 7] = -np.inf
+
+    def terms(s_):
+        return distill_terms_from_logits(s_, jnp.asarray(t), jnp.asarray(targets), jnp.asarray(mask),
+                                         temperature=1.5, kind=kind)
+
+    kl, ce = terms(jnp.asarray(s))
+    grad = np.asarray(jax.grad(lambda s_: sum(terms(s_)))(jnp.asarray(s)))
+    assert np.isfinite(grad).all() and np.abs(grad).max() > 0
+
+    def log_softmax(x):
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    la, lb = (log_softmax(t / 1.5), log_softmax(s / 1.5))[::1 if kind == "forward" else -1]
+    with np.errstate(invalid="ignore"):
+        ref_kl = (np.where(np.exp(la) > 0, np.exp(la) * (la - lb), 0.0).sum(-1) * mask).sum()
+    ref_ce = -(np.take_along_axis(log_softmax(s), ref_targets[..., None], -1)[..., 0] * mask).sum()
     np.testing.assert_allclose(float(kl), ref_kl, rtol=2e-5)
     np.testing.assert_allclose(float(ce), ref_ce, rtol=2e-5)
 
