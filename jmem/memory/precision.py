@@ -377,7 +377,9 @@ def with_master_weights(inner: optax.GradientTransformation, master_dtype=jnp.fl
         grads = jax.tree.map(lambda g, m: g if _is_float(m.dtype) else jnp.zeros_like(m),
                              cast_floating(updates, master_dtype), state.master)
         inner_updates, new_inner = inner.update(grads, state.inner, state.master, **extra)
-        new_master = optax.apply_updates(state.master, inner_updates)
+        # An integer leaf's master stays as it is (weight decay would otherwise move it, truncated).
+        new_master = jax.tree.map(lambda old, new: new if _is_float(old.dtype) else old, state.master,
+                                  optax.apply_updates(state.master, inner_updates))
 
         def delta(m, p):
             if not _is_float(p.dtype):

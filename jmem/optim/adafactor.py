@@ -186,13 +186,13 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
         decay_offset: step at which a fine-tuning run restarts the schedule; before it (a fresh
             state's steps) the schedule is at its start.
         eps: added to g^2 (> 0 for `adafactor`: with 0, a zero gradient divides 0 by 0).
-        state_dtype: floating dtype of the statistics (f32 recommended).
+        state_dtype: dtype of the statistics: float32 or bfloat16 (float16's range cannot hold squared gradients).
 
     Raises:
         ValueError: an unknown rule name, `min_dim_size_to_factor` not an integer >= 1,
-            `decay_offset` not an integer >= 0, or `state_dtype` not a floating dtype.
+            `decay_offset` not an integer >= 0, or `state_dtype` not float32's range (float32, bfloat16).
     """
-    checks.float_dtype("adafactor", "state_dtype", state_dtype)
+    checks.float_dtype("adafactor", "state_dtype", state_dtype, squares=True)
     decay_offset = checks.integer("adafactor", "decay_offset", decay_offset, 0)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
 
@@ -318,7 +318,8 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
             per parameter in `momentum_dtype` (a floating dtype, bf16 by default:
             half of f32; None: the updates' dtype).
         weight_decay_rate, weight_decay_mask: decoupled weight decay.
-        state_dtype: floating dtype of the second-moment statistics.
+        state_dtype: dtype of the second-moment statistics: float32 or bfloat16 (not float16, see
+            `scale_by_factored_rms`).
 
     Returns:
         An `optax.GradientTransformation`.

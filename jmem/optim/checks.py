@@ -102,11 +102,15 @@ def learning_rate(who: str, v, *, none_ok: bool = False):
     return rate(who, "learning_rate", v, none_ok=none_ok)
 
 
-def float_dtype(who: str, name: str, v, *, none_ok: bool = False):
-    """A floating dtype (anything `jnp.dtype` accepts, e.g. jnp.bfloat16 or "float32"); returns `v`."""
+def float_dtype(who: str, name: str, v, *, none_ok: bool = False, squares: bool = False):
+    """A floating dtype (anything `jnp.dtype` accepts, e.g. jnp.bfloat16 or "float32"); returns `v`.
+    `squares`: the dtype holds squared gradients, which need float32's exponent range (float16's overflow above
+    |g| = 256, and an eps of 1e-30 is 0 in it)."""
     if _traced(v) or (v is None and none_ok):
         return v
     accepted = ("None or " if none_ok else "") + "a floating dtype (e.g. jnp.float32, jnp.bfloat16, 'float32')"
+    if squares:
+        accepted = "a floating dtype with float32's range (float32, bfloat16): it holds squared gradients"
     if isinstance(v, (np.ndarray, jax.Array)):  # optax.inject_hyperparams calls a dtype like a schedule
         fail(who, name, v, accepted + f"; with optax.inject_hyperparams, list {name!r} in static_args")
     if v is None:
@@ -115,7 +119,7 @@ def float_dtype(who: str, name: str, v, *, none_ok: bool = False):
         dt = jnp.dtype(v)
     except TypeError:
         fail(who, name, v, accepted)
-    if not jnp.issubdtype(dt, jnp.floating):
+    if not jnp.issubdtype(dt, jnp.floating) or (squares and jnp.finfo(dt).maxexp < jnp.finfo(jnp.float32).maxexp):
         fail(who, name, v, accepted)
     return v
 

@@ -182,8 +182,9 @@ def test_master_weights_match_f32_training():
     # Gradients from `jax.grad(..., allow_int=True)` hold float0 for the integer leaf: a zero update too.
     g = jax.grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) ** 2), allow_int=True)(p16)
     assert g["n"].dtype == jax.dtypes.float0
-    u, _ = with_master_weights(optax.adamw(1e-3)).update(g, with_master_weights(optax.adamw(1e-3)).init(p16), p16)
+    u, s = with_master_weights(optax.adamw(1e-3)).update(g, with_master_weights(optax.adamw(1e-3)).init(p16), p16)
     assert int(u["n"]) == 0 and u["w"].dtype == jnp.float32 and float(jnp.abs(u["w"]).max()) > 0
+    assert int(s.master["n"]) == 3  # weight decay moved it to 2 (3 - 3e-4 truncated)
 
 
 def test_fp16_step_with_loss_scaling_end_to_end():

@@ -69,8 +69,18 @@ def test_state_dtypes_must_be_floating(build, name):
     for bad in (jnp.int8, "int32", np.uint8, jnp.bool_, "no-such-dtype"):
         with pytest.raises(ValueError, match=f"^{name}=.*; accepted: .*a floating dtype"):
             build(bad)
-    for good in (jnp.bfloat16, "bfloat16", np.float32, jnp.dtype("float16")):
+    for good in (jnp.bfloat16, "bfloat16", np.float32) + ((jnp.dtype("float16"),) if "state" not in name else ()):
         build(good)
+
+
+def test_adafactor_statistics_need_float32s_range():
+    """float16 statistics were accepted and gave -inf updates: eps 1e-30 is 0 in float16 (rsqrt(0) on a zero
+    gradient) and g^2 overflows above |g| = 256."""
+    for bad in (jnp.float16, "float16"):
+        with pytest.raises(ValueError, match=r"^adafactor state_dtype=.*float16.*; accepted: a floating dtype with "
+                                             r"float32's range \(float32, bfloat16\)"):
+            adafactor(state_dtype=bad)
+    adafactor(momentum=0.9, momentum_dtype=jnp.float16)  # updates, not squares: float16 holds them
 
 
 def test_adafactor_int8_statistics_would_have_given_nan():
