@@ -335,14 +335,21 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     matmul = step_matmul_flops(cfg, report, compiled)
     estimate = estimate_bytes(run)
     n_params = run.model_config.num_params  # the model's, whatever its leaves store (packed quantized bases, adapters)
-    n_trained = n_params
+    trained = state.params
     if run.fns.trainable is not None:  # adapters, or layer-wise training's slice of the layers
         trained = jax.eval_shape(lambda p: run.fns.trainable(p)[0], state.params)
-        n_trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
+    n_trained = n_params if trained is state.params else sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
     shown = f"{count_text(n_params)} params" + (f" ({count_text(n_trained)} trained)" if n_trained != n_params else "")
     print(f"model {cfg.model}: {shown}, remat={cfg.remat}, precision={run.policy}, "
           f"optimizer={cfg.optimizer}, batch={cfg.batch}x{cfg.seq} (accum {cfg.accum}), "
           f"{run.data.num_tokens / 1e3:.0f}k tokens", file=out)
+    if cfg.optimizer == "galore":  # a rank at or above every matrix's smaller side projects nothing: plain Adam
+        from jmem.optim.galore import galore_plan
+
+        plans, _ = galore_plan(trained, cfg.galore_rank)
+        print(f"galore: {sum(p.side is not None for p in plans)} of {len(plans)} leaves projected at rank "
+              f"{cfg.galore_rank} (matrices with both sides above it, not the embeddings or head; the others run "
+              "Adam)", file=out)
     if run.mesh is not None:
         from jmem import parallel as par
 

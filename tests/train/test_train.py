@@ -456,7 +456,7 @@ def test_layerwise_run_resumes_with_the_same_layer_draws(tmp_path):
 def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
     """`--optimizer galore --galore-rank 4`: the loss goes down, and the memory table's analytic
     optimizer row is the rank-4 state the step holds (the compiler's argument bytes hold it)."""
-    from jmem.optim.galore import galore
+    from jmem.optim.galore import galore, galore_plan
     from jmem.train.setup import build
 
     cfg = dataclasses.replace(BASE, steps=12, optimizer="galore", galore_rank=4, galore_gap=5)
@@ -470,6 +470,10 @@ def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
                       for x in jax.tree.leaves(jax.eval_shape(galore(1e-3, rank=4).init, params)))
     row = next(line for line in out.getvalue().splitlines() if "estimated optimizer" in line)
     assert abs(float(row.split()[-1]) - state_bytes / 2**20) < 0.006
+    # The run says how many leaves the rank projects (a rank above every matrix's side projects none: plain Adam).
+    projected = sum(p.side is not None for p in galore_plan(params, 4)[0])
+    assert 0 < projected < len(jax.tree.leaves(params))
+    assert f"galore: {projected} of {len(jax.tree.leaves(params))} leaves projected at rank 4" in out.getvalue()
 
 
 def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
