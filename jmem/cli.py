@@ -24,7 +24,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         model: Preset name (smollm2-135m, tiny, ...), a .gguf path or a `jmem quantize --out DIR` directory.
         max_new_tokens: Upper bound on generated tokens.
         temperature: 0 is greedy; higher samples more freely.
-        top_k: Keep only the k most likely tokens (off when unset).
+        top_k: Keep only the k most likely tokens (off when unset, 0 or -1, as in the server and vLLM).
         top_p: Keep the smallest set of tokens with this much probability (off when unset).
         seed: Sampling seed.
         chat: Wrap the prompt in the model's chat template as a user message.
@@ -39,6 +39,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
     from jmem.checks import stop_strings
     from jmem.lm import model_source
 
+    top_k = None if top_k in (0, -1) else top_k  # off, as the server and vLLM read them
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
     try:
         stops = stop_strings(list(stop))
@@ -114,7 +115,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"--temperature={temperature}; accepted: a finite number >= 0 (0 is greedy)")
     if top_k is not None and not 1 <= top_k < 2**31:
-        raise ValueError(f"--top-k={top_k}; accepted: an integer in 1..2**31-1, or unset (off)")
+        raise ValueError(f"--top-k={top_k}; accepted: an integer in 1..2**31-1, or unset, 0 or -1 (off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p={top_p}; accepted: a number in (0, 1], or unset (off)")
     if draft_k is not None and draft_k < 1:

@@ -10,7 +10,8 @@ Leviathan et al. 2023 / Chen et al. 2023: proposal `d` drawn from the draft's
 draws from `normalize(max(0, p - q))`; when all `k` are kept a bonus token is
 drawn from the target's next distribution. The emitted tokens are distributed
 exactly as the target's own samples; greedy (temperature 0) emits exactly the
-target's greedy continuation.
+target's greedy continuation in f32 (with bf16 compute, a near-tie between two
+tokens may resolve differently: the target scores k+1 tokens per forward, not one).
 
 Both models keep a contiguous KV cache. Rows advance by different amounts:
 every write lands at the token's absolute position, so entries a row wrote for
@@ -191,7 +192,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         prompts: one list of ids per row (any lengths, at least one token each).
         max_new_tokens: tokens to emit per row (fewer when a row emits `eos_id`).
         k: proposals per round.
-        temperature: 0 is greedy (exactly the target's greedy continuation); > 0 samples,
+        temperature: 0 is greedy (the target's greedy continuation, exactly in f32); > 0 samples,
             each emitted token distributed as the target's softmax(logits / temperature).
         seed: PRNG seed of the draws (an integer in [-2**63, 2**64); every bit counts).
         eos_id: a row stops after this id (the id is not returned).

@@ -106,8 +106,8 @@ def test_info_bad_path_says_what_is_accepted(arg, expected, tmp_path, monkeypatc
     (["--top-p", "inf"], "--top-p=inf; accepted: a number in (0, 1], or unset (off)"),
     (["--top-p", "nan"], "--top-p=nan; accepted: a number in (0, 1]"),
     (["--top-p", "0"], "--top-p=0.0; accepted: a number in (0, 1]"),
-    (["--top-k", "0"], "--top-k=0; accepted: an integer in 1..2**31-1, or unset (off)"),
-    (["--top-k", "2147483648"], "--top-k=2147483648; accepted: an integer in 1..2**31-1, or unset (off)"),
+    (["--top-k", "-2"], "--top-k=-2; accepted: an integer in 1..2**31-1, or unset, 0 or -1 (off)"),
+    (["--top-k", "2147483648"], "--top-k=2147483648; accepted: an integer in 1..2**31-1, or unset, 0 or -1 (off)"),
     (["--max-new-tokens", "-1"], "--max-new-tokens=-1; accepted: an integer >= 0"),
     (["--draft", "tiny", "--draft-k", "0"], "--draft-k=0; accepted: an integer >= 1"),
     (["--draft-k", "3"], "--draft-k=3 without --draft; accepted: --draft-k with a --draft model"),  # was ignored
@@ -299,6 +299,10 @@ def test_generate_reads_the_prompt_from_stdin_and_ends_at_stop_strings(capsys, m
     assert code == 0 and out == text[: text.find(stop)] + "\n", (out, text, stop)
     code, _, err = _in_process(main, [*argv, "--stop", ""], capsys)
     assert code == 2 and err == "jmem: error: --stop ['']; accepted: non-empty strings\n"
+    sampled = [*argv, "--prompt", "hi", "--temperature", "1", "--seed", "3"]
+    off = _in_process(main, sampled, capsys)[1]
+    for k in ("0", "-1"):  # off, as the server and vLLM read them (refused before)
+        assert _in_process(main, [*sampled, "--top-k", k], capsys)[1] == off
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
     code, _, err = _in_process(main, [*argv, "--prompt", "-"], capsys)
     assert code == 2 and err == ("jmem: error: standard input (--prompt -) holds bytes that are not UTF-8 text "

@@ -262,6 +262,9 @@ class Llama(nnx.Module):
     def hidden(self, ids_BT, positions=None, cache=None, layers=None, dropless: bool = False):
         """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache.
 
+        `positions`: i32[batch, seq], each token's absolute position; None is 0..seq-1 in every row, a
+        prefill from the start. The cache does not count what it holds: every later call with it (a
+        decode step) passes its tokens' positions, or it writes over the cache's first slots.
         `layers`: per-layer block weights from `unstack_layers(model)`; the blocks then run as
         an unrolled loop over them (inference; no remat) instead of a scan over the stacked
         weights. Pair it with a cache in per-layer form (`jmem.models.cache`).
@@ -321,7 +324,8 @@ class Llama(nnx.Module):
         return dot(h_BTE, self.head.kernel.get_value()).astype(jnp.float32)
 
     def __call__(self, ids_BT, positions=None, cache=None):
-        """`(logits, cache)`. Without a cache an MoE model routes with its capacity factor, as in training
+        """`(logits, cache)`; `positions` as in `hidden` (a decode step with a cache passes them). Without a
+        cache an MoE model routes with its capacity factor, as in training
         (a row's logits may depend on the rows batched with it); `hidden(..., dropless=True)` does not."""
         h, cache = self.hidden(ids_BT, positions, cache)
         return self.logits_from_hidden(h), cache
