@@ -25,7 +25,7 @@ import threading
 import jax
 import numpy as np
 
-from jmem.checks import check_int
+from jmem.checks import check_int, is_int
 
 
 class DistributedError(ValueError):
@@ -57,6 +57,11 @@ def check_args(coordinator: str | None, num_processes: int | None, process_id: i
         DistributedError: an incomplete or inconsistent set (one line naming what is missing or bad).
     """
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    for name in ("num_processes", "process_id"):
+        if given[name] is not None and not is_int(given[name]):
+            raise DistributedError(f"{name}={given[name]!r}; accepted: an integer, or None")
+    if coordinator is not None and not isinstance(coordinator, str):
+        raise DistributedError(f"coordinator={coordinator!r}; accepted: a HOST:PORT string, or None")
     if coordinator is None and process_id is not None:
         raise DistributedError(f"process_id={process_id} needs coordinator and num_processes as well "
                                f"(give coordinator, num_processes and process_id, or none of them)")

@@ -78,6 +78,14 @@ def batch_spec(mesh: Mesh, rules=None) -> P:
     return P(axes if len(axes) > 1 else (axes[0] if axes else None))
 
 
+def check_not_donated(state) -> None:
+    """Raise a clear error when a leaf of `state` was donated to an earlier step (its buffers deleted): on a
+    multi-device CPU backend the jitted step would otherwise crash the process rather than raise."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ValueError("the state was donated to an earlier step (its buffers are deleted); accepted: the state "
+                         "that step returned (or a step built with donate=False)")
+
+
 def check_batch(batch, mesh: Mesh, rules=None, accum: int = 1) -> None:
     """Raise a clear error unless every leaf has a leading batch dimension that divides into data groups
     x microbatches."""
@@ -425,6 +433,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     compiled: dict = {}
 
     def step(state, batch):
+        check_not_donated(state)
         check_batch(batch, mesh, rules, accum)
         if jax.process_count() > 1:  # every process holds the full global batch
             batch = to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
@@ -476,6 +485,7 @@ class BatchCheckedStep:
     rules: Any = None
 
     def __call__(self, state, batch):
+        check_not_donated(state)
         check_batch(batch, self.mesh, self.rules)
         return self.jitted(state, batch)
 

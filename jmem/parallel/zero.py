@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 as shardings over the data-parallel mesh axes (`data`, `fsdp`).
+"""ZeRO stages 0-3 as shardings over the data-parallel mesh axes (`data`, `fsdp`, `expert`).
 
 A stage only decides which of the three model-state trees get the data axes
 added to their sharding (on top of the model-parallel sharding from `Rules`):

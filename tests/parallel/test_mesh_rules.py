@@ -184,6 +184,11 @@ def test_initialize_checks_and_single_process(monkeypatch):
         par.initialize("localhost", 2, 0)
     with pytest.raises(par.DistributedError, match="process_id=2 must be in 0..1"):
         par.initialize("127.0.0.1:1234", 2, 2)
+    for args, message in ((("h:1234", "2", 0), "num_processes='2'; accepted: an integer"),  # a TypeError before
+                          (("h:1234", 2, 0.0), "process_id=0.0; accepted: an integer"),
+                          ((1234, 2, 0), "coordinator=1234; accepted: a HOST:PORT string")):
+        with pytest.raises(par.DistributedError, match=message):
+            par.initialize(*args)
     with pytest.raises(par.DistributedError, match="process_id=1 needs coordinator and num_processes as well"):
         par.initialize(None, None, 1)  # refused, not ignored
     with pytest.raises(par.DistributedError, match="num_processes=2 needs coordinator and process_id as well, or a "
