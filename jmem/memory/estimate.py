@@ -272,7 +272,8 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
             default `config.attention_impl` ("auto" counts as flash when compiling for a GPU or
             TPU, where `jmem.kernels.attention` picks the kernel, else as "xla").
         loss_chunk: sequence positions per cross-entropy chunk; None means
-            full `f32[batch, seq, vocab]` logits.
+            full `f32[batch, seq, vocab]` logits, not `config.loss_chunk` (pass that to
+            estimate the train step, which chunks by it).
         master_weights: an f32 master copy in the optimizer state
             (`jmem.memory.precision.with_master_weights`).
         lora_rank: > 0: LoRA adapters on `lora_targets` (names among `config.weight_names()`: wq,

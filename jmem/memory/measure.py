@@ -56,7 +56,10 @@ class MemoryReport:
             as many times as it runs (`jmem.memory.hlo_flops.matmul_flops`); nan
             for TPU targets (whose executables pad and rewrite matmuls), loops of
             unknown trip count and conditionals whose branches differ.
-        peak_bytes: XLA's own peak figure where the backend reports one, else None.
+        peak_bytes: XLA's own peak figure where the backend reports one, else None. On a TPU
+            target it can far exceed `total_bytes` for a small program, whose activations the
+            temp figure misses (the tiny preset's step: 47.1 MiB peak, 4.9 total; bench-8l's
+            within 1%; docs/benchmarks.md); on CPU it is no peak (about arguments and outputs).
         target: the platform compiled for ("cpu", "gpu", "tpu:v5e:2x2", ...).
     """
 
@@ -122,6 +125,9 @@ def parse_target(target: str) -> tuple[str, str]:
     m = _TARGET_RE.match(target.strip().lower()) if isinstance(target, str) else None
     if m is None:
         raise TargetError(f"target {target!r}: expected 'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2' or 'tpu:v4:2x2x1'")
+    if any(int(d) < 1 for d in m["topo"].split("x")):  # libtpu ends the process (SIGFPE) on a zero
+        raise TargetError(f"target {target!r}: a topology dimension of 0; accepted: dimensions >= 1 such as "
+                          "'tpu:v5e:2x2'")
     return m["chip"], m["topo"]
 
 
@@ -239,8 +245,8 @@ def measure_and_compile(fn, *args, target: str | None = None, **kwargs):
     Returns:
         (MemoryReport, jax.stages.Compiled)
     """
-    if target is not None:
-        parse_target(target)  # fail on a bad string before any tracing
+    if target is not None:  # fail on a bad string before any tracing; the report names the target as parsed
+        target = "tpu:{}:{}".format(*parse_target(target))
     compiled = compile_for(fn, *args, target=target, **kwargs)
     return report_from_compiled(compiled, target or jax.default_backend()), compiled
 

@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import check_bool, is_number
+from jmem.checks import check_bool, is_int, is_number
 
 # The linear kernels of a dense block (`layers.<name>.kernel`), which quantization, pruning, LoRA and
 # the memory estimate name.
@@ -123,6 +123,8 @@ class LlamaConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaConfig.{name}={getattr(self, name)} must be a positive integer")
+        if not is_int(self.loss_chunk) or self.loss_chunk <= 0:  # None failed inside the train step
+            raise ValueError(f"LlamaConfig.loss_chunk={self.loss_chunk!r} must be a positive integer")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")

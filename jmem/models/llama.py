@@ -233,12 +233,13 @@ def _check_ids(ids_BT, vocab_size: int) -> None:
         raise ValueError(f"token ids hold {bad}; accepted: 0..{vocab_size - 1} (the model's vocabulary)")
 
 
-def _remat(fn, spec: str):
-    if spec == "none":
-        return fn
+def _remat(fn, spec: str | None):
     from jmem.memory.remat import get_policy
 
-    return jax.checkpoint(fn, policy=get_policy(spec), prevent_cse=False)
+    policy = get_policy(spec)
+    if policy is None:  # "none" or None; jax.checkpoint with policy=None would be full remat
+        return fn
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
 class Llama(nnx.Module):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 
 import jax
@@ -372,9 +371,9 @@ def dequantize(raw, qtype, shape=None) -> jax.Array:
     else:
         out = _decode_rows(raw, qt)
     if shape is not None:
-        shape = tuple(shape)
-        if math.prod(shape) != out.size:
-            raise ValueError(f"shape={list(shape)} holds {math.prod(shape)} values, the {qt.name} data decodes to "
-                             f"{out.size}; accepted: a shape of {out.size} values")
-        out = out.reshape(shape)
+        try:
+            out = out.reshape(tuple(shape))
+        except TypeError:  # jax's reshape message names neither the type nor the decoded size
+            raise ValueError(f"shape={list(shape)} does not fit the {out.size} values the {qt.name} data decodes "
+                             f"to; accepted: a shape of {out.size} values (one -1 may stand for an axis)") from None
     return out

@@ -83,6 +83,8 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
             ("measured", "outputs", report.output_bytes if offload is None else offload.device_output_bytes),
             ("measured", "  of which aliased to arguments", report.alias_bytes),
             ("measured", "total live", total)]
+    if report.peak_bytes and report.target != "cpu":  # a TPU target's temp misses a small program's activations
+        rows.append(("measured", "XLA's peak", report.peak_bytes))
     if report.host_total_bytes:
         rows.append(("measured", "host memory (offloaded)", report.host_total_bytes))
     if offload is not None:

@@ -118,6 +118,9 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
                          ("pipeline-schedule", schedules)):
         if not values:  # an empty product would return no records and say nothing
             raise ValueError(f"--{name}: an empty list; accepted: at least one value")
+        twice = sorted({str(v) for v in values if list(values).count(v) > 1})
+        if twice:  # each would compile the same step again, and the table's baseline would take the last
+            raise ValueError(f"--{name}: {', '.join(twice)} given more than once; accepted: each value once")
     for r in remats:
         _named("--remat", r, validate_remat, r,
                accepted=f"{', '.join(POLICIES)}, or a spec 'name=remat|device|offload,...'")
@@ -238,7 +241,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
         "pipeline": f"{pipeline_stages} stages x {microbatches} microbatches, {schedule}" if pipeline_stages > 1
         else None,
         "argument_bytes": r.argument_bytes, "temp_bytes": r.temp_bytes, "output_bytes": r.output_bytes,
-        "total_bytes": r.total_bytes, "flops": r.flops,
+        "total_bytes": r.total_bytes, "peak_bytes": r.peak_bytes if r.target != "cpu" else None, "flops": r.flops,
         "matmul_flops": matmul if math.isfinite(matmul) else None,
         "param_bytes": tree_bytes(state.params), "opt_state_bytes": tree_bytes(state.opt_state),
         "alias_bytes": r.alias_bytes, "host_temp_bytes": r.host_temp_bytes, "target": r.target,

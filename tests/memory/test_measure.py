@@ -89,6 +89,13 @@ def test_bad_target_is_one_clear_error(bad):
         parse_target(bad)
 
 
+@pytest.mark.parametrize("bad", ["tpu:v5e:0x2", "tpu:v4:2x0x2"])
+def test_a_zero_topology_dimension_is_refused(bad):
+    """libtpu ended the process (SIGFPE) describing such a topology."""
+    with pytest.raises(TargetError, match="a topology dimension of 0; accepted: dimensions >= 1"):
+        measure(_mm, jnp.ones((2, 2)), jnp.ones((2, 2)), target=bad)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the tpu extra) is not installed")
 def test_tpu_target_compiles_ahead_of_time_and_shows_bf16_savings():
     x32 = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
@@ -99,8 +106,8 @@ def test_tpu_target_compiles_ahead_of_time_and_shows_bf16_savings():
         return h.sum(0), h.max(1)
 
     r32 = measure(f, x32, target="tpu:v5e:2x2")
-    r16 = measure(f, x16, target="tpu:v5e:2x2")
-    assert r32.target == "tpu:v5e:2x2"
+    r16 = measure(f, x16, target=" TPU:v5e:2x2")  # named as parsed: TPU-only readings key on "tpu"
+    assert r32.target == r16.target == "tpu:v5e:2x2" and np.isnan(r16.matmul_flops)
     assert r32.argument_bytes == 4 * 1024 * 1024 and r16.argument_bytes == 2 * 1024 * 1024
     assert r32.flops >= 2 * 1024**3
     assert r16.total_bytes < r32.total_bytes

@@ -38,6 +38,10 @@ def test_empty_policy_is_refused_not_read_as_none():
             call("")
         assert str(e.value).startswith("unknown remat policy ''; accepted: ") and all(p in str(e.value) for p in POLICIES)
     assert validate(None) == "none"
+    # The model reads None as "none" too (it wrapped the layer in jax.checkpoint(policy=None): full remat).
+    fn, params = _grad_fn(None)
+    hlo = fn.lower(params, _batch(B=1, T=16)).as_text()
+    assert "checkpoint" not in hlo and hlo == _grad_fn("none")[0].lower(params, _batch(B=1, T=16)).as_text()
 
 
 def test_spec_parsing_and_errors():

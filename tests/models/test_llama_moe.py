@@ -156,6 +156,7 @@ def test_dense_model_reports_no_router_stats():
     (dict(moe_experts=4, moe_aux_weight=float("nan")), "LlamaConfig.moe_aux_weight=nan; accepted: a finite number"),
     (dict(moe_experts=4, moe_z_weight=-1.0), "LlamaConfig.moe_z_weight=-1.0; accepted: a finite number >= 0"),
     (dict(moe_experts=4, moe_z_weight="0"), "LlamaConfig.moe_z_weight='0'; accepted: a finite number >= 0"),
+    (dict(loss_chunk=None), "LlamaConfig.loss_chunk=None must be a positive integer"),  # failed in the train step
 ])
 def test_bad_moe_config_is_one_clear_error(overrides, expected):
     with pytest.raises(ValueError, match=expected.replace(".", r"\.")):

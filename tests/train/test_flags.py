@@ -341,6 +341,10 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     widened = report_mod.memory_table(report, {"total": 1}, compute_dtype=jnp.bfloat16).splitlines()[-1]
     assert widened == "  (estimated: bfloat16 activations; the CPU backend computes them in f32)"
     assert "CPU backend" not in report_mod.memory_table(report, {"total": 1}, compute_dtype=jnp.float32)
+    # XLA's peak: shown off the CPU (a TPU target's temp misses a small program's activations), not on it.
+    assert "XLA's peak" not in report_mod.memory_table(dataclasses.replace(report, peak_bytes=2**30), {})
+    tpu = report_mod.memory_table(dataclasses.replace(report, peak_bytes=3 * 2**20, target="tpu:v5e:2x2"), {})
+    assert "  measured  XLA's peak                                  3.00" in tpu.splitlines()
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
     assert report_mod.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
 

@@ -126,7 +126,9 @@ def test_sweep_checks_every_combination_before_compiling(monkeypatch):
     one = dict(batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1], optimizers=["adamw"])
     for change, message in ((dict(batch=0), "--batch=0; accepted: an integer >= 1"),
                             (dict(seq=16.5), "--seq=16.5; accepted: an integer >= 1"),
-                            (dict(remats=[]), "--remat: an empty list; accepted: at least one value")):
+                            (dict(remats=[]), "--remat: an empty list; accepted: at least one value"),
+                            (dict(remats=["none", "full", "none"]),  # compiled twice; the table took the last
+                             "--remat: none given more than once; accepted: each value once")):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             sweep_mod.sweep(PRESETS["tiny"](), **{**one, **change})
 
