@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 
 from jmem.checks import as_python_scalar, check_bool, check_optimizer, is_int, is_number
-from jmem.lora import combine, trainable_split
+from jmem.lora import combine, has_dropout, trainable_split
 from jmem.models.llama import Llama
 from jmem.train.loss import check_target_ids, check_token_ids, masked_nll, router_loss
 
@@ -360,6 +360,9 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
 
     if adapters_only and not jax.tree.leaves(trainable_split(nnx.state(student, nnx.Param), True)[0]):
         raise ValueError("adapters_only=True but the student has no LoRA adapters; apply jmem.lora.apply_lora first")
+    if has_dropout(student):  # the step draws no dropout masks: the adapters would train without it
+        raise ValueError("the student's LoRA adapters have dropout > 0, which a distillation step does not apply; "
+                         "accepted: adapters with dropout=0 (jmem.lora.apply_lora(..., dropout=0.0))")
 
     def init(model):
         params = nnx.state(model, nnx.Param)

@@ -227,6 +227,13 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
+    if not is_int(rank) or rank <= 0:
+        raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+    sides = {name: min(_kernel_var(model, name).get_value().shape[-2:]) for name in targets}
+    smallest = min(sides, key=sides.get)
+    if rank > sides[smallest]:  # the bound of every target at once (one target at a time named only its own)
+        raise ValueError(f"LoRA rank={rank} exceeds {smallest}'s smaller side {sides[smallest]}; accepted: "
+                         f"1..{sides[smallest]} for targets {', '.join(targets)}")
     check_settings(alpha, dropout, rslora, dtype)
     check_bool("inplace", inplace)
     key = seed_key(seed, "LoRA seed")
@@ -317,6 +324,12 @@ def without_dropout(tree):
     return with_dropout(tree, None)
 
 
+def has_dropout(model) -> bool:
+    """True when an adapter of `model` (an NNX module) has dropout > 0."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoRA))
+    return any(isinstance(x, LoRA) and x.dropout > 0 for x in leaves)
+
+
 def has_dropout_keys(tree) -> bool:
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LoRA))
     return any(isinstance(x, LoRA) and x.dropout_key is not None for x in leaves)
@@ -370,7 +383,8 @@ def trainable_split(tree, adapters_only: bool):
         return split_trainable(tree)
     for p, x in leaves:
         dtype = getattr(x, "dtype", None)
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+        # An 8-bit float (an fp8 base) is no trainable weight either: its optimizer moments would be fp8 (NaN).
+        if dtype is not None and (not jnp.issubdtype(dtype, jnp.inexact) or jnp.dtype(dtype).itemsize < 2):
             raise ValueError(f"weight {jax.tree_util.keystr(p)} is {jnp.dtype(dtype).name} (a quantized base) and "
                              "cannot be trained; accepted: adapters_only=True with LoRA adapters (QLoRA), or a "
                              "float model")

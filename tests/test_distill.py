@@ -310,6 +310,9 @@ def test_distill_step_trains_lora_on_a_quantized_student():
     assert len(jax.tree.leaves(same)) > 10 and all(jax.tree.leaves(same))  # base, norms, embedding, head
     with pytest.raises(ValueError, match="no LoRA adapters"):
         make_distill_fns(teacher, teacher, optax.adam(1e-2), adapters_only=True)
+    dropped = apply_lora(student_from_teacher(q_teacher, [1]), rank=4, targets=("wq",), dropout=0.5)
+    with pytest.raises(ValueError, match="LoRA adapters have dropout > 0, which a distillation step does not apply"):
+        make_distill_fns(dropped, teacher, optax.adam(1e-2), adapters_only=True)  # trained without it before
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -215,8 +215,12 @@ def test_dropout_and_bad_inputs():
         apply_lora(Llama(CFG, rngs=nnx.Rngs(0)), rank=0)
     base = Llama(CFG, rngs=nnx.Rngs(0))
     side = min(base.layers.wv.kernel.get_value().shape[-2:])
-    with pytest.raises(ValueError, match=f"rank={side + 1} exceeds .* smaller side; accepted: 1..{side}"):
+    with pytest.raises(ValueError, match=f"rank={side + 1} exceeds .* smaller side {side}; accepted: 1..{side}"):
         apply_lora(base, rank=side + 1, targets=("wv",))
+    # The bound of every target at once: one target at a time named only the first one's, then the next.
+    sides = {t: min(getattr(base.layers, t).kernel.get_value().shape[-2:]) for t in ("wq", "wv")}
+    with pytest.raises(ValueError, match=f"accepted: 1..{min(sides.values())} for targets wq, wv$"):
+        apply_lora(base, rank=max(sides.values()), targets=("wq", "wv"))
     for alpha in (-1.0, 0.0, float("nan"), float("inf"), "16", None, True):
         with pytest.raises(ValueError, match=f"^LoRA alpha={alpha!r}; accepted: a finite number > 0$"):
             apply_lora(base, alpha=alpha)
@@ -300,6 +304,9 @@ def test_settings_are_checked_wherever_adapters_come_from(tmp_path):
     with pytest.raises(ValueError, match=r"weight .* is uint8 \(a quantized base\) and cannot be trained; accepted: "
                                          "adapters_only=True"):
         make_train_fns(qlora, optax.adam(1e-3), loss_fn=loss_fn).init_state(qlora)
+    fp8 = quantize(base, "fp8")  # float8 codes: Adam's float8 moments made every weight NaN in one step
+    with pytest.raises(ValueError, match=r"weight .* is float8_e4m3fn \(a quantized base\) and cannot be trained"):
+        make_train_fns(fp8, optax.adam(1e-3), loss_fn=loss_fn).init_state(fp8)
 
 
 def test_dropout_only_in_train_steps_never_at_inference():

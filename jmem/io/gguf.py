@@ -355,10 +355,10 @@ def llama_weights(gf: GGUFFile, config: LlamaConfig, packed: bool = False) -> di
     matrices stay in their GGUF blocks as `GGMLWeight` leaves (decoded inside the jitted
     step), a mixture-of-experts block's router and experts included (`[layers, experts, in,
     out]`; `moe_mlp` decodes one layer's experts at a time) and an untied output head. The
-    embedding is always dequantized (it is gathered, not multiplied). A matrix whose block type differs across
-    layers becomes one `MixedGGMLWeight` (still packed; each layer decodes its own type); one
-    that mixes float and block layers is held as float32 with one warning (logger `jmem.io`)
-    naming the extra bytes.
+    embedding is always dequantized (it is gathered, not multiplied). A matrix whose block
+    type differs across layers becomes one `MixedGGMLWeight` (still packed; each layer
+    decodes its own type); one that mixes float and block layers is held as float32 with one
+    warning (logger `jmem.io`) naming the extra bytes.
     """
     from jmem.io.ggml_mixed import MixedGGMLWeight
     from jmem.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES, resolve_qtype

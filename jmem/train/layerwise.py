@@ -182,7 +182,8 @@ def make_layerwise_fns(
             already chained in). Its state covers only the trained parameters; the
             per-layer part is reset whenever a new period starts (when `n_active < L`).
         n_active: layers trained at once, 1..L. At L every layer trains every step and
-            the step equals `make_train_fns`'s.
+            the step equals `make_train_fns`'s (but for LoRA dropout masks, which the two
+            draw from their keys differently).
         period: steps between layer draws (LISA's K).
         schedule: "random" (LISA), "bottom-up" or "top-down" (cycling blocks).
         seed: seeds the random draws; the draw of period p is a function of (seed, p).

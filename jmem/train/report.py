@@ -18,7 +18,7 @@ def estimate_bytes(run: Run) -> dict[str, int]:
     """Analytic bytes of one step (`jmem.memory.estimate`) beside the measurement."""
     from jmem.memory.estimate import estimate
     from jmem.train.checks import lora_targets
-    from jmem.train.setup import BASE_GROUP_SIZE
+    from jmem.train.setup import BASE_GROUP_SIZE, needs_master_weights
 
     cfg, mc = run.cfg, run.model_config
     lora = {}
@@ -28,7 +28,7 @@ def estimate_bytes(run: Run) -> dict[str, int]:
                     base_group_size=BASE_GROUP_SIZE if cfg.quantize_base == "rtn" else None, lora_dtype="f32")
     kw = {"rank": cfg.galore_rank} if cfg.optimizer == "galore" else None
     est = estimate(mc, cfg.batch, cfg.seq, remat=cfg.remat, optimizer=cfg.optimizer, optimizer_kw=kw, accum=cfg.accum,
-                   loss_chunk=mc.loss_chunk, master_weights=run.policy.param != np.dtype(np.float32),
+                   loss_chunk=mc.loss_chunk, master_weights=needs_master_weights(cfg, run.policy),
                    trained_layers=cfg.layerwise or None, **lora)
     # Offloaded parts leave the device total (the measured rows show where they went).
     off = {}

@@ -137,6 +137,12 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     return mc, lm.model, lm.tokenizer
 
 
+def needs_master_weights(cfg: TrainConfig, policy: Policy) -> bool:
+    """An f32 master copy in the optimizer state: for params below f32, but not for LoRA runs, whose trained
+    leaves (the adapters) are f32 whatever the policy (a copy would only repeat them)."""
+    return policy.param != jax.numpy.dtype(jax.numpy.float32) and not cfg.lora_rank
+
+
 def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -> optax.GradientTransformation:
     """Clipping + the named optimizer on a warmup-cosine schedule, wrapped for
     non-f32 params (f32 master copy) and fp16 (skip non-finite steps); on a
@@ -160,7 +166,7 @@ def make_tx(cfg: TrainConfig, policy: Policy, mesh=None, *, clip: bool = True) -
     tx = make_optimizer(cfg.optimizer, schedule, **kw)
     if cfg.clip and clip:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
-    if policy.param != jax.numpy.dtype(jax.numpy.float32):
+    if needs_master_weights(cfg, policy):
         tx = with_master_weights(tx)
     if policy.needs_loss_scale:
         tx = skip_nonfinite(tx)

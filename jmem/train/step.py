@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jmem.checks import check_bool, check_optimizer, check_seed, loss_pair
-from jmem.lora import combine, trainable_split
+from jmem.lora import combine, has_dropout, trainable_split
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.precision import NoOpLossScale, all_finite, global_norm
 from jmem.sampling import seed_key
@@ -64,13 +64,6 @@ class TrainFns:
     update: Callable | None = None
     trainable: Callable | None = None
     combine: Callable | None = None
-
-
-def _has_lora_dropout(model) -> bool:
-    from jmem.lora import LoRA
-
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoRA))
-    return any(isinstance(x, LoRA) and x.dropout > 0 for x in leaves)
 
 
 def split_params(model: nnx.Module, is_leaf=None):
@@ -170,7 +163,7 @@ def make_train_fns(
     graphdef, _, rest, treedef = split_params(model, is_leaf)
     gather = mesh is not None and zero >= 3 and loss_fn is None
     moe = bool(getattr(config, "moe_experts", 0)) and loss_fn is None
-    lora_dropout = _has_lora_dropout(model)
+    lora_dropout = has_dropout(model)
     if lora_dropout and loss_fn is not None:
         raise ValueError("LoRA dropout with a loss_fn is not supported (the loss function runs the layers "
                          "itself and draws no dropout mask); accepted: adapters with dropout=0, or no loss_fn")

@@ -476,6 +476,22 @@ def test_galore_run_trains_and_its_memory_table_estimates_the_rank():
     assert f"galore: {projected} of {len(jax.tree.leaves(params))} leaves projected at rank 4" in out.getvalue()
 
 
+def test_lora_under_a_bf16_policy_keeps_no_master_copy_of_its_f32_adapters():
+    """The adapters are f32 whatever the policy: an f32 master copy of them only repeated them, and the table's
+    estimate follows the state."""
+    from jmem.memory.precision import MasterWeightsState
+    from jmem.train.report import estimate_bytes
+    from jmem.train.setup import build
+
+    for lora_rank, master in ((4, False), (0, True)):
+        run = build(dataclasses.replace(BASE, lora_rank=lora_rank, precision="bf16-pure", optimizer="adamw"))
+        state = run.fns.init_state(run.model)
+        kinds = jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+        assert any(isinstance(x, MasterWeightsState) for x in kinds) == master
+        opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+        assert abs(estimate_bytes(run)["optimizer"] - opt_bytes) <= 64, (estimate_bytes(run), opt_bytes)
+
+
 def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
     """A device that reports its size, or a CPU machine's memory, refuses a step the compiler measured
     larger, before running it; a step that runs out of memory all the same ends with one line naming
