@@ -36,19 +36,42 @@ import pathlib
 import numpy as np
 
 from jmem.checks import check_int
-from jmem.io.tokenizer import ByteTokenizer
+from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
 BYTE_VOCAB = ByteTokenizer.vocab_size
 BOS, EOS, PAD = ByteTokenizer.bos_id, ByteTokenizer.eos_id, ByteTokenizer.pad_id
 
 
+ENCODE_PIECE = 1 << 18  # characters a tokenizer encodes at once (its per-token working memory is ~0.5 KB)
+
+
+def text_pieces(text: str, size: int | None = None):
+    """`text` in consecutive pieces of about `size` characters or more, each cut just before a newline that
+    follows a letter: a boundary of every byte-level BPE pre-tokenizer split (GPT-2's and Llama 3's
+    patterns end a letter run there and start the newline run afresh), so the pieces encode to the
+    ids of the whole text. A text without such a newline past `size` stays one piece."""
+    size = ENCODE_PIECE if size is None else size
+    start = 0
+    while len(text) - start > size:
+        cut = text.find("\n", start + size)
+        while cut != -1 and not text[cut - 1].isalpha():
+            cut = text.find("\n", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
 def _encode(tokenizer, text: str) -> np.ndarray:
     if type(tokenizer).encode is ByteTokenizer.encode:  # the ids are the bytes: no list of Python ints
         return np.frombuffer(text.encode("utf-8"), np.uint8)
-    # BOS/EOS are added by the packer, so ask tokenizers that can add a BOS not to.
-    if hasattr(tokenizer, "add_bos"):
-        return np.asarray(tokenizer.encode(text, add_bos=False), np.int64)
-    return np.asarray(tokenizer.encode(text), np.int64)
+    # BOS/EOS are added by the packer, so ask tokenizers that can add a BOS not to. A large file is encoded
+    # in pieces: the tokenizer holds offsets and strings for every token of one call (~0.5 KB each).
+    kw = {"add_bos": False} if hasattr(tokenizer, "add_bos") else {}
+    split = text_pieces(text) if isinstance(tokenizer, GGUFTokenizer) else [text]  # byte-level BPE: see there
+    pieces = [np.asarray(tokenizer.encode(piece, **kw), np.int32) for piece in split]
+    return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def default_documents() -> list[str]:
@@ -215,6 +238,9 @@ class PackedDataset:
     train: np.ndarray
     valid: np.ndarray
     seq: int
+    # The last epochs' window orders by (seed, epoch): drawn once per epoch, not once per batch (a
+    # permutation of 10M windows takes ~0.5 s).
+    _orders: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05) -> "PackedDataset":
@@ -260,7 +286,12 @@ class PackedDataset:
         return h.hexdigest()
 
     def _order(self, epoch: int, seed: int) -> np.ndarray:
-        return np.random.default_rng([seed, epoch]).permutation(len(self.train))
+        key = (seed, epoch)
+        if key not in self._orders:
+            if len(self._orders) >= 2:  # a batch spans at most two epochs
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = np.random.default_rng([seed, epoch]).permutation(len(self.train))
+        return self._orders[key]
 
     def batch(self, step: int, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
         """The train batch of `step`: a pure function of (step, batch_size, seed).

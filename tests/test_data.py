@@ -245,3 +245,24 @@ def test_a_tokenizer_without_bos_or_eos_packs_its_ids_alone():
     ds = PackedDataset.from_text(["some text " * 20], Plain(), 8, cache=False)
     np.testing.assert_array_equal(ds.train[0], [ord(c) for c in "some text"])
     assert tokenize_documents(["ab"], Plain(), bos=None, eos=7, cache=False).tolist() == [97, 98, 7]
+
+
+def test_a_large_text_is_encoded_in_pieces_that_give_the_whole_texts_ids(monkeypatch):
+    """The tokenizer holds ~0.5 KB per token of one call (a 5 MB file took 682 MB): pieces cut before a
+    newline that follows a letter are a boundary of the byte-level BPE pre-tokenizer, so they change no id."""
+    import jmem.data as data
+    from jmem.io.gguf import read_gguf
+    from jmem.io.tokenizer import GGUFTokenizer
+    from jmem.lm import packaged_model_path
+
+    try:
+        path = packaged_model_path("smollm2-135m")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tok = GGUFTokenizer(read_gguf(path).metadata)
+    text = "\n\n".join(data.default_documents()[:40]) + "\n 12\n\n\t x!\n\n" + "word\n" * 200
+    pieces = list(data.text_pieces(text, 500))
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert all(p.startswith("\n") and q[-1].isalpha() for q, p in zip(pieces, pieces[1:]))
+    monkeypatch.setattr(data, "ENCODE_PIECE", 500)
+    np.testing.assert_array_equal(data._encode(tok, text), tok.encode(text, add_bos=False))

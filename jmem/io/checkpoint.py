@@ -92,6 +92,8 @@ class Checkpointer:
         if max_to_keep is not None:
             check_int("max_to_keep", max_to_keep, 1)
         self.directory = pathlib.Path(directory).expanduser().resolve()
+        if self.directory.exists() and not self.directory.is_dir():  # check() read it as empty, save() failed raw
+            raise ValueError(f"checkpoint directory {str(directory)!r} is a file; accepted: a directory path")
         self.read_only = read_only
         extra = {}
         if this_process_only and jax.process_count() > 1:
@@ -228,6 +230,10 @@ class Checkpointer:
         if not flat:
             raise ValueError(f"checkpoint: the state {type(state).__name__} holds no arrays; "
                              f"accepted: a pytree with at least one leaf")
+        empty = [k for k, v in flat.items() if np.size(v) == 0]
+        if empty:  # orbax refuses them, and its reason was cut from a "could not be written" error
+            raise ValueError(f"checkpoint: leaf {empty[0]} has no elements (shape {list(np.shape(flat[empty[0]]))}); "
+                             "accepted: arrays with at least one element")
         self._refuse_foreign()
         # Typed PRNG keys go to disk as their key data, their implementation named in the meta.
         keys = {k: str(jax.random.key_impl(v)) for k, v in flat.items() if _is_key(v)}

@@ -142,8 +142,11 @@ def prepare_output(value: str | os.PathLike, flag: str, *, directory: bool = Fal
             created or written into, when a file path names an existing directory, or an
             existing file that cannot be written.
     """
+    if not str(value).strip():
+        raise ValueError(f"{flag} {str(value)!r} is empty; accepted: a {'directory' if directory else 'file'} path")
     path = pathlib.Path(value).expanduser()
-    if not directory and path.is_dir():
+    # pathlib drops a trailing separator: "res/" named a file "res" and the write failed at the run's end.
+    if not directory and (path.is_dir() or str(value).endswith(("/", os.sep))):
         raise ValueError(f"{flag} {str(value)!r} is a directory; accepted: a file path")
     target = path if directory else path.parent
     new = [p for p in (target, *target.parents) if not p.exists()]  # deepest first

@@ -14,6 +14,8 @@ from typing import Any
 import jinja2.ext
 import jinja2.sandbox
 
+from jmem.checks import is_int
+
 # llama.cpp pre-tokenizer names -> the regex split used before byte-level BPE.
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -135,11 +137,24 @@ class GGUFTokenizer:
         if bad is not None:
             raise TokenizerError(f"tokenizer.ggml.merges[{bad}]={metadata['tokenizer.ggml.merges'][bad]!r}; accepted: "
                                  "two tokens joined by one space, e.g. 'Ġ t'")
+        if len(types) != len(tokens):  # zip would pair the first ones and drop the rest's types
+            raise TokenizerError(f"tokenizer.ggml.token_type holds {len(types)} entries for {len(tokens)} tokens; "
+                                 "accepted: one type per token")
+        for key in ("bos", "eos"):
+            i = metadata.get(f"tokenizer.ggml.{key}_token_id")
+            if i is not None and not (is_int(i) and 0 <= i < len(tokens)):
+                raise TokenizerError(f"tokenizer.ggml.{key}_token_id={i!r}; accepted: a token id in "
+                                     f"0..{len(tokens) - 1}")
         vocab = {t: i for i, t in enumerate(tokens)}
         # llama.cpp (and HF's Llama-3 tokenizer.json) look a whole pre-token up in the vocabulary
         # before merging for the llama3 pre-tokenizers.
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                   ignore_merges=pre in IGNORE_MERGES))
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                             ignore_merges=pre in IGNORE_MERGES)
+        except Exception as e:  # the library raises a bare Exception, e.g. for a merge of an unknown token
+            raise TokenizerError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e}); accepted: merges "
+                                 "of tokens in the vocabulary") from None
+        tok = Tokenizer(bpe)
         split = _LLAMA3_SPLIT if pre.startswith("llama") else _GPT2_SPLIT
         steps = [pre_tokenizers.Digits(individual_digits=True)] if pre == "smollm" else []
         steps += [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),

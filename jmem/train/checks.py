@@ -244,6 +244,8 @@ def _make_output_dirs(cfg: TrainConfig) -> None:
         if value:
             # A new --save model directory is made when the run has finished (its parent now), so a
             # run stopped before leaves none; an existing empty one is checked like a checkpoint's.
+            if flag == "--save":
+                value = str(value).rstrip("/") or value  # "out/model/" names that new directory too
             saved_dir = flag == "--save" and cfg.lora_rank == 0 and pathlib.Path(value).expanduser().is_dir()
             prepare_output(value, flag, directory=flag in ("--ckpt-dir", "--offload-dir") or saved_dir)
 

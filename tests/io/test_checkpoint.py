@@ -118,10 +118,15 @@ def test_bad_step_or_empty_state_is_refused_before_any_write(tmp_path):
         ck.save(-1, {"w": jnp.ones(3)}, META)
     with pytest.raises(ValueError, match=r"holds no arrays; accepted: a pytree with at least one leaf"):
         ck.save(1, {}, META)
+    with pytest.raises(ValueError, match=r"leaf .*w.* has no elements \(shape \[0, 3\]\); accepted: arrays with"):
+        ck.save(1, {"w": jnp.zeros((0, 3)), "v": jnp.ones(2)}, META)  # "could not be written" before
     for meta in ({**META, "lr": np.float32(1e-3)}, {**META, "lr": float("nan")}):  # refused once the write began
         with pytest.raises(ValueError, match=r"^checkpoint meta is not JSON \(.*\); accepted: a dict of JSON values$"):
             ck.save(1, {"w": jnp.ones(3)}, meta)
     assert ck.latest_step() is None and not (tmp_path / "ck").exists()
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(ValueError, match=r"^checkpoint directory '.*file' is a file; accepted: a directory path$"):
+        Checkpointer(tmp_path / "file")
     for step in range(5):  # None keeps every step
         ck.save(np.int64(step), {"w": jnp.ones(3)}, META)
     assert ck.latest_step() == 4 and ck._steps()[0] == [0, 1, 2, 3, 4]

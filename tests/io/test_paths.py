@@ -25,7 +25,12 @@ def test_refusals_name_the_flag_and_the_path(tmp_path):
         prepare_output(tmp_path / "file", "--ckpt-dir", directory=True)
     with pytest.raises(ValueError, match="--log '.*' is a directory; accepted: a file path"):
         prepare_output(tmp_path, "--log")
-    assert (tmp_path / "file").read_text() == "keep"
+    with pytest.raises(ValueError, match="--out '.*/res/' is a directory; accepted: a file path"):
+        prepare_output(f"{tmp_path}/res/", "--out")  # named a file "res" before, and the write failed at the end
+    for directory, kind in ((False, "file"), (True, "directory")):
+        with pytest.raises(ValueError, match=f"^--out '' is empty; accepted: a {kind} path$"):
+            prepare_output("", "--out", directory=directory)
+    assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "res").exists()
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self").is_dir(), reason="needs Linux's /proc")

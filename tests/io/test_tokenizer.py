@@ -17,6 +17,7 @@ def test_byte_tokenizer_round_trip():
 
 def test_gguf_tokenizer_round_trip_and_specials():
     tok = smollm2().tokenizer
+    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]  # round trips pass wrong merges too
     for text in ["Hello world", "  two  spaces\n\nand 12345 digits", "naïve café 東京 🙂", "def f(x):\n\treturn x"]:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode("12") == [tok.encode("1")[0], tok.encode("2")[0]]  # digits split one by one
@@ -133,6 +134,16 @@ def test_missing_vocabulary_is_one_error():
         with pytest.raises(TokenizerError, match=re.escape(f"tokenizer.ggml.merges{bad}; accepted: two tokens joined "
                                                            "by one space")):
             GGUFTokenizer(_with_tokens(["he"], [1], **{"tokenizer.ggml.merges": merges}))
+    meta = byte_tokenizer_metadata()
+    n = len(meta["tokenizer.ggml.tokens"])
+    for change, message in (  # were a bare Exception, a silently shortened type list, an id past the vocabulary
+            ({"tokenizer.ggml.merges": ["zz q"]}, "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens"),
+            ({"tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"][:-1]},
+             f"tokenizer.ggml.token_type holds {n - 1} entries for {n} tokens"),
+            ({"tokenizer.ggml.bos_token_id": n}, f"tokenizer.ggml.bos_token_id={n}; accepted: a token id in "
+                                                 f"0..{n - 1}")):
+        with pytest.raises(TokenizerError, match=re.escape(message)):
+            GGUFTokenizer({**meta, **change})
 
 
 @pytest.mark.parametrize("text", ["a<|eos|>b", "<|bos|>", "<|pad|> héllo", "👍🏽\r\n\x00", ""])
