@@ -47,6 +47,18 @@ def test_unsupported_version_is_named(tmp_path, version):
         read_gguf(tmp_path / "v.gguf")
 
 
+def test_version_2_reads_as_version_3(tmp_path):
+    """v2 and v3 share the layout (v3 added big-endian files): a v2 header reads to the same file."""
+    v3 = _write(tmp_path / "m.gguf")
+    data = bytearray(v3.read_bytes())
+    data[4:8] = (2).to_bytes(4, "little")
+    (tmp_path / "v2.gguf").write_bytes(bytes(data))
+    a, b = read_gguf(v3), read_gguf(tmp_path / "v2.gguf")
+    assert (a.version, b.version) == (3, 2) and a.metadata == b.metadata and a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        np.testing.assert_array_equal(a.tensors[name].data, b.tensors[name].data)
+
+
 def test_directory_is_named(tmp_path):
     with pytest.raises(GGUFError, match="is a directory; accepted: a .gguf file"):
         read_gguf(tmp_path)
