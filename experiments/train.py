@@ -35,7 +35,9 @@ another model or setup, --resume with no checkpoint or no steps left,
 --offload-params, disk offload without --offload-dir, offload with --zero 3) end
 with one line on stderr and exit status 2; nothing is written.
 Exit status 130 when SIGINT/SIGTERM stopped the run (after its checkpoint); 1 when a write failed
-(a full disk) or, in a multi-process run, a step failed (another process stopped), with one line.
+(a full disk), the loss became NaN or inf (no checkpoint of that state is written; with fp16, when the
+loss scale had nothing left to back off), or, in a multi-process run, a step failed (another process
+stopped), with one line.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from jmem.io.checkpoint import CheckpointWriteError
 from jmem.memory.disk_offload import OffloadWriteError
 from jmem.parallel.distributed import DistributedRunError
 from jmem.train import TrainConfig, train
+from jmem.train.loop import LogWriteError, TrainingDiverged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointWriteError, OffloadWriteError) as e:  # e.g. a full disk: the earlier checkpoints are intact
+    except (CheckpointWriteError, OffloadWriteError, LogWriteError, TrainingDiverged) as e:
+        # A full disk, or a NaN loss: the earlier checkpoints are intact
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the step loop (loading, compiling; the final eval)
+        print("interrupted", file=sys.stderr)
+        return 130
     except DistributedRunError as e:  # another process stopped: JAX's exit would wait for it, then abort
         print(f"error: {e}", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()

@@ -174,33 +174,64 @@ def _json_line(record: dict) -> str:
     return json.dumps(finite(record), allow_nan=False) + "\n"
 
 
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradients were not finite (and no loss scale was left to back off): the run stops
+    before any checkpoint of the poisoned state is written."""
+
+
+class LogWriteError(OSError):
+    """--log could not be written (a full disk): the run stops with one line naming the latest checkpoint."""
+
+
 class _Logger:
     """JSON lines, `first` (the memory event) on top. A resumed run continues its log, cut back
     to the resumed step (rewritten atomically), so it reads as one uninterrupted run's; a fresh
-    run starts a new one."""
+    run starts a new one. A failed write is a `LogWriteError` (`where` says what the run has kept)."""
 
-    def __init__(self, path: str | None, first: dict, resume_step: int = 0):
+    def __init__(self, path: str | None, first: dict, resume_step: int = 0, where: Callable[[], str] = str):
         self.f: TextIO | None = None
+        self.path, self.where = path, where
         if not path:
             return
-        lines = []
-        if resume_step and os.path.isfile(path):
-            with open(path) as f:
-                lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if _keep_logged(ln, resume_step)]
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines([_json_line(first), *lines])
-        os.replace(tmp, path)
-        self.f = open(path, "a")
+        try:
+            lines = []
+            if resume_step and os.path.isfile(path):
+                with open(path) as f:
+                    lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if _keep_logged(ln, resume_step)]
+            with open(tmp, "w") as f:
+                f.writelines([_json_line(first), *lines])
+            os.replace(tmp, path)
+            self.f = open(path, "a")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            self._fail(e)
+
+    def _fail(self, e: OSError):
+        raise LogWriteError(f"--log {self.path!r} could not be written ({e.strerror or e}){self.where()}") from None
 
     def write(self, record: dict):
         if self.f:
-            self.f.write(_json_line(record))
-            self.f.flush()
+            try:
+                self.f.write(_json_line(record))
+                self.f.flush()
+            except OSError as e:
+                self._fail(e)
 
     def close(self):
         if self.f:
             self.f.close()
+
+
+def _diverged(rec: dict, loss_scale) -> bool:
+    """A step whose loss or gradients are not finite, where loss scaling does not skip it: without a
+    dynamic loss scale (one NaN would stay in the weights) or at its smallest (every later step would be
+    skipped)."""
+    if rec["finite"] and math.isfinite(rec["loss"]):
+        return False
+    smallest = getattr(loss_scale, "min_scale", None)
+    return smallest is None or rec["loss_scale"] <= smallest
 
 
 def _check_log_is_the_runs(path: str, run_id: str, ckpt_dir: str) -> None:
@@ -374,11 +405,15 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     log_path = cfg.log if jax.process_index() == 0 else None
     if checked_id and log_path:
         _check_log_is_the_runs(log_path, checked_id, cfg.ckpt_dir)
+    def kept() -> str:
+        latest = ckpt.latest_step() if ckpt is not None else None
+        return "; no checkpoint was written" if latest is None else f"; the latest checkpoint is step {latest}"
+
     log = _Logger(log_path, {"event": "memory", "run_id": run.meta["run_id"], **report.as_dict(),
                "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
                **({"offload": {f"{w}: {n.strip()}": b for w, n, b in offload_report.rows()}} if offload else {})},
-                  start)
+                  start, kept)
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
@@ -404,6 +439,12 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                 if on_step is not None:
                     on_step(rec)
                 done = step + 1
+                if _diverged(rec, state.loss_scale):  # before any checkpoint of this state replaces a good one
+                    raise TrainingDiverged(
+                        f"step {done}: the loss is {loss:g} (grad_norm {rec['grad_norm']:g})"
+                        + (f" at the smallest loss scale {rec['loss_scale']:g}" if run.policy.needs_loss_scale
+                           else "") + f"; the run stops{kept()}; accepted: a lower --lr, --clip, or another "
+                        "--precision")
                 # Also at a --stop-after boundary, so a split run logs the evals of an uninterrupted one;
                 # the last step's eval is the final one below.
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
@@ -612,10 +653,28 @@ def _snapshot_dir(ckpt: Checkpointer, step: int) -> str:
     return str(ckpt.directory / OFFLOAD_SNAPSHOTS / str(step))
 
 
+@jax.jit
+def _all_finite(leaves) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _check_weights_finite(step: int, params, ckpt: Checkpointer) -> None:
+    """TrainingDiverged when a weight is NaN or inf: an update can overflow while its step's loss was still
+    finite, and its checkpoint would replace a good one. Weights offloaded to host memory are not read."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)
+              and getattr(getattr(x, "sharding", None), "memory_kind", None) in (None, "device")]
+    if leaves and not bool(_all_finite(leaves)):
+        latest = ckpt.latest_step()
+        raise TrainingDiverged(f"step {step}: the weights hold NaN or inf; the run stops without writing them"
+                               + ("" if latest is None else f" (the latest checkpoint is step {latest})")
+                               + "; accepted: a lower --lr, --clip, or another --precision")
+
+
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
-    """A checkpoint; with disk offload, a copy of the optimizer-state files beside it, written before
-    the step becomes the latest checkpoint. Copies are kept for the steps the checkpointer keeps,
-    so any kept step can be resumed."""
+    """A checkpoint of weights that are finite (`_check_weights_finite`); with disk offload, a copy of
+    the optimizer-state files beside it, written before the step becomes the latest checkpoint. Copies
+    are kept for the steps the checkpointer keeps, so any kept step can be resumed."""
+    _check_weights_finite(step, state.params, ckpt)
     disk = getattr(offload, "disk", None)
     if disk is not None:
         disk.snapshot(_snapshot_dir(ckpt, step))

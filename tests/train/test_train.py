@@ -547,3 +547,69 @@ def test_a_capacity_factor_for_a_model_that_routes_dropless_is_refused():
                                          r"\(its config has no capacity\), does nothing"):
         check_moe_flags(cfg, LlamaConfig.tiny_moe(moe_dropless=True))
     check_moe_flags(cfg, LlamaConfig.tiny_moe())  # a capacity-routed model takes it
+
+
+def test_a_loss_that_turns_nan_stops_the_run_before_its_checkpoint(tmp_path, capsys):
+    """The run went on to its end with NaN losses, its NaN checkpoints rotated the good ones out and --save
+    wrote a NaN model, exit 0; now the first non-finite step stops it (exit 1, one line) before any write."""
+    from jmem.train.loop import TrainingDiverged
+
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    cfg = dataclasses.replace(BASE, optimizer="sgd", clip=0.0, warmup=0, ckpt_dir=str(ck), ckpt_every=1, steps=6,
+                              lr=1e-2, log=str(log))
+    train(cfg)
+    diverging = dataclasses.replace(cfg, steps=12, lr=1e30, resume=True, save=str(tmp_path / "model"))
+    with pytest.raises(TrainingDiverged, match=r"^step (\d+): the loss is nan .*; the run stops; the latest checkpoint "
+                                               r"is step (\d+); accepted: a lower --lr") as e:
+        train(diverging, out=io.StringIO())
+    failed = int(str(e.value).split(":")[0].split()[1])
+    steps = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit())
+    assert steps[-1] == failed - 1 and not (tmp_path / "model").exists()  # nothing of the NaN state written
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[-1]["step"] == failed and records[-1]["finite"] is False
+    rc, err = run_train_script(["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--optimizer", "sgd",
+                                "--clip", "0", "--warmup", "0", "--lr", "1e30", "--no-progress"], capsys)
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("error: step 2: the loss is nan"), err
+
+
+def test_fp16_stops_when_the_loss_scale_has_nothing_left_to_back_off():
+    """Every step after the scale reached its minimum was skipped without a word (exit 0)."""
+    from jmem.train.loop import TrainingDiverged
+
+    cfg = dataclasses.replace(BASE, precision="f16", optimizer="sgd", clip=0.0, warmup=0, lr=1e6, steps=40)
+    with pytest.raises(TrainingDiverged, match=r"^step \d+: the loss is .* at the smallest loss scale 1; the run "
+                                               "stops; no checkpoint was written"):
+        train(cfg, out=io.StringIO())
+
+
+def test_weights_that_overflowed_are_not_checkpointed(tmp_path):
+    import jax.numpy as jnp
+
+    from jmem.io.checkpoint import Checkpointer
+    from jmem.train.loop import TrainingDiverged, _check_weights_finite
+
+    ck = Checkpointer(tmp_path / "ck")
+    _check_weights_finite(3, {"w": jnp.ones(4), "ids": jnp.zeros(2, jnp.int32)}, ck)
+    with pytest.raises(TrainingDiverged, match=r"^step 3: the weights hold NaN or inf; the run stops without writing"):
+        _check_weights_finite(3, {"w": jnp.array([1.0, jnp.inf])}, ck)
+
+
+def test_a_log_that_cannot_be_written_is_one_error_naming_what_is_kept(tmp_path, monkeypatch):
+    """A full disk under --log was an OSError traceback (and a .tmp file left behind at the start)."""
+    import errno
+
+    from jmem.train.loop import LogWriteError, _Logger
+
+    log = _Logger(str(tmp_path / "log.jsonl"), {"event": "memory"}, where=lambda: "; the latest checkpoint is step 4")
+
+    def full(_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log.f, "write", full)
+    with pytest.raises(LogWriteError, match=r"^--log '.*log.jsonl' could not be written \(No space left on device\); "
+                                            "the latest checkpoint is step 4$"):
+        log.write({"step": 5})
+    monkeypatch.setattr("builtins.open", lambda *a, **k: full(None))
+    with pytest.raises(LogWriteError, match="could not be written"):
+        _Logger(str(tmp_path / "new.jsonl"), {"event": "memory"})
+    assert not (tmp_path / "new.jsonl.tmp").exists()
