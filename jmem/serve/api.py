@@ -144,7 +144,8 @@ class TokenBytes:
         return self.tok.decode([i], skip_special=False).encode("utf-8")
 
     def text(self, token_id: int) -> str:
-        """The token as text; bytes of an unfinished character are escaped as OpenAI does (`\\xe6`)."""
+        """The token as text; bytes of an unfinished character are escaped (`\\xe6`, where OpenAI writes
+        `bytes:\\xe6`); the `bytes` field of a logprob holds them exactly."""
         return self(token_id).decode("utf-8", errors="backslashreplace")
 
 

@@ -240,7 +240,10 @@ def lora_modules(args: ServeArgs) -> dict[str, str]:
         modules[name] = path
     if args.max_loras is not None and args.max_loras < 1:
         raise ValueError(f"--max-loras={args.max_loras}; accepted: an integer >= 1")
-    check_adapter_files(modules, args.max_lora_rank)
+    try:
+        check_adapter_files(modules, args.max_lora_rank)
+    except ValueError as e:  # the file's own message, named by the flag it came from as the others are
+        raise ValueError(f"--lora-modules: {e}") from None
     return modules
 
 

@@ -512,11 +512,18 @@ class Engine:
             elif cmd == "abort":
                 req = self.scheduler.finish(a, Status.FINISHED_ABORTED)
                 stream = self._streams.pop(a, None)
-                self._detok.pop(a, None)
+                detok = self._detok.pop(a, None)
                 if req is not None and stream is not None:
                     with self._lock:
                         self.stats["requests_aborted"] += 1
-                    stream.put(RequestOutput(a, "", [], finished=True, finish_reason="abort"))
+                    # The text held back (a partial character, a possible stop string's start) goes out, and
+                    # usage counts the tokens generated (0 before: an aborted request was billed none).
+                    ids = req.output_token_ids
+                    first = detok.num_ids if detok is not None else len(ids)
+                    text = detok.update(ids, True, check_stop=False)[0] if detok is not None else ""
+                    lp = req.output_logprobs[first:] if req.params.logprobs is not None else []
+                    stream.put(RequestOutput(a, text, ids[first:], lp, True, "abort", req.num_prompt_tokens, len(ids),
+                                             req.num_cached_tokens))
 
     # ------------------------------------------------------------------ stepping
     def has_unfinished(self) -> bool:

@@ -454,7 +454,7 @@ def port():
     (["--lora-modules", '{"name": "a", "path": "a.npz", "rank": 4}'], "accepted: NAME=PATH or {"),
     (["--lora-modules", "tiny=x.npz"], "name 'tiny' is the base model's name"),
     (["--lora-modules", "a={a}", "a={b}"], "name 'a' is given twice"),
-    (["--lora-modules", "a=/nonexistent.npz"], "LoRA adapter file '/nonexistent.npz' does not exist"),
+    (["--lora-modules", "a=/nonexistent.npz"], "--lora-modules: LoRA adapter file '/nonexistent.npz' does not exist"),
     (["--lora-modules", "a={folder}"], "is a directory; accepted: an .npz file written by jmem.lora.save_adapters"),
     (["--lora-modules", "a={a}", "b={b}", "--max-lora-rank", "4"], "rank 8 on wq, above --max-lora-rank=4"),
     (["--lora-modules", "a={a}", "b={b}", "--max-loras", "0"], "--max-loras=0; accepted: an integer >= 1"),

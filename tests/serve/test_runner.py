@@ -323,9 +323,11 @@ def test_stop_strings_penalties_and_abort(model):
     [o] = engine.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                 frequency_penalty=2.0, repetition_penalty=2.0))
     assert len(o.token_ids) == 10
-    # Abort frees the blocks.
-    s = engine.add_request(tok.encode("hello world"), greedy(max_tokens=40))
-    engine.step()
+    # Abort frees the blocks, sends the text a stop string's look-ahead held back and counts the tokens made
+    # (its final output said 0 tokens, so usage billed an aborted request none).
+    s = engine.add_request(tok.encode("hello world"), greedy(max_tokens=40, stop=["not in this output at all"]))
+    for _ in range(4):
+        engine.step()
     assert engine.kv.pool.num_used > 0
     engine.abort(s.request_id)
     engine.step()
@@ -333,6 +335,9 @@ def test_stop_strings_penalties_and_abort(model):
     while (x := s.get_nowait()) is not None:
         items.append(x)
     assert items[-1].finished and items[-1].finish_reason == "abort"
+    ids = [i for x in items for i in x.token_ids]
+    assert items[-1].num_output_tokens == len(ids) >= 4 and items[-1].num_prompt_tokens == len("hello world")
+    assert "".join(x.text for x in items) == tok.decode(ids)
     assert engine.kv.pool.num_used == 0
     with pytest.raises(ValueError, match="exceeds the maximum context"):
         engine.add_request(list(range(60)), greedy(max_tokens=8))
