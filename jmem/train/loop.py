@@ -179,6 +179,9 @@ class TrainingDiverged(RuntimeError):
     before any checkpoint of the poisoned state is written."""
 
 
+DIVERGED_ADVICE = "accepted: a lower --lr, --clip, or another --precision"
+
+
 class LogWriteError(OSError):
     """--log could not be written (a full disk): the run stops with one line naming the latest checkpoint."""
 
@@ -405,6 +408,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     log_path = cfg.log if jax.process_index() == 0 else None
     if checked_id and log_path:
         _check_log_is_the_runs(log_path, checked_id, cfg.ckpt_dir)
+
     def kept() -> str:
         latest = ckpt.latest_step() if ckpt is not None else None
         return "; no checkpoint was written" if latest is None else f"; the latest checkpoint is step {latest}"
@@ -443,8 +447,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                     raise TrainingDiverged(
                         f"step {done}: the loss is {loss:g} (grad_norm {rec['grad_norm']:g})"
                         + (f" at the smallest loss scale {rec['loss_scale']:g}" if run.policy.needs_loss_scale
-                           else "") + f"; the run stops{kept()}; accepted: a lower --lr, --clip, or another "
-                        "--precision")
+                           else "") + f"; the run stops{kept()}; {DIVERGED_ADVICE}")
                 # Also at a --stop-after boundary, so a split run logs the evals of an uninterrupted one;
                 # the last step's eval is the final one below.
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
@@ -667,7 +670,7 @@ def _check_weights_finite(step: int, params, ckpt: Checkpointer) -> None:
         latest = ckpt.latest_step()
         raise TrainingDiverged(f"step {step}: the weights hold NaN or inf; the run stops without writing them"
                                + ("" if latest is None else f" (the latest checkpoint is step {latest})")
-                               + "; accepted: a lower --lr, --clip, or another --precision")
+                               + f"; {DIVERGED_ADVICE}")
 
 
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
