@@ -255,10 +255,12 @@ class Checkpointer:
                 )
                 self.manager.wait_until_finished()
         except Exception as e:
+            # Read with the manager in hand: a new one (after _abandon) starts a clean-up thread, whose
+            # traceback an exit right after this error would print.
+            latest = self.latest_step()  # the failed step's folder has no meta item: not counted
             self._abandon(int(step))
             line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             why = ": ".join(line.split(": ")[-2:])[:200]  # the cause, without the storage layer's file path
-            latest = self.latest_step()
             kept = f"the latest complete checkpoint is step {latest}" if latest is not None else "no step is saved"
             raise CheckpointWriteError(f"checkpoint step {step} could not be written to {self.directory} "
                                        f"({why}); {kept}") from e

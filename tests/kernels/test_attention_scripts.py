@@ -29,7 +29,7 @@ def bench():
     (["--seq", "32", "--bigbird-block", "64"], "--bigbird-block 64 is larger than --seq 32; accepted: 1..32"),
     (["--seq", "128", "--bigbird-block", "32", "--num-random", "4"],
      "--num-random 4 covers all 4 key blocks of --seq 128 (--bigbird-block 32); accepted: 0..3"),
-    (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
+    (["--out", ""], "--out '' is empty; accepted: a file path"),  # an empty path is not "no output file"
 ])
 def test_sparse_eval_bad_flags(sparse, argv, expected, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(jmem, "load", refuse_load)
@@ -53,7 +53,7 @@ def test_sparse_eval_seq_beyond_the_context(sparse, tmp_path, capsys):
     # --quick sizes only the flags left unset, so an explicit bad value is still refused.
     (["--quick", "--samples", "0", "--kv-heads", "3"], "--samples 0; accepted: a positive integer"),
     (["--quick", "--kv-heads", "3"], "--q-heads 4 is not a multiple of --kv-heads 3"),
-    (["--out", ""], "--out '' is a directory"),  # an empty path is not "no output file"
+    (["--out", ""], "--out '' is empty; accepted: a file path"),  # an empty path is not "no output file"
     (["--flash-tiles", "128x64"], "--flash-tiles entry '128x64'; accepted: BQxBKxWARPS"),
     (["--flash-tiles", "128x64x8,96x64x4"], "--flash-tiles entry '96x64x4'; accepted: tile sizes powers of two"),
     (["--flash-tiles", "128x64x3"], "--flash-tiles entry '128x64x3'; accepted: tile sizes powers of two >= 16, warps"),
