@@ -268,9 +268,10 @@ class _Matrix:
         w_OI = np.ascontiguousarray(np.swapaxes(w, -1, -2) if self.kernel else w)
         if self.rotary_heads is not None:
             w_OI = permute_rotary(w_OI, self.rotary_heads)
-        check_finite(w_OI, name)  # BF16 and F32 would store NaN/inf as they are
+        if target in ("F32", "F16", "BF16"):
+            check_finite(w_OI, name)  # stored as they are: quantize checks only the block types' values
         if target not in ("F32", "F16"):
-            return quantize(w_OI, target, name=name), target  # checks the f16 range of the block types
+            return quantize(w_OI, target, name=name), target  # a block type's finiteness and f16 range
         if target == "F32":
             return w_OI, target
         check_f16_range(w_OI, name, target)

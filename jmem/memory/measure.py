@@ -59,7 +59,7 @@ class MemoryReport:
         peak_bytes: XLA's own peak figure where the backend reports one, else None. On a TPU
             target it can far exceed `total_bytes` for a small program, whose activations the
             temp figure misses (the tiny preset's step: 47.1 MiB peak, 4.9 total; bench-8l's
-            within 1%; docs/benchmarks.md); on CPU it is no peak (about arguments and outputs).
+            within 5%; docs/benchmarks.md); on CPU it is no peak (about arguments and outputs).
         target: the platform compiled for ("cpu", "gpu", "tpu:v5e:2x2", ...).
     """
 
