@@ -25,6 +25,14 @@ def check_seed(name: str, value) -> None:
         raise ValueError(f"{name}={value!r}; accepted: an integer in [-2**63, 2**64)")
 
 
+def check_arrays(name: str, **arrays) -> None:
+    """ValueError `name: arg is a list; accepted: an array` unless every given value has a shape
+    (a NumPy or JAX array, a tracer or a ShapeDtypeStruct); None values are skipped."""
+    for arg, x in arrays.items():
+        if x is not None and not hasattr(x, "shape"):
+            raise ValueError(f"{name}: {arg} is a {type(x).__name__}; accepted: an array")
+
+
 def check_bool(name: str, value) -> None:
     """ValueError `name=value; accepted: True or False` unless `value` is a Python or NumPy bool
     (a string such as "no" would otherwise count as true)."""

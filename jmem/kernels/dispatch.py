@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import check_bool
+from jmem.checks import check_arrays, check_bool
 from jmem.kernels.scale import check_scale
 
 IMPLS = ("auto", "pallas", "xla", "reference")
@@ -96,9 +96,7 @@ def resolve_impl(impl: str, dtype=None) -> str:
 
 
 def _check(q, k, v):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "ndim"):
-            raise ValueError(f"attention: {name} is a {type(x).__name__}; accepted: an array")
+    check_arrays("attention", q=q, k=k, v=v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"attention expects q [batch, q_len, q_heads, head_dim] and k/v "

@@ -94,6 +94,8 @@ def test_bad_inputs_raise():
     kv = jnp.zeros((1, 8, 4, 16))
     with pytest.raises(ValueError, match=r"q_heads=6 must be a multiple of kv_heads=4"):
         flash_attention(q, kv, kv)
+    with pytest.raises(ValueError, match=r"^flash_attention: v is a list; accepted: an array$"):
+        flash_attention(q, kv, kv.tolist())  # an AttributeError ('ndim') before
     with pytest.raises(ValueError, match=r"head_dim"):
         flash_attention(q, jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8)))
     with pytest.raises(ValueError, match=r"k \(1, 8, 2, 16\) and v \(1, 9, 2, 16\)"):

@@ -185,6 +185,20 @@ def test_bad_inputs_name_the_problem():
         paged_attention(q, k8, v8, lengths, table, k_scale=[[1.0] * 8] * 2, v_scale=jnp.ones((2, 8)))
     with pytest.raises(ValueError, match="slot_mapping is a list; accepted: an array"):
         write_pages(kp, vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), [0])
+    # A list for q or a pool was an AttributeError ('list' object has no attribute 'ndim').
+    with pytest.raises(ValueError, match="^paged_attention: q is a list; accepted: an array$"):
+        paged_attention(q.tolist(), kp, vp, lengths, table)
+    with pytest.raises(ValueError, match="^write_pages: k_pages is a list; accepted: an array$"):
+        write_pages(kp.tolist(), vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), jnp.array([0]))
+    # A page written under a zero scale stored 127 and read back 0: every value lost.
+    ones = jnp.ones(k8.shape[:2])
+    scale = ones.at[1, 3].set(0.0)
+    with pytest.raises(ValueError, match=r"k_scale\[1, 3\]=0.0 on a page written; accepted: finite scales > 0"):
+        write_pages(k8, v8, jnp.ones((2, 2, 16)), jnp.ones((2, 2, 16)), jnp.array([0, 3 * 8 + 1]),
+                    k_scale=scale, v_scale=ones)
+    write_pages(k8, v8, jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16)), jnp.array([0]), k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match="^quantize_pages: dtype=int16; accepted: int8, float8_e4m3fn$"):
+        quantize_pages(kp, jnp.int16)
     with pytest.raises(ValueError, match="k_new/v_new dtypes int32/int32; accepted: float arrays"):
         write_pages(kp, vp, jnp.zeros((1, 2, 16), jnp.int32), jnp.zeros((1, 2, 16), jnp.int32), jnp.array([0]))
     with pytest.raises(ValueError, match="slot_mapping\\[0\\]=9999 is past"):

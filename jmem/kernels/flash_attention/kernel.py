@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jmem.checks import check_bool, is_int
+from jmem.checks import check_arrays, check_bool, is_int
 from jmem.kernels.scale import split_scale
 
 DEFAULT_BLOCK_Q = 128
@@ -48,6 +48,7 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 def check_qkv(name: str, q, k, v) -> None:
     """Raise ValueError naming the shapes when q/k/v cannot be attended."""
+    check_arrays(name, q=q, k=k, v=v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"{name} expects q [batch, q_len, q_heads, head_dim] and k/v [batch, kv_len, kv_heads, head_dim]; "

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_arrays, is_int
 
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -31,6 +31,7 @@ def concrete(x) -> np.ndarray | None:
 
 def check_pages(name: str, q_heads: int, head_dim: int, k_pages, v_pages, k_scale, v_scale):
     """Checks the page pools and their scales against the queries' heads and head_dim."""
+    check_arrays(name, k_pages=k_pages, v_pages=v_pages)
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
             f"{name}: k_pages and v_pages must both be [kv_heads, num_pages, page_size, head_dim]; "

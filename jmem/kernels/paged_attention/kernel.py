@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jmem.kernels.paged_attention import core
 from jmem.kernels.flash_attention.kernel import check_float
-from jmem.checks import is_int
+from jmem.checks import check_arrays, is_int
 from jmem.kernels.paged_attention.checks import as_array, check_pages, check_pow2, check_tables
 from jmem.kernels.scale import split_scale
 
@@ -109,6 +109,7 @@ def paged_attention(
     Example:
         >>> o = paged_attention(q, k_pages, v_pages, lengths, block_tables)
     """
+    check_arrays("paged_attention", q=q)
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [batch, q_heads, head_dim]; got {q.shape}")
     B, H, D = q.shape

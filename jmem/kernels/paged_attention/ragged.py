@@ -19,7 +19,7 @@ import numpy as np
 
 from jmem.kernels.flash_attention.kernel import check_float
 from jmem.kernels.paged_attention import core
-from jmem.checks import is_int
+from jmem.checks import check_arrays, is_int
 from jmem.kernels.paged_attention.checks import as_array, check_pages, check_pow2, check_tables, concrete
 from jmem.kernels.paged_attention.kernel import default_pages_per_block, sanitize_tables
 from jmem.kernels.paged_attention.reference import live_cu_q_lens
@@ -155,6 +155,7 @@ def ragged_paged_attention(
         >>> cu = jnp.array([0, 5, 6, 7], jnp.int32)
         >>> o = ragged_paged_attention(q, k_pages, v_pages, kv_lens, tables, cu, 3)
     """
+    check_arrays("ragged_paged_attention", q=q)
     if q.ndim != 3:
         raise ValueError(f"ragged_paged_attention: q must be [total_tokens, q_heads, head_dim]; got {q.shape}")
     T, H, D = q.shape

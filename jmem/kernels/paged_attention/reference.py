@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmem.kernels.paged_attention.checks import QUANT_DTYPES
+
 INT8_MAX = 127.0
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
@@ -41,6 +43,8 @@ def quantize_pages(pages_KNPD, dtype):
     Example:
         >>> k8, k_scale = quantize_pages(k_pages, jnp.int8)
     """
+    if jnp.dtype(dtype) not in QUANT_DTYPES:
+        raise ValueError(f"quantize_pages: dtype={jnp.dtype(dtype)}; accepted: int8, float8_e4m3fn")
     amax_KN = jnp.max(jnp.abs(pages_KNPD.astype(jnp.float32)), axis=(2, 3))
     scale_KN = jnp.where(amax_KN > 0, amax_KN / qmax(dtype), 1.0)
     return quantize(pages_KNPD, scale_KN[:, :, None, None], dtype), scale_KN

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import is_int
+from jmem.checks import check_arrays, is_int
 from jmem.kernels.paged_attention.checks import as_array, check_pages, concrete, is_quantized
 from jmem.kernels.paged_attention.reference import qmax, quantize
 
@@ -54,7 +54,9 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None, v
         slot_mapping: i32[tokens]; slot = page * page_size + offset. Negative
             slots are padding and are skipped. Two tokens with one slot: one wins.
         k_scale, v_scale: f32[kv_heads, num_pages] scales of int8/fp8 pools; a
-            token is stored as round(x / scale[head, page]), saturated.
+            token is stored as round(x / scale[head, page]), saturated. The
+            pages written need finite scales > 0 (checked when concrete);
+            `append_pages` grows scales that start at 0.
 
     Returns:
         (k_pages, v_pages) updated. Donate the pools in the caller's jit to
@@ -67,13 +69,20 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None, v
     _check_write("write_pages", k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale)
     if not is_quantized(k_pages.dtype):
         k_scale = v_scale = None
+    slots = concrete(slot_mapping)
+    for sname, scale in (("k_scale", concrete(k_scale)), ("v_scale", concrete(v_scale))):
+        if scale is not None and slots is not None:
+            pages = np.unique(slots[slots >= 0] // k_pages.shape[2])
+            bad = np.argwhere(~(scale[:, pages] > 0) | ~np.isfinite(scale[:, pages]))
+            if len(bad):
+                head, page = bad[0][0], pages[bad[0][1]]
+                raise ValueError(f"write_pages: {sname}[{head}, {page}]={scale[head, page]} on a page written; "
+                                 "accepted: finite scales > 0 (append_pages grows scales from 0 as tokens arrive)")
     return _write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale)
 
 
 def _check_write(name, k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale):
-    for arg, x in (("k_new", k_new), ("v_new", v_new), ("slot_mapping", slot_mapping)):
-        if not hasattr(x, "shape"):
-            raise ValueError(f"{name}: {arg} is a {type(x).__name__}; accepted: an array")
+    check_arrays(name, k_pages=k_pages, v_pages=v_pages, k_new=k_new, v_new=v_new, slot_mapping=slot_mapping)
     check_pages(name, k_pages.shape[0], k_pages.shape[3], k_pages, v_pages, k_scale, v_scale)
     K, N, P, D = k_pages.shape
     if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != (K, D):
