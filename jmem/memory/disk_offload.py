@@ -28,11 +28,14 @@ Example:
 from __future__ import annotations
 
 import errno
+import functools
 import json
+import math
 import os
 import pathlib
 import re
 import shutil
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -40,12 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.checks import is_number
 from jmem.io.paths import lock_directory
 from jmem.memory.offload import LAYERS_KEY, OffloadError
 from jmem.memory.precision import cast_floating
 from jmem.pytree import key_name
 
 _META = "chunks.json"
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # resolved directory -> its DiskOptimizer
 _CHUNK_FILE = re.compile(r"chunk\d{5,}_\d+\.npy")  # every name `_chunk_file` makes
 
 
@@ -62,7 +67,8 @@ def _chunk_file(c: int, j: int) -> str:
 
 
 class OffloadWriteError(OSError):
-    """The state files could not be written (e.g. the disk is full): the step did not happen."""
+    """The state files could not be written (e.g. the disk is full). A failed update may have written
+    some chunks: the live state is then of no single step, and only a snapshot restores it."""
 
 
 class DiskState(NamedTuple):
@@ -142,8 +148,8 @@ def _lock_directory(path: pathlib.Path):
 
 
 def _write_error(f: pathlib.Path, e: OSError) -> OffloadWriteError:
-    return OffloadWriteError(e.errno, f"cannot write the optimizer state file {f} ({e.strerror or e}); the step "
-                             "did not happen (free space, then resume from the latest checkpoint)")
+    return OffloadWriteError(e.errno, f"cannot write the optimizer state file {f} ({e.strerror or e}); the state "
+                             "files may now be partly updated (free space, then resume from the latest checkpoint)")
 
 
 def _reserve(f: pathlib.Path) -> None:
@@ -158,6 +164,11 @@ def _reserve(f: pathlib.Path) -> None:
             raise
 
 
+def _chunk_update(tx, grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
 class DiskOptimizer:
     """An optax transformation whose state lives in files, updated chunk by chunk.
 
@@ -169,19 +180,30 @@ class DiskOptimizer:
         layer_chunks: split stacked `layers` leaves into one chunk per layer (else one per leaf).
 
     Raises:
-        OffloadError: `directory` exists and is not a directory, or another process's optimizer
-            uses it (two runs rewriting one set of files would corrupt each other's state).
+        OffloadError: `directory` is empty or exists and is not a directory, another optimizer (of
+            another process, or an open one of this process) uses it (two runs rewriting one set of
+            files would corrupt each other's state), or `clip` is not a finite number >= 0.
     """
 
     def __init__(self, tx: optax.GradientTransformation, train, directory: str, *, clip: float = 0.0,
                  layer_chunks: bool = True):
+        if not (is_number(clip) and math.isfinite(clip) and clip >= 0):
+            raise OffloadError(f"clip={clip!r}; accepted: a finite number >= 0 (0: no clipping)")
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise OffloadError(f"offload directory {directory!r}; accepted: a non-empty path")
         self.tx, self.clip = tx, float(clip)
         self.directory = str(pathlib.Path(directory).expanduser())
         path = pathlib.Path(self.directory)
         if path.exists() and not path.is_dir():
             raise OffloadError(f"offload directory {self.directory} exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
+        self._key = str(path.resolve())
+        if self._key in _OPEN:
+            raise OffloadError(f"offload directory {self.directory} is in use by another DiskOptimizer of this "
+                               "process (its place() would delete that one's files); accepted: close() the other "
+                               "first, or a directory of its own")
         self._lock = _lock_directory(path)
+        _OPEN[self._key] = self
         self._treedef = jax.tree.structure(train, is_leaf=lambda x: x is None)
         leaves = jax.tree.leaves(train, is_leaf=lambda x: x is None)
         paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(train, is_leaf=lambda x: x is None)]
@@ -198,10 +220,14 @@ class DiskOptimizer:
         self.chunk_bytes = max((sum(int(np.prod(s)) * d.itemsize for s, d in shapes)
                                 for shapes in self._state_shapes), default=0)
         self._cpu = jax.devices("cpu")[0]
-        self._update_jit = jax.jit(self._chunk_update, donate_argnums=(1,))
+        # Over the optimizer alone, not a bound method: no reference cycle keeps a dropped optimizer (and its
+        # hold on the directory) alive until a garbage collection.
+        self._update_jit = jax.jit(functools.partial(_chunk_update, tx), donate_argnums=(1,))
 
     def close(self) -> None:
         """Let go of the directory (another run may use it); the files stay."""
+        if _OPEN.get(self._key) is self:
+            del _OPEN[self._key]
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -228,10 +254,6 @@ class DiskOptimizer:
 
     def _files(self, c: int) -> list[pathlib.Path]:
         return [pathlib.Path(self.directory) / _chunk_file(c, j) for j in range(len(self._state_shapes[c]))]
-
-    def _chunk_update(self, grads, state, params):
-        updates, state = self.tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
 
     # --- the state ----------------------------------------------------------------------------
 

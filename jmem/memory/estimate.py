@@ -427,6 +427,17 @@ def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targ
     return tree_bytes(base["layers"]) + (tree_bytes(adapters) if adapters is not None else 0)
 
 
+def layer_grad_bytes(config, param_dtype=None, *, accum: int = 1, lora_rank: int = 0, lora_targets=LINEARS,
+                     quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> int:
+    """Bytes of the stacked layers' gradients, with their f32 accumulator when `accum` > 1, as `estimate`
+    counts them (what `--offload-params host` keeps in host memory): the base's layer weights', or the
+    LoRA adapters' when `lora_rank` > 0. Arguments as `estimate`'s."""
+    shapes, _, adapters = _param_trees(config, param_dtype, lora_rank, resolve_lora_targets(config, lora_targets),
+                                       quantize_base, base_group_size, lora_dtype)
+    layers = adapters if lora_rank else shapes["layers"]
+    return tree_bytes(layers) + (4 * sum(x.size for x in jax.tree.leaves(layers)) if accum > 1 else 0)
+
+
 def format_estimate(est: dict, title: str = "estimate") -> str:
     """A two-column table of an `estimate` result."""
     lines = [title]

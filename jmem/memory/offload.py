@@ -345,6 +345,9 @@ class OffloadedTrainStep:
             from jmem.parallel.mesh import check_mesh
 
             check_mesh(mesh)
+        if mesh is None and zero:
+            raise OffloadError(f"zero={zero} without a mesh; accepted: zero=0, or a mesh (jmem.parallel.make_mesh) "
+                               "whose data-parallel axes the stage partitions over")
         if mesh is not None and zero >= 3:
             raise OffloadError("optimizer offload with ZeRO-3 (zero=3, --zero 3) is not supported (the step gathers "
                                "sharded parameters per layer on device); accepted: zero 0, 1 or 2, with "

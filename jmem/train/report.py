@@ -35,9 +35,10 @@ def estimate_bytes(run: Run) -> dict[str, int]:
     if cfg.offload_optimizer != "none":
         off["optimizer"], off["update"] = est["optimizer"], est["update"]
     if cfg.offload_params != "none":
-        from jmem.memory.estimate import layer_param_bytes
+        from jmem.memory.estimate import layer_grad_bytes, layer_param_bytes
 
         off["params"] = layer_param_bytes(mc, run.policy.param, **lora)
+        off["grads"] = layer_grad_bytes(mc, run.policy.param, accum=cfg.accum, **lora)
     for key, b in off.items():
         est[key] -= b
         est["total"] -= b

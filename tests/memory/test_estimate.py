@@ -109,13 +109,14 @@ def test_lora_estimate_within_15_percent_of_measured_train_step(targets):
 @pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_targets="wq,wv"), dict(lora_rank=4, quantize_base="nf4")])
 def test_layer_param_bytes_are_the_runs_layers(lora):
     """What --offload-params host moves off the device, as the memory table subtracts it: the float layers'
-    size was subtracted whatever the run held, and a QLoRA run's estimated params came out negative."""
+    size was subtracted whatever the run held, and a QLoRA run's estimated params came out negative; the
+    layers' gradients (and their accumulator) stayed on the device."""
     from jmem.train import TrainConfig
     from jmem.train.report import estimate_bytes
     from jmem.train.setup import build
 
     cfg = TrainConfig(model="tiny", steps=1, progress=False, eval_every=0, precision="f32", optimizer="adamw",
-                      offload_optimizer="host", offload_params="host", **lora)
+                      offload_optimizer="host", offload_params="host", accum=2, **lora)
     run = build(cfg)
     state = jax.eval_shape(lambda: run.fns.init_state(run.model))
     layers = tree_bytes(state.params["layers"])
@@ -123,6 +124,8 @@ def test_layer_param_bytes_are_the_runs_layers(lora):
     assert layer_param_bytes(LlamaConfig.tiny(), jnp.float32, **{**lora, "lora_targets": targets}) == layers
     est = estimate_bytes(run)
     assert est["params"] == tree_bytes(state.params) - layers > 0
+    device_trained = 0 if lora else tree_bytes(state.params) - layers  # LoRA: every adapter sits in a layer
+    assert est["grads"] == 2 * device_trained  # the f32 gradients and their f32 accumulator
 
 
 @pytest.mark.parametrize("policy", ["layer_input=device", "mlp_out=device", "layer_input=offload,mlp_out=offload"])

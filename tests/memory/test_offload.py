@@ -201,6 +201,9 @@ def test_offload_refuses_zero3():
     fns = make_train_fns(model, _tx("adamw"), mesh=mesh, zero=3)
     with pytest.raises(OffloadError, match="--zero 3"):
         OffloadedTrainStep(fns, jax.eval_shape(lambda: fns.init_state(model)), mesh=mesh, zero=3)
+    plain = make_train_fns(model, _tx("adamw"))
+    with pytest.raises(OffloadError, match=r"^zero=1 without a mesh; accepted: zero=0, or a mesh"):  # ignored before
+        OffloadedTrainStep(plain, jax.eval_shape(lambda: plain.init_state(model)), zero=1)
 
 
 def _fixed_grads(train, seed):
@@ -256,6 +259,7 @@ def test_disk_optimizer_matches_the_in_memory_update(tmp_path, name, param_dtype
     files = sorted(p.name for p in (tmp_path / "opt").iterdir())
     assert "chunks.json" in files and len(files) > len(disk.chunks)
     # The directory reused for a smaller tree: the earlier run's extra chunk files go.
+    disk.close()
     small = DiskOptimizer(base(opt), {"head": params["head"]}, str(tmp_path / "opt"))
     small.place({"head": params["head"]})
     names = {f.name for c in range(len(small.chunks)) for f in small._files(c)}
@@ -367,7 +371,8 @@ def test_a_full_disk_while_writing_or_copying_the_state_is_one_error(tmp_path, m
     with monkeypatch.context() as m:
         m.setattr(np.lib.format, "open_memmap", full)
         with pytest.raises(OffloadWriteError, match=r"cannot write the optimizer state file .*chunk00000_0.npy "
-                                                    r"\(No space left on device\); the step did not happen"):
+                                                    r"\(No space left on device\); the state files may now be "
+                                                    "partly updated"):
             disk.place(params)
     copies = []
 
@@ -430,9 +435,28 @@ def test_a_disk_state_directory_in_use_by_another_process_is_refused(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    first = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))  # free again; this process may reopen
-    DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt")).place(params)
-    del first
+    first = DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))  # free again
+    first.place(params)
+    # A second optimizer of this process on it deleted the first's files in place(): a FileNotFoundError
+    # in the first's next update.
+    with pytest.raises(OffloadError, match=r"offload directory .*opt is in use by another DiskOptimizer of this "
+                                           r"process .*; accepted: close\(\) the other first"):
+        DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))
+    first.close()
+    DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt")).place(params)  # closed: free
+    DiskOptimizer(optax.adamw(1e-2), params, str(tmp_path / "opt"))  # the one before was garbage: free
+
+
+def test_disk_optimizer_refuses_a_bad_clip_or_directory(tmp_path):
+    """clip=-1 stepped uphill (a negative clipping factor), clip=nan made every weight NaN; directory ''
+    was the working directory, whose chunk files place() deletes."""
+    params = {"head": np.ones((4, 3), np.float32)}
+    for clip in (-1.0, float("nan"), float("inf"), "1", True):
+        with pytest.raises(OffloadError, match=rf"^clip={clip!r}; accepted: a finite number >= 0"):
+            DiskOptimizer(optax.sgd(0.1), params, str(tmp_path / "opt"), clip=clip)
+    for directory in ("", None):
+        with pytest.raises(OffloadError, match=rf"^offload directory {directory!r}; accepted: a non-empty path$"):
+            DiskOptimizer(optax.sgd(0.1), params, directory)
 
 
 def test_a_full_disk_is_one_error_not_a_bus_error(tmp_path, monkeypatch):
