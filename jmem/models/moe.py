@@ -73,6 +73,7 @@ def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) 
     """Places per expert: ceil(capacity_factor * n_tokens * top_k / n_experts), at least 1 and at most
     n_tokens (an expert is chosen once per token at most: a larger factor drops nothing more)."""
     check_moe(n_experts, top_k, capacity_factor)
+    check_int("moe n_tokens", n_tokens, 1)
     return max(1, min(n_tokens, math.ceil(capacity_factor * n_tokens * top_k / n_experts)))
 
 

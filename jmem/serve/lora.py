@@ -272,9 +272,9 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
         raise ValueError(f"impl={impl!r}; accepted: {', '.join(IMPLS)}")
     if not modules and not runtime_loading:
         raise ValueError("no LoRA modules given; accepted: at least one name=path")
-    bad = next((n for n in modules if not isinstance(n, str) or not n.strip()), 0)
-    if bad != 0:
-        raise ValueError(f"LoRA module name {bad!r}; accepted: a non-empty string (requests select it by name)")
+    bad = [n for n in modules if not isinstance(n, str) or not n.strip()]
+    if bad:
+        raise ValueError(f"LoRA module name {bad[0]!r}; accepted: a non-empty string (requests select it by name)")
     if max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank={max_lora_rank}; accepted: >= 1")
     slots = max(len(modules), 1) if max_loras is None else max_loras

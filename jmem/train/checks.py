@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import pathlib
 
+from jmem.checks import is_int
 from jmem.data import check_text_file
 from jmem.io.paths import check_separate, prepare_output
 from jmem.lora import TARGETS
@@ -432,6 +433,9 @@ def check_moe_flags(cfg: TrainConfig, base: LlamaConfig, *, random_init: bool = 
     if not given:
         return
     shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items())
+    if cfg.moe_experts is not None and not (is_int(cfg.moe_experts) and cfg.moe_experts >= 1):
+        raise ValueError(f"--moe-experts {cfg.moe_experts}; accepted: an integer >= 1 (leave the flag out for the "
+                         "model's own MLP)")
     if cfg.moe_experts is not None and not random_init:
         raise ValueError(f"--moe-experts {cfg.moe_experts} would replace the trained MLP of --model {cfg.model}; "
                          f"accepted: --moe-experts with a random-init preset "

@@ -263,6 +263,9 @@ def test_mismatched_shapes_and_helper_arguments_are_one_clear_error():
         route(logits, 2, 0)
     with pytest.raises(ValueError, match=r"^moe capacity_factor=0\.0; accepted: a finite number > 0$"):
         capacity(10, 4, 2, 0.0)
+    for n in (0, -3):  # 1 place for no tokens, past the documented bound
+        with pytest.raises(ValueError, match=rf"^moe n_tokens={n}; accepted: an integer >= 1"):
+            capacity(n, 4, 2, 1.0)
     # A huge factor ("never drop") gives every expert a place per token, no more (it overflowed int32 in route).
     assert capacity(10, 4, 2, 1e30) == 10 and capacity(10, 4, 2, 1.0) == 5
     with pytest.raises(ValueError, match=r"^LlamaConfig\.moe_dropless='no'; accepted: True or False$"):

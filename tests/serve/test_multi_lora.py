@@ -257,7 +257,7 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
     assert not engine.has_unfinished() and engine.metrics()["requests_finished_total"] == finished
     with pytest.raises(ValueError, match="does not exist"):
         stack_adapters(model, {"x": str(tmp_path / "missing.npz")})
-    for name in ("", None, " "):
+    for name in ("", None, " ", 0):  # 0 passed: it was the "none found" marker
         with pytest.raises(ValueError, match=f"LoRA module name {name!r}; accepted: a non-empty string"):
             stack_adapters(model, {name: str(tmp_path / "missing.npz")})
     (tmp_path / "junk.npz").write_bytes(b"not an npz")

@@ -535,6 +535,9 @@ def test_moe_flags_make_and_shape_the_experts(tmp_path):
     assert len(steps) == 2 and all(r["moe_dropped"] == 0 for r in steps)  # dropless: nothing dropped
     with pytest.raises(ValueError, match="--moe-experts 4 would replace the trained MLP of --model smollm2-135m"):
         validate(dataclasses.replace(BASE, model="smollm2-135m", moe_experts=4))
+    for n in (0, -2):  # 0 said the MLP of tiny-moe is dense, -2 that 0 (dense) is accepted
+        with pytest.raises(ValueError, match=rf"^--moe-experts {n}; accepted: an integer >= 1"):
+            validate(dataclasses.replace(BASE, model="tiny-moe", moe_experts=n))
 
 
 def test_a_capacity_factor_for_a_model_that_routes_dropless_is_refused():
