@@ -54,12 +54,13 @@ def validate(cfg: Config) -> tuple[list[int], list[str]]:
     if largest > MAX_COMPILE_ELEMENTS:
         raise ValueError(f"--tokens {cfg.tokens} x --d-in/--d-out x --rank {cfg.rank}: {largest:.3g} elements in one "
                          f"array, beyond the {MAX_COMPILE_ELEMENTS:.3g} XLA can compile; accepted: smaller sizes")
+    bad_slots = ValueError(f"--slots {cfg.slots!r}; accepted: distinct comma-separated integers in 1..{2**31 - 1}")
     try:
         slots = [int(s) for s in cfg.slots.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated integers in 1..{2**31 - 1}") from None
-    if not slots or min(slots) < 1 or max(slots) >= 2**31:
-        raise ValueError(f"--slots {cfg.slots!r}; accepted: comma-separated integers in 1..{2**31 - 1}")
+        raise bad_slots from None
+    if not slots or min(slots) < 1 or max(slots) >= 2**31 or len(set(slots)) < len(slots):  # a repeat ran twice
+        raise bad_slots
     stacked = max(slots) * max(cfg.d_in, cfg.d_out) * cfg.rank  # every slot's A (or B)
     if stacked > MAX_COMPILE_ELEMENTS:
         raise ValueError(f"--slots {max(slots)} x --d-in/--d-out x --rank {cfg.rank}: {stacked:.3g} elements in the "
@@ -67,8 +68,9 @@ def validate(cfg: Config) -> tuple[list[int], list[str]]:
                          "slots or smaller sizes")
     impls = [s.strip() for s in cfg.impls.split(",") if s.strip()]
     known = IMPLS + BASELINES
-    if not impls or any(i not in known for i in impls):
-        raise ValueError(f"--impls {cfg.impls!r}; accepted: a comma-separated list among {', '.join(known)}")
+    if not impls or any(i not in known for i in impls) or len(set(impls)) < len(impls):
+        raise ValueError(f"--impls {cfg.impls!r}; accepted: a comma-separated list of distinct names among "
+                         f"{', '.join(known)}")
     return slots, impls
 
 

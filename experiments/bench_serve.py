@@ -39,6 +39,7 @@ import time
 import jax
 import numpy as np
 
+from jmem.models.config import as_dtype
 from jmem.serve.draft import load_draft
 from jmem.serve.engine import Engine, EngineConfig
 from jmem.serve.ngram import check_speculative_args
@@ -76,7 +77,7 @@ class Config:
     num_blocks: int | None = None
     """KV pool size in blocks; default: enough for every request at once."""
     compute_dtype: str = "f32"
-    """Activation dtype of the jmem runs and of HF's (f32 or bf16)."""
+    """Activation dtype of the jmem runs and of HF's: f32, bf16 or f16."""
     temperature: float = 0.0
     """0 decodes greedily; above 0 every request samples (no top-k/top-p), as OpenAI's default of 1 does."""
     hf_requests: int = 8
@@ -106,6 +107,10 @@ def check(cfg: Config) -> None:
             raise ValueError(f"{flag}={value}; accepted: an integer >= 1")
     check_speculative_args(cfg.num_speculative_tokens, flags=True, draft_model=cfg.speculative_model,
                            draft_layers=cfg.speculative_layers)
+    try:
+        as_dtype(cfg.compute_dtype)
+    except ValueError:
+        raise ValueError(f"--compute-dtype={cfg.compute_dtype!r}; accepted: f32, bf16, f16") from None
     if cfg.arrival not in ("burst", "poisson"):
         raise ValueError(f"--arrival={cfg.arrival!r}; accepted: burst, poisson")
     if cfg.arrival == "poisson" and not (cfg.rate > 0 and cfg.num_requests / cfg.rate <= MAX_TRACE_S):
@@ -289,8 +294,6 @@ def run_hf(cfg: Config, trace, model_path: str | None, mcfg):
                                           tie_word_embeddings=mcfg.tie_embeddings)
         model = transformers.LlamaForCausalLM(hf_cfg)
     model.eval()
-    from jmem.models.config import as_dtype
-
     model = model.to(getattr(torch, np.dtype(as_dtype(cfg.compute_dtype)).name))  # the jmem runs' dtype
     sub = trace[: cfg.hf_requests]
     sample = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else \

@@ -26,7 +26,7 @@ from flax import nnx
 
 import jmem
 from jmem.data import load_documents
-from jmem.experiment import run_experiment
+from jmem.experiment import model_config, run_experiment
 from jmem.io.paths import prepare_output
 from jmem.kernels.masks import BigBird, Causal, LocalWindow, Mask, Strided
 from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference, sparse_attention_stats
@@ -134,6 +134,10 @@ def validate(cfg: EvalConfig) -> tuple[str, dict, str]:
     if cfg.num_random >= n_blocks:  # every key block: the bigbird row would be the dense one
         raise ValueError(f"--num-random {cfg.num_random} covers all {n_blocks} key blocks of --seq {cfg.seq} "
                          f"(--bigbird-block {cfg.bigbird_block}); accepted: 0..{n_blocks - 1}")
+    context = model_config(cfg.model).max_seq_len  # from the header: the tile maps below grow as seq**2
+    if cfg.seq > context:
+        raise ValueError(f"--seq {cfg.seq} exceeds the context of {cfg.model!r} ({context} tokens); accepted: "
+                         f"2..{context}")
     text = "\n\n".join(load_documents(cfg.text, "--text"))
     if cfg.out is not None:
         prepare_output(cfg.out, "--out")
@@ -152,9 +156,6 @@ def evaluate(cfg: EvalConfig) -> list[dict]:
     """Print a row per mask; `--out` is rewritten after each, so an interrupted run keeps the rows done."""
     text, planned, impl = validate(cfg)
     lm = jmem.load(cfg.model)
-    if cfg.seq > lm.config.max_seq_len:
-        raise ValueError(f"--seq {cfg.seq} exceeds the context of {cfg.model!r} ({lm.config.max_seq_len} "
-                         f"tokens); accepted: 2..{lm.config.max_seq_len}")
     ids = np.asarray(lm.tokenizer.encode(text), np.int32)
     if ids.size < cfg.seq * cfg.chunks:
         raise ValueError(f"the text has {ids.size} tokens; --seq {cfg.seq} x --chunks {cfg.chunks} needs "

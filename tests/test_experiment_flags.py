@@ -244,11 +244,14 @@ def test_interrupts_missing_files_and_closed_pipes_end_scripts_in_one_line(monke
     (["--tokens", "1000000000000"], "error: --tokens 1000000000000; accepted: an integer in 1..2147483647"),
     (["--tokens", "2000000000", "--d-in", "4096", "--rank", "10000"],
      "error: --tokens 2000000000 x --d-in/--d-out x --rank 10000: 8.19e+16 elements in one array, beyond the"),
-    (["--slots", "1,x"], "error: --slots '1,x'; accepted: comma-separated integers in 1..2147483647"),
-    (["--slots", "100000000000"], "error: --slots '100000000000'; accepted: comma-separated integers in 1.."),
+    (["--slots", "1,x"], "error: --slots '1,x'; accepted: distinct comma-separated integers in 1..2147483647"),
+    (["--slots", "100000000000"], "error: --slots '100000000000'; accepted: distinct comma-separated integers in 1.."),
+    (["--slots", "2,2"], "error: --slots '2,2'; accepted: distinct comma-separated integers"),  # measured twice
     (["--slots", "2000000000", "--d-in", "100000", "--rank", "1000", "--tokens", "1"],
      "error: --slots 2000000000 x --d-in/--d-out x --rank 1000: 2e+17 elements in the stacked adapters"),
-    (["--impls", "onehot,bogus"], "error: --impls 'onehot,bogus'; accepted: a comma-separated list among onehot"),
+    (["--impls", "onehot,bogus"], "error: --impls 'onehot,bogus'; accepted: a comma-separated list of distinct "
+                                  "names among onehot"),
+    (["--impls", "onehot,onehot"], "error: --impls 'onehot,onehot'; accepted: a comma-separated list of distinct"),
 ])
 def test_bench_multi_lora_refuses_bad_flags_before_compiling(argv, expected, monkeypatch, capsys):
     script = experiment("bench_multi_lora")

@@ -136,8 +136,10 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
     if args.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"--attention-impl={args.attention_impl!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
-    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
-        raise ValueError("--block-size, --max-num-seqs and --max-num-batched-tokens must be >= 1")
+    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag}={value}; accepted: an integer >= 1")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len={args.max_model_len}; accepted: >= 1 (or unset for the model's context)")
     if not 0 < args.port < 65536:

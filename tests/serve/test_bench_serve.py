@@ -37,6 +37,7 @@ def _bench_serve():
     (dict(lora_adapters=2, max_loras=(2, 2)), "--max-loras 2 2 repeats a slot count; accepted: distinct"),
     (dict(rate=-3.0), "--rate=-3.0 needs --arrival poisson (--arrival burst sends every request at once)"),
     (dict(kv_cache_dtype="bogus"), "--kv-cache-dtype='bogus'; accepted: auto, bf16, fp8_e4m3, int8"),
+    (dict(compute_dtype="foo"), "--compute-dtype='foo'; accepted: f32, bf16, f16"),  # after loading, unnamed
     (dict(random_weights=True, model="x.gguf"), "--random-weights builds a preset; --model 'x.gguf' is none"),
 ])
 def test_bad_flags_are_refused_before_loading(change, message):

@@ -639,6 +639,8 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
         "jmem serve: error: max_model_len=200 does not fit the KV cache, which holds 64 tokens (4 blocks of 16); "
         "accepted: max_model_len <= 64, or more KV-cache memory (kv_cache_memory, memory_utilization, num_blocks)")
     assert cli_error(capsys, "--num-blocks", "0") == "jmem serve: error: --num-blocks=0; accepted: an integer >= 1, or unset"
+    for flag in ("--block-size", "--max-num-seqs", "--max-num-batched-tokens"):  # named all three before
+        assert cli_error(capsys, flag, "0") == f"jmem serve: error: {flag}=0; accepted: an integer >= 1"
     assert cli_error(capsys, "--attention-impl", "foo") == (  # before the model loads
         "jmem serve: error: --attention-impl='foo'; accepted: auto, tiled, kernel")
     assert cli_error(capsys, "--kv-cache-memory", "-1").startswith("jmem serve: error: --kv-cache-memory=-1; accepted")
