@@ -6,7 +6,10 @@ until the backward pass reaches them. 1F1B starts a microbatch's backward pass
 as soon as the last stage has its loss, so a stage never holds more than S
 microbatches' activations (S = number of stages), whatever M is. The flush at
 the end of every step keeps the update synchronous: the gradients equal plain
-`jax.value_and_grad` of the unpipelined model.
+`jax.value_and_grad` of the unpipelined model (to f32 rounding; under bf16
+compute the separate forward and backward programs round their bf16 values at
+other points, so loss and gradients differ by bf16 rounding, as bf16 differs
+from f32, not bit for bit).
 
 Because forward and backward passes interleave, the schedule is not the
 autodiff of a forward function: `pipeline_1f1b` computes the loss *and* the
