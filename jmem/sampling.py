@@ -170,7 +170,7 @@ def _threshold(x_BV, holds, lo_B, hi_B):
 def masked_logits(logits_BV, s: SamplingArrays):
     """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
 
-    As in vLLM and Hugging Face: a token stays when it is among the k most likely, when its
+    As in vLLM (Hugging Face applies min-p after top-p): a token stays when it is among the k most likely, when its
     probability is at least min_p times the largest, and when, in the distribution those
     two filters leave (renormalised), the probability mass strictly above it is below
     top_p. Each filter is
@@ -203,7 +203,7 @@ def masked_logits(logits_BV, s: SamplingArrays):
     k_floor = jax.lax.cond(jnp.any(uses_k), kth_largest, neg_inf, scaled_BV)
     keep_BV = (scaled_BV >= k_floor[:, None]) & (probs_BV >= s.min_p[:, None] * p_max)
     keep_BV |= probs_BV == p_max  # the most likely token always survives
-    # top-p on what top-k and min-p left, renormalised (vLLM's and Hugging Face's order).
+    # top-p on what top-k and min-p left, renormalised (vLLM's order).
     left_BV = jnp.where(keep_BV, probs_BV, 0.0)
     left_BV = left_BV / jnp.sum(left_BV, axis=-1, keepdims=True)
     p_floor = jax.lax.cond(jnp.any(uses_p), top_p_floor, neg_inf, left_BV)

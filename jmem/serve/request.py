@@ -133,10 +133,10 @@ class SamplingParams:
             self.stop = stop_strings(self.stop)
         except ValueError as e:
             raise RequestError(str(e), "stop") from None
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if not all(is_int(t) for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids={self.stop_token_ids!r}; accepted: a list of integer token ids",
-                               "stop_token_ids")
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):  # "12" is no ['1', '2']
+            raise RequestError(f"stop_token_ids={ids!r}; accepted: a list of integer token ids", "stop_token_ids")
+        self.stop_token_ids = list(ids)
         self._check_logit_bias()
         checks = [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),

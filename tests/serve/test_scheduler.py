@@ -1,6 +1,7 @@
 """Block pool, KV-cache manager and scheduler invariants (pure Python, no model)."""
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -332,3 +333,9 @@ def test_sampling_params_validation():
         with pytest.raises(RequestError, match=next(iter(bad))) as e:
             SamplingParams(**bad).validate()
         assert e.value.param == next(iter(bad))
+    for ids in (5, "12", [1, 2.0]):  # a TypeError for 5; "12" was read as ['1', '2']
+        with pytest.raises(RequestError, match=rf"^stop_token_ids={re.escape(repr(ids))}; accepted: a list of integer"):
+            SamplingParams(stop_token_ids=ids).validate()
+    p = SamplingParams(stop_token_ids=(3, np.int64(4)))
+    p.validate()
+    assert p.stop_token_ids == [3, 4]
