@@ -401,10 +401,10 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
     spec = _check(model, method, bits, group_size, symmetric, act_order)
     _check_applies(method, group_size=group_size, symmetric=symmetric, act_order=act_order, calibration=calibration,
                    tokenizer=tokenizer, seq_len=seq_len, max_seqs=max_seqs)
-    for line in spec.substitutions:
-        (log or logger.warning)(f"{method}: {line}")
     ids = None
     if method in CALIBRATED:
+        if calibration is None:
+            raise ValueError(f"method {method!r} needs calibration= (texts with tokenizer=, or token ids [B, T])")
         ids = calibration_tokens(calibration, tokenizer, seq_len, max_seqs)
         windowed = getattr(calibration, "ndim", None) == 2  # [B, T] ids: the caller chose the windows
         if len(ids) < max_seqs and not windowed:  # e.g. --calibration-windows 1000 on a short text
@@ -415,6 +415,8 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
             raise ValueError(f"calibration windows of {ids.shape[1]} tokens exceed the model's context of "
                              f"{model.config.max_seq_len}; accepted: seq_len (or the T of [B, T] ids) <= "
                              f"{model.config.max_seq_len}")
+    for line in spec.substitutions:  # once the call is known to go ahead
+        (log or logger.warning)(f"{method}: {line}")
     if not inplace:
         model = nnx.clone(model)
     layers: Blocks = model.layers

@@ -21,7 +21,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int, is_number
 from jmem.models.dot import partition_specs
 from jmem.quant.qtensor import (IntTensor, QTensor, check_finite, check_group_size, check_weight_shape, encode,
                                 group_params)
@@ -88,6 +88,7 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
       s: f32[in]; use `w * s[:, None]` and `x / s`.
     """
     _check_grid(n_grid)
+    check_bool("symmetric", symmetric)  # None or 0 searched for the zero-point grid
     rows = sorted({np.shape(w)[0] for w in ws})
     if not rows:
         raise ValueError("ws is empty; accepted: one or more weights [in, out_j] that read x")
@@ -125,7 +126,8 @@ def awq_clip(x, w, bits: int = 4, group_size: int | None = 128, symmetric: bool 
              n_grid: int = CLIP_GRID, max_shrink: float = CLIP_MAX_SHRINK) -> jax.Array:
     """Per-group range factors f32[in/group_size, out] in (1 - max_shrink, 1] minimising each group's output error."""
     _check_grid(n_grid)
-    if not isinstance(max_shrink, (int, float, np.number)) or not 0 < max_shrink <= 1:
+    check_bool("symmetric", symmetric)
+    if not is_number(max_shrink) or not 0 < max_shrink <= 1:
         raise ValueError(f"max_shrink={max_shrink!r}; accepted: a number in (0, 1] (the largest fraction of a "
                          "group's range the clip search may cut)")
     w = jnp.asarray(w, jnp.float32)
@@ -189,6 +191,7 @@ def awq_quantize(w, x, bits: int = 4, group_size: int | None = 128, symmetric: b
         >>> y = jmem.models.dot.dot(x, q)
     """
     check_weight_shape(w, "awq_quantize")  # a float array: integer weights would round to integers
+    check_bool("clip", clip)  # "no" clipped
     check_finite(w, "the weight w")
     check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
     dtype = jnp.asarray(w).dtype

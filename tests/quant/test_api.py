@@ -152,6 +152,10 @@ def test_bad_inputs(model, data):
         quantize(model, "awq", bits=4, group_size=32, calibration="", tokenizer=_ByteTokenizer())
     with pytest.raises(ValueError, match="unknown quantization method 'hqq'"):
         quantize(model, "hqq")
+    logged = []
+    with pytest.raises(ValueError, match=r"^method 'gptq' needs calibration= \(texts with tokenizer=, or token ids"):
+        quantize(model, "gptq", group_size=128, log=logged.append)  # "calibration is empty" before
+    assert logged == []  # a refused call logged its group-size substitution first
 
 
 @pytest.mark.parametrize("method", ["rtn", "int8", "nf4", "fp8"])

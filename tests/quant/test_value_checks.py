@@ -152,9 +152,15 @@ def test_awq_search_arguments(w, x):
     for call in (lambda: awq_scale(x, [w], 4, 32, n_grid=0), lambda: awq_clip(x, w, 4, 32, n_grid=-1)):
         with pytest.raises(ValueError, match=r"n_grid=-?\d; accepted: a positive integer"):
             call()
-    for shrink in (1.5, 0.0, -0.2):
+    for shrink in (1.5, 0.0, -0.2, True):
         with pytest.raises(ValueError, match=rf"max_shrink={shrink}; accepted: a number in \(0, 1\]"):
             awq_clip(x, w, 4, 32, max_shrink=shrink)
+    # symmetric=None searched for the zero-point grid (quantize()'s None is symmetric); clip='no' clipped.
+    for call in (lambda: awq_scale(x, [w], 4, 32, symmetric=None), lambda: awq_clip(x, w, 4, 32, symmetric=0)):
+        with pytest.raises(ValueError, match=r"^symmetric=(None|0); accepted: True or False$"):
+            call()
+    with pytest.raises(ValueError, match=r"^clip='no'; accepted: True or False$"):
+        awq_quantize(w, x, 4, 32, clip="no")
     assert awq_clip(x, w, 4, 32, n_grid=1, max_shrink=0.4).shape == (N_IN // 32, N_OUT)  # one ratio: no clip
     with pytest.raises(ValueError, match=re.escape("x has 64 input features (its last axis, shape (32, 64)) but the "
                                                    "weight has 128 input rows; accepted: x[..., 128]")):
