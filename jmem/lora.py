@@ -381,13 +381,16 @@ def trainable_split(tree, adapters_only: bool):
             raise ValueError("adapters_only=True but the model has no LoRA adapters (nothing would train); "
                              "accepted: a model from jmem.lora.apply_lora, or adapters_only=False")
         return split_trainable(tree)
-    for p, x in leaves:
-        dtype = getattr(x, "dtype", None)
-        # An 8-bit float (an fp8 base) is no trainable weight either: its optimizer moments would be fp8 (NaN).
-        if dtype is not None and (not jnp.issubdtype(dtype, jnp.inexact) or jnp.dtype(dtype).itemsize < 2):
-            raise ValueError(f"weight {jax.tree_util.keystr(p)} is {jnp.dtype(dtype).name} (a quantized base) and "
-                             "cannot be trained; accepted: adapters_only=True with LoRA adapters (QLoRA), or a "
-                             "float model")
+    from jmem.quant.qtensor import QTensor
+
+    for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, QTensor)):
+        what, accepted = getattr(x, "UNTRAINABLE", QTensor.UNTRAINABLE)  # a packed weight's own advice
+        for leaf in jax.tree.leaves(x):
+            dtype = getattr(leaf, "dtype", None)
+            # An 8-bit float (an fp8 base) is no trainable weight either: its optimizer moments would be fp8 (NaN).
+            if dtype is not None and (not jnp.issubdtype(dtype, jnp.inexact) or jnp.dtype(dtype).itemsize < 2):
+                raise ValueError(f"weight {jax.tree_util.keystr(p)} is {jnp.dtype(dtype).name} ({what}) and cannot "
+                                 f"be trained; accepted: {accepted}")
     return tree, None
 
 

@@ -183,19 +183,23 @@ def _plan(model, rank, keep, targets) -> dict[str, int]:
         raise ValueError(f"keep={keep!r}; accepted: the fraction of each matrix's parameters to keep, in (0, 1)")
     targets = linear_targets(model, targets)
     weights = model.layers.weights()
-    plan = {}
+    shapes = {}
     for name in targets:
         w = weights[name]
         if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"target {name!r} holds a {type(w).__name__}; accepted: float kernels "
                              "(factorize before quantizing or adding adapters)")
-        n_in, n_out = w.shape[-2:]
+        shapes[name] = w.shape[-2:]
+    # The largest rank whose factors store fewer numbers than each dense weight (below min(n_in, n_out)).
+    most = {name: math.ceil(n_in * n_out / (n_in + n_out)) - 1 for name, (n_in, n_out) in shapes.items()}
+    plan = {}
+    for name, (n_in, n_out) in shapes.items():
         r = rank if rank is not None else rank_for(keep, n_in, n_out)
-        check_rank(r, n_in, n_out)
-        if r * (n_in + n_out) >= n_in * n_out:
+        if is_int(r) and r > most[name]:  # one bound over every target, not one per target in turn
             raise ValueError(f"rank={r} for {name} [{n_in}, {n_out}] stores {r * (n_in + n_out)} numbers, not fewer "
-                             f"than the {n_in * n_out} of the dense weight; accepted: rank < "
-                             f"{math.ceil(n_in * n_out / (n_in + n_out))}")
+                             f"than the {n_in * n_out} of the dense weight; accepted: an integer in "
+                             f"1..{min(most.values())} (for every target)")
+        check_rank(r, n_in, n_out)
         plan[name] = r
     return plan
 

@@ -135,8 +135,13 @@ def _pick(scores, k: int, largest: bool):
 
 
 def pruned_count(sparsity: float, n_in: int) -> int:
-    """`floor(sparsity * n_in)`, as the decimal numbers read (0.29 * 100 is 28.999999999999996 in floats)."""
-    return math.floor(round(sparsity * n_in, 9))
+    """`floor(sparsity * n_in)`, as the decimal numbers read (0.29 * 100 is 28.999999999999996 in floats);
+    a ValueError when that is every input (a sparsity within 1e-9 of 1)."""
+    count = math.floor(round(sparsity * n_in, 9))
+    if count >= n_in:
+        raise ValueError(f"sparsity={sparsity!r} prunes all {n_in} inputs of a column; accepted: a number in [0, 1) "
+                         "that keeps at least one")
+    return count
 
 
 def unstructured_mask(scores_IO, sparsity: float) -> jax.Array:
@@ -188,6 +193,11 @@ def _position_bits(m: int, kept_rows: int) -> int:
     return bits if bits <= MAX_PACKED_BITS and kept_rows % PACK_ROWS == 0 else 8
 
 
+# What a train step that would update a packed pruned kernel says (`QTensor.UNTRAINABLE`).
+_PACKED_PRUNED = ("a packed pruned kernel", "a model pruned with pack=False (chain keep_pruned_zeros() after the "
+                  "optimizer to keep its zeros), or adapters_only=True with LoRA adapters")
+
+
 @jax.tree_util.register_pytree_node_class
 class NMSparse(QTensor):
     """An N:M sparse kernel `[..., in, out]`: the N kept values of every M inputs, and where they sit.
@@ -207,6 +217,8 @@ class NMSparse(QTensor):
         >>> s = NMSparse.from_mask(w_IO, nm_mask(jnp.abs(w_IO), 2, 4), 2, 4)
         >>> y = jmem.models.dot.dot(x, s)   # == x @ (w_IO * mask)
     """
+
+    UNTRAINABLE = _PACKED_PRUNED
 
     def __init__(self, values, positions, n: int, m: int, bits: int):
         self.values, self.positions = values, positions
@@ -318,6 +330,8 @@ class BitmaskSparse(QTensor):
         >>> y = jmem.models.dot.dot(x, s)   # == x @ (w_IO * mask)
     """
 
+    UNTRAINABLE = _PACKED_PRUNED
+
     def __init__(self, values, bitmask):
         self.values, self.bitmask = values, bitmask
 
@@ -423,9 +437,11 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
         mixture-of-experts model).
       tokenizer: for text calibration; anything with `.encode(text)`.
       seq_len, max_seqs: calibration windows (tokens per window, windows used).
-      pack: store kernels as `NMSparse` (a pattern) or `BitmaskSparse`
-        (unstructured, where the dropped values outweigh a 1-bit mask and the
-        input dimension is a multiple of 8) leaves; False: dense arrays with
+      pack: store kernels as `NMSparse` (a pattern whose N values and positions
+        take fewer bytes than M dense values: 2:4 does, 15:16 does not) or
+        `BitmaskSparse` (unstructured, where the dropped values outweigh a
+        1-bit mask and the input dimension is a multiple of 8) leaves, else
+        dense with zeros; False: dense arrays with
         zeros, e.g. to quantize or fine-tune them afterwards (with the
         optimizer chained before `keep_pruned_zeros`, the zeros stay zero).
       inplace: modify `model` instead of a copy.
@@ -468,11 +484,16 @@ def prune(model, method: str = "magnitude", sparsity: float | None = None, patte
 
 def _store(w, mask, spec: PruneSpec, pack: bool):
     """The pruned kernel in its storage form: packed where that saves bytes, else dense with zeros."""
-    if pack and spec.n is not None:
-        return NMSparse.from_mask(w, mask, spec.n, spec.m)
+    value_bits = jnp.dtype(w.dtype).itemsize * 8
+    if spec.n is not None:
+        # N values and N positions per M weights: 15:16 in bf16 would take 1.35x the dense bytes.
+        position_bits = _position_bits(spec.m, w.shape[-2] // spec.m * spec.n)
+        if pack and spec.n * (value_bits + position_bits) < spec.m * value_bits:
+            return NMSparse.from_mask(w, mask, spec.n, spec.m)
+        return jnp.where(mask, w, jnp.zeros((), w.dtype))
     kept = w.shape[-2] - pruned_count(spec.sparsity, w.shape[-2])
     # The bitmask costs 1 bit per weight: packing pays only when the dropped values outweigh it.
-    if pack and w.shape[-2] % PACK_ROWS == 0 and (w.shape[-2] - kept) * jnp.dtype(w.dtype).itemsize * 8 > w.shape[-2]:
+    if pack and w.shape[-2] % PACK_ROWS == 0 and (w.shape[-2] - kept) * value_bits > w.shape[-2]:
         return BitmaskSparse.from_mask(w, mask)
     return jnp.where(mask, w, jnp.zeros((), w.dtype))
 
@@ -483,14 +504,14 @@ def keep_pruned_zeros(targets=LINEARS) -> optax.GradientTransformation:
     the first step). Chain it after the optimizer; it keeps no state.
 
     It reads the parameters (`tx.update(updates, state, params)`, as `jmem.train` calls it) at the paths
-    `layers/<target>/kernel`; other leaves pass unchanged. A kept weight that training makes exactly 0.0
-    stays 0 from then on.
+    `layers/<target>/kernel` (None: every linear, as `prune`'s); other leaves pass unchanged. A kept
+    weight that training makes exactly 0.0 stays 0 from then on.
 
     Example:
         >>> tx = optax.chain(optax.adamw(1e-4), keep_pruned_zeros())
         >>> fns = make_train_fns(prune(model, "wanda", pattern="2:4", calibration=ids, pack=False), tx)
     """
-    pruned = {("layers", t, "kernel") for t in check_targets(targets, LINEARS)}
+    pruned = {("layers", t, "kernel") for t in check_targets(LINEARS if targets is None else targets, LINEARS)}
 
     def update(updates, state, params=None):
         if params is None:

@@ -105,6 +105,13 @@ def test_unstructured_mask_removes_floor_of_sparsity_times_inputs(sparsity, n_in
     assert np.all((~np.asarray(unstructured_mask(s, sparsity))).sum(axis=0) == removed)
 
 
+def test_a_sparsity_that_rounds_to_every_input_is_refused():
+    """1 - 1e-12 is below 1, yet floor(round(s * in, 9)) is every input: all-zero columns."""
+    s = jnp.ones((64, 3))
+    with pytest.raises(ValueError, match=r"^sparsity=0.999999999999 prunes all 64 inputs of a column; accepted"):
+        unstructured_mask(s, 1 - 1e-12)
+
+
 def test_nm_mask_refuses_a_group_size_not_dividing_the_inputs():
     with pytest.raises(ValueError, match=r"nm_mask: 2:4 on an input dimension of 6; accepted: 0 < N <= M and M "
                                          r"dividing the input dimension"):
@@ -199,6 +206,10 @@ def test_packed_model_equals_masked_dense_and_halves_bytes(model, data):
     assert weight_bytes(bitmask) / weight_bytes(model) == pytest.approx(0.5 + 1 / 32, abs=1e-9)
     np.testing.assert_allclose(_logits(bitmask, ids), _logits(prune(model, "magnitude", 0.5, pack=False), ids),
                                rtol=1e-5, atol=1e-5)
+    # 15:16 in f32: 15 values and 15 4-bit positions per 16 weights is more than 16 values: kept dense.
+    wide = prune(model, "magnitude", pattern="15:16")
+    assert weight_bytes(wide) == weight_bytes(model)
+    assert not any(isinstance(v, NMSparse) for v in wide.layers.weights().values())
     # Pruned-then-quantized: symmetric int8 codes represent 0 exactly, so the zeros survive.
     assert sparsity_report(quantize(dense, "int8"))["total"]["zeros"] >= 0.5
 
@@ -377,3 +388,9 @@ def test_fine_tuning_with_keep_pruned_zeros_keeps_the_sparsity():
         assert not np.allclose(trained.wk.kernel.get_value(), pruned.layers.wk.kernel.get_value())
     with pytest.raises(ValueError, match="needs the parameters"):
         keep_pruned_zeros().update({"a": jnp.ones(2)}, optax.EmptyState())
+    keep_pruned_zeros(None)  # every linear, as prune's targets=None (refused before)
+    # A packed model is refused with the way to fine-tune it (the QLoRA advice for a quantized base before).
+    packed = prune(Llama(cfg, rngs=nnx.Rngs(0)), pattern="2:4", targets=("wq",))
+    with pytest.raises(ValueError, match=r"\['wq'\]\['kernel'\] is uint8 \(a packed pruned kernel\) and cannot be "
+                                         r"trained; accepted: a model pruned with pack=False"):
+        make_train_fns(packed, optax.adamw(1e-2)).init_state(packed)

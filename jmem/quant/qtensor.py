@@ -44,6 +44,9 @@ F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
 class QTensor:
     """Base class: shape helpers, slicing of leading axes, the dot."""
 
+    # What a train step that would update the weight says (`jmem.lora.trainable_split`).
+    UNTRAINABLE = ("a quantized base", "adapters_only=True with LoRA adapters (QLoRA), or a float model")
+
     def dequantize(self, dtype=None) -> jax.Array:  # pragma: no cover - abstract
         raise NotImplementedError
 

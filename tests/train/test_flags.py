@@ -137,7 +137,8 @@ def _one_line_exit_2(argv, capsys) -> str:
                                                  "1..n_experts=4"),
     (["--moe-experts", "4", "--moe-capacity-factor", "0"], "moe capacity_factor=0.0; accepted: a finite number > 0"),
     (["--moe-experts", "4", "--moe-aux-weight", "-1"], "LlamaConfig.moe_aux_weight=-1.0; accepted: a finite number"),
-    (["--moe-experts", "-2"], "--moe-experts -2: LlamaConfig.moe_experts=-2 must be >= 0"),
+    (["--moe-experts", "-2"], "--moe-experts -2; accepted: an integer >= 1 (leave the flag out for the model's own "
+                              "MLP)"),
     (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
      "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),
