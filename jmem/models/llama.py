@@ -293,6 +293,9 @@ class Llama(nnx.Module):
         B, T = ids_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        elif np.shape(positions) != (B, T) or not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
+            raise ValueError(f"positions of {jnp.result_type(positions)}{list(np.shape(positions))}; accepted: "
+                             f"integers [batch, seq] = {[B, T]}, the ids' shape")
         x = jnp.take(self.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
 
         # The residual stream between blocks follows the active sharding rules (sequence

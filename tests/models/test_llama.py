@@ -36,6 +36,10 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     pos = jnp.array([[15], [16]], jnp.int32)
     logits, _ = jax.jit(lambda i, p, c: tiny(i, positions=p, cache=c))(ids[:, 11:12], pos, cache)
     assert bool(jnp.all(jnp.isnan(logits[1]))) and not bool(jnp.any(jnp.isnan(logits[0])))
+    # A negative position too (it wrote over the last slot and gave finite logits), and it writes nothing.
+    logits, after = jax.jit(lambda i, p, c: tiny(i, positions=p, cache=c))(ids[:, 11:12], pos.at[1].set(-1), cache)
+    assert bool(jnp.all(jnp.isnan(logits[1]))) and not bool(jnp.any(jnp.isnan(logits[0])))
+    np.testing.assert_array_equal(after.k[:, 1], cache.k[:, 1])
 
 
 def test_a_cache_that_does_not_fit_the_model_is_one_error(tiny):
@@ -53,6 +57,11 @@ def test_a_cache_that_does_not_fit_the_model_is_one_error(tiny):
             tiny(ids, cache=cache)
     with pytest.raises(ValueError, match=r"position -3 is negative; accepted: positions 0..15"):
         tiny(ids, positions=jnp.arange(-3, 0)[None], cache=ContiguousKVCache.create(cfg, 1, 16))
+    # JAX's broadcasting and indexing errors before.
+    for pos in (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 3), jnp.float32)):
+        with pytest.raises(ValueError, match=rf"^positions of {pos.dtype}\[1, {pos.shape[1]}\]; accepted: integers "
+                                             r"\[batch, seq\] = \[1, 3\], the ids' shape$"):
+            tiny(ids, positions=pos, cache=ContiguousKVCache.create(cfg, 1, 16))
     for kw, message in ((dict(batch=-1), "batch=-1"), (dict(max_len=0), "max_len=0")):
         with pytest.raises(ValueError, match=f"{message}; accepted: an integer >= 1"):
             ContiguousKVCache.create(cfg, **{"batch": 1, "max_len": 16, **kw})
