@@ -37,7 +37,7 @@ class EvalConfig:
     """Perplexity of one model under several attention masks."""
 
     model: str = "smollm2-135m"
-    """Preset name or GGUF path."""
+    """The packaged smollm2-135m, a random-init preset (tiny, ...) or a .gguf path."""
     text: str | None = None
     """UTF-8 text file; the standard library's pydoc_data.topics when unset."""
     seq: int = 512

@@ -45,11 +45,12 @@ def test_help_names_every_subcommand():
 
 
 def test_serve_help_names_every_model_source():
-    """--model takes what jmem.load takes: a preset, a .gguf file or a `jmem quantize --out DIR` directory."""
+    """--model takes what jmem.load takes: the packaged model, a preset, a .gguf file or a `jmem quantize
+    --out DIR` directory."""
     r = _jmem("serve", "--help")
     text = " ".join(r.stdout.replace("│", " ").split())  # the help as one line, whatever the terminal's width
-    assert "Preset name (smollm2-135m, tiny, ...), a .gguf path or a model directory written by `jmem quantize " \
-        "--out DIR`" in text, text
+    assert "The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a model directory written " \
+        "by `jmem quantize --out DIR`" in text, text
 
 
 def test_serve_subcommand_runs_the_server_checks():

@@ -46,7 +46,7 @@ class QuantizeArgs:
     out: str
     """Output: a path ending in .gguf, or a directory (new or empty; a path without a file extension)."""
     model: str = "smollm2-135m"
-    """Preset name or .gguf path of the float source."""
+    """The float source: the packaged smollm2-135m, a random-init preset (tiny, ...) or a .gguf path."""
     method: str = "gptq"
     """rtn, int8, nf4, fp8, gptq, awq, or a GGUF block type (q4_0, q4_k, q6_k, q8_0, ...)."""
     bits: int | None = None

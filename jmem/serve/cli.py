@@ -32,7 +32,8 @@ class ServeArgs:
     """Serve a model over HTTP with the OpenAI API."""
 
     model: str = "smollm2-135m"
-    """Preset name (smollm2-135m, tiny, ...), a .gguf path or a model directory written by `jmem quantize --out DIR`."""
+    """The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a model directory written by
+    `jmem quantize --out DIR`."""
     host: str = "127.0.0.1"
     """Interface to bind (127.0.0.1: this machine only)."""
     port: int = 8000
