@@ -63,6 +63,7 @@ from jmem.models.config import EXPERT_TARGETS, LINEARS
 
 _ATTENTION_IMPLS = ("xla", "reference", "pallas", "auto")
 BASE_FORMATS = ("nf4", "int8", "fp8", "rtn")
+PARAM_PARTS = ("trainable", "frozen")  # an estimate's split of its params (adapters, layer-wise training)
 
 
 def _dtype(dtype) -> np.dtype:
@@ -397,7 +398,7 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
         "batch": batch_bytes, "total": total,
     }
     if frozen is not None:
-        out = {"trainable": train_bytes, "frozen": frozen, **out}
+        out = {**dict(zip(PARAM_PARTS, (train_bytes, frozen))), **out}
     return out
 
 

@@ -275,6 +275,13 @@ class OffloadReport:
         return self.device.total_bytes - self.host_argument_bytes - self.host_output_bytes
 
     @property
+    def device_memory(self) -> MemoryReport:
+        """`device` with device-memory argument and output bytes: the host parts a backend that does not
+        separate memory spaces (CPU) counts in them taken out (the train log and plot show this one)."""
+        return dataclasses.replace(self.device, argument_bytes=self.device_argument_bytes,
+                                   output_bytes=self.device_output_bytes)
+
+    @property
     def device_output_bytes(self) -> int:
         separated = self.device.host_argument_bytes or self.device.host_output_bytes
         return self.device.output_bytes - (0 if separated else self.host_output_bytes)

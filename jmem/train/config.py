@@ -36,7 +36,7 @@ class TrainConfig:
     seq: int = 128
     """Tokens per sequence."""
     lr: float = 3e-3
-    """Peak learning rate (linear warmup, then cosine decay to 10%)."""
+    """Peak learning rate (linear warmup from 0 at the first step, then cosine decay to 10%)."""
     warmup: int | None = None
     """Warmup steps of the learning-rate schedule, 0..--steps (unset: min(20, --steps // 5), so short runs warm up for a fifth of their steps)."""
     remat: str = "full"
@@ -68,13 +68,17 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop (with a checkpoint in --ckpt-dir) after this many steps in this invocation; --resume continues."""
     eval_every: int = 0
-    """Evaluate on held-out windows every N steps (0: only at the end)."""
+    """Evaluate on held-out windows every N steps (0: only at the end): the first --eval-batches x --batch windows
+    of the held-out split (the text's last 5%), the same at every evaluation."""
     eval_batches: int = 4
     """Held-out batches of --batch windows per evaluation (each run in --accum microbatches, as a train step)."""
     log: str | None = None
     """Write one JSON line per step (and per evaluation) to this file: a new (or empty) file, or with
     --resume the resumed run's log, which is continued (by process 0 alone in a multi-process job). Strict
-    JSON: a non-finite number (a skipped fp16 step's gradient norm) is written as null."""
+    JSON: a non-finite number (a skipped fp16 step's gradient norm) is written as null. First a memory event
+    (the table's bytes), then per step: loss (mean token cross-entropy in nats, before the step's update),
+    grad_norm (global, before clipping), step_time_s, tokens_per_s (--batch x --seq / step_time_s), loss_scale
+    (fp16's dynamic scale), finite, and an MoE model's moe_* router statistics; eval lines hold eval_loss."""
     plot: str | None = None
     """Write a PNG of the loss curve and the memory table to this file (by process 0 alone). The curve holds the
     steps this invocation trained; a resumed run's --log holds the whole run's."""

@@ -239,19 +239,26 @@ def _diverged(rec: dict, loss_scale) -> bool:
 
 def _check_log_is_the_runs(path: str, run_id: str, ckpt_dir: str) -> None:
     """A resumed run's log is its own: the id its memory events name is the checkpoint's (logs and
-    checkpoints of earlier versions name none)."""
-    if not os.path.isfile(path):
+    checkpoints of earlier versions name none); a non-empty file without a memory event (which a run
+    writes before its first step) is no run's log, and resuming would rewrite it to the run's lines."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
+    found = False
     with open(path, errors="replace") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and rec.get("event") == "memory" and rec.get("run_id") not in (None, run_id):
-                raise ValueError(f"--log {path!r} is the log of run {rec['run_id']}, not of the run of --ckpt-dir "
-                                 f"{ckpt_dir} ({run_id}); nothing is overwritten; accepted: that run's log, or a "
-                                 "new path")
+            if isinstance(rec, dict) and rec.get("event") == "memory":
+                found = True
+                if rec.get("run_id") not in (None, run_id):
+                    raise ValueError(f"--log {path!r} is the log of run {rec['run_id']}, not of the run of "
+                                     f"--ckpt-dir {ckpt_dir} ({run_id}); nothing is overwritten; accepted: that run's "
+                                     "log, or a new path")
+    if not found:
+        raise ValueError(f"--log {path!r} is no train run's log (it has no memory event); nothing is overwritten; "
+                         "accepted: the resumed run's log, or a new path")
 
 
 def _keep_logged(line: str, resume_step: int) -> bool:
@@ -356,7 +363,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         step_fn, place, state, offload = _offloaded(run, state, ckpt, start, closing)
         batch0 = place(batch=run.data.batch(start, cfg.batch, cfg.seed))
         offload_report = step_fn.measure(state, batch0)  # compiles; the loop reuses the device program
-        report, compiled = offload_report.device, None
+        report, compiled = offload_report.device_memory, None  # as the table: host layers are no device bytes
     else:
         step_fn, place = _jitted(run, state)
         state = place(state=state)

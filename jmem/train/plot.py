@@ -56,9 +56,12 @@ def plot_run(result, path: str, *, title: str = "") -> None:
     r = result.memory
     names = ["arguments", "temp", "outputs", "total"]
     vals = [r.argument_bytes, r.temp_bytes, r.output_bytes, r.total_bytes]
-    names += [f"est. {k}" for k in result.estimate]
-    vals += list(result.estimate.values())
-    colors = ["tab:blue"] * 4 + ["tab:orange"] * len(result.estimate)
+    from jmem.memory.estimate import PARAM_PARTS
+
+    estimate = {k: v for k, v in result.estimate.items() if k not in PARAM_PARTS}  # parts of params
+    names += [f"est. {k}" for k in estimate]
+    vals += list(estimate.values())
+    colors = ["tab:blue"] * 4 + ["tab:orange"] * len(estimate)
     ax_m.barh(names[::-1], [v / 2**20 for v in vals][::-1], color=colors[::-1])
     ax_m.set_xlabel(f"MiB per step [{r.target}] (blue: compiler, orange: analytic)")
     fig.suptitle(title)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jmem.memory.estimate import PARAM_PARTS
 from jmem.memory.measure import MemoryReport
 from jmem.train.config import TrainConfig
 from jmem.train.setup import Run
@@ -93,7 +94,13 @@ def memory_table(report: MemoryReport, estimate: dict[str, int],
         rows += [("measured", "disk optimizer state, all devices" if where == "disk" and devices > 1
                   else f"{where} {what.strip()}", b)
                  for where, what, b in offload.rows() if where != "device" and (b or "optimizer" in what)]
-    rows += [("estimated", k, v) for k, v in estimate.items() if v or k == "total"]
+    for k, v in estimate.items():
+        if k in PARAM_PARTS:  # shown under params, which holds them
+            continue
+        if v or k == "total":
+            rows.append(("estimated", k, v))
+        if k == "params":
+            rows += [("estimated", f"  of which {p}", estimate[p]) for p in PARAM_PARTS if estimate.get(p)]
     title = f"memory of one train step [{report.target}]" + (f", per device of {devices}" if devices > 1 else "")
     lines = [title + " " * max(1, 49 - len(title)) + "MiB"]
     lines += [f"  {kind:<10s}{name:<38s}{b / 2**20:10.2f}" for kind, name, b in rows]

@@ -348,6 +348,15 @@ def test_1f1b_memory_table_counts_the_busiest_stage():
     assert "  measured  XLA's peak                                  3.00" in tpu.splitlines()
     gpipe = dataclasses.replace(cfg, pipeline_schedule="gpipe")
     assert report_mod.step_matmul_flops(gpipe, report, compiled) == ("every loop iteration", report.matmul_flops)
+    # An estimate's trainable and frozen bytes are parts of its params, shown under them (they read as rows
+    # of their own: the estimated rows summed to more than the total).
+    est = {"trainable": 2**20, "frozen": 3 * 2**20, "params": 4 * 2**20, "grads": 2**20, "total": 5 * 2**20}
+    rows = [line for line in report_mod.memory_table(report, est).splitlines() if "estimated" in line]
+    assert rows == ["  estimated params                                      4.00",
+                    "  estimated   of which trainable                        1.00",
+                    "  estimated   of which frozen                           3.00",
+                    "  estimated grads                                       1.00",
+                    "  estimated total                                       5.00"]
 
 
 def test_processes_compare_paths_in_normal_form():

@@ -58,6 +58,12 @@ def test_offloaded_run_prints_device_host_and_disk_bytes(tmp_path):
     assert memory["host: optimizer state + master weights"] == 0
     assert 0 < memory["host: largest chunk in memory"] < stored / 4
     assert memory["host: offloaded layer params"] > memory["device: arguments (params on device, batch)"] / 2
+    # The event's (and the plot's) device figures are the table's: the host layers and their gradients,
+    # which the CPU backend counts in its argument and output bytes, were device bytes there.
+    assert event["argument_bytes"] == memory["device: arguments (params on device, batch)"]
+    assert event["output_bytes"] == memory["device: outputs (grads, metrics)"]
+    assert event["total_bytes"] == memory["device: total live (device program)"]
+    assert result.memory.total_bytes == event["total_bytes"]
 
 
 def test_disk_row_under_a_per_device_header_says_it_is_the_whole_state(tmp_path):

@@ -85,6 +85,13 @@ def test_a_resumed_run_continues_only_its_own_log(tmp_path):
     with pytest.raises(ValueError, match=rf"--log '{other}' is the log of run [0-9a-f]+, not of the run of --ckpt-dir"):
         train(dataclasses.replace(short, steps=3, ckpt_dir=ck, resume=True, log=str(other)), out=io.StringIO())
     assert other.read_text() == before
+    # A file that is no run's log was rewritten to the run's lines, its own lines dropped.
+    notes = tmp_path / "notes.txt"
+    notes.write_text('my notes\n{"step": 1, "x": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=rf"^--log '{notes}' is no train run's log \(it has no memory event\); "
+                                         "nothing is overwritten"):
+        train(dataclasses.replace(short, steps=3, ckpt_dir=ck, resume=True, log=str(notes)), out=io.StringIO())
+    assert notes.read_text() == 'my notes\n{"step": 1, "x": 1}\n[1, 2]\n'
     train(dataclasses.replace(short, steps=3, ckpt_dir=ck, resume=True, log=str(mine)), out=io.StringIO())
     recs = [json.loads(line) for line in mine.read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
