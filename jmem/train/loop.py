@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -415,11 +416,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     log_path = cfg.log if jax.process_index() == 0 else None
     if checked_id and log_path:
         _check_log_is_the_runs(log_path, checked_id, cfg.ckpt_dir)
-
-    def kept() -> str:
-        latest = ckpt.latest_step() if ckpt is not None else None
-        return "; no checkpoint was written" if latest is None else f"; the latest checkpoint is step {latest}"
-
+    kept = functools.partial(_kept, ckpt)
     log = _Logger(log_path, {"event": "memory", "run_id": run.meta["run_id"], **report.as_dict(),
                "estimate": estimate, "params": n_params,
                "trained_params": n_trained, "matmul_flops_per_step": matmul[1], "matmul_flops_of": matmul[0],
@@ -668,16 +665,20 @@ def _all_finite(leaves) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _kept(ckpt: Checkpointer | None) -> str:
+    """What a stopped run keeps, for its last line: `; the latest checkpoint is step N`."""
+    latest = ckpt.latest_step() if ckpt is not None else None
+    return "; no checkpoint was written" if latest is None else f"; the latest checkpoint is step {latest}"
+
+
 def _check_weights_finite(step: int, params, ckpt: Checkpointer) -> None:
     """TrainingDiverged when a weight is NaN or inf: an update can overflow while its step's loss was still
     finite, and its checkpoint would replace a good one. Weights offloaded to host memory are not read."""
     leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)
               and getattr(getattr(x, "sharding", None), "memory_kind", None) in (None, "device")]
     if leaves and not bool(_all_finite(leaves)):
-        latest = ckpt.latest_step()
         raise TrainingDiverged(f"step {step}: the weights hold NaN or inf; the run stops without writing them"
-                               + ("" if latest is None else f" (the latest checkpoint is step {latest})")
-                               + f"; {DIVERGED_ADVICE}")
+                               f"{_kept(ckpt)}; {DIVERGED_ADVICE}")
 
 
 def _save(ckpt: Checkpointer, step: int, state, meta: dict, offload) -> None:
