@@ -10,13 +10,15 @@ validation windows of the text) before and after, and the teacher's own.
     python experiments/distill.py
     python experiments/distill.py --steps 200 --batch 8 --seq 256 --temperature 4 --alpha 0.9
     python experiments/distill.py --student-layers 0,1,2,27,28,29 --kind reverse --text FILE
-    python experiments/distill.py --steps 500 --save-student draft/    # then: jmem serve --speculative-model draft/
+    python experiments/distill.py --steps 500 --save-student draft/
+    jmem serve --model smollm2-135m --num-speculative-tokens 4 --speculative-model draft/   # the student as draft
 
 Bad flags end with one `error:` line on stderr and exit status 2, before the model loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -61,8 +63,8 @@ class Config:
     kind: str = "forward"
     """KL direction: forward = KL(teacher || student), reverse = KL(student || teacher)."""
     chunk: int | None = None
-    """Sequence positions per loss chunk: a divisor of --seq, or --seq or more for one chunk; default: the model's
-    loss_chunk divisor."""
+    """Sequence positions per loss chunk (--seq or more: one chunk; a shorter tail is one more chunk); default:
+    the model's loss_chunk."""
     eval_batches: int = 8
     """Validation batches (of --batch sequences) for the held-out cross-entropy."""
     text: str | None = None
@@ -71,7 +73,8 @@ class Config:
     """Batch order seed."""
     save_student: str | None = None
     """A new directory to write the distilled student to, with the teacher's tokenizer (`jmem.load` reads it;
-    `jmem serve --speculative-model DIR` serves it as the teacher's draft)."""
+    `jmem serve --model TEACHER --num-speculative-tokens 4 --speculative-model DIR` serves it as the
+    teacher's draft)."""
 
 
 def parse_layers(spec: str) -> list[int] | None:
@@ -103,8 +106,8 @@ def validate(cfg: Config) -> tuple[list[int] | None, list[str]]:
     if cfg.kind not in KINDS:
         raise ValueError(f"--kind {cfg.kind!r}; accepted: {', '.join(KINDS)}")
     check_distill_args(cfg.temperature, cfg.alpha, cfg.kind)
-    if cfg.chunk is not None and (cfg.chunk < 1 or (cfg.chunk < cfg.seq and cfg.seq % cfg.chunk)):
-        raise ValueError(f"--chunk {cfg.chunk}; accepted: a positive divisor of --seq {cfg.seq}, or unset")
+    if cfg.chunk is not None and cfg.chunk < 1:
+        raise ValueError(f"--chunk {cfg.chunk}; accepted: an integer >= 1, or unset")
     layers = parse_layers(cfg.student_layers)
     docs = load_documents(cfg.text, "--text")
     if cfg.save_student is not None:
@@ -136,16 +139,17 @@ def train_student(student, teacher, data, eval_fn, cfg: Config, alpha: float) ->
 
 def main(cfg: Config) -> dict:
     layers, docs = validate(cfg)
-    if cfg.save_student is None:
-        return run(cfg, layers, docs)
-    # Created (empty) before the teacher loads, so a path that cannot be made fails now, not when the
-    # trained student is saved; removed again if the run fails.
-    with undo_on_failure(cfg.save_student, "--save-student", directory=True):
-        return run(cfg, layers, docs)
+    with contextlib.ExitStack() as undo:
+        if cfg.save_student is not None:
+            # Created (empty) before the teacher loads, so a path that cannot be made fails now, not when
+            # the trained student is saved; removed again if the run fails before the student is written.
+            undo.enter_context(undo_on_failure(cfg.save_student, "--save-student", directory=True))
+        return run(cfg, layers, docs, undo)
 
 
-def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
-    """Load the teacher, train the distilled and the plain-CE students, save the first (--save-student)."""
+def run(cfg: Config, layers: list[int] | None, docs: list[str], undo: contextlib.ExitStack) -> dict:
+    """Load the teacher, train the distilled and the plain-CE students, save the first (--save-student).
+    Once the student is written, `undo` is left: a failure of the plain-CE run keeps it."""
     try:
         lm = jmem.load(cfg.teacher)
     except FileNotFoundError as e:
@@ -180,10 +184,11 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str]) -> dict:
     result = {"teacher_ce": eval_ce(teacher_state, teacher_g, ()), "student_init_ce": eval_ce(student_params)}
     print(f"held-out CE: teacher {result['teacher_ce']:.3f}, student at init {result['student_init_ce']:.3f}")
     for name, alpha in (("distill", cfg.alpha), ("plain CE", 0.0)):
-        print(f"{name} (alpha={alpha}, T={cfg.temperature}, {cfg.kind} KL):", flush=True)
+        print(f"{name} (alpha={alpha}" + (f", T={cfg.temperature}, {cfg.kind} KL):" if alpha else "):"), flush=True)
         result[name], params = train_student(student, teacher, data, eval_ce, cfg, alpha)
         if name == "distill" and cfg.save_student is not None:
             save_student(cfg.save_student, nnx.merge(graphdef, params, rest), lm)
+            undo.pop_all().close()  # the student is written: leave the undo without removing it
             print(f"wrote the distilled student to {cfg.save_student}")
     print(markdown(cfg, len(layers), result))
     return result

@@ -111,21 +111,13 @@ def distill_terms_from_logits(s_BTV, t_BTV, targets_BT, mask_BT, *, temperature:
 
 
 def _resolve_chunk(chunk: int | None, T: int, default: int) -> int:
-    """Positions per chunk: an explicit `chunk` must divide T (or reach it); None takes the
-    largest divisor of T not above the model's `loss_chunk`."""
+    """Positions per chunk (at most T): `chunk`, or the model's `loss_chunk` for None. When it does
+    not divide T, the tail is a smaller last chunk (as `chunked_cross_entropy`)."""
     if chunk is None:
-        c = min(default, T)
-        while T % c:
-            c -= 1
-        return c
+        return min(int(default), T)
     if not is_int(chunk) or chunk <= 0:
-        raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer dividing seq={T}, or None")
-    if chunk >= T:
-        return T
-    if T % chunk:
-        raise ValueError(f"distillation chunk={chunk} does not divide seq={T}; accepted: a divisor of {T} "
-                         f"(e.g. {max(d for d in range(1, chunk + 1) if T % d == 0)}), >= {T}, or None")
-    return int(chunk)
+        raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer, or None")
+    return min(int(chunk), T)
 
 
 def _frozen(teacher):
@@ -179,24 +171,28 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
                              "accepted: equal vocabularies")
         return distill_terms_from_logits(s, t, tgt, m, temperature=temperature, kind=kind, need_kl=need_kl)
 
+    xs = (hs_BTE, ht_BTE, targets_BT, mask_BT)
     if chunk >= T:  # one piece: the plain computation, nothing to scan
-        kl, ce = piece(hs_BTE, ht_BTE, targets_BT, mask_BT)
+        kl, ce = piece(*xs)
     else:
         n = T // chunk
+        main = n * chunk
 
         def to_chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
-            return None if x is None else jnp.moveaxis(x.reshape((B, n, chunk) + x.shape[2:]), 1, 0)
+            return None if x is None else jnp.moveaxis(x[:, :main].reshape((B, n, chunk) + x.shape[2:]), 1, 0)
 
         # Recompute both heads' logits in the backward pass instead of keeping them per chunk.
         remat_piece = jax.checkpoint(piece)
 
-        def body(carry, xs):
-            kl, ce = remat_piece(*xs)
+        def body(carry, chunk_xs):
+            kl, ce = remat_piece(*chunk_xs)
             return (carry[0] + kl, carry[1] + ce), None
 
         zero = jnp.zeros((), jnp.float32)
-        xs = (to_chunks(hs_BTE), to_chunks(ht_BTE), to_chunks(targets_BT), to_chunks(mask_BT))
-        (kl, ce), _ = jax.lax.scan(body, (zero, zero), xs)
+        (kl, ce), _ = jax.lax.scan(body, (zero, zero), tuple(to_chunks(x) for x in xs))
+        if main < T:  # the tail: a smaller last chunk
+            tail_kl, tail_ce = remat_piece(*(None if x is None else x[:, main:] for x in xs))
+            kl, ce = kl + tail_kl, ce + tail_ce
     count = jnp.sum(mask_BT.astype(jnp.float32))
     return kl * temperature**2, ce, count, stats
 
@@ -225,15 +221,15 @@ def distill_loss_sum(student, teacher, batch: dict, *, temperature: float = 2.0,
         temperature: softmax temperature T (> 0) of the KL term.
         alpha: weight of the KL term in [0, 1].
         kind: "forward" = KL(teacher || student) (Hinton), "reverse" = KL(student || teacher).
-        chunk: sequence positions per chunk; must divide T (>= T: one piece). None: the
-            largest divisor of T not above `student.config.loss_chunk`.
+        chunk: sequence positions per chunk (>= T: one piece; a tail shorter than it is one
+            more piece). None: `student.config.loss_chunk`.
 
     Returns:
         (loss_sum f32[], count f32[])
 
     Raises:
         ValueError: vocab sizes differ, temperature <= 0, alpha outside [0, 1], unknown
-            kind, a chunk that does not divide the sequence, or a batch without inputs, targets
+            kind, a chunk that is not a positive integer, or a batch without inputs, targets
             and mask of one [B, T] shape; before any computation.
 
     Example:
@@ -326,16 +322,17 @@ class DistillFns:
     merge: Callable[[Any], nnx.Module]
 
 
-def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.GradientTransformation, *,
+def make_distill_fns(student: nnx.Module, teacher: nnx.Module | None, tx: optax.GradientTransformation, *,
                      temperature: float = 2.0, alpha: float = 0.5, kind: str = "forward",
                      chunk: int | None = None, adapters_only: bool = False) -> DistillFns:
     """The train step of `student` on `distill_loss_sum` against `teacher`, as pure functions.
 
     The teacher's state is a step argument (`nnx.state(teacher)`), so a jitted step does
     not embed its weights as constants, and a sharded or quantized teacher passes as is.
-    alpha=0 gives plain cross-entropy training of the same student (the teacher unused).
-    With `adapters_only` only the student's LoRA arrays (`jmem.lora`) get gradients and
-    optimizer state: a quantized student base with adapters (QLoRA) distils as is.
+    alpha=0 gives plain cross-entropy training of the same student (the teacher unused: it
+    may be None, and then the step's teacher_state is ignored). With `adapters_only` only the
+    student's LoRA arrays (`jmem.lora`) get gradients and optimizer state: a quantized student
+    base with adapters (QLoRA) distils as is.
 
     Example:
         >>> fns = make_distill_fns(student, teacher, optax.adamw(3e-4), temperature=2.0, alpha=0.5)
@@ -346,14 +343,15 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
     temperature, alpha = check_distill_args(temperature, alpha, kind)
     check_optimizer(tx, "tx")
     check_bool("adapters_only", adapters_only)
-    if chunk is not None and (not is_int(chunk) or chunk <= 0):  # its divisibility waits for the batch's length
-        raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer dividing the sequence length, "
-                         "or None")
+    if chunk is not None and (not is_int(chunk) or chunk <= 0):
+        raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer, or None")
     vs, vt = _vocab(student), _vocab(teacher)
     if alpha > 0 and vs is not None and vt is not None and vs != vt:
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; accepted: equal vocabularies")
+    if teacher is None and alpha > 0:
+        raise ValueError(f"alpha={alpha} needs a teacher; accepted: a teacher model, or alpha=0 (plain cross-entropy)")
     graphdef, _, rest = nnx.split(student, nnx.Param, ...)
-    teacher_graphdef = nnx.split(teacher)[0]
+    teacher_graphdef = None if teacher is None else nnx.split(teacher)[0]
 
     def merge(params):
         return nnx.merge(graphdef, params, rest)
@@ -371,7 +369,7 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module, tx: optax.Gradien
 
     def step(params, opt_state, teacher_state, batch):
         check_batch(batch)
-        t = nnx.merge(teacher_graphdef, teacher_state)
+        t = None if teacher_graphdef is None else nnx.merge(teacher_graphdef, teacher_state)
         n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
         train, frozen = trainable_split(params, adapters_only)
 

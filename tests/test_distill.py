@@ -41,10 +41,10 @@ def _np_reference(s, t, targets, mask, temperature, alpha, kind):
     return (per * m).sum(), m.sum()
 
 
-@pytest.mark.parametrize("kind", ["forward", "reverse"])
-def test_chunked_loss_and_grads_match_full_logits_reference(kind):
+@pytest.mark.parametrize("kind, chunk", [("forward", 4), ("reverse", 4), ("forward", 5)])  # 5: a tail of 1
+def test_chunked_loss_and_grads_match_full_logits_reference(kind, chunk):
     rng = np.random.default_rng(1 if kind == "forward" else 2)
-    temp, alpha, chunk = 1.7, 0.3, 4
+    temp, alpha = 1.7, 0.3
     student = Llama(CFG.replace(n_layers=1), rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     teacher = Llama(CFG.replace(n_layers=2), rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     batch = _batch(rng, 2, 16, CFG.vocab_size)
@@ -277,6 +277,32 @@ def test_a_step_at_an_alpha_end_logs_both_terms(alpha):
                                rtol=1e-6)
 
 
+def test_default_chunk_is_the_models_loss_chunk_with_a_tail():
+    """chunk=None takes loss_chunk positions per piece and a shorter tail (at a prime length it took
+    the largest divisor, 1: a scan of one position per step); the value is the one-piece value."""
+    student = Llama(CFG.replace(n_layers=1, loss_chunk=4), rngs=nnx.Rngs(3))
+    batch = _batch(np.random.default_rng(3), 2, 13, CFG.vocab_size)
+    jaxpr = jax.make_jaxpr(lambda b: distill_loss_sum(student, student, b, alpha=0.5))(batch)
+    assert 3 in [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"], jaxpr
+    got = distill_loss_sum(student, student, batch, alpha=0.5)
+    want = distill_loss_sum(student, student, batch, alpha=0.5, chunk=13)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+
+
+def test_plain_ce_steps_take_no_teacher():
+    """alpha=0 leaves the teacher unused, so None is one; alpha > 0 without one is refused when built
+    (both failed at the first step inside flax's merge)."""
+    student = Llama(CFG.replace(n_layers=1), rngs=nnx.Rngs(4))
+    batch = _batch(np.random.default_rng(4), 2, 8, CFG.vocab_size)
+    fns = make_distill_fns(student, None, optax.sgd(0.0), alpha=0.0, chunk=4)
+    params, opt = fns.init(student)
+    metrics = jax.jit(fns.step)(params, opt, None, batch)[2]
+    want, count = distill_loss_sum(student, None, batch, alpha=0.0)
+    np.testing.assert_allclose(float(metrics["ce"]), float(want / count), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"^alpha=0.5 needs a teacher; accepted: a teacher model, or alpha=0"):
+        make_distill_fns(student, None, optax.sgd(0.0), alpha=0.5)
+
+
 def test_distill_step_trains_lora_on_a_quantized_student():
     """QLoRA-style distillation: int8 student base (dropped layers of the int8-quantized
     teacher, leaf type kept) plus adapters against the float teacher; only the adapters
@@ -321,7 +347,7 @@ def test_distill_step_trains_lora_on_a_quantized_student():
     (dict(alpha=1.5), "alpha=1.5"),
     (dict(alpha=-0.1), "alpha=-0.1"),
     (dict(kind="jsd"), "kind='jsd'"),
-    (dict(chunk=3), "chunk=3 does not divide seq=8"),
+    (dict(chunk=2.5), r"^distillation chunk=2.5; accepted: a positive integer, or None$"),
     (dict(chunk=0), "chunk=0"),
     (dict(temperature="2"), r"^distillation temperature='2'; accepted: a finite number > 0$"),
     (dict(temperature=True), r"^distillation temperature=True; accepted"),
@@ -346,7 +372,7 @@ def test_vocab_mismatch_and_layer_errors():
     with pytest.raises(ValueError, match="vocab_size=96 differs"):
         make_distill_fns(student, teacher, optax.sgd(0.1))
     for chunk in (-3, 0, 2.5):  # refused when built, not at the first step
-        with pytest.raises(ValueError, match=rf"^distillation chunk={chunk}; accepted: a positive integer dividing"):
+        with pytest.raises(ValueError, match=rf"^distillation chunk={chunk}; accepted: a positive integer, or None$"):
             make_distill_fns(student, student, optax.sgd(0.1), chunk=chunk)
     for layers, match in [([0, 2], r"out of range .* \[0, 2\)"), ([-1], "out of range"), ([1, 1], r"repeat \[1\]"),
                           ([], "empty"), ([0.5], "not an integer"),
@@ -442,6 +468,27 @@ def test_script_failing_after_validation_leaves_no_save_student_directory(tmp_pa
     assert experiment("distill").cli(argv) == 2
     assert "--seq 4096 exceeds the teacher's context" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_script_keeps_a_written_student_when_the_plain_ce_run_fails(tmp_path, monkeypatch, capsys):
+    """The student is written after the distilled run; a Ctrl-C in the plain-CE run after it removed it."""
+    from tests.helpers import experiment
+
+    script = experiment("distill")
+    real = script.train_student
+
+    def train_student(student, teacher, data, eval_fn, cfg, alpha):
+        if alpha == 0.0:
+            raise KeyboardInterrupt
+        return real(student, teacher, data, eval_fn, cfg, alpha)
+
+    monkeypatch.setattr(script, "train_student", train_student)
+    out = tmp_path / "student"
+    argv = ["--teacher", "tiny", "--steps", "1", "--batch", "2", "--seq", "16", "--eval-batches", "1",
+            "--save-student", str(out)]
+    assert script.cli(argv) == 130
+    assert "wrote the distilled student" in capsys.readouterr().out
+    assert (out / "jmem_model.json").is_file()
 
 
 @pytest.mark.slow
