@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 import jmem
-from jmem.data import PackedDataset, load_documents
+from jmem.data import PackedDataset, data_name, load_documents
 from jmem.distill import KINDS, check_distill_args, make_distill_fns, student_from_teacher
 from jmem.experiment import run_experiment
 from jmem.io.paths import undo_on_failure
@@ -161,7 +161,7 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str], undo: contextlib
     if max(layers) >= n:
         raise ValueError(f"--student-layers {cfg.student_layers!r}: the teacher has {n} blocks; accepted: 0..{n - 1}")
     student = student_from_teacher(teacher, layers)
-    data = PackedDataset.from_text(docs, lm.tokenizer, cfg.seq)
+    data = PackedDataset.from_text(docs, lm.tokenizer, cfg.seq, names=(data_name(cfg.text, "--text"), "--seq "))
     evals = [jax.tree.map(jnp.asarray, b) for b in data.eval_batches(cfg.batch, cfg.eval_batches)]
     if not evals:
         raise ValueError(f"the text has {len(data.valid)} validation windows, fewer than --batch {cfg.batch}")

@@ -26,7 +26,7 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from jmem.data import PackedDataset, load_documents
+from jmem.data import PackedDataset, data_name, load_documents
 from jmem.experiment import run_experiment
 from jmem.io.tokenizer import ByteTokenizer
 from jmem.memory.measure import measure, tree_bytes
@@ -109,10 +109,8 @@ def validate(cfg: Config) -> tuple[list[int], PackedDataset | None]:
     counts = _counts(cfg.n_active, layers)
     if not cfg.train_steps:
         return counts, None
-    try:
-        data = PackedDataset.from_text(load_documents(cfg.data, "--data"), ByteTokenizer(), cfg.train_seq)
-    except ValueError as e:  # the windows are --train-seq long here
-        raise ValueError(str(e).replace("seq=", "--train-seq ").replace("smaller seq", "smaller --train-seq")) from None
+    data = PackedDataset.from_text(load_documents(cfg.data, "--data"), ByteTokenizer(), cfg.train_seq,
+                                   names=(data_name(cfg.data), "--train-seq "))
     if len(data.valid) < cfg.batch:  # the held-out loss needs one whole batch
         raise ValueError(f"the text (--data {cfg.data}) has {len(data.valid)} held-out windows of --train-seq "
                          f"{cfg.train_seq} tokens, fewer than --batch {cfg.batch}; accepted: a longer text, a smaller "

@@ -86,6 +86,11 @@ def default_text() -> str:
     return "\n\n".join(default_documents())
 
 
+def data_name(path: str | os.PathLike | None, flag: str = "--data") -> str:
+    """How messages name the text `load_documents(path, flag)` reads: `--data 'a.txt'` or "the default text"."""
+    return "the default text" if path is None or str(path) == "default" else f"{flag} {str(path)!r}"
+
+
 def load_documents(path: str | os.PathLike | None, flag: str = "--data") -> list[str]:
     """The documents of a UTF-8 text file (the whole file is one document), or the
     default text's documents when `path` is None or "default".
@@ -137,8 +142,8 @@ def check_text_file(path: str | os.PathLike, flag: str = "--data") -> pathlib.Pa
 
 
 def cache_dir() -> pathlib.Path:
-    """`$JMEM_CACHE` or `~/.cache/jmem`."""
-    return pathlib.Path(os.environ.get("JMEM_CACHE", pathlib.Path.home() / ".cache" / "jmem"))
+    """`$JMEM_CACHE` (`~` expanded) or, when unset or empty, `~/.cache/jmem`."""
+    return pathlib.Path(os.environ.get("JMEM_CACHE") or "~/.cache/jmem").expanduser()
 
 
 def tokenizer_id(tokenizer) -> str:
@@ -243,7 +248,10 @@ class PackedDataset:
     _orders: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05) -> "PackedDataset":
+    def from_tokens(cls, stream: np.ndarray, seq: int, *, valid_fraction: float = 0.05,
+                    names: tuple[str, str] = ("the text", "seq=")) -> "PackedDataset":
+        """Pack `stream` into windows of `seq` + 1 tokens. `names` (the text, the seq prefix) name them
+        in the too-short error, e.g. ("--data 'a.txt'", "--seq ")."""
         check_int("seq", seq, 1)
         stream = np.asarray(stream)
         if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
@@ -253,8 +261,9 @@ class PackedDataset:
             raise ValueError(f"valid_fraction={valid_fraction}; accepted: 0 <= valid_fraction < 1")
         n = (len(stream) - 1) // seq
         if n < 2:
-            raise ValueError(f"the text has {len(stream)} tokens: too short for two windows of seq={seq}; accepted: "
-                             f"a text of at least {2 * seq + 1} tokens, or a smaller seq")
+            text, seq_name = names
+            raise ValueError(f"{text} has {len(stream)} tokens: too short for two windows of {seq_name}{seq}; "
+                             f"accepted: a text of at least {2 * seq + 1} tokens, or a smaller {seq_name.rstrip(' =')}")
         # Windows overlap by one token so each target follows its input; strided views, not copies.
         windows = np.lib.stride_tricks.sliding_window_view(stream, seq + 1)[::seq][:n]
         n_valid = int(n * valid_fraction) if valid_fraction > 0 else 0
@@ -262,14 +271,15 @@ class PackedDataset:
         return cls(train=windows[: n - n_valid], valid=windows[n - n_valid :], seq=seq)
 
     @classmethod
-    def from_text(cls, docs: list[str] | str, tokenizer, seq: int, *, cache: bool = True, valid_fraction: float = 0.05) -> "PackedDataset":
-        """Tokenize (cached) and pack. `docs` is one string or a list of documents."""
+    def from_text(cls, docs: list[str] | str, tokenizer, seq: int, *, cache: bool = True, valid_fraction: float = 0.05,
+                  names: tuple[str, str] = ("the text", "seq=")) -> "PackedDataset":
+        """Tokenize (cached) and pack. `docs` is one string or a list of documents; `names` as `from_tokens`."""
         if isinstance(docs, str):
             docs = [docs]
         bos = getattr(tokenizer, "bos_id", None)
         eos = getattr(tokenizer, "eos_id", None)
         stream = tokenize_documents(docs, tokenizer, bos=bos, eos=eos, cache=cache)
-        return cls.from_tokens(stream, seq, valid_fraction=valid_fraction)
+        return cls.from_tokens(stream, seq, valid_fraction=valid_fraction, names=names)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import operator
 from typing import Any
 
 import jinja2.ext
@@ -78,10 +79,16 @@ def _render_chat(template: str, messages: list[dict[str, str]], add_generation_p
 
 
 def _non_negative(ids) -> list[int]:
-    ids = [int(i) for i in ids]
-    if ids and min(ids) < 0:
-        raise ValueError(f"decode: token id {min(ids)}; accepted: ids >= 0")
-    return ids
+    """`ids` as Python ints: one ValueError for a negative or non-integer id (a float was truncated)."""
+    out = []
+    for i in ids:
+        try:
+            out.append(operator.index(i))  # int, NumPy or JAX integer scalars
+        except TypeError:
+            raise ValueError(f"decode: token id {i!r}; accepted: integer ids >= 0") from None
+    if out and min(out) < 0:
+        raise ValueError(f"decode: token id {min(out)}; accepted: integer ids >= 0")
+    return out
 
 
 def _encode_chat(tok, text: str) -> list[int]:
@@ -197,8 +204,9 @@ class GGUFTokenizer:
 
     def decode(self, ids, skip_special: bool = True) -> str:
         """Text of `ids`; ids past the vocabulary (a model's padded rows) decode to nothing."""
-        ids = _non_negative(ids)
-        return self._tok.decode([i for i in ids if i not in self._unused], skip_special_tokens=skip_special)
+        n = len(self.tokens)
+        return self._tok.decode([i for i in _non_negative(ids) if i < n and i not in self._unused],
+                                skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -14,7 +14,7 @@ import jax
 import optax
 from flax import nnx
 
-from jmem.data import BYTE_VOCAB, ByteTokenizer, PackedDataset, load_documents
+from jmem.data import BYTE_VOCAB, ByteTokenizer, PackedDataset, data_name, load_documents
 from jmem.io.checkpoint import structure_fingerprint
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.models.config import PRESETS, LlamaConfig
@@ -333,7 +333,7 @@ def build(cfg: TrainConfig) -> Run:
     vocab = getattr(tok, "vocab_size", None)
     if vocab is not None and vocab > mc.vocab_size:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
-    data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq)
+    data = PackedDataset.from_text(load_documents(cfg.data), tok, cfg.seq, names=(data_name(cfg.data), "--seq "))
     digest = data.digest() if cfg.distributed or cfg.ckpt_dir else None
     if cfg.distributed:  # the same path may hold a different text on another host
         par.check_same_settings({"--data (its tokens)": digest}, "training texts")

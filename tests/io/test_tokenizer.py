@@ -36,6 +36,8 @@ def test_chat_template():
 
 # --- GGUF tokenizers built from small synthetic metadata (no model file) ---
 
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jmem.io.gguf_writer import byte_tokenizer_metadata  # noqa: E402
@@ -76,11 +78,14 @@ def test_user_defined_tokens_stay_in_decoded_text():
     with_control = [tok.bos_id, *ids, tok.eos_id]
     assert tok.decode(with_control) == "<think>ok</think>"
     assert tok.decode(with_control, skip_special=False) == "<|bos|><think>ok</think><|eos|>"
-    # Ids past the vocabulary (a model's padded embedding rows) decode to nothing; a negative id is refused.
-    assert tok.decode([*ids, tok.vocab_size + 5]) == "<think>ok</think>"
+    # Ids past the vocabulary (a model's padded embedding rows) decode to nothing, 2**32 too (an
+    # OverflowError in the tokenizers library); a negative or non-integer id is refused (1.5 was id 1).
+    assert tok.decode([*ids, tok.vocab_size + 5, 2**32]) == "<think>ok</think>"
+    assert tok.decode(np.asarray(ids)) == tok.decode(jnp.asarray(ids)) == "<think>ok</think>"
     for t in (tok, ByteTokenizer()):
-        with pytest.raises(ValueError, match="decode: token id -1; accepted: ids >= 0"):
-            t.decode([97, -1])
+        for bad in (-1, 1.5, "97"):
+            with pytest.raises(ValueError, match=rf"^decode: token id {bad!r}; accepted: integer ids >= 0$"):
+                t.decode([97, bad])
 
 
 ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

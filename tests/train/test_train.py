@@ -221,6 +221,14 @@ def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
 
 
+def test_a_text_too_short_for_the_windows_names_data_and_seq(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("hello world")
+    rc, err = run_train_script(["--steps", "2", "--batch", "2", "--seq", "32", "--data", str(text)], capsys)
+    assert rc == 2 and err.strip() == f"error: --data {str(text)!r} has 13 tokens: too short for two windows of " \
+        "--seq 32; accepted: a text of at least 65 tokens, or a smaller --seq", err
+
+
 @pytest.mark.parametrize("name, expected", [
     ("p.txt", "--plot '{}': matplotlib cannot write '.txt' files; accepted: a file name ending in .eps,"),
     ("p", "--plot '{}': the file name has no extension; accepted: a file name ending in .eps,"),
