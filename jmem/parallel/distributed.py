@@ -199,12 +199,17 @@ def check_same_settings(settings: dict[str, object], what: str = "settings") -> 
                                + ", ".join(f"{n} {settings[n]!r}" for n in differ) + ")")
 
 
+# What JAX's cluster auto-detection needs in the environment: a SLURM job step (`srun`: an `salloc`
+# shell or a batch script's own process has SLURM_JOB_ID alone), an Open MPI launch, a TPU pod.
+_CLUSTER_ENVS = (("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+                 ("OMPI_MCA_orte_hnp_uri",), ("TPU_WORKER_HOSTNAMES",), ("MEGASCALE_COORDINATOR_ADDRESS",))
+
+
 def _auto_env() -> bool:
-    """True where JAX's cluster auto-detection has something to find (SLURM job, TPU pod, MPI)."""
+    """True where JAX's cluster auto-detection has something to find (`_CLUSTER_ENVS`)."""
     import os
 
-    return any(k in os.environ for k in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE",
-                                         "MEGASCALE_COORDINATOR_ADDRESS"))
+    return any(all(k in os.environ for k in keys) for keys in _CLUSTER_ENVS)
 
 
 def _info() -> ProcessInfo:
@@ -215,14 +220,15 @@ def to_global(tree, shardings):
     """Make global arrays from values every process holds in full (same seed, same data order).
 
     Single-process: `jax.device_put`. Multi-process: each process fills its own
-    shards from its full host copy (`jax.make_array_from_callback`).
+    shards from its full host copy (`jax.make_array_from_callback`); an array that
+    already spans the processes is resharded where its sharding differs.
     """
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
     def one(x, s):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x
+            return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 

@@ -1,7 +1,8 @@
 """Count collectives in compiled HLO text, in and out of loops.
 
 The compiled (post-SPMD-partitioning) HLO says which collectives a sharded
-step really runs: `all-reduce` vs `reduce-scatter` for gradients, the
+step really runs: `all-reduce` vs `reduce-scatter` for gradients (TPU's fused
+`all-reduce-scatter` computations count as the reduce-scatter they run), the
 `all-gather`s of ZeRO-3 parameters, `collective-permute` between pipeline
 stages. Collectives inside a `while` body run once per iteration (per layer in
 the layer scan, per microbatch in gradient accumulation).
@@ -59,6 +60,12 @@ def _reachable(comps: dict[str, list[str]], roots) -> set[str]:
     return seen
 
 
+def _kind(computation: str, op: str) -> str:
+    """The collective an `op` line runs: TPU's compiler writes a reduce-scatter as a fusion computation
+    `all-reduce-scatter...` whose body all-reduces and slices the result to the shard."""
+    return "reduce-scatter" if op == "all-reduce" and computation.startswith("all-reduce-scatter") else op
+
+
 def collectives(hlo_text: str, *, in_loops: bool | None = None) -> dict[str, int]:
     """Number of collective instructions by kind (`-start` async forms counted as the op).
 
@@ -78,7 +85,7 @@ def collectives(hlo_text: str, *, in_loops: bool | None = None) -> dict[str, int
         for ln in lines:
             m = _OP.search(ln)
             if m:
-                counts[m.group(1)] += 1
+                counts[_kind(name, m.group(1))] += 1
     return dict(counts)
 
 
@@ -101,9 +108,12 @@ def collective_shapes(hlo_text: str, kind: str, *, in_loops: bool | None = None)
             continue
         for ln in lines:
             m = _OP.search(ln)
-            shape = _SHAPE.search(ln)
-            if m and m.group(1) == kind and shape:
-                out.append(tuple(int(d) for d in shape.group(1).split(",") if d))
+            if m and _kind(name, m.group(1)) == kind:
+                if m.group(1) != kind:  # a fused reduce-scatter's result is its computation's (the slice)
+                    ln = next(x for x in lines if x.lstrip().startswith("ROOT "))
+                shape = _SHAPE.search(ln)
+                if shape:
+                    out.append(tuple(int(d) for d in shape.group(1).split(",") if d))
     return out
 
 

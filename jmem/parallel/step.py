@@ -18,9 +18,12 @@ computed by `vmap` over the groups), so no collective runs inside the loop and
 the one reduction (an explicit all-reduce, or reduce-scatter at ZeRO 2-3)
 happens after it; the price is one full local f32 gradient per device. With
 `accum == 1` the step is a plain `value_and_grad` and XLA reduces each layer's
-gradient inside the backward layer scan as it is produced (a reduce-scatter on
-GPU/TPU at ZeRO 2-3; the CPU compiler emits all-reduce + slice), which needs
-less temporary memory than a whole local gradient. A loss that is not additive
+gradient inside the backward layer scan as it is produced, which needs less
+temporary memory than a whole local gradient. At ZeRO 2-3 that reduction is
+the compiler's choice: the CPU compiler all-reduces and slices; the TPU
+compiler (v5e, ahead of time) reduce-scatters some leaves and all-reduces then
+slices others (the layers' kernels among them); the explicit reduce-scatter is
+the `accum > 1` path's. A loss that is not additive
 over the batch (an MoE model's routing) keeps the global microbatches of one
 device instead (see `dp_accumulate_value_and_grad`).
 
@@ -435,8 +438,9 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     def step(state, batch):
         check_not_donated(state)
         check_batch(batch, mesh, rules, accum)
-        if jax.process_count() > 1:  # every process holds the full global batch
-            batch = to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
+        # Every process holds the full global batch; an array placed otherwise is resharded (the jitted
+        # step refuses a committed argument of another sharding).
+        batch = to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
         return compiled.get("step", step_jit)(state, batch)
 
     return ShardedTrainStep(init=init, step=step, shardings=state_sh, zero=zs, batch_sharding=batch_sh,

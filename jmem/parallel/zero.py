@@ -9,9 +9,10 @@ added to their sharding (on top of the model-parallel sharding from `Rules`):
     2      replicated  sharded     sharded             P Psi + (G + K) Psi / N
     3      sharded     sharded     sharded             (P + G + K) Psi / N
 
-The collectives follow from the layouts. `jmem.parallel.step` reduces the
-gradient explicitly: an all-reduce into replicated grads (0-1) or a
-reduce-scatter into sharded grads (2-3). With sharded optimizer state the
+The collectives follow from the layouts. `jmem.parallel.step` with `accum > 1`
+reduces the gradient explicitly: an all-reduce into replicated grads (0-1) or a
+reduce-scatter into sharded grads (2-3); with `accum == 1` the compiler chooses
+(see `jmem.parallel.step`). With sharded optimizer state the
 update is computed on the shard and the new params are all-gathered (1-2).
 With sharded params (3) the stacked `layers` axis stays whole and another dim
 is split, so the layer scan slices a sharded layer and the weight is
@@ -240,8 +241,8 @@ def constrain_gradients(tx: optax.GradientTransformation, mesh: Mesh, *, stage: 
 
     For a step whose gradient reduction is left to XLA (plain `jit` of a
     `value_and_grad`), this is what asks for sharded gradients at stage 2-3: the
-    GPU/TPU compilers then emit a reduce-scatter (the CPU compiler keeps an
-    all-reduce and slices it). `dp_accumulate_value_and_grad` makes the
+    compiler then reduce-scatters or all-reduces and slices (the CPU compiler
+    always the latter; see `jmem.parallel.step`). `dp_accumulate_value_and_grad` makes the
     reduce-scatter explicit on every backend. The optimizer state's structure is
     unchanged, so checkpoints and shardings of `tx.init` still fit.
 

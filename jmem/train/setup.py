@@ -304,9 +304,10 @@ def _program_key(cfg: TrainConfig) -> TrainConfig:
                                coordinator=None, process_id=None, offload_dir=None)
 
 
-# Flags that may differ between the processes of one job: each process's own index, and its own
-# output files and local offload folder; --data by the tokens it holds (below), not by its path.
-_PER_PROCESS = ("process_id", "init_timeout", "log", "plot", "progress", "offload_dir", "data")
+# Flags that may differ between the processes of one job: each process's own index, its own address
+# of process 0 (the processes joined one job), its own output files and local offload folder; --data
+# by the tokens it holds (below), not by its path.
+_PER_PROCESS = ("process_id", "coordinator", "init_timeout", "log", "plot", "progress", "offload_dir", "data")
 
 
 def shared_flags(cfg: TrainConfig) -> dict:

@@ -37,9 +37,12 @@ def main():
     rng = np.random.default_rng(0)
     B, T = 8, 16
     losses = []
-    for _ in range(steps):
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for i in range(steps):
         ids = ((rng.integers(0, cfg.vocab_size, (B, 1)) + np.arange(T + 1)) % cfg.vocab_size).astype(np.int32)
         batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": np.ones((B, T), np.float32)}
+        if i == 1:  # a batch already global, on another sharding than the step's: resharded
+            batch = par.to_global(batch, {k: replicated for k in batch})
         state, metrics = trainer.step(state, batch)
         losses.append(float(local_value(metrics["loss"])))
     print(json.dumps({"losses": losses, "devices": jax.device_count(), "process": jax.process_index()}), flush=True)

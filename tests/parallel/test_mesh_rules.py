@@ -138,11 +138,21 @@ def test_stage3_never_splits_the_scanned_layers_axis():
 
 
 def test_collective_counter_on_handwritten_hlo():
+    from jmem.parallel.hlo import collective_shapes
+
     text = """HloModule m
+
+%all-reduce-scatter.3 (input.1: f32[8]) -> f32[2] {
+  %input.1 = f32[8]{0} parameter(0)
+  %all-reduce.56 = f32[8]{0} all-reduce(%input.1), channel_id=22, replica_groups={{0,1,2,3}}, to_apply=%add
+  %i = u32[] partition-id()
+  ROOT %dynamic-slice.201 = f32[2]{0} dynamic-slice(%all-reduce.56, %i), dynamic_slice_sizes={2}
+}
 
 %body (p: f32[4]) -> f32[4] {
   %p = f32[4] parameter(0)
   %ag = f32[8]{0} all-gather(f32[4]{0} %p), dimensions={0}
+  %f = f32[2]{0} fusion(%ag), kind=kCustom, calls=%all-reduce-scatter.3
   ROOT %r = f32[4] slice(%ag), slice={[0:4]}
 }
 
@@ -157,9 +167,12 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   ROOT %ar = f32[4]{0} all-reduce-start(f32[4]{0} %a), to_apply=%add
 }
 """
-    assert par.collectives(text) == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
-    assert par.collectives(text, in_loops=True) == {"all-gather": 1}
+    # TPU's compiler writes a reduce-scatter as a custom fusion `all-reduce-scatter` (all-reduce, then the
+    # device's slice): counted as the reduce-scatter it runs, with the slice's shape (it was an all-reduce).
+    assert par.collectives(text) == {"all-gather": 1, "reduce-scatter": 2, "all-reduce": 1}
+    assert par.collectives(text, in_loops=True) == {"all-gather": 1, "reduce-scatter": 1}
     assert par.collectives(text, in_loops=False) == {"reduce-scatter": 1, "all-reduce": 1}
+    assert collective_shapes(text, "reduce-scatter", in_loops=True) == [(2,)]
 
 
 def test_sequence_sharding_constraint_between_blocks():
@@ -176,8 +189,15 @@ def test_sequence_sharding_constraint_between_blocks():
 
 
 def test_initialize_checks_and_single_process(monkeypatch):
-    for key in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE", "MEGASCALE_COORDINATOR_ADDRESS"):
+    from jmem.parallel.distributed import _CLUSTER_ENVS
+
+    for key in sum(_CLUSTER_ENVS, ()):
         monkeypatch.delenv(key, raising=False)
+    # An `salloc` shell (or a batch script's own process) has SLURM_JOB_ID but no job step, and an
+    # Open MPI environment without its launcher URI: JAX detects no cluster there, so neither do we
+    # (a single process ran into JAX's "coordinator_address should be defined").
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     with pytest.raises(par.DistributedError, match="needs num_processes, process_id as well"):
         par.initialize("127.0.0.1:1234")
     with pytest.raises(par.DistributedError, match="not HOST:PORT"):

@@ -219,6 +219,18 @@ def test_bad_batch_and_stage(tiny):
         trainer.step(None, small)
 
 
+def test_a_batch_placed_on_another_sharding_is_resharded():
+    """A batch already committed to one device (or to any other sharding) trains as the host batch
+    (the jitted step refused it with JAX's 'Sharding passed to jit does not match')."""
+    params, mesh = {"w": jnp.eye(8)}, par.make_mesh("data=8")
+    trainer = par.make_sharded_train_step(lambda p, b: (jnp.sum((b["x"] @ p["w"]) ** 2), jnp.float32(8.0)),
+                                          optax.sgd(0.1), params, mesh, donate=False)
+    state, x = trainer.init(params), np.arange(64.0, dtype=np.float32).reshape(8, 8) / 64
+    want = trainer.step(state, {"x": x})[1]["loss"]
+    placed = jax.device_put(x, jax.devices()[3])
+    np.testing.assert_array_equal(trainer.step(state, {"x": placed})[1]["loss"], want)
+
+
 def test_user_loss_and_batch_contract_errors():
     """A plain-dict model: a scalar batch leaf and a loss that returns a mean (or a 3-tuple) each get one
     error naming what is wrong (were IndexError and 'iteration over a 0-d array')."""

@@ -366,4 +366,8 @@ def test_processes_compare_paths_in_normal_form():
     a = shared_flags(TrainConfig(model="tiny", ckpt_dir="/x/run/", save="out/./model"))
     b = shared_flags(TrainConfig(model="tiny", ckpt_dir="/x/run", save="out/model"))
     assert a == b and a["--ckpt-dir"] == "/x/run" and "--process-id" not in a
+    # Each process reaches process 0 by its own address (localhost on process 0, an IP elsewhere): having
+    # joined one job, they agree on it; --coordinator localhost:P vs 127.0.0.1:P was "flags differ".
+    assert shared_flags(TrainConfig(model="tiny", coordinator="localhost:5")) == \
+        shared_flags(TrainConfig(model="tiny", coordinator="127.0.0.1:5"))
     assert shared_flags(TrainConfig(model="tiny", lr=1e-2)) != shared_flags(TrainConfig(model="tiny"))

@@ -147,9 +147,10 @@ def _two_processes(per_process) -> tuple[list[int], list[str]]:
     """Run train.py as 2 processes x 2 CPU devices (gloo); `per_process(i)` are process i's extra flags."""
     from tests.helpers import free_port
 
-    coord = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(TWO_PROCESS_BASE + [*per_process(i), "--coordinator", coord, "--num-processes", "2",
-                                                  "--process-id", str(i)],
+    port = free_port()  # each process names process 0's host its own way: not a difference between them
+    hosts = ("127.0.0.1", "localhost")
+    procs = [subprocess.Popen(TWO_PROCESS_BASE + [*per_process(i), "--coordinator", f"{hosts[i]}:{port}",
+                                                  "--num-processes", "2", "--process-id", str(i)],
                               env=_device_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
