@@ -320,8 +320,16 @@ def serve_main(argv: list[str] | None = None) -> None:
 def _graceful_server(config, engine, shutdown_timeout: int):
     """A uvicorn server whose shutdown (SIGTERM, Ctrl-C) lets running requests finish for
     `shutdown_timeout` seconds, then aborts them: each ends as `finish_reason` "abort", its
-    response complete (no cancelled task, no 500)."""
+    response complete (no cancelled task, no 500). A connection that never reaches the engine (a
+    client that stalls mid-body) is closed by uvicorn a few seconds after that, so shutdown ends."""
+    import asyncio
+
     import uvicorn
+
+    config.timeout_graceful_shutdown = shutdown_timeout + 5  # the aborted responses get 5 s to finish
+    # The stalled connections' tasks are cancelled then; their CancelledError is no server error.
+    logging.getLogger("uvicorn.error").addFilter(
+        lambda r: not (r.exc_info and isinstance(r.exc_info[1], asyncio.CancelledError)))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -72,7 +72,13 @@ def server():
     reader = threading.Thread(target=stream)
     reader.start()
     assert started.wait(60)
+    # A client that stalls mid-body never reaches the engine; shutdown does not wait for it forever.
+    stalled = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    stalled.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                    b'Authorization: Bearer ' + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt":')
+    time.sleep(0.5)
     log = stop_server(proc)
+    stalled.close()
     reader.join(60)
     assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
     assert "listening on http://127.0.0.1" in log and "KV cache: 10 blocks x 16 tokens = 160 tokens" in log
@@ -138,14 +144,20 @@ def test_streaming_n2_stop_logprobs(server, client):
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert [c.text for c in r.choices] == [c.text for c in r2.choices]
     assert r.usage.prompt_tokens == 3  # the prompt counts once however many choices (OpenAI, vLLM)
-    # Stop string: the output ends just before it.
-    stop = full[4:6]
-    if "\ufffd" not in stop:
-        text, r = greedy_text(client, "stream me", max_tokens=10, stop=[stop], extra_body={"ignore_eos": True})
-        assert text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
-        text, r = greedy_text(client, "stream me", max_tokens=10, stop=[stop],
-                              extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
-        assert text == full[: full.find(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+    # Stop string (two characters of the output past its first, none a replacement character): the output
+    # ends just before it, streamed or not.
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 1) if "\ufffd" not in full[i:i + 2])
+    for stream in (False, True):
+        for include in (False, True):
+            kw = dict(model="tiny", prompt="stream me", max_tokens=10, temperature=0, stop=[stop],
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+            if stream:
+                chunks = list(client.completions.create(stream=True, **kw))
+                text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+            else:
+                r = client.completions.create(**kw)
+                text, reason = r.choices[0].text, r.choices[0].finish_reason
+            assert text == full[: full.find(stop) + (len(stop) if include else 0)] and reason == "stop", (stop, text)
     # Logprobs: one entry per token, top list of the requested size.
     text, r = greedy_text(client, "stream me", max_tokens=3, logprobs=2, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
