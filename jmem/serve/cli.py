@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -62,7 +63,8 @@ class ServeArgs:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body; a larger one is answered 413 before it is parsed."""
     shutdown_timeout: int = 30
-    """Seconds SIGTERM/Ctrl-C waits for running requests to finish before it ends them and exits."""
+    """Seconds SIGTERM/Ctrl-C waits for running requests to finish before it ends them and exits (a step
+    shape compiling in the background then finishes first)."""
     param_dtype: str | None = None
     """Dtype of unquantized parameters (unset: a quantized directory's own, else f32)."""
     packed: bool = False
@@ -342,6 +344,15 @@ def _graceful_server(config, engine, shutdown_timeout: int):
     return Server(config)
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Exit before serving (no request to finish) without the interpreter's teardown, which can race
+    XLA threads still compiling (a segmentation fault instead of the exit status)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _exit_quietly(*_) -> None:
     """SIGTERM after the graceful shutdown: exit 0 (a further SIGTERM, while exiting, ends the process)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -356,13 +367,21 @@ def run_serve(args: ServeArgs) -> None:
         _fail(str(e))
     level = args.log_level.lower()
     logging.basicConfig(level=LOG_LEVELS[level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Until the server runs: SIGTERM exits 0 and Ctrl-C 130 at once (loading or compiling, nothing to finish).
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now(0))
+    try:
+        engine, name, sock = _load(args)
+    except KeyboardInterrupt:
+        print("jmem: interrupted", file=sys.stderr)
+        _exit_now(130)
+    _serve(args, engine, name, sock)
+
+
+def _load(args: ServeArgs):
+    """Bind, build the engine, log its sizes, compile its step buckets (--warmup)."""
     sock = None
     try:
         sock = bind_socket(args.host, args.port)
-        import uvicorn
-
-        from jmem.serve.api import create_app
-
         engine, name = build_engine(args)
     except (ValueError, FileNotFoundError) as e:
         if sock is not None:
@@ -389,6 +408,16 @@ def run_serve(args: ServeArgs) -> None:
                  args.num_speculative_tokens)
     if args.warmup:
         engine.precompile()
+    return engine, name, sock
+
+
+def _serve(args: ServeArgs, engine, name: str, sock) -> None:
+    """Start the engine and serve on `sock` until SIGTERM (exit 0) or Ctrl-C (130)."""
+    import uvicorn
+
+    from jmem.serve.api import create_app
+
+    level = args.log_level.lower()
     engine.start()
     app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
                      allowed_origins=args.allowed_origins)

@@ -4,6 +4,7 @@ import concurrent.futures as cf
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -84,6 +85,29 @@ def server():
     assert "listening on http://127.0.0.1" in log and "KV cache: 10 blocks x 16 tokens = 160 tokens" in log
     assert [line for line in lines if line][-1] == "data: [DONE]" and any('"finish_reason": "abort"' in line
                                                                           for line in lines), lines[-5:]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_signal_while_compiling_before_serving_exits_with_its_status(sig, code):
+    """SIGTERM or Ctrl-C during the warmup compile: exit 0 / 130 (SIGTERM killed the process, -15; Ctrl-C
+    ended in a segmentation fault as the interpreter's teardown raced XLA's compile threads)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "jmem.serve", "--port", str(free_port()), "--model", "tiny",
+                             "--num-blocks", "16", "--max-model-len", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:  # the last line before the warmup compile
+            lines.append(line)
+            if "KV cache:" in line:
+                break
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert "listening on" not in out, "the warmup ended before the signal: nothing tested"
+    assert proc.returncode == code and "Fatal Python error" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.fixture(scope="module")
