@@ -22,7 +22,8 @@ all-gathered inside the loop body, one layer at a time
 The data axes go on one dimension per array: the one with the largest shard
 whose size stays divisible (after any model-parallel split of the same dim),
 never the scanned `layers` axis. Arrays with no such dimension (scalars, odd
-sizes) stay replicated.
+sizes) stay replicated; a stage that so keeps most of the optimizer state whole
+(a device count such as 3 that divides none of the model's sizes) warns.
 
 Example:
     >>> sh = zero_shardings(params, opt_state, mesh, stage=2)
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Mapping
 
 import jax
@@ -214,12 +216,34 @@ def zero_shardings(params, opt_state, mesh: Mesh, *, stage: int, rules=None,
     """
     stage = check_stage(stage)
     kw = dict(mesh=mesh, rules=rules, logical_axes=logical_axes, data_axes=data_axes)
-    return ZeroShardings(
+    out = ZeroShardings(
         params=tree_shardings(params, zero=stage >= 3, **kw),
         grads=tree_shardings(params, zero=stage >= 2, **kw),
         opt_state=tree_shardings(opt_state, zero=stage >= 1, params=params, **kw),
         stage=stage,
     )
+    if stage:
+        _warn_if_mostly_replicated(opt_state, out.opt_state, mesh, data_axes, stage)
+    return out
+
+
+def _warn_if_mostly_replicated(tree, shardings, mesh: Mesh, data_axes, stage: int) -> None:
+    """A warning when ZeRO leaves most of the optimizer state whole: the data axes' size divides no
+    dimension of those leaves (an odd device count), so the stage saves little or nothing."""
+    axes = [a for a in data_axes if mesh.shape.get(a, 1) > 1]
+    if not axes:
+        return
+    total = kept = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        size = math.prod(x.shape) * x.dtype.itemsize
+        total += size
+        used = {a for e in s.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        kept += 0 if used & set(axes) else size
+    if total and kept > total / 2:
+        n = math.prod(mesh.shape[a] for a in axes)
+        warnings.warn(f"ZeRO-{stage} over {'x'.join(axes)} ({n} devices) keeps {kept / total:.0%} of the optimizer "
+                      f"state whole on every device: no dimension of those arrays divides by {n}; a device count "
+                      "that divides the model's sizes (e.g. a power of two) shards it", stacklevel=3)
 
 
 def state_shardings(state, mesh: Mesh, *, stage: int, rules=None, logical_axes: Mapping | None = None):

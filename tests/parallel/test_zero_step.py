@@ -219,6 +219,25 @@ def test_bad_batch_and_stage(tiny):
         trainer.step(None, small)
 
 
+def test_zero_on_a_device_count_that_divides_nothing_warns(tiny):
+    """On 3 devices no dimension of the tiny model divides: ZeRO-3 kept every byte on every device
+    without a word (bytes as stage 0); a power of two shards it and says nothing."""
+    import warnings
+
+    _, loss_fn, params, _, _ = tiny
+    with pytest.warns(UserWarning, match=r"^ZeRO-3 over data \(3 devices\) keeps 100% of the optimizer state whole "
+                                         r"on every device: no dimension of those arrays divides by 3"):
+        odd = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params,
+                                          par.make_mesh("data=3", devices=jax.devices()[:3]), zero=3)
+    full = par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("data=3",
+                                       devices=jax.devices()[:3]), zero=0).bytes_per_device()
+    assert odd.bytes_per_device() == full
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        par.make_sharded_train_step(loss_fn, optax.adam(1e-2), params, par.make_mesh("data=4",
+                                    devices=jax.devices()[:4]), zero=3)
+
+
 def test_a_batch_placed_on_another_sharding_is_resharded():
     """A batch already committed to one device (or to any other sharding) trains as the host batch
     (the jitted step refused it with JAX's 'Sharding passed to jit does not match')."""
