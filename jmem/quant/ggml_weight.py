@@ -93,7 +93,8 @@ class GGMLWeight(PackedRows):
     def tree_unflatten(cls, qtype, children):
         obj = object.__new__(cls)
         (obj.raw,) = children
-        obj.qtype = qtype
+        # A saved directory's manifest stores the type as its number: the enum again (its name is used).
+        obj.qtype = qtype if isinstance(qtype, ggml.T) else ggml.resolve_qtype(qtype)
         return obj
 
     @classmethod

@@ -67,6 +67,9 @@ def test_round_trip_bit_identical(tiny, tmp_path, fmt):
     assert isinstance(lm.tokenizer, ByteTokenizer)
     kernel = lm.model.layers.w_down.kernel.get_value()
     assert type(kernel) is leaf_type  # kept quantized: nothing dequantized at load
+    # The static fields come back as they were (a GGML type came back as a bare int: repr and the
+    # tensor-parallel split, which name it, raised AttributeError).
+    assert repr(kernel) == repr(qmodel.layers.w_down.kernel.get_value())
     assert_same_state(qmodel, lm.model)
     np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
     manifest = json.loads((out / MANIFEST).read_text())
