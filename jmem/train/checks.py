@@ -375,6 +375,9 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     par.check_stage(cfg.zero)
     mesh = par.parse_mesh(cfg.mesh)
     par.Rules.parse(cfg.rules)
+    if cfg.rules.strip() and not cfg.distributed:  # it was ignored: one device, no mesh to place axes on
+        raise ValueError(f"--rules {cfg.rules} needs a mesh (rules place logical axes on a mesh's axes); accepted: "
+                         "--rules with --mesh, --zero or --pipeline-stages")
     check_args(cfg.coordinator, cfg.num_processes, cfg.process_id)
     if cfg.pipeline_stages < 1 or cfg.microbatches < 1:
         raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} and --microbatches={cfg.microbatches} "

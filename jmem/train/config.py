@@ -44,7 +44,8 @@ class TrainConfig:
     precision: str = "bf16"
     """Precision policy: f32, bf16, f16, bf16-pure or 'p=f32,c=bf16,o=f32'."""
     accum: int = 1
-    """Gradient-accumulation microbatches per step (must divide --batch)."""
+    """Gradient-accumulation microbatches per step (must divide --batch); an MoE model routes, and computes its
+    router losses, per microbatch."""
     optimizer: str = "adafactor"
     """Optimizer: adamw, adafactor, adam8bit, galore, sgd."""
     weight_decay: float = 0.0

@@ -106,6 +106,8 @@ def _one_line_exit_2(argv, capsys) -> str:
      "--pipeline-stages with --moe-experts 4 is not supported; accepted: dense models"),
     (["--rules", "emebd=fsdp"], "unknown logical axis 'emebd'; accepted: batch, length, embed"),
     (["--rules", "embed=fsdp+fsdp"], "rule embed=fsdp+fsdp names mesh axis 'fsdp' twice"),
+    (["--rules", "length=tensor"], "--rules length=tensor needs a mesh (rules place logical axes on a mesh's axes); "
+                                   "accepted: --rules with --mesh, --zero or --pipeline-stages"),  # was ignored
     # tiny has 4 query and 2 key/value heads: a tensor axis must keep whole heads on every device.
     (["--mesh", "stage=2,tensor=4", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-schedule", "1f1b",
       "--batch", "8"], "--mesh stage=2,tensor=4 with --model tiny: n_kv_heads=2 is not divisible by mesh axes "
