@@ -39,6 +39,7 @@ import warnings
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -235,7 +236,7 @@ def _warn_if_mostly_replicated(tree, shardings, mesh: Mesh, data_axes, stage: in
         return
     total = kept = 0
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        size = math.prod(x.shape) * x.dtype.itemsize
+        size = math.prod(np.shape(x)) * np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x)).itemsize
         total += size
         used = {a for e in s.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
         kept += 0 if used & set(axes) else size

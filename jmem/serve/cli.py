@@ -324,14 +324,10 @@ def _graceful_server(config, engine, shutdown_timeout: int):
     `shutdown_timeout` seconds, then aborts them: each ends as `finish_reason` "abort", its
     response complete (no cancelled task, no 500). A connection that never reaches the engine (a
     client that stalls mid-body) is closed by uvicorn a few seconds after that, so shutdown ends."""
-    import asyncio
-
     import uvicorn
 
     config.timeout_graceful_shutdown = shutdown_timeout + 5  # the aborted responses get 5 s to finish
-    # The stalled connections' tasks are cancelled then; their CancelledError is no server error.
-    logging.getLogger("uvicorn.error").addFilter(
-        lambda r: not (r.exc_info and isinstance(r.exc_info[1], asyncio.CancelledError)))
+    logging.getLogger("uvicorn.error").addFilter(_not_cancelled)  # once: the same filter object
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -342,6 +338,14 @@ def _graceful_server(config, engine, shutdown_timeout: int):
             super().handle_exit(sig, frame)
 
     return Server(config)
+
+
+def _not_cancelled(record: logging.LogRecord) -> bool:
+    """Log filter: a task uvicorn cancels at the end of a graceful shutdown (a stalled connection's)
+    is no server error."""
+    import asyncio
+
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def _exit_now(code: int) -> NoReturn:
