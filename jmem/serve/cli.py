@@ -423,17 +423,17 @@ def _serve(args: ServeArgs, engine, name: str, sock) -> None:
 
     level = args.log_level.lower()
     engine.start()
-    app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
-                     allowed_origins=args.allowed_origins)
-    server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
-                              args.shutdown_timeout)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
-             name, host, sock.getsockname()[1], engine.num_kv_tokens)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
-    # found before it: SIGTERM then exits 0 and Ctrl-C 130, without a traceback.
-    signal.signal(signal.SIGTERM, _exit_quietly)
-    try:
+    try:  # from here on the engine's thread runs: every way out stops it (or the process would not exit)
+        app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
+                         allowed_origins=args.allowed_origins)
+        server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
+                                  args.shutdown_timeout)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
+                 name, host, sock.getsockname()[1], engine.num_kv_tokens)
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
+        # found before it: SIGTERM then exits 0 and Ctrl-C 130, without a traceback.
+        signal.signal(signal.SIGTERM, _exit_quietly)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         raise SystemExit(130) from None

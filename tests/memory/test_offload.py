@@ -187,8 +187,10 @@ def test_offload_on_a_mesh_with_accumulation_or_loss_scaling_matches_the_sharded
     ref, off = (_sharded_run(offload, mesh, 1, accum=accum, loss_scale=loss_scale) for offload in (False, True))
     # With accum=2 the device step sums each data group's rows, the offloaded one contiguous
     # microbatches: the same gradient up to f32 rounding, which Adam's normalisation lifts for
-    # entries with near-zero gradients (3 steps of lr 1e-2 move a weight up to 3e-2).
-    assert _max_diff(ref.params, off.params) <= (2e-4 if accum > 1 else 1e-6)
+    # entries with near-zero gradients (3 steps of lr 1e-2 move a weight up to 3e-2). With accum=1
+    # the math is the same and the two programs round apart by an amount the CPU's vector code sets
+    # (1.006e-6 on one machine).
+    assert _max_diff(ref.params, off.params) <= (2e-4 if accum > 1 else 4e-6)
     if loss_scale:
         assert float(off.loss_scale.scale_value) == float(ref.loss_scale.scale_value)
 
