@@ -348,19 +348,20 @@ def _not_cancelled(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
-def _exit_now(code: int) -> NoReturn:
-    """Exit before serving (no request to finish) without the interpreter's teardown, which can race
-    XLA threads still compiling (a segmentation fault instead of the exit status)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _exit_quietly(*_) -> None:
-    """SIGTERM after the graceful shutdown: exit 0 (a further SIGTERM, while exiting, ends the process)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.exit(0)
+def _exit_on_signal(signum: int, frame) -> NoReturn:
+    """SIGTERM (exit 0) or Ctrl-C (130) while loading or compiling, or once uvicorn has shut down
+    gracefully and raises the signal again: exit now. Not KeyboardInterrupt: Python drops an exception
+    raised where it is ignored (a garbage-collection callback of XLA's, a `__del__`) and the process
+    would go on serving; nor the interpreter's teardown, which can race XLA threads still compiling
+    (a segmentation fault instead of the exit status)."""
+    try:
+        if signum == signal.SIGINT:
+            print("jmem: interrupted", file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # a flush interrupted mid-write may raise: exit all the same
+        os._exit(130 if signum == signal.SIGINT else 0)
 
 
 def run_serve(args: ServeArgs) -> None:
@@ -371,14 +372,13 @@ def run_serve(args: ServeArgs) -> None:
         _fail(str(e))
     level = args.log_level.lower()
     logging.basicConfig(level=LOG_LEVELS[level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Until the server runs: SIGTERM exits 0 and Ctrl-C 130 at once (loading or compiling, nothing to finish).
-    signal.signal(signal.SIGTERM, lambda *_: _exit_now(0))
+    # While serving, uvicorn holds these signals, shuts down gracefully, then raises them again for this handler.
+    handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine, name, sock = _load(args)
-    except KeyboardInterrupt:
-        print("jmem: interrupted", file=sys.stderr)
-        _exit_now(130)
-    _serve(args, engine, name, sock)
+        _serve(args, *_load(args))
+    finally:  # a failure to load or serve, called in-process: the caller's handlers are back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _load(args: ServeArgs):
@@ -423,7 +423,7 @@ def _serve(args: ServeArgs, engine, name: str, sock) -> None:
 
     level = args.log_level.lower()
     engine.start()
-    try:  # from here on the engine's thread runs: every way out stops it (or the process would not exit)
+    try:  # from here on the engine's thread runs: every way out stops it (uvicorn's startup failure, an error)
         app = create_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
                          allowed_origins=args.allowed_origins)
         server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level), engine,
@@ -431,12 +431,7 @@ def _serve(args: ServeArgs, engine, name: str, sock) -> None:
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("jmem serve: model %s listening on http://%s:%d (KV cache holds %d tokens)",
                  name, host, sock.getsockname()[1], engine.num_kv_tokens)
-        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
-        # found before it: SIGTERM then exits 0 and Ctrl-C 130, without a traceback.
-        signal.signal(signal.SIGTERM, _exit_quietly)
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
     finally:
         engine.stop()
         sock.close()
