@@ -61,9 +61,10 @@ def _field_value(field):
     if not types:
         return None
     if types[0] == gguf.GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
+        # An array of arrays is read flat, as the gguf package's `contents()` reads it.
+        if types[-1] == gguf.GGUFValueType.STRING:
             return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
     if types[0] == gguf.GGUFValueType.STRING:
         return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
     return field.parts[field.data[0]].tolist()[0]
@@ -339,6 +340,10 @@ def _stacked_experts(gf: GGUFFile, config: LlamaConfig) -> dict[str, GGUFTensor]
                 raise GGUFError(f"{gf.path}: tensor {missing[0]} is missing (the file stores one tensor per expert; "
                                 f"{config.moe_experts} experts per block)")
             parts, name = [tensors.pop(n) for n in names], f"blk.{i}.{kind}_exps.weight"
+            odd = next((p for p in parts if p.shape != parts[0].shape), None)
+            if odd is not None:
+                raise GGUFError(f"{gf.path}: tensor {odd.name} has shape {list(odd.shape)}, expert 0's "
+                                f"{list(parts[0].shape)}; accepted: experts of one shape")
             if len({p.qtype for p in parts}) == 1:
                 tensors[name] = GGUFTensor(name, parts[0].qtype, (len(parts), *parts[0].shape),
                                            np.stack([p.data for p in parts]))

@@ -34,8 +34,13 @@ def _f16_bytes(v):
 
 
 def _round_away(v):
-    """C `roundf` / llama.cpp `nearest_int`: halves away from zero."""
+    """C `roundf` (llama.cpp's Q8_0): halves away from zero."""
     return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def _nearest_int(v):
+    """llama.cpp `nearest_int` (its K-quant scale codes): halves to even, as adding 1.5 * 2**23 in f32 rounds."""
+    return np.rint(np.asarray(v, np.float32))
 
 
 def _safe_inv(d):
@@ -195,7 +200,7 @@ def _quantize_scales(values, levels):
     """Non-negative f32[N, G] -> (codes i32[N, G] in 0..levels, step f32[N] as stored f16)."""
     top = values.max(axis=-1)
     inv = _safe_inv(top / levels)
-    codes = np.clip(_round_away(values * inv[:, None]), 0, levels).astype(np.int32)
+    codes = np.clip(_nearest_int(values * inv[:, None]), 0, levels).astype(np.int32)
     step = (top / levels).astype(np.float16).astype(np.float32)
     return codes, step
 
@@ -236,7 +241,7 @@ def _signed_scale_codes(scale, levels):
     """Signed sub-block scales f32[N, G] -> (codes i32 in -levels..levels-1, step f32[N] as f16)."""
     top = _signed_absmax(scale)[:, 0]
     iscale = np.where(top == 0, 0.0, -levels / np.where(top == 0, 1.0, top))
-    codes = np.clip(_round_away(iscale[:, None] * scale), -levels, levels - 1).astype(np.int32)
+    codes = np.clip(_nearest_int(iscale[:, None] * scale), -levels, levels - 1).astype(np.int32)
     step = _safe_inv(iscale).astype(np.float16).astype(np.float32)
     return codes, step
 

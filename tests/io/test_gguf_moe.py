@@ -149,6 +149,24 @@ def test_experts_stored_one_tensor_each_load_stacked(model, tmp_path):
                  nnx.to_pure_dict(nnx.state(model)))
 
 
+def test_experts_stored_one_tensor_each_of_differing_shapes_are_named(model, tmp_path, monkeypatch):
+    """One expert of another shape: a GGUFError naming it (numpy's stack error named no file or tensor)."""
+    import gguf
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def drop_a_row(self, name, array, *args, **kwargs):
+        array = array[:-1] if name == "blk.0.ffn_gate.1.weight" else array
+        return add_tensor(self, name, np.ascontiguousarray(array), *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", drop_a_row)
+    path = _write_mixtral(tmp_path / "odd.gguf", model, per_expert=True)
+    monkeypatch.undo()
+    with pytest.raises(GGUFError, match=r"odd.gguf: tensor blk.0.ffn_gate.1.weight has shape \[\d+, \d+\], "
+                                        r"expert 0's \[\d+, \d+\]"):
+        jmem.load(str(path))
+
+
 @pytest.mark.parametrize("expert_type, leaf, per_expert", [
     ("Q8_0", "GGMLWeight", False),
     (["Q8_0", "Q4_0"], "MixedGGMLWeight", False),  # block types differing across layers, as *_K_M files do

@@ -26,6 +26,24 @@ def _write(path, arch="llama", tensors=None):
     return path
 
 
+def test_metadata_arrays_read_as_the_gguf_package_reads_them(tmp_path):
+    """Arrays of strings, numbers and arrays of strings (read flat, as `ReaderField.contents()`): an array
+    of arrays of strings read as the first byte of each string before."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_array("t.strings", ["ab", "c"])
+    w.add_array("t.numbers", [3, 1, 2])
+    w.add_array("t.nested", [["ab", "c"], ["d"]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = read_gguf(tmp_path / "m.gguf").metadata, gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    for key, want in (("t.strings", ["ab", "c"]), ("t.numbers", [3, 1, 2]), ("t.nested", ["ab", "c", "d"])):
+        assert ours[key] == theirs[key].contents() == want, key
+
+
 def test_not_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"hello world, not a model")

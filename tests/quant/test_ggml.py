@@ -131,6 +131,19 @@ def test_k_quant_scale_search_beats_single_scale_formats():
     assert err(T.IQ4_NL) < 0.9 * err(T.Q4_0)
 
 
+def test_k_quant_scale_codes_round_halves_as_llama_cpp():
+    """llama.cpp rounds the K-quants' sub-block scale codes with `nearest_int` (adding 1.5 * 2**23 in f32:
+    halves to even), not `roundf`: on exact halves the bytes agree with its quantizer."""
+    def nearest_int(v):
+        return (np.asarray(v, np.float32) + np.float32(12582912.0)).view(np.int32) - np.int32(0x4B400000)
+
+    codes, _ = ggml_quantize._quantize_scales(np.array([[63.0, 2.5, 4.5, 5.5, 0.5]], np.float32), 63)
+    np.testing.assert_array_equal(codes, nearest_int([[63.0, 2.5, 4.5, 5.5, 0.5]]))
+    np.testing.assert_array_equal(codes, [[63, 2, 4, 6, 0]])
+    signed, _ = ggml_quantize._signed_scale_codes(np.array([[-32.0, 2.5, -4.5, 7.5]], np.float32), 32)
+    np.testing.assert_array_equal(signed, [[-32, 2, -4, 8]])
+
+
 def test_iq4_nl_search_in_chunks_equals_one_pass():
     x = np.random.default_rng(4).normal(size=(10, 32)).astype(np.float32)
     np.testing.assert_array_equal(ggml_quantize._q_iq4_nl(x, chunk=3), ggml_quantize._q_iq4_nl(x))
