@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jmem.checks import check_int, is_int
 from jmem.memory.offload import add_into, in_memory_space_of
+from jmem.optim.checks import float_dtype
 
 
 def check_divisible(batch_size: int, num_microbatches: int) -> None:
@@ -89,9 +90,10 @@ def accumulate_value_and_grad(
         has the structure and dtypes of `params`.
 
     Raises:
-        ValueError: k is not an integer >= 1 or does not divide the batch size;
-            with k > 1, a batch leaf that is not an array with a leading batch dimension.
+        ValueError: k is not an integer >= 1 or does not divide the batch size; `accum_dtype` is not
+            a floating dtype; with k > 1, a batch leaf that is not an array with a leading batch dimension.
     """
+    float_dtype("accumulate_value_and_grad", "accum_dtype", accum_dtype)
     grad_fn = jax.value_and_grad(fn, has_aux=has_aux)
     if is_int(num_microbatches) and num_microbatches == 1:
         return grad_fn(params, batch)

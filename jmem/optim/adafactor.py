@@ -189,9 +189,12 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
         state_dtype: dtype of the statistics: float32 or bfloat16 (float16's range cannot hold squared gradients).
 
     Raises:
-        ValueError: an unknown rule name, `min_dim_size_to_factor` not an integer >= 1,
-            `decay_offset` not an integer >= 0, or `state_dtype` not float32's range (float32, bfloat16).
+        ValueError: an unknown rule name, `min_dim_size_to_factor` not an integer >= 1, `decay_rate`
+            not finite > 0, `eps` not finite >= 0, `decay_offset` not an integer >= 0, or `state_dtype`
+            not float32's range (float32, bfloat16).
     """
+    checks.positive("adafactor", "decay_rate", decay_rate)
+    checks.non_negative("adafactor", "eps", eps)
     checks.float_dtype("adafactor", "state_dtype", state_dtype, squares=True)
     decay_offset = checks.integer("adafactor", "decay_offset", decay_offset, 0)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
@@ -246,7 +249,9 @@ def scale_by_factored_rms(factor_rule: "str | FactorRule" = "stacked", *, min_di
 
 def clip_by_block_rms(threshold: float, factor_rule: "str | FactorRule" = "stacked", *,
                       min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
-    """Clips each block (a leaf, or one layer of a stacked leaf) to RMS <= `threshold`."""
+    """Clips each block (a leaf, or one layer of a stacked leaf) to RMS <= `threshold` (finite > 0, else
+    ValueError)."""
+    checks.positive("adafactor", "clipping_threshold", threshold)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
 
     def update(updates, state, params=None):
@@ -264,7 +269,9 @@ def clip_by_block_rms(threshold: float, factor_rule: "str | FactorRule" = "stack
 
 def scale_by_param_block_rms(min_scale: float = 1e-3, factor_rule: "str | FactorRule" = "stacked", *,
                              min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
-    """Multiplies updates by `max(RMS(param block), min_scale)` (relative step size)."""
+    """Multiplies updates by `max(RMS(param block), min_scale)` (relative step size; `min_scale` finite
+    >= 0, else ValueError)."""
+    checks.non_negative("adafactor", "min_scale", min_scale)
     rule = get_rule(factor_rule, min_dim_size_to_factor)
 
     def update(updates, state, params=None):
@@ -329,15 +336,16 @@ def adafactor(learning_rate: "float | optax.Schedule | None" = None, *, factor_r
             number >= 0 or a schedule, momentum outside [0, 1), clipping_threshold or decay_rate
             not finite > 0, eps not finite > 0, weight_decay_rate not finite >= 0, min_dim_size_to_factor
             not an integer >= 1, decay_offset not an integer >= 0, state_dtype or
-            momentum_dtype not a floating dtype, an unknown factor_rule name.
+            momentum_dtype not a floating dtype, multiply_by_parameter_scale not a bool, an unknown
+            factor_rule name.
     """
     checks.learning_rate("adafactor", learning_rate, none_ok=True)
     checks.decay("adafactor", "momentum", momentum, none_ok=True)
     checks.positive("adafactor", "clipping_threshold", clipping_threshold, none_ok=True)
-    checks.positive("adafactor", "decay_rate", decay_rate)
     checks.positive("adafactor", "eps", eps)  # 0: a zero gradient's rsqrt(0) spreads NaN through its block
     checks.rate("adafactor", "weight_decay_rate", weight_decay_rate, none_ok=True)
     checks.float_dtype("adafactor", "momentum_dtype", momentum_dtype, none_ok=True)
+    checks.flag("adafactor", "multiply_by_parameter_scale", multiply_by_parameter_scale)
     get_rule(factor_rule, min_dim_size_to_factor)  # a bad rule name or min_dim_size_to_factor, before the chain
     kw = dict(min_dim_size_to_factor=min_dim_size_to_factor)
     lr = relative_step_size() if learning_rate is None else learning_rate

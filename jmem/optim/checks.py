@@ -124,6 +124,13 @@ def float_dtype(who: str, name: str, v, *, none_ok: bool = False, squares: bool 
     return v
 
 
+def flag(who: str, name: str, v):
+    """A bool (Python or NumPy): a string such as "no" is truthy and would silently mean True."""
+    if not isinstance(v, (bool, np.bool_)):
+        fail(who, name, v, "True or False")
+    return bool(v)
+
+
 def one_of(who: str, name: str, v, options: tuple[str, ...]):
     if not isinstance(v, str) or v not in options:
         fail(who, name, v, ", ".join(options))

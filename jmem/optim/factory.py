@@ -27,7 +27,7 @@ _OPTAX_CHECKS = {
     "adamw": {"b1": checks.decay, "b2": checks.decay, "eps": checks.non_negative, "eps_root": checks.non_negative,
               "weight_decay": checks.rate,
               "mu_dtype": lambda who, name, v: checks.float_dtype(who, name, v, none_ok=True)},
-    "sgd": {"momentum": lambda who, name, v: checks.decay(who, name, v, none_ok=True)},
+    "sgd": {"momentum": lambda who, name, v: checks.decay(who, name, v, none_ok=True), "nesterov": checks.flag},
 }
 
 
@@ -62,7 +62,7 @@ def make_optimizer(name: str, lr: "float | optax.Schedule", **kw) -> optax.Gradi
         ValueError: a keyword the chosen optimizer does not accept, a bad `lr` (None for
             another optimizer than adafactor: optax would take it as 1 and climb the gradient), or
             a value out of range (adamw's b1, b2 in [0, 1), eps, eps_root, weight_decay >= 0;
-            sgd's momentum in [0, 1)).
+            sgd's momentum in [0, 1), its nesterov a bool).
 
     Example:
         >>> tx = make_optimizer("adafactor", 1e-2, momentum=0.9)

@@ -193,7 +193,9 @@ def dp_accumulate_value_and_grad(fn: Callable, params, batch, num_microbatches: 
     """
     from jmem.memory.accumulate import accumulate_value_and_grad
     from jmem.memory.offload import any_in_host_memory
+    from jmem.optim.checks import float_dtype
 
+    float_dtype("dp_accumulate_value_and_grad", "accum_dtype", accum_dtype)
     axes = group_axes(mesh, rules, params, logical_axes)
     d = math.prod(mesh.shape[a] for a in axes)
     if group_accumulators is None:

@@ -77,6 +77,14 @@ def test_bad_accum_is_one_clear_error():
         accumulate_value_and_grad(lambda p, b: jnp.sum(b["x"]) * p, 1.0, {"x": jnp.zeros((5, 2))}, 2)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.int32, "bf16", None])
+def test_a_bad_accumulator_dtype_is_one_clear_error(dtype, k):
+    """int32 truncated the float gradients to zero; "bf16" was numpy's TypeError; k=1 ignored it."""
+    with pytest.raises(ValueError, match=r"^accumulate_value_and_grad accum_dtype=.*; accepted: a floating dtype"):
+        accumulate_value_and_grad(lambda p, b: jnp.sum(b["x"]) * p, 1.0, {"x": jnp.ones((4, 2))}, k, accum_dtype=dtype)
+
+
 @pytest.mark.parametrize("batch, leaf", [
     ({"x": jnp.ones((4, 2)), "n": 3}, "batch['n'] is 3 (int, no shape)"),
     ({"x": jnp.ones(())}, "batch['x'] has shape ()"),

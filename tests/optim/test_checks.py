@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jmem.optim.adafactor import Layout
+from jmem.optim.adafactor import Layout, clip_by_block_rms, scale_by_factored_rms, scale_by_param_block_rms
 from jmem.optim import adafactor, adam8bit, dequantize, galore, galore_plan, make_optimizer, quantize
 
 LR = "learning_rate={}; accepted: a finite number >= 0 or a schedule"
@@ -58,6 +58,28 @@ def test_adam8bit_bad_settings_raise_one_clear_error(kwargs, match):
 def test_galore_bad_settings_raise_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         galore(1e-3, **kwargs)
+
+
+@pytest.mark.parametrize("build,match", [
+    # Adafactor's building blocks, public on their own: these gave NaN updates or silently wrong ones.
+    (lambda: scale_by_factored_rms(eps=-1.0), r"^adafactor eps=-1.0; accepted: a finite number >= 0$"),
+    (lambda: scale_by_factored_rms(decay_rate=-1.0), r"^adafactor decay_rate=-1.0; accepted: a finite number > 0$"),
+    (lambda: clip_by_block_rms(0.0), r"^adafactor clipping_threshold=0.0; accepted: a finite number > 0$"),
+    (lambda: clip_by_block_rms(-1.0), r"clipping_threshold=-1.0; accepted"),
+    (lambda: scale_by_param_block_rms(-1.0), r"^adafactor min_scale=-1.0; accepted: a finite number >= 0$"),
+    # A truthy string is no bool.
+    (lambda: adafactor(multiply_by_parameter_scale="no"), r"^adafactor multiply_by_parameter_scale='no'; accepted: "
+                                                          r"True or False$"),
+    (lambda: make_optimizer("sgd", 1e-3, nesterov="x"), r"^sgd nesterov='x'; accepted: True or False$"),
+])
+def test_adafactor_parts_and_flags_refuse_bad_settings(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_adafactor_parts_take_good_settings():
+    scale_by_factored_rms(eps=0.0), clip_by_block_rms(np.float32(1.0)), scale_by_param_block_rms(0)
+    adafactor(multiply_by_parameter_scale=np.bool_(False)), make_optimizer("sgd", 1e-3, nesterov=True)
 
 
 @pytest.mark.parametrize("build,name", [
