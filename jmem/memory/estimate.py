@@ -131,8 +131,13 @@ def resolve_lora_targets(config, lora_targets) -> tuple[str, ...]:
     """`lora_targets` (one name or several) checked against `config`'s weights, a name given twice taken once;
     the linears' full list (in any order), the default, means every weight of the model (an MoE model's
     experts in place of its MLP linears). A ValueError names unknown or absent names."""
-    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     names = config.weight_names()
+    try:
+        targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
+    except TypeError:
+        targets = None
+    if targets is None or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"lora_targets={lora_targets!r}; accepted: one or more of {', '.join(names)}")
     if set(targets) == set(LINEARS):
         return names
     bad = [t for t in targets if t not in names]
@@ -311,30 +316,15 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     attention = attention or config.attention_impl
     if attention not in _ATTENTION_IMPLS:
         raise ValueError(f"attention={attention!r}; accepted: {', '.join(_ATTENTION_IMPLS)}")
-    for name, value, least, or_none in (
-        ("batch", batch, 1, ""), ("seq", seq, 1, ""), ("accum", accum, 1, ""), ("lora_rank", lora_rank, 0, ""),
-        ("loss_chunk", loss_chunk, 1, ", or None (whole sequence)"),
-        ("trained_layers", trained_layers, 1, ", or None (every layer)"),
-    ):
-        if not (value is None and or_none) and (not is_int(value) or value < least):
-            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}{or_none}")
+    _check_ints(("batch", batch, 1, ""), ("seq", seq, 1, ""),
+                ("loss_chunk", loss_chunk, 1, ", or None (whole sequence)"),
+                ("trained_layers", trained_layers, 1, ", or None (every layer)"))
+    lora_targets = _check_param_args(config, accum, lora_rank, lora_targets, quantize_base, base_group_size)
     if batch % accum:
         raise ValueError(f"accum={accum!r} does not divide batch={batch}; accepted: a divisor of batch")
     if optimizer_kw is not None and not isinstance(optimizer_kw, Mapping):
         raise ValueError(f"optimizer_kw={optimizer_kw!r}; accepted: a dict of the optimizer's keywords, or None")
     check_bool("master_weights", master_weights)
-    lora_targets = resolve_lora_targets(config, lora_targets)
-    if lora_rank and not lora_targets:
-        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
-                         f"{', '.join(config.weight_names())}")
-    if quantize_base is not None:
-        if quantize_base not in BASE_FORMATS:
-            raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
-        if not lora_rank:
-            raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
-    if base_group_size is not None and quantize_base != "rtn":
-        raise ValueError(f"base_group_size={base_group_size!r} with quantize_base={quantize_base!r}, which has no "
-                         "group size; accepted: None, or quantize_base='rtn'")
     tx = make_optimizer(optimizer, 1e-3, **(optimizer_kw or {}))
     optimizer = optimizer.strip().lower()  # as make_optimizer reads it
     c = _dtype(compute_dtype or config.compute_dtype).itemsize
@@ -402,6 +392,31 @@ def estimate(config, batch: int, seq: int, *, remat: str | None = None, param_dt
     return out
 
 
+def _check_ints(*checks) -> None:
+    """ValueError unless each (name, value, least, or_none) holds an integer >= least (None where `or_none`)."""
+    for name, value, least, or_none in checks:
+        if not (value is None and or_none) and (not is_int(value) or value < least):
+            raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}{or_none}")
+
+
+def _check_param_args(config, accum, lora_rank, lora_targets, quantize_base, base_group_size) -> tuple[str, ...]:
+    """ValueError naming a bad accum, LoRA or base-format argument (as `estimate` takes them); the LoRA targets."""
+    _check_ints(("accum", accum, 1, ""), ("lora_rank", lora_rank, 0, ""))
+    lora_targets = resolve_lora_targets(config, lora_targets)
+    if lora_rank and not lora_targets:
+        raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
+                         f"{', '.join(config.weight_names())}")
+    if quantize_base is not None:
+        if quantize_base not in BASE_FORMATS:
+            raise ValueError(f"quantize_base={quantize_base!r}; accepted: {', '.join(BASE_FORMATS)}")
+        if not lora_rank:
+            raise ValueError("quantize_base needs lora_rank > 0 (a quantized base is frozen)")
+    if base_group_size is not None and quantize_base != "rtn":
+        raise ValueError(f"base_group_size={base_group_size!r} with quantize_base={quantize_base!r}, which has no "
+                         "group size; accepted: None, or quantize_base='rtn'")
+    return lora_targets
+
+
 def _param_trees(config, param_dtype, lora_rank, lora_targets, quantize_base, base_group_size, lora_dtype):
     """(float parameter shapes, the base as stored (quantized layer kernels with `quantize_base`), the
     LoRA adapters' shapes or None)."""
@@ -422,9 +437,10 @@ def layer_param_bytes(config, param_dtype=None, *, lora_rank: int = 0, lora_targ
                       quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> int:
     """Bytes of the stacked layers' parameters as a training run holds them (what `--offload-params host`
     moves off the device): the base's layer weights, quantized with `quantize_base`, and the LoRA
-    adapters (every one sits in a layer). Arguments as `estimate`'s."""
-    _, base, adapters = _param_trees(config, param_dtype, lora_rank, resolve_lora_targets(config, lora_targets),
-                                     quantize_base, base_group_size, lora_dtype)
+    adapters (every one sits in a layer). Arguments (and their ValueErrors) as `estimate`'s."""
+    targets = _check_param_args(config, 1, lora_rank, lora_targets, quantize_base, base_group_size)
+    _, base, adapters = _param_trees(config, param_dtype, lora_rank, targets, quantize_base, base_group_size,
+                                     lora_dtype)
     return tree_bytes(base["layers"]) + (tree_bytes(adapters) if adapters is not None else 0)
 
 
@@ -432,9 +448,10 @@ def layer_grad_bytes(config, param_dtype=None, *, accum: int = 1, lora_rank: int
                      quantize_base: str | None = None, base_group_size: int | None = None, lora_dtype="f32") -> int:
     """Bytes of the stacked layers' gradients, with their f32 accumulator when `accum` > 1, as `estimate`
     counts them (what `--offload-params host` keeps in host memory): the base's layer weights', or the
-    LoRA adapters' when `lora_rank` > 0. Arguments as `estimate`'s."""
-    shapes, _, adapters = _param_trees(config, param_dtype, lora_rank, resolve_lora_targets(config, lora_targets),
-                                       quantize_base, base_group_size, lora_dtype)
+    LoRA adapters' when `lora_rank` > 0. Arguments (and their ValueErrors) as `estimate`'s."""
+    targets = _check_param_args(config, accum, lora_rank, lora_targets, quantize_base, base_group_size)
+    shapes, _, adapters = _param_trees(config, param_dtype, lora_rank, targets, quantize_base, base_group_size,
+                                       lora_dtype)
     layers = adapters if lora_rank else shapes["layers"]
     return tree_bytes(layers) + (4 * sum(x.size for x in jax.tree.leaves(layers)) if accum > 1 else 0)
 

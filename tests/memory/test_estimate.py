@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jmem.memory.estimate import estimate, format_estimate, layer_param_bytes, param_shapes
+from jmem.memory.estimate import estimate, format_estimate, layer_grad_bytes, layer_param_bytes, param_shapes
 from jmem.memory.measure import measure, tree_bytes
 from jmem.models import Llama, LlamaConfig
 from jmem.models.config import EXPERT_TARGETS
@@ -202,6 +202,8 @@ def test_auto_attention_estimate_follows_the_compile_target():
     (dict(optimizer_kw=[1]), "optimizer_kw=[1]; accepted: a dict of the optimizer's keywords, or None"),
     (dict(lora_rank=4, lora_targets="wx"), "lora_targets ['wx']; accepted: wq, wk"),
     (dict(lora_rank=4, lora_targets=()), "lora_rank=4 with no lora_targets; accepted: one or more of wq, wk"),
+    (dict(lora_rank=4, lora_targets=None), "lora_targets=None; accepted: one or more of wq, wk"),
+    (dict(lora_rank=4, lora_targets=[1]), "lora_targets=[1]; accepted: one or more of wq, wk"),
     (dict(master_weights="no"), "master_weights='no'; accepted: True or False"),
     (dict(lora_rank=4, quantize_base="nf4", base_group_size=7),
      "base_group_size=7 with quantize_base='nf4', which has no group size; accepted: None, or quantize_base='rtn'"),
@@ -210,6 +212,20 @@ def test_bad_arguments_name_themselves(kw, message):
     args = {"batch": 8, "seq": 128, **kw}
     with pytest.raises(ValueError, match=re.escape(message)):
         estimate(CFG, args.pop("batch"), args.pop("seq"), **args)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(lora_rank=-1), "lora_rank=-1; accepted: an integer >= 0"),  # it gave negative adapter bytes
+    (dict(lora_rank="a"), "lora_rank='a'; accepted: an integer >= 0"),
+    (dict(lora_rank=4, quantize_base="xx"), "quantize_base='xx'; accepted: nf4, int8, fp8, rtn"),  # a KeyError
+    (dict(lora_rank=4, lora_targets=None), "lora_targets=None; accepted: one or more of wq"),
+])
+def test_layer_bytes_check_their_arguments_as_estimate(kw, message):
+    for layer_bytes in (layer_param_bytes, layer_grad_bytes):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            layer_bytes(CFG, **kw)
+    with pytest.raises(ValueError, match=re.escape("accum=0; accepted: an integer >= 1")):
+        layer_grad_bytes(CFG, accum=0)
 
 
 def test_one_lora_target_as_a_string_and_numpy_trained_layers():
