@@ -18,7 +18,9 @@ the CPU backend computes bf16 in f32).
         --pipeline-stages 2 --microbatches 2,8 --pipeline-schedule gpipe,1f1b --batch 32 --seq 256 \
         --remat full --precision f32 --accum 1 --optimizer adamw
 
-Writes `--out` (JSON list of records), `--md` (markdown table) and `--png`.
+Writes `--out` (JSON list of records) and `--md` (markdown table) after each compilation, so a
+sweep stopped midway keeps what it compiled, and `--png` at the end. The default grid is 84
+compilations of bench-8l (each line shows its compile time).
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = dict(microbatches=micros, schedules=parse_list(cfg.pipeline_schedule, "pipeline-schedule"),
                     remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)
-        # Every value of every list, in every combination, before the first compile (at bench-8l each
-        # compile takes minutes): one line naming the flag, not a failure midway through the sweep.
+        # Every value of every list, in every combination, before the first compile: one line naming the
+        # flag, not a failure midway through the sweep.
         validate_grid(cfg.batch, seq=cfg.seq, target=cfg.target, rules=cfg.rules, attention=cfg.attention,
                       pipeline_stages=cfg.pipeline_stages, mc=PRESETS[cfg.preset](), **grid)
         # Outputs after the flags, before compiling: a path that cannot be written fails now, not after the sweep.
@@ -139,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cfg.preset} batch={cfg.batch} seq={cfg.seq} target={cfg.target or 'local'} "
               f"attention={cfg.attention or 'preset'}: {n} compilations")
 
+        done: list[dict] = []
+
         def show(r):
+            done.append(r)
+            write_tables(done, out, md, cfg.preset, cfg.batch, cfg.seq, cfg.rules)
             where = f"{r['mesh']} zero={r['zero']} " if r["mesh"] else ""
             where += f"[{r['pipeline']}] " if r["pipeline"] else ""
             print(f"  {where}{r['remat']:>20s} {r['precision']:>5s} accum={r['accum']} {r['optimizer']:>9s}  "
@@ -153,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         remove_unused_dirs()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out.write_text(json.dumps(records, indent=1))
-    rules = f", rules {cfg.rules}" if cfg.rules else ""
-    title = (f"{cfg.preset} batch {cfg.batch} x {cfg.seq} [{records[0]['target']}, attention "
-             f"{records[0]['attention']}{rules}]")
-    md.write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
-    plot_records(records, png, title)
+    plot_records(records, png, write_tables(records, out, md, cfg.preset, cfg.batch, cfg.seq, cfg.rules))
     print(f"wrote {cfg.out}, {cfg.md}, {cfg.png}")
     return 0
+
+
+def write_tables(records: list[dict], out, md, preset: str, batch: int, seq: int, rules: str) -> str:
+    """Write the records so far to the JSON and markdown files; returns the table's title."""
+    rules = f", rules {rules}" if rules else ""
+    title = f"{preset} batch {batch} x {seq} [{records[0]['target']}, attention {records[0]['attention']}{rules}]"
+    out.write_text(json.dumps(records, indent=1))
+    md.write_text(f"# Memory sweep: {title}\n\n{markdown_table(records)}\n")
+    return title
 
 
 if __name__ == "__main__":

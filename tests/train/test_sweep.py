@@ -39,6 +39,29 @@ def test_one_combination_writes_json_table_and_chart(tmp_path, capsys):
     assert "| full | f32 | 2 | adafactor |" in md.read_text() and png.stat().st_size > 1000
 
 
+def test_a_sweep_stopped_midway_keeps_what_it_compiled(tmp_path, capsys, monkeypatch):
+    """The records are written after each compilation (a Ctrl-C in the 84th compile of the default grid
+    kept nothing)."""
+    import jmem.train.sweep as sweep_module
+
+    compile_record, calls = sweep_module.compile_record, []
+
+    def stop_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return compile_record(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "compile_record", stop_at_the_second)
+    out, md = tmp_path / "s.json", tmp_path / "s.md"
+    with pytest.raises(KeyboardInterrupt):
+        _main(["--preset", "tiny", "--batch", "4", "--seq", "32", "--remat", "none,full", "--precision", "f32",
+               "--accum", "1", "--optimizer", "adamw", "--out", str(out), "--md", str(md),
+               "--png", str(tmp_path / "s.png")], capsys)
+    (rec,) = json.loads(out.read_text())
+    assert rec["remat"] == "none" and "| none | f32 | 1 | adamw |" in md.read_text()
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--remat", "none,bogus"], "unknown remat policy 'bogus'"),
     (["--precision", "f32,q8"], "precision 'q8'"),
