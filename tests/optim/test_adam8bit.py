@@ -1,4 +1,4 @@
-"""8-bit Adam: nearest-code quantization, tracking AdamW, state bytes."""
+"""8-bit Adam: nearest-code and stochastic quantization, tracking AdamW, state bytes."""
 
 import re
 
@@ -10,7 +10,7 @@ import pytest
 
 from jmem.memory.measure import measure, tree_bytes
 from jmem.optim import adam8bit, dequantize, dynamic_code, galore, make_optimizer, quantize
-from jmem.optim.adam8bit import CHUNK_ELEMENTS
+from jmem.optim.adam8bit import CHUNK_ELEMENTS, uniform_noise
 from jmem.optim.factory import UnknownOptimizerError
 from tests.helpers import train_optimizer
 
@@ -122,12 +122,18 @@ def _small_beside_large(step):
     return {"w": jnp.asarray(g)}
 
 
-@pytest.mark.parametrize("make", [lambda: adam8bit(1e-3, weight_decay=0.0),
-                                  lambda: galore(1e-3, moments="8bit", weight_decay=0.0)], ids=["adam8bit", "galore"])
-def test_a_small_gradient_beside_a_large_one_keeps_its_second_moment(make):
+@pytest.mark.parametrize("make,rtol,mean_rtol", [
+    (lambda: adam8bit(1e-3, weight_decay=0.0), 0.35, 0.15),
+    (lambda: galore(1e-3, moments="8bit", weight_decay=0.0), 0.1, 0.1)], ids=["adam8bit", "galore"])
+def test_a_small_gradient_beside_a_large_one_keeps_its_second_moment(make, rtol, mean_rtol):
     """v spans twice the decades of m: stored as v, the small element's second moment rounded to 0 while its
     first moment survived, and its update was 6x AdamW's (8000x after one zero gradient). Stored as sqrt(v),
-    both moments keep the element."""
+    both moments keep the element.
+
+    adam8bit rounds sqrt(v) stochastically: here it is 1e-4 of the block's, between the dynamic code's values
+    0.944e-4 and 1.28e-4, and each element keeps one of the two (measured: 0.69x to 0.95x AdamW's update,
+    0.88x to 0.89x averaged over the 16 blocks; m, rounded to the nearest code, is 11% low). galore rounds
+    to the nearest code: 0.95x."""
     tx, ref = make(), optax.adamw(1e-3, weight_decay=0.0)
     params = {"w": jnp.zeros(4096)}
     state, ref_state = tx.init(params), ref.init(params)
@@ -136,7 +142,81 @@ def test_a_small_gradient_beside_a_large_one_keeps_its_second_moment(make):
         u, state = update(_small_beside_large(step), state, params)
         r, ref_state = ref_update(_small_beside_large(step), ref_state, params)
         if step in (49, 50):
-            np.testing.assert_allclose(u["w"][1::256], r["w"][1::256], rtol=0.1)
+            np.testing.assert_allclose(u["w"][1::256], r["w"][1::256], rtol=rtol)
+            np.testing.assert_allclose(np.mean(u["w"][1::256]), np.mean(r["w"][1::256]), rtol=mean_rtol)
+
+
+# Measured over steps 50..400 (16 blocks): dynamic 0.63x..1.61x per element, 0.95x..1.07x averaged;
+# linear 0.11x..0.57x (sqrt(v) below the code's first step, stored as 0 or that step, overstates v).
+# Round-to-nearest: 4.9x (dynamic) and 9.8x (linear) at step 100, 7.0x and 16x at step 300.
+@pytest.mark.parametrize("code,low,high,mean_rtol", [("dynamic", 0.5, 2.0, 0.15), ("linear", 0.05, 1.5, None)])
+def test_a_one_time_spike_does_not_starve_a_small_neighbour(code, low, high, mean_rtol):
+    """One gradient of 1 at step 0, then 0, leaves a slowly decaying sqrt(v) as its block's scale; a small
+    steady gradient beside it adds less than half a code step to its sqrt(v) per step. Rounded to the
+    nearest code, the neighbour's v never grew and its update rose to many times AdamW's; stochastic
+    rounding keeps the increments in expectation."""
+    tx, ref = adam8bit(1e-3, weight_decay=0.0, code=code), optax.adamw(1e-3, weight_decay=0.0)
+    params = {"w": jnp.zeros(4096)}
+    state, ref_state = tx.init(params), ref.init(params)
+    update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+    for step in range(301):
+        g = np.zeros(4096, np.float32)
+        g[0::256] = 1.0 if step == 0 else 0.0
+        g[1::256] = 1e-4
+        u, state = update({"w": jnp.asarray(g)}, state, params)
+        r, ref_state = ref_update({"w": jnp.asarray(g)}, ref_state, params)
+        if step in (100, 300):
+            ratio = np.asarray(u["w"][1::256] / r["w"][1::256])
+            assert np.all((low < ratio) & (ratio < high)), (step, ratio)
+            if mean_rtol is not None:
+                assert abs(ratio.mean() - 1) < mean_rtol, (step, ratio)
+
+
+def _code_values(code, signed):
+    if code == "dynamic":
+        return dynamic_code(signed)
+    k = np.arange(255 if signed else 256, dtype=np.float32)
+    return (k - 127) / np.float32(127) if signed else k / np.float32(255)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("code", ["dynamic", "linear"])
+def test_stochastic_rounding_is_unbiased_exact_on_codes_and_deterministic(code, signed):
+    """Averaged over 400 noise draws, the stored values are the values (nearest rounding is off by up to
+    half a code step); code values, the block maxima among them, stay exact; the same (count, leaf,
+    position) draws the same noise, and other counts, leaves or positions independent-looking noise."""
+    table = _code_values(code, signed)
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-1 if signed else 0, 1, (8, 256)).astype(np.float32) * np.logspace(-4, 0, 256)[None]
+    x[:, -1] = 1.0  # block scale 1: the values are the y the code sees
+    draws = 400
+    noise = uniform_noise(jnp.arange(draws)[:, None], 3, jnp.arange(x.size)[None])  # [draws, 2048]
+    assert noise.shape == (draws, x.size) and float(noise.min()) >= 0 and float(noise.max()) < 1
+    assert abs(float(noise.mean()) - 0.5) < 0.01 and abs(np.corrcoef(noise[1], noise[2])[0, 1]) < 0.1
+    assert abs(np.corrcoef(noise[1], uniform_noise(1, 4, jnp.arange(x.size)))[0, 1]) < 0.1
+    np.testing.assert_array_equal(uniform_noise(1, 3, jnp.arange(x.size)), noise[1])
+    xs = np.broadcast_to(x.reshape(-1), (draws, x.size))
+    q = quantize(jnp.asarray(xs), signed=signed, code=code, noise=noise)
+    got = np.asarray(dequantize(q, xs.shape, signed=signed, code=code))
+    y = x.reshape(-1)
+    hi_idx = np.clip(np.searchsorted(table, y, side="right"), 1, table.size - 1)
+    lo, hi = table[hi_idx - 1], table[hi_idx]
+    near = lambda a, b: np.isclose(a, b, rtol=1e-6, atol=0)  # noqa: E731 (XLA may divide by 127 otherwise)
+    assert np.all(near(got, lo[None]) | near(got, hi[None]))  # one of the two bracketing values
+    bias = np.abs(got.mean(0) - y)
+    assert np.all(bias <= 0.15 * (hi - lo) + 1e-6), (bias / (hi - lo)).max()  # 5 standard deviations
+    nearest = np.abs(np.asarray(dequantize(quantize(jnp.asarray(x), signed=signed, code=code), x.shape,
+                                           signed=signed, code=code)).reshape(-1) - y)
+    assert bias.mean() < 0.2 * nearest.mean()
+    # Code values keep their codes whatever the noise; the same noise gives the same codes.
+    on_idx = np.resize(np.arange(table.size), x.size).reshape(x.shape)
+    on_idx[:, -1] = table.size - 1  # 1.0: the block scale
+    xs = np.broadcast_to(table[on_idx].reshape(-1), (draws, x.size))
+    q_on = quantize(jnp.asarray(xs), signed=signed, code=code, noise=noise)
+    np.testing.assert_array_equal(np.asarray(q_on.codes).reshape(draws, -1),
+                                  np.broadcast_to(on_idx.reshape(-1), xs.shape))
+    again = quantize(jnp.asarray(x), signed=signed, code=code, noise=noise[7])
+    np.testing.assert_array_equal(again.codes, q.codes[7 * 8:8 * 8])
 
 
 def test_a_negative_block_maximum_is_exact():
