@@ -11,7 +11,8 @@ Rows:
   * serving forward (dropless, as a cached forward routes) with the experts
     and attention in f32, bf16, int8, fp8, nf4 or 4-bit RTN: argument bytes
     (the weights) and temp bytes (one layer's decoded experts, inside the
-    layer scan);
+    layer scan), and on a TPU target XLA's peak (temp bytes miss part of a
+    small TPU program's memory: compare those by the peak);
   * a LoRA training step (gradient of the adapters) with adapters on every
     expert, as jmem runs it (`x W + s (x A) B`, two thin grouped matmuls) and
     through merged weights `W + s A B` (what a LoRA without per-expert support
@@ -54,7 +55,7 @@ class MoEMemoryConfig:
     lora_rank: int = 16
     """Rank of the adapters on the experts."""
     target: str | None = None
-    """Compile for a TPU topology (e.g. tpu:v5e:2x2, needs libtpu) instead of the local backend."""
+    """Compile for a TPU topology (e.g. tpu:v5e:2x2, needs libtpu) instead of the local backend; adds XLA's peak."""
     out: str | None = None
     """Write the rows as JSON here."""
 
@@ -70,7 +71,10 @@ def validate(cfg: MoEMemoryConfig) -> LlamaConfig:
     except ValueError as e:  # its names are the module's (n_experts, top_k): say the flags
         raise ValueError(f"--experts {cfg.experts} --top-k {cfg.top_k}: {e}") from None
     if cfg.target is not None:
-        parse_target(cfg.target)
+        try:
+            parse_target(cfg.target)
+        except ValueError as e:  # it names the target, not the flag
+            raise ValueError(f"--{e}") from None
     if cfg.out is not None:
         prepare_output(cfg.out, "--out")
     mc = LlamaConfig.bench_8l(moe_experts=cfg.experts, moe_top_k=cfg.top_k, moe_dropless=True)
@@ -86,6 +90,11 @@ def _abstract(make):
     return nnx.split(nnx.eval_shape(make))
 
 
+def _peak(r, cfg: MoEMemoryConfig) -> int | None:
+    """XLA's peak on a TPU target; None on the local backend (the CPU's figure is no peak)."""
+    return r.peak_bytes if cfg.target else None
+
+
 def forward_row(mc: LlamaConfig, cfg: MoEMemoryConfig, name: str) -> dict:
     def make():
         model = Llama(mc.replace(param_dtype="bf16") if name == "bf16" else mc, rngs=nnx.Rngs(0))
@@ -95,7 +104,8 @@ def forward_row(mc: LlamaConfig, cfg: MoEMemoryConfig, name: str) -> dict:
     graph, state = _abstract(make)
     ids = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
     r = measure(lambda st, ids: nnx.merge(graph, st)(ids)[0], state, ids, target=cfg.target)
-    return dict(kind="serving forward", experts=name, argument_bytes=r.argument_bytes, temp_bytes=r.temp_bytes)
+    return dict(kind="serving forward", experts=name, argument_bytes=r.argument_bytes, temp_bytes=r.temp_bytes,
+                peak_bytes=_peak(r, cfg))
 
 
 def lora_row(mc: LlamaConfig, cfg: MoEMemoryConfig, base: str, merged: bool) -> dict:
@@ -117,7 +127,7 @@ def lora_row(mc: LlamaConfig, cfg: MoEMemoryConfig, base: str, merged: bool) -> 
 
     r = measure(grad, train, frozen, ids, target=cfg.target)
     return dict(kind="LoRA step, merged weights" if merged else "LoRA step, (x A) B", experts=base,
-                argument_bytes=r.argument_bytes, temp_bytes=r.temp_bytes)
+                argument_bytes=r.argument_bytes, temp_bytes=r.temp_bytes, peak_bytes=_peak(r, cfg))
 
 
 def run(cfg: MoEMemoryConfig) -> list[dict]:
@@ -125,15 +135,17 @@ def run(cfg: MoEMemoryConfig) -> list[dict]:
     expert_params = mc.n_layers * cfg.experts * 3 * mc.dim * mc.ffn_dim
     print(f"bench-8l, {cfg.experts} experts (top {cfg.top_k}), {expert_params / 1e6:.0f}M expert parameters; "
           f"batch {cfg.batch} x {cfg.seq} tokens; {cfg.target or jax.default_backend()}")
-    print(f"{'program':>28} {'experts':>8} {'arguments MiB':>14} {'temp MiB':>10}")
+    print(f"{'program':>28} {'experts':>8} {'arguments MiB':>14} {'temp MiB':>10}"
+          + (f" {'XLA peak MiB':>13}" if cfg.target else ""))
     rows = []
     plans = [(forward_row, (name,)) for name in ("f32", "bf16", "int8", "fp8", "nf4", "rtn")]
     plans += [(lora_row, (base, merged)) for base in ("f32", "nf4") for merged in (False, True)]
     for fn, args in plans:
         row = fn(mc, cfg, *args)
         rows.append(row)
+        peak = f" {row['peak_bytes'] / 2**20:13.1f}" if row["peak_bytes"] else ""
         print(f"{row['kind']:>28} {row['experts']:>8} {row['argument_bytes'] / 2**20:14.1f} "
-              f"{row['temp_bytes'] / 2**20:10.1f}", flush=True)
+              f"{row['temp_bytes'] / 2**20:10.1f}{peak}", flush=True)
         if cfg.out is not None:
             with open(os.path.expanduser(cfg.out), "w") as f:
                 json.dump(dict(config=dataclasses.asdict(cfg), rows=rows), f, indent=2)
