@@ -34,8 +34,8 @@ meet the same basis orientation on every backend's SVD.
 
 `moments="8bit"` stores the (projected or plain) moments of leaves with at
 least `min_8bit_size` elements with `jmem.optim.adam8bit`'s block-wise dynamic
-8-bit code, which composes with the projection: about 2 bytes instead of 8 per
-moment pair entry.
+8-bit code (the second moment rounded stochastically, as there), which composes
+with the projection: about 2 bytes instead of 8 per moment pair entry.
 
 Example:
     >>> tx = galore(1e-2, rank=128, update_proj_gap=200, scale=0.25)
@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import optax
 
 from jmem.optim import checks
-from jmem.optim.adam8bit import QuantizedMoment, dequantize, dequantize_second_moment, quantize, quantize_second_moment
+from jmem.optim.adam8bit import (QuantizedMoment, dequantize, dequantize_second_moment, quantize,
+                                 quantize_second_moment, uniform_noise)
 from jmem.pytree import leaf_paths
 
 MOMENTS = ("f32", "8bit")
@@ -241,12 +242,14 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
             return mom
         return dequantize(mom, shape, signed=True) if signed else dequantize_second_moment(mom, shape)
 
-    def store(x, signed):
+    def store(x, signed, count=None, leaf=None):
         if not eight(x.shape):
             return x
         if signed:
             return quantize(x, signed=True, block_size=block_size)
-        return quantize_second_moment(x, block_size=block_size)
+        # Rounded stochastically, as adam8bit's (see its module docstring).
+        noise = uniform_noise(count, leaf, jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape))
+        return quantize_second_moment(x, block_size=block_size, noise=noise)
 
     def init(params):
         plans, treedef = galore_plan(params, rank, rule=rule)
@@ -292,8 +295,8 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
         c1 = 1 - b1 ** count.astype(jnp.float32)
         c2 = 1 - b2 ** count.astype(jnp.float32)
         outs, mus, nus = [], [], []
-        for g, plan, basis, mu, nu in zip(grads, plans, bases, treedef.flatten_up_to(state.mu),
-                                          treedef.flatten_up_to(state.nu)):
+        for leaf, (g, plan, basis, mu, nu) in enumerate(zip(grads, plans, bases, treedef.flatten_up_to(state.mu),
+                                                            treedef.flatten_up_to(state.nu))):
             r = g.astype(jnp.float32) if plan.side is None else project(g, basis, plan.side)
             m = b1 * load(mu, r.shape, True) + (1 - b1) * r
             v = b2 * load(nu, r.shape, False) + (1 - b2) * r * r
@@ -301,7 +304,7 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
             if plan.side is not None:
                 n = scale * project_back(n, basis, plan.side)
             outs.append(n.astype(g.dtype))
-            mus.append(store(m, True)), nus.append(store(v, False))
+            mus.append(store(m, True)), nus.append(store(v, False, count, leaf))
         un = treedef.unflatten
         return un(outs), ScaleByGaloreState(count, un(bases), un(mus), un(nus))
 

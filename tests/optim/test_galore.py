@@ -236,7 +236,9 @@ def test_8bit_moments_track_f32_galore_at_a_quarter_of_the_moment_bytes():
     _, s8, l8 = train_optimizer(galore(0.05, moments="8bit", block_size=64, min_8bit_size=512, **kw), params, loss, 60)
     # A full-rank target learned through rank-8 subspaces (measured 0.99 -> 0.23; Adam reaches 0.008).
     assert l32[-1] < 0.3 * l32[0]
-    np.testing.assert_allclose(l8, l32, rtol=0.01)  # measured gap 0.6% at worst over the 60 steps
+    # Measured gap 1.2% at worst over the 60 steps (the 8-bit run the lower; 0.6% before v was rounded
+    # stochastically).
+    np.testing.assert_allclose(l8, l32, rtol=0.02)
     mu32, mu8 = s32[0].mu["w"], s8[0].mu["w"]
     assert mu32.shape == (8, 96) and mu8.codes.dtype == jnp.uint8  # projected [r, n] moment, 8-bit
     assert s8[0].mu["b"].dtype == jnp.float32  # 96 values < min_8bit_size: f32
