@@ -68,6 +68,7 @@ class LoRA:
     def init(cls, base, rank: int, alpha: float, key, dropout: float = 0.0, rslora: bool = False,
              dtype=jnp.float32) -> "LoRA":
         """A fresh adapter: A ~ N(0, 1/in), B = 0."""
+        rank = as_python_scalar(rank)
         if not is_int(rank) or rank <= 0:
             raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
         alpha, dropout, dtype = check_settings(alpha, dropout, rslora, dtype)
@@ -227,6 +228,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
+    rank = as_python_scalar(rank)
     if not is_int(rank) or rank <= 0:
         raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
     sides = {name: min(_kernel_var(model, name).get_value().shape[-2:]) for name in targets}
@@ -515,8 +517,9 @@ def check_base(path, target: str, meta: dict, weight) -> None:
     if not corr >= BASE_MIN_CORRELATION:
         raise ValueError(f"adapter {os.fspath(path)!r} was trained on another base model: its {target} weights do "
                          f"not match this model's (correlation {corr:.2f} at {BASE_SAMPLE} sampled values, "
-                         f"{BASE_MIN_CORRELATION} needed); accepted: the model it was trained on (the same file, or "
-                         "preset and --seed; quantized or not)")
+                         f"{BASE_MIN_CORRELATION} needed); accepted: the model it was trained on, quantized or not (the "
+                         "same file, or the preset at the seed it was trained with: jmem.load(name, seed=...); "
+                         "jmem generate and jmem serve build presets at seed 0)")
 
 
 def _base_of(value):
@@ -547,8 +550,8 @@ def load_adapters(model, path, *, inplace: bool = False):
         if name not in meta:
             var.set_value(var.get_value().base)
     for name, m in meta.items():
-        a_dtype = jnp.dtype(m.get("dtype", "float32"))
-        b_dtype = jnp.dtype(m.get("dtype_b", a_dtype))
+        a_dtype = _floating_dtype(m.get("dtype", "float32"))  # as `read_adapters` checked it (f16 names float16)
+        b_dtype = _floating_dtype(m.get("dtype_b", a_dtype))
         var = _kernel_var(model, name)
         var.set_value(LoRA(_base_of(var.get_value()), jnp.asarray(arrays[f"{name}.lora_a"], a_dtype),
                            jnp.asarray(arrays[f"{name}.lora_b"], b_dtype), m["alpha"], m.get("dropout", 0.0),

@@ -309,6 +309,28 @@ def test_settings_are_checked_wherever_adapters_come_from(tmp_path):
         make_train_fns(fp8, optax.adam(1e-3), loss_fn=loss_fn).init_state(fp8)
 
 
+def test_a_jax_integer_rank_and_a_files_short_dtype_names(tmp_path):
+    """A 0-d JAX integer rank is a rank (it was "must be a positive integer", while JAX alpha and
+    dropout passed); a file whose dtype reads "f16", "bf16" or "f32", which `read_adapters` accepts,
+    loads in that dtype (jnp.dtype("f16") is float128, "bf16" not understood)."""
+    import json
+
+    base = Llama(CFG, rngs=nnx.Rngs(0))
+    adapted = apply_lora(base, rank=jnp.int32(4), targets=("wq",))
+    assert adapted.layers.wq.kernel.get_value().lora_a.shape[-1] == 4
+    assert LoRA.init(jnp.zeros((8, 6)), np.int64(2), 4.0, jax.random.key(0)).lora_a.shape == (8, 2)
+    path = tmp_path / "a.npz"
+    save_adapters(adapted, path)
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+    for short, dtype in (("f16", jnp.float16), ("bf16", jnp.bfloat16), ("f32", jnp.float32)):
+        meta["wq"]["dtype"] = meta["wq"]["dtype_b"] = short
+        np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        lora = load_adapters(base, path).layers.wq.kernel.get_value()
+        assert lora.lora_a.dtype == dtype and lora.lora_b.dtype == dtype, short
+
+
 def test_dropout_only_in_train_steps_never_at_inference():
     """`with_dropout(tree, key)` (pure, jit-able) drops with a per-step key; a model left with keys
     by `set_dropout_key` still does not drop in LM.logits / generate, and merges as without keys
