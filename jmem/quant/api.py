@@ -85,8 +85,8 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
     its super-block does not divide). None means per channel (`n_in`).
 
     Raises:
-      ValueError: bad bits, a group size that is not a positive multiple of 8,
-        or no multiple of 32 below it divides `n_in`.
+      ValueError: bad bits, a group size that is not a positive integer (a multiple of 8 below
+        8 bits), or no multiple of 32 below it divides `n_in`.
 
     Example:
         >>> resolve_group_size(576, 128)   # 96
@@ -96,7 +96,8 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
     try:
         return check_group_size(n_in, group_size, bits)
     except ValueError:
-        if not is_int(group_size) or group_size <= 0 or group_size % PACK_ROWS or (bits != 8 and n_in % PACK_ROWS):
+        # Bits 8 store a byte per weight: any group size (and input dimension) packs.
+        if not is_int(group_size) or group_size <= 0 or (bits != 8 and (group_size % PACK_ROWS or n_in % PACK_ROWS)):
             raise
     for g in range((group_size - 1) // SUBSTITUTE_MULTIPLE * SUBSTITUTE_MULTIPLE, 0, -SUBSTITUTE_MULTIPLE):
         if n_in % g == 0:
@@ -157,6 +158,9 @@ def check_float_model(model) -> dict:
     """
     weights = {n: v.get_value() for n, v in quant_targets(model).items()}
     for name, w in weights.items():
+        if hasattr(w, "lora_a"):
+            raise ValueError(f"{name} carries a LoRA adapter; accepted: a model without adapters (quantize "
+                             "before apply_lora, or merge or remove_adapters first)")
         kind = describe_quantized(w)
         if kind is not None:
             raise ValueError(f"the model is already quantized ({name}: {kind}); accepted: the float model "

@@ -62,14 +62,15 @@ def _scale_search(x, w_cat, x_mean, bits, group_size, symmetric, n_grid):
     ref = x @ w_cat
 
     def loss_for(alpha):
-        s = jnp.maximum(x_mean, 1e-8) ** alpha
-        s = s / jnp.sqrt(s.max() * s.min())
+        s = jnp.maximum(x_mean ** alpha, 1e-4)  # as AutoAWQ: a dead channel's 0 ** alpha would be 0 (1e-8 before
+        s = s / jnp.sqrt(s.max() * s.min())  # the power spread s over 11 decades and scaled w past f16)
         wq = fake_quant(w_cat * s[:, None], bits, group_size, symmetric) / s[:, None]
         return jnp.mean((x @ wq - ref) ** 2), s
 
     alphas = jnp.arange(n_grid, dtype=jnp.float32) / n_grid
     losses, scales = jax.lax.map(loss_for, alphas)
-    return scales[jnp.argmin(losses)], losses
+    # A scale whose grid overflows has a NaN loss, which argmin would pick; alpha 0 (s = 1) stays finite.
+    return scales[jnp.argmin(jnp.where(jnp.isfinite(losses), losses, jnp.inf))], losses
 
 
 def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: bool = True,
@@ -89,6 +90,11 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
     """
     _check_grid(n_grid)
     check_bool("symmetric", symmetric)  # None or 0 searched for the zero-point grid
+    if not isinstance(ws, (list, tuple)):
+        raise ValueError(f"ws of type {type(ws).__name__}; accepted: a list of weights [in, out_j] that read x")
+    for i, w in enumerate(ws):
+        check_finite(w, f"the weight ws[{i}]")
+    check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
     rows = sorted({np.shape(w)[0] for w in ws})
     if not rows:
         raise ValueError("ws is empty; accepted: one or more weights [in, out_j] that read x")
@@ -100,6 +106,9 @@ def awq_scale(x, ws, bits: int = 4, group_size: int | None = 128, symmetric: boo
     group_size = check_group_size(w_cat.shape[0], group_size, bits)
     if x_mean is None:
         x_mean = jnp.abs(x).mean(axis=0)
+    elif np.shape(x_mean) != (rows[0],):
+        raise ValueError(f"x_mean of shape {np.shape(x_mean)}; accepted: f32[{rows[0]}] (one activation magnitude "
+                         "per input channel)")
     s, _ = _scale_search(x, w_cat, jnp.asarray(x_mean, jnp.float32), bits, group_size, symmetric, n_grid)
     return s
 
@@ -130,6 +139,8 @@ def awq_clip(x, w, bits: int = 4, group_size: int | None = 128, symmetric: bool 
     if not is_number(max_shrink) or not 0 < max_shrink <= 1:
         raise ValueError(f"max_shrink={max_shrink!r}; accepted: a number in (0, 1] (the largest fraction of a "
                          "group's range the clip search may cut)")
+    check_finite(w, "the weight w")
+    check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
     w = jnp.asarray(w, jnp.float32)
     group_size = check_group_size(w.shape[0], group_size, bits)
     x = _subsample(x, CLIP_TOKENS, seed=1, n_in=w.shape[0])
@@ -192,8 +203,7 @@ def awq_quantize(w, x, bits: int = 4, group_size: int | None = 128, symmetric: b
     """
     check_weight_shape(w, "awq_quantize")  # a float array: integer weights would round to integers
     check_bool("clip", clip)  # "no" clipped
-    check_finite(w, "the weight w")
-    check_finite(x, "the calibration inputs x", accepted="finite calibration inputs")
+    check_finite(w, "the weight w")  # x is checked by awq_scale
     dtype = jnp.asarray(w).dtype
     w = jnp.asarray(w, jnp.float32)
     s = awq_scale(x, [w], bits, group_size, symmetric)

@@ -232,6 +232,8 @@ def test_group_size_substitution():
     # SmolLM2's widths: 576 takes 96 for 128; 1536 keeps 128.
     assert resolve_group_size(576, 128) == 96 and resolve_group_size(1536, 128) == 128
     assert resolve_group_size(576, None) == 576
+    # 8 bits take any group size, so one that is no multiple of 8 is substituted too (100 was refused, 104 not).
+    assert resolve_group_size(64, 100, 8) == resolve_group_size(64, 104, 8) == 64
 
 
 def test_tensor_level_group_size_is_strict():

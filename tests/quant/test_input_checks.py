@@ -84,6 +84,15 @@ def test_quantizing_a_quantized_model_is_refused(model):
         quantize_gguf_blocks(q4, "Q8_0")
 
 
+def test_quantizing_a_model_with_adapters_names_the_adapter(model):
+    """Refused with its own reason (it said "already quantized (wq: LoRA)" of a float base)."""
+    from jmem.lora import apply_lora
+
+    with pytest.raises(ValueError, match=r"^wq carries a LoRA adapter; accepted: a model without adapters \(quantize "
+                                         r"before apply_lora, or merge or remove_adapters first\)$"):
+        quantize(apply_lora(model, targets=("wq",)), "nf4")
+
+
 def test_calibration_ids_outside_the_vocabulary(model):
     with pytest.raises(ValueError, match=r"calibration token ids range over 100000..100000; accepted: ids of the "
                                          r"model's vocabulary, 0..258"):

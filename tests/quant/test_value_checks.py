@@ -62,10 +62,39 @@ def test_non_finite_check_runs_on_concrete_arrays_only(w):
 
 
 def test_awq_refuses_non_finite_calibration_inputs(w, x):
+    """awq_quantize, and the public awq_scale and awq_clip too (all losses NaN: they returned s = 1 as found)."""
     xb = x.copy()
     xb[0, 0] = np.nan
-    with pytest.raises(ValueError, match=r"calibration inputs x has 1 non-finite value\(s\)"):
-        awq_quantize(w, xb, 4, 32)
+    for call in (lambda: awq_quantize(w, xb, 4, 32), lambda: awq_scale(xb, [w], 4, 32),
+                 lambda: awq_clip(xb, w, 4, 32)):
+        with pytest.raises(ValueError, match=r"calibration inputs x has 1 non-finite value\(s\)"):
+            call()
+    wb = w.copy()
+    wb[3, 1] = np.inf
+    with pytest.raises(ValueError, match=r"the weight ws\[1\] has 1 non-finite value\(s\)"):
+        awq_scale(x, [w, wb], 4, 32)
+
+
+def test_awq_scale_search_skips_scales_whose_grid_overflows():
+    """A dead input channel beside a large one: s = max(mean|x|, 1e-8) ** alpha spanned 11 decades, w * s
+    overflowed the f16 group scales at alpha 0.9 and 0.95, and argmin took their NaN loss: the weight was
+    refused as ranging over -504121..451119 (it spans about +-10). The AutoAWQ clamp after the power."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((32, 8)) * 3).astype(np.float32)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    x[:, 3] *= 5000
+    x[:, 5] = 0
+    q = awq_quantize(w, x, 4, 8)
+    assert np.all(np.isfinite(np.asarray(q.dequantize())))
+    err = lambda wq: float(np.mean((x @ wq - x @ w) ** 2))  # noqa: E731
+    assert err(np.asarray(q.dequantize())) < err(np.asarray(rtn_quantize(w, 4, 8).dequantize()))
+
+
+def test_awq_scale_arguments_are_named(w, x):
+    with pytest.raises(ValueError, match=r"^ws of type ndarray; accepted: a list of weights \[in, out_j\]"):
+        awq_scale(x, w, 4, 32)  # a bare matrix read as a list of rows
+    with pytest.raises(ValueError, match=re.escape("x_mean of shape (5,); accepted: f32[128]")):
+        awq_scale(x, [w], 4, 32, x_mean=np.ones(5))
 
 
 @pytest.mark.parametrize("method", ["rtn", "nf4", "gptq"])
