@@ -113,6 +113,20 @@ def test_gptq_runs_layer_by_layer(model, data):
     ref = _logits(model, ids)
     rtn = _rel(_logits(quantize(model, "rtn", bits=4, group_size=32), ids), ref)
     assert _rel(_logits(q, ids), ref) < 1.5 * rtn
+    # The first layer's q/k/v equal `gptq_quantize` on the Hessian of their input (the normed embeddings of
+    # the calibration tokens), act-order included: the logits bound alone passed with RTN in GPTQ's place.
+    from jmem.calibrate import _layer_of, run_layer
+    from jmem.quant.gptq import hessian
+
+    cfg = model.config.replace(remat="none", compute_dtype="f32")
+    B, T = calib.shape
+    x = jnp.take(model.embed.embedding.get_value(), jnp.asarray(calib), axis=0).astype(jnp.float32)
+    wf = {n: _layer_of(v, 0) for n, v in model.layers.weights().items()}
+    _, inputs = run_layer(cfg, wf, x, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    h = hessian(np.asarray(inputs["wq"]).reshape(-1, CFG.dim))
+    for n in ("wq", "wk", "wv"):
+        want = gptq_quantize(np.asarray(wf[n]), h, 4, 32, act_order=True)
+        np.testing.assert_array_equal(np.asarray(_layer_of(w[n], 0).packed), np.asarray(want.packed), err_msg=n)
 
 
 class _ByteTokenizer:
