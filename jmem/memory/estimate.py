@@ -57,7 +57,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jmem.checks import check_bool, is_int
+from jmem.checks import check_bool, check_int, is_int
 from jmem.memory.measure import format_bytes, tree_bytes
 from jmem.models.config import EXPERT_TARGETS, LINEARS
 
@@ -401,7 +401,8 @@ def _check_ints(*checks) -> None:
 
 def _check_param_args(config, accum, lora_rank, lora_targets, quantize_base, base_group_size) -> tuple[str, ...]:
     """ValueError naming a bad accum, LoRA or base-format argument (as `estimate` takes them); the LoRA targets."""
-    _check_ints(("accum", accum, 1, ""), ("lora_rank", lora_rank, 0, ""))
+    check_int("accum", accum, 1)
+    check_int("lora_rank", lora_rank, 0)
     lora_targets = resolve_lora_targets(config, lora_targets)
     if lora_rank and not lora_targets:
         raise ValueError(f"lora_rank={lora_rank} with no lora_targets; accepted: one or more of "
