@@ -34,7 +34,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         draft_k: Draft proposals per target pass (with --draft; 4 when unset).
         stop: Strings that end the completion: it is printed up to the first one it reaches.
         lora: A LoRA adapter file (.npz, written by `train.py --lora-rank R --save` or
-            jmem.lora.save_adapters) applied to MODEL, the base it was trained on.
+            jmem.lora.save_adapters) or a Hugging Face PEFT LoRA directory, applied to MODEL, the base
+            it was trained on.
     """
     import jmem
     from jmem.checks import stop_strings

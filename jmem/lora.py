@@ -427,15 +427,26 @@ def save_adapters(model, path) -> None:
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
-def read_adapters(path) -> tuple[dict, dict]:
-    """(per-target metadata, arrays) of a file written by `save_adapters`, checked: one ValueError
-    naming the file and what is wrong (missing, a directory, not such a file, metadata without a
-    positive integer rank, a finite alpha and a boolean rslora, arrays absent, of another rank, not real
-    floating point or not finite)."""
+def read_adapters(path, n_layers: int | None = None) -> tuple[dict, dict]:
+    """(per-target metadata, arrays) of a file written by `save_adapters` or of a Hugging Face PEFT
+    LoRA directory (`jmem.io.peft`; `n_layers`, the model's layer count, pads the layers it leaves
+    out), checked: one ValueError naming the file and what is wrong (missing, not such a file,
+    metadata without a positive integer rank, a finite alpha and a boolean rslora, arrays absent, of
+    another rank, not real floating point or not finite)."""
+    from jmem.io.peft import is_peft_dir, read_peft
+
     path = os.path.expanduser(os.fspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"LoRA adapter path {path!r} is a directory; accepted: an .npz file written by "
-                         "jmem.lora.save_adapters (a PEFT adapter directory is not read)")
+    if is_peft_dir(path):
+        meta, arrays = read_peft(path, n_layers)
+    elif os.path.isdir(path):
+        raise ValueError(f"LoRA adapter path {path!r} is a directory without adapter_config.json; accepted: an "
+                         ".npz file written by jmem.lora.save_adapters or a PEFT LoRA directory")
+    else:
+        meta, arrays = _read_npz(path)
+    return _check_adapter(path, meta, arrays)
+
+
+def _read_npz(path) -> tuple[dict, dict]:
     if not os.path.isfile(path):
         raise ValueError(f"LoRA adapter file {path!r} does not exist")
     try:
@@ -446,6 +457,10 @@ def read_adapters(path) -> tuple[dict, dict]:
         # numpy's own text for a file that is no .npz suggests loading it as a pickle: name only its kind.
         why = f"{type(e).__name__}: {e}" if zipfile.is_zipfile(path) else "not an .npz archive"
         raise ValueError(f"{path!r} is not a LoRA adapter file written by jmem.lora.save_adapters ({why})") from None
+    return meta, arrays
+
+
+def _check_adapter(path, meta, arrays) -> tuple[dict, dict]:
     if not isinstance(meta, dict) or not meta:
         raise ValueError(f"adapter {path!r}: metadata {str(meta)[:60]!r} is not a map of targets; accepted: a file "
                          "written by jmem.lora.save_adapters")
@@ -528,13 +543,13 @@ def _base_of(value):
 
 
 def load_adapters(model, path, *, inplace: bool = False):
-    """Attach adapters saved by `save_adapters` to a model with the same base shapes.
+    """Attach adapters saved by `save_adapters` (or a PEFT LoRA directory) to a model with the same base shapes.
 
     The model comes back with exactly the file's adapters: kernels that already carry one have it
     replaced, others are wrapped, and adapters on targets the file does not name are taken off
     (they belonged to another adapter). Every target is checked before anything changes.
     """
-    meta, arrays = read_adapters(path)
+    meta, arrays = read_adapters(path, model.config.n_layers)
     check_bool("inplace", inplace)
     for name in meta:
         base = _base_of(_kernel_var(model, name).get_value())

@@ -81,8 +81,8 @@ class ServeArgs:
     """uvicorn / jmem log level: critical, error, warning, info, debug, trace."""
     lora_modules: tyro.conf.UseAppendAction[tuple[tuple[str, ...], ...]] = ()
     """LoRA adapters served beside the base model, as NAME=PATH or vLLM's '{"name": NAME, "path": PATH}'
-    (files written by jmem.lora.save_adapters); a request's `model` field picks one by NAME. The flag
-    may be repeated: every occurrence's entries are served."""
+    (files written by jmem.lora.save_adapters, or PEFT LoRA directories); a request's `model` field picks
+    one by NAME. The flag may be repeated: every occurrence's entries are served."""
     max_loras: int | None = None
     """Adapter slots on the device, the most adapters one step runs (one per --lora-modules entry when unset).
     Fewer slots than entries: the other adapters wait in host memory and move into a slot when a request

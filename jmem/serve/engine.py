@@ -229,7 +229,7 @@ class Engine:
         model: a `jmem.models.Llama`.
         tokenizer: with `encode`, `decode`, `eos_id` (as `jmem.load(...).tokenizer`).
         config: limits and KV sizing.
-        lora_modules: LoRA adapter name -> file written by `jmem.lora.save_adapters`, all
+        lora_modules: LoRA adapter name -> file written by `jmem.lora.save_adapters` (or PEFT directory), all
             served at once (`add_request(..., adapter=name)`); stacked on the device at startup.
         draft_model: a smaller `jmem.models.Llama` with the model's vocabulary that proposes
             `config.num_speculative_tokens` tokens per decode (`jmem.serve.draft`); its weights and

@@ -229,12 +229,14 @@ class AdapterInfo:
         return max(self.ranks.values())
 
 
-def check_adapter_files(modules: dict[str, str], max_lora_rank: int) -> dict[str, tuple[dict, dict]]:
-    """{name: (per-target metadata, arrays)} of every adapter file (`jmem.lora.read_adapters`), checked
-    for readability, servable targets and rank; one ValueError naming the file and what is wrong."""
+def check_adapter_files(modules: dict[str, str], max_lora_rank: int,
+                        n_layers: int | None = None) -> dict[str, tuple[dict, dict]]:
+    """{name: (per-target metadata, arrays)} of every adapter file (`jmem.lora.read_adapters`, given the
+    served model's `n_layers`), checked for readability, servable targets and rank; one ValueError
+    naming the file and what is wrong."""
     read = {}
     for name, path in modules.items():
-        meta, stored = read_adapters(path)
+        meta, stored = read_adapters(path, n_layers)
         for target, m in meta.items():
             if target not in SERVABLE:
                 raise ValueError(f"adapter {os.fspath(path)!r} targets {target!r}; served adapters may target: "
@@ -253,7 +255,8 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
 
     Args:
         model: a `jmem.models.Llama` (kernels may be quantized leaves).
-        modules: adapter name -> file written by `jmem.lora.save_adapters`; slots follow this order.
+        modules: adapter name -> file written by `jmem.lora.save_adapters` or PEFT LoRA directory; slots
+            follow this order.
         max_loras: adapter slots on the device (None: one per module, at least one). With fewer slots than
             modules the first `max_loras` modules start resident and the others wait in host memory
             (`jmem.serve.lora_slots`).
@@ -280,7 +283,7 @@ def stack_adapters(model, modules: dict[str, str], *, max_loras: int | None = No
     slots = max(len(modules), 1) if max_loras is None else max_loras
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"--max-loras={max_loras!r}; accepted: an integer >= 1")
-    read = check_adapter_files(modules, max_lora_rank)
+    read = check_adapter_files(modules, max_lora_rank, model.config.n_layers)
     layers, present = model.layers, model.config.weight_names()
     if runtime_loading:
         targets = list(present)
@@ -346,8 +349,9 @@ def _layout(leaves: dict[str, MultiLoRA]) -> dict[str, tuple]:
 def read_adapter(name: str, path: str, state, max_lora_rank: int, version: int = 0) -> AdapterInfo:
     """The adapter file `path` as an `AdapterInfo` waiting in host memory (slot None), laid out for the
     slots of `state` (a served model's state); one ValueError naming the file and what does not fit."""
-    meta, stored = check_adapter_files({name: path}, max_lora_rank)[name]
     leaves = _multi_leaves(state)
+    n_layers = next(iter(leaves.values())).base.shape[0]  # every served target is a stacked layer weight
+    meta, stored = check_adapter_files({name: path}, max_lora_rank, n_layers)[name]
     return _adapter_info(name, None, path, meta, stored, _layout(leaves), {t: v.base for t, v in leaves.items()},
                          version)
 

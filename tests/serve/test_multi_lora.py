@@ -263,8 +263,9 @@ def test_unknown_adapter_and_bad_modules(model, adapters, engine, tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not an npz")
     with pytest.raises(ValueError, match="not a LoRA adapter file"):
         stack_adapters(model, {"x": str(tmp_path / "junk.npz")})
-    with pytest.raises(ValueError, match=f"LoRA adapter path '{tmp_path}' is a directory; accepted: an .npz file "
-                                         "written by jmem.lora.save_adapters"):
+    with pytest.raises(ValueError, match=f"LoRA adapter path '{tmp_path}' is a directory without "
+                                         "adapter_config.json; accepted: an .npz file written by jmem.lora.save_"
+                                         "adapters or a PEFT LoRA directory"):
         stack_adapters(model, {"x": str(tmp_path)})
     # Hand-edited metadata: one line naming the file (were KeyError, AttributeError, TypeError tracebacks, and
     # "index can't contain negative values" for a rank the arrays do not have).
@@ -455,7 +456,7 @@ def port():
     (["--lora-modules", "tiny=x.npz"], "name 'tiny' is the base model's name"),
     (["--lora-modules", "a={a}", "a={b}"], "name 'a' is given twice"),
     (["--lora-modules", "a=/nonexistent.npz"], "--lora-modules: LoRA adapter file '/nonexistent.npz' does not exist"),
-    (["--lora-modules", "a={folder}"], "is a directory; accepted: an .npz file written by jmem.lora.save_adapters"),
+    (["--lora-modules", "a={folder}"], "is a directory without adapter_config.json; accepted: an .npz file"),
     (["--lora-modules", "a={a}", "b={b}", "--max-lora-rank", "4"], "rank 8 on wq, above --max-lora-rank=4"),
     (["--lora-modules", "a={a}", "b={b}", "--max-loras", "0"], "--max-loras=0; accepted: an integer >= 1"),
     (["--lora-modules", "a={a}", "--lora-impl", "gather"], "--lora-impl='gather'; accepted: onehot, ragged"),
