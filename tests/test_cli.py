@@ -330,9 +330,17 @@ def test_generate_with_a_lora_adapter_matches_the_merged_model(tmp_path, capsys)
     assert code == 0, err
     merged = jmem.LM(merge(load_adapters(lm.model, path)), lm.tokenizer)
     assert adapted == merged.generate(["hello"], max_new_tokens=10)[0] + "\n" and adapted != plain
-    other = random_adapter(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(9)), tmp_path / "o.npz", 1, 4, ("wq",))
+    other_base = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(9))
+    other = random_adapter(other_base, tmp_path / "o.npz", 1, 4, ("wq",))
     code, _, err = _in_process(main, [*argv, "--lora", str(other)], capsys)
     assert code == 2 and "o.npz' was trained on another base model: its wq weights do not match" in err, err
+    code, adapted, err = _in_process(main, [*argv, "--lora", str(other), "--init-seed", "9"], capsys)  # its base
+    assert code == 0, err
+    assert adapted == jmem.LM(merge(load_adapters(other_base, other)), lm.tokenizer).generate(
+        ["hello"], max_new_tokens=10)[0] + "\n"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    code, _, err = _in_process(main, ["generate", "--model", str(tmp_path / "m.gguf"), "--init-seed", "9"], capsys)
+    assert code == 2 and "--init-seed=9 draws a random-init preset's weights; model" in err, err
     (tmp_path / "junk.npz").write_bytes(b"no")
     code, _, err = _in_process(main, [*argv, "--lora", str(tmp_path / "junk.npz")], capsys)
     assert code == 2 and "junk.npz' is not a LoRA adapter file written by jmem.lora.save_adapters" in err, err

@@ -69,6 +69,9 @@ class ServeArgs:
     """Dtype of unquantized parameters (unset: a quantized directory's own, else f32)."""
     packed: bool = False
     """Keep a GGUF file's block-quantized matrices packed (decoded inside the step) instead of float."""
+    init_seed: int = 0
+    """Seed of a random-init preset's weights (the --seed of the train.py run that trained the adapters served
+    on it); 0 for any other model."""
     compute_dtype: str | None = None
     """Dtype of activations (unset: a quantized directory's own, else f32)."""
     enable_prefix_caching: bool = True
@@ -120,7 +123,7 @@ LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 1
 
 def check_args(args: ServeArgs) -> None:
     """ValueError naming the first bad flag; cheap checks only (nothing is loaded)."""
-    from jmem.lm import check_packed, model_source
+    from jmem.lm import check_packed, check_seed, model_source
     from jmem.models.config import as_dtype
     from jmem.serve.paged_cache import ATTENTION_IMPLS, KV_DTYPES
 
@@ -128,6 +131,7 @@ def check_args(args: ServeArgs) -> None:
         raise ValueError(f"--log-level={args.log_level!r}; accepted: {', '.join(LOG_LEVELS)}")
     kind = model_source(args.model, "--model")[0]  # a missing file or package: one error naming the flag
     check_packed(args.packed, kind, args.model, "--packed")
+    check_seed(args.init_seed, kind, args.model, "--init-seed")
     for flag, value in (("--param-dtype", args.param_dtype), ("--compute-dtype", args.compute_dtype)):
         if value is None:
             continue
@@ -290,7 +294,8 @@ def build_engine(args: ServeArgs):
     check_args(args)
     if model_source(args.model, "--model")[0] == "preset":  # known now; a model file's context is read as it loads
         _check_max_model_len(args, get_config(args.model).max_seq_len)
-    lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed)
+    lm = jmem.load(args.model, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, packed=args.packed,
+                   seed=args.init_seed)
     _check_max_model_len(args, lm.config.max_seq_len)
     cfg = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -729,6 +729,27 @@ def test_cli_log_level_and_max_model_len_errors_are_one_line(capsys):
         "is); accepted: --packed with a .gguf path or smollm2-135m")
 
 
+def test_cli_init_seed_draws_a_preset_and_is_refused_for_stored_weights(capsys, tmp_path):
+    """--init-seed builds a preset at the seed train.py's --seed drew it with (an adapter trained on it
+    is then served; at seed 0 it was refused as another base); a model file refuses it before loading."""
+    from flax import nnx
+
+    from jmem.models import Llama, LlamaConfig
+    from jmem.serve.cli import ServeArgs, build_engine
+    from tests.helpers import random_adapter
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # found by its magic; refused before it is read
+    assert cli_error(capsys, "--init-seed", "3", model=str(tmp_path / "m.gguf")) == (
+        f"jmem serve: error: --init-seed=3 draws a random-init preset's weights; model '{tmp_path}/m.gguf' is a "
+        "GGUF file whose weights are stored; accepted: --init-seed=0, or a preset (tiny, small, bench-8l, tiny-moe)")
+    path = str(random_adapter(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(3)), tmp_path / "a.npz", 1, 4, ("wq",)))
+    args = dict(model="tiny", num_blocks=8, max_model_len=64, lora_modules=((f"a={path}",),))
+    with pytest.raises(ValueError, match="was trained on another base model.*jmem serve --init-seed"):
+        build_engine(ServeArgs(**args))
+    engine, _ = build_engine(ServeArgs(**args, init_seed=3))
+    assert set(engine.adapters) == {"a"}
+
+
 def test_cli_cannot_listen_is_one_line_before_loading(capsys, caplog, monkeypatch):
     import jmem
 
