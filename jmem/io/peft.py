@@ -11,13 +11,21 @@ One alpha and rank per target is what jmem's `LoRA` holds. When PEFT's
 `rank_pattern` / `alpha_pattern` or a partial layer set (`layers_to_transform`,
 a regex `target_modules`) gives the layers of one target different scales or
 ranks, each layer's scale is folded into its B, ranks are zero-padded to the
-largest, and untouched layers get zero adapters: the same function exactly,
-with alpha = rank (scale 1).
+largest, and untouched layers get zero adapters, with alpha = rank (scale 1)
+and B kept in float32: the same function exactly.
 
-Refused with one ValueError each: another PEFT method than LoRA, DoRA, any saved
+Keys may carry PEFT's `base_model.model.` prefix or not (transformers' own
+adapter saves). The copy of the output head PEFT saves beside an `lm_head`
+adapter becomes that target's base sample, so `jmem.lora.check_base` refuses
+the adapter on another head as it does jmem's own files.
+
+Refused with one ValueError each: another PEFT method than LoRA, config fields
+that change the forward pass (DoRA, aLoRA, QA-LoRA, layer replication, ...:
+`FORWARD_CHANGING`), initialisations that changed the base weights (PiSSA,
+OLoRA, CorDA, LoftQ), ranks that disagree with `r` / `rank_pattern`, any saved
 tensor that is not a LoRA A/B of a known linear (`modules_to_save`, biases,
-embedding adapters), a PyTorch-pickle `adapter_model.bin` only, and arrays
-whose shapes do not pair up.
+embedding adapters) or not floating point, a PyTorch-pickle
+`adapter_model.bin` only, and arrays whose shapes do not pair up.
 """
 
 from __future__ import annotations
@@ -34,8 +42,20 @@ WEIGHTS = "adapter_model.safetensors"
 # Hugging Face Llama module -> jmem target.
 MODULES = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
-_LAYER_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
-_HEAD_KEY = re.compile(r"base_model\.model\.lm_head\.lora_([AB])\.weight")
+# Keys with `base_model.model.` (a PeftModel's save) or without it (transformers' own adapter saves).
+_LAYER_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+_HEAD_KEY = re.compile(r"(?:base_model\.model\.)?lm_head\.lora_([AB])\.weight")
+# The copy of the output head PEFT saves beside an lm_head adapter (save_embedding_layers="auto").
+_HEAD_BASE_KEY = re.compile(r"(?:base_model\.model\.)?lm_head\.base_layer\.weight")
+# Config fields that make the adapter compute something other than W x + scale B A x: refused when set.
+FORWARD_CHANGING = {"use_dora": "DoRA magnitude vectors", "lora_bias": "bias on lora_B",
+                    "alora_invocation_tokens": "aLoRA invocation tokens (the adapter acts only after them)",
+                    "use_qalora": "QA-LoRA input pooling", "layer_replication": "replicated layers",
+                    "target_parameters": "adapters on raw parameters", "use_bdlora": "block-diagonal adapters",
+                    "arrow_config": "Arrow routing", "monteclora_config": "MonteCLoRA sampling",
+                    "kasa_config": "KaSA singular values", "trainable_token_indices": "trained token embeddings"}
+# Initialisations that also change the base weights: the adapter fits only that changed base.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 def is_peft_dir(path) -> bool:
@@ -49,8 +69,8 @@ def read_peft(path, n_layers: int | None = None) -> tuple[dict, dict]:
     stacks up to the highest layer the file holds.
     """
     config = _read_config(path)
-    pairs = _read_pairs(path)
-    modules = {}  # target -> {layer: (A [r, in], B [out, r], module name)}
+    pairs, head_base = _read_pairs(path)
+    modules = {}  # target -> {layer: (A [r, in], B [out, r], module key)}
     for name, (a, b) in pairs.items():
         target, layer = _target_of(path, name)
         if a is None or b is None:
@@ -71,6 +91,10 @@ def read_peft(path, n_layers: int | None = None) -> tuple[dict, dict]:
     for target, per in modules.items():
         meta[target], arrays[f"{target}.lora_a"], arrays[f"{target}.lora_b"] = _stack(path, config, target, per,
                                                                                      n_layers)
+    if head_base is not None and "head" in meta:  # checked against the model's head as jmem files are
+        from jmem.lora import base_sample
+
+        meta["head"]["base_sample"] = base_sample(head_base.T).tolist()
     return meta, arrays
 
 
@@ -82,24 +106,52 @@ def _read_config(path) -> dict:
         raise ValueError(f"PEFT adapter {path!r}: {CONFIG} is not readable JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"PEFT adapter {path!r}: {CONFIG} is not a JSON object")
-    kind = config.get("peft_type")
-    if kind != "LORA":
-        raise ValueError(f"PEFT adapter {path!r} has peft_type={kind!r}; accepted: 'LORA'")
-    if config.get("use_dora"):
-        raise ValueError(f"PEFT adapter {path!r} is a DoRA adapter (use_dora=true; its magnitude vectors have no "
-                         "place in jmem's LoRA); accepted: a plain LoRA adapter")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"PEFT adapter {path!r}: {CONFIG} has {key}={value!r}; accepted: a positive number")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(key) or {}, dict):
-            raise ValueError(f"PEFT adapter {path!r}: {key}={config[key]!r}; accepted: a map of module patterns")
+
+    def refuse(key, accepted):
+        raise ValueError(f"PEFT adapter {path!r}: {CONFIG} has {key}={config.get(key)!r}; accepted: {accepted}")
+
+    if config.get("peft_type") != "LORA":
+        refuse("peft_type", "'LORA'")
+    for key, what in FORWARD_CHANGING.items():
+        if config.get(key) not in (None, False, [], {}):
+            refuse(key, f"a plain LoRA adapter ({key} unset: jmem's LoRA holds no {what})")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        refuse("init_lora_weights", "an adapter for the unchanged base (this initialisation also changed the base "
+               "weights; save it converted with PEFT's path_initial_model_for_weight_conversion)")
+    if not _positive(config.get("r"), int):
+        refuse("r", "a positive integer")
+    if not _positive(config.get("lora_alpha"), float):
+        refuse("lora_alpha", "a positive number")
+    dropout = config.get("lora_dropout")
+    if dropout is not None and not (_positive(dropout, float) or dropout == 0) or (dropout or 0) >= 1:
+        refuse("lora_dropout", "a number in [0, 1)")
+    if not isinstance(config.get("use_rslora", False), bool):
+        refuse("use_rslora", "true or false")
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", float)):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(isinstance(k, str) and _compiles(k) and _positive(v, kind)
+                                                     for k, v in patterns.items()):
+            refuse(key, f"a map of module-name regexes to positive {'integers' if kind is int else 'numbers'}")
     return config
 
 
-def _read_pairs(path) -> dict:
-    """{module key: (A, B)} as float32 NumPy arrays with each one's stored dtype name attached."""
+def _positive(value, kind) -> bool:
+    """`value` is a positive finite number (an integer when `kind` is int), not a bool."""
+    types = (int,) if kind is int else (int, float)
+    return not isinstance(value, bool) and isinstance(value, types) and math.isfinite(value) and value > 0
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
+def _read_pairs(path) -> tuple[dict, np.ndarray | None]:
+    """({module key: (A, B)} as stored, the copy of the output head PEFT saves beside an lm_head adapter)."""
     from safetensors import SafetensorError, safe_open
 
     file = os.path.join(path, WEIGHTS)
@@ -108,24 +160,33 @@ def _read_pairs(path) -> dict:
         raise ValueError(f"PEFT adapter {path!r} has no {WEIGHTS} (found: {found}); accepted: a directory written "
                          "by PEFT's save_pretrained with safetensors (its default; a PyTorch-pickle adapter_model.bin "
                          "is not read)")
-    pairs = {}
+    pairs, head_base = {}, None
     try:
         with safe_open(file, framework="numpy") as f:
             for key in f.keys():
+                if _HEAD_BASE_KEY.fullmatch(key):
+                    head_base = f.get_tensor(key)
+                    continue
                 head = _HEAD_KEY.fullmatch(key)
                 match = head or _LAYER_KEY.fullmatch(key)
                 if match is None:
                     raise ValueError(f"PEFT adapter {path!r} holds tensor {key!r}, which is no LoRA A/B of a "
                                      f"Llama linear ({', '.join(MODULES)}, lm_head); accepted: LoRA weights only "
                                      "(no modules_to_save, biases, DoRA or embedding adapters)")
+                tensor = f.get_tensor(key)
+                if tensor.dtype.name not in FLOATS:
+                    raise ValueError(f"PEFT adapter {path!r}: {key} holds {tensor.dtype.name} values; accepted: "
+                                     f"{', '.join(FLOATS)}")
                 name = "lm_head" if head else f"layers.{match.group(1)}.{match.group(2)}"
-                part = 0 if match.group(match.lastindex) == "A" else 1
                 pair = list(pairs.get(name, (None, None)))
-                pair[part] = f.get_tensor(key)
+                pair[0 if match.group(match.lastindex) == "A" else 1] = tensor
                 pairs[name] = tuple(pair)
     except SafetensorError as e:
         raise ValueError(f"PEFT adapter {path!r}: {WEIGHTS} is not a readable safetensors file ({e})") from None
-    return pairs
+    return pairs, head_base
+
+
+FLOATS = ("float32", "float16", "bfloat16")
 
 
 def _target_of(path, name: str) -> tuple[str, int | None]:
@@ -149,14 +210,19 @@ def _pattern_value(patterns: dict, module: str, default):
 def _stack(path, config: dict, target: str, per: dict, n_layers: int) -> tuple[dict, np.ndarray, np.ndarray]:
     """One target's metadata and arrays (`lora_a [L, in, R]`, `lora_b [L, R, out]`; the head unstacked)
     from its modules `per` {layer: (A, B, module key)}."""
-    rslora = bool(config.get("use_rslora", False))
-    alphas = {layer: float(_pattern_value(config.get("alpha_pattern"), name if layer is None else f"model.{name}",
-                                          config["lora_alpha"]))
-              for layer, (_, _, name) in per.items()}
-    ranks = {layer: a.shape[0] for layer, (a, _, _) in per.items()}
+    rslora = config.get("use_rslora", False)
+    alphas, ranks = {}, {}
+    for layer, (a, _, name) in per.items():
+        module = name if layer is None else f"model.{name}"  # the module's name in PEFT's patterns
+        alphas[layer] = float(_pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"]))
+        ranks[layer] = a.shape[0]
+        want = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        if ranks[layer] != want:  # PEFT scales by the configured rank: the file and its config disagree
+            raise ValueError(f"PEFT adapter {path!r}: {name} has rank {ranks[layer]}, its config says {want} (r or "
+                             "rank_pattern); accepted: an adapter whose tensors match its adapter_config.json")
     dtypes = {a.dtype.name for a, _, _ in per.values()}
-    dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {"float32", "float16", "bfloat16"} else "float32"
-    meta = {"dropout": float(config.get("lora_dropout") or 0.0), "dtype": dtype, "rslora": rslora}
+    meta = {"dropout": float(config.get("lora_dropout") or 0.0), "dtype": dtypes.pop() if len(dtypes) == 1 else
+            "float32", "rslora": rslora}
     if None in per:  # the untied output head: one matrix
         a, b, _ = per[None]
         return {**meta, "alpha": alphas[None], "rank": ranks[None]}, a.T.astype(np.float32), b.T.astype(np.float32)
@@ -170,7 +236,8 @@ def _stack(path, config: dict, target: str, per: dict, n_layers: int) -> tuple[d
                              f"other layers' [r, {n_in}] / [{n_out}, r]; accepted: one shape per module")
         r = ranks[layer]
         scale = 1.0 if uniform else alphas[layer] / (math.sqrt(r) if rslora else r)
-        A[layer, :, :r], B[layer, :r, :] = a.T, b.T * scale
+        A[layer, :, :r], B[layer, :r, :] = a.T, b.T.astype(np.float32) * scale
     if uniform:
         return {**meta, "alpha": alphas[layer], "rank": R}, A, B
-    return {**meta, "alpha": float(R), "rank": R, "rslora": False}, A, B
+    # Scales folded into B: kept in float32, so a 16-bit adapter's B is not rounded a second time.
+    return {**meta, "alpha": float(R), "rank": R, "rslora": False, "dtype_b": "float32"}, A, B

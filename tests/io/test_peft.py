@@ -121,6 +121,26 @@ def test_a_bf16_peft_adapter_loads_in_bf16(model, tmp_path):
     assert isinstance(leaf, LoRA) and leaf.lora_a.dtype == jnp.bfloat16 and leaf.lora_b.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(leaf.lora_a[1], np.float32),
                                   tensors[key("wq", 1, "A")].astype(np.float32).T)
+    # Folded (an alpha per layer): B * scale is kept in float32, not rounded to bf16 a second time.
+    folded = write_peft(tmp_path / "pattern", tensors, alpha_pattern={"layers.1.self_attn.q_proj": 3})
+    loaded = load_adapters(model, folded)
+    leaf = loaded.layers.weight_var("wq").get_value()
+    assert leaf.lora_a.dtype == jnp.bfloat16 and leaf.lora_b.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(leaf.lora_b[1]), tensors[key("wq", 1, "B")].astype(np.float32).T * 0.75)
+
+
+def test_keys_without_the_peftmodel_prefix_and_the_saved_head_copy(model, tmp_path):
+    """transformers' own adapter saves drop `base_model.model.`; an lm_head adapter comes with PEFT's copy of
+    the head (`lm_head.base_layer.weight`), which is checked against the model's head as jmem files are."""
+    tensors = lora_tensors(model, 6, {("wq", 0): 4, ("wq", 1): 4, ("head", None): 4})
+    plain = {k.removeprefix("base_model.model."): v for k, v in tensors.items()}
+    head = np.ascontiguousarray(np.asarray(model.head.kernel.get_value()).T)  # safetensors writes memory order
+    want = merged_delta(model, write_peft(tmp_path / "prefixed", tensors), "head")
+    got = merged_delta(model, write_peft(tmp_path / "plain", {**plain, "lm_head.base_layer.weight": head}), "head")
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    other = np.random.default_rng(0).normal(size=head.shape).astype(np.float32)
+    with pytest.raises(ValueError, match="was trained on another base model: its head weights do not match"):
+        load_adapters(model, write_peft(tmp_path / "other", {**plain, "lm_head.base_layer.weight": other}))
 
 
 def _refusal_cases(model):
@@ -128,8 +148,21 @@ def _refusal_cases(model):
     a0, b0 = key("wq", 0, "A"), key("wq", 0, "B")
     return [
         (dict(peft_type="IA3"), good, "peft_type='IA3'; accepted: 'LORA'"),
-        (dict(use_dora=True), good, r"is a DoRA adapter \(use_dora=true"),
-        (dict(r=0), good, "has r=0; accepted: a positive number"),
+        (dict(use_dora=True), good,
+         r"has use_dora=True; accepted: a plain LoRA adapter \(use_dora unset: jmem's LoRA holds no DoRA"),
+        (dict(alora_invocation_tokens=[77, 3]), good,  # loaded as a plain LoRA, it acted on every token
+         r"has alora_invocation_tokens=\[77, 3\]; accepted: a plain LoRA adapter \(.*aLoRA invocation tokens"),
+        (dict(init_lora_weights="pissa_niter_4"), good, "init_lora_weights='pissa_niter_4'; accepted: an adapter "
+         "for the unchanged base"),
+        (dict(r=0), good, "has r=0; accepted: a positive integer"),
+        (dict(r=16), good, "q_proj has rank 4, its config says 16"),  # scaled by 8/4 where PEFT scales by 8/16
+        (dict(rank_pattern={"q_proj": 2}), good, "q_proj has rank 4, its config says 2"),
+        (dict(use_rslora="false"), good, "use_rslora='false'; accepted: true or false"),
+        (dict(lora_dropout="0.1"), good, r"lora_dropout='0.1'; accepted: a number in \[0, 1\)"),
+        (dict(alpha_pattern={"q_proj": None}), good, "alpha_pattern=.*accepted: a map of module-name regexes to "
+         "positive numbers"),  # was float(None)'s TypeError
+        (dict(alpha_pattern={"q_proj(": 3}), good, "alpha_pattern="),  # was re.error
+        ({}, {k: v.astype(np.int8) for k, v in good.items()}, "lora_A.weight holds int8 values; accepted: float32"),
         ({}, {**good, "base_model.model.model.embed_tokens.weight": np.ones((4, 4), np.float32)},
          "holds tensor 'base_model.model.model.embed_tokens.weight', which is no LoRA A/B of a Llama linear"),
         ({}, {**good, a0.replace("lora_A.weight", "lora_B.bias"): np.ones(4, np.float32)}, "no LoRA A/B"),
@@ -145,7 +178,7 @@ def _refusal_cases(model):
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(20))
 def test_what_jmem_cannot_hold_is_one_error(model, tmp_path, case):
     config, tensors, message = _refusal_cases(model)[case]
     path = write_peft(tmp_path / "ad", tensors, **config)
@@ -191,6 +224,64 @@ def test_the_engine_serves_a_peft_adapter_beside_a_jmem_one(model, tmp_path, run
         assert out.token_ids == want, name
     base = generate_ids(model, prompts[:1], 5, GenParams(temperature=0.0))[0]
     assert outs[0].token_ids != base  # the adapter changes the output, so the comparison shows something
+
+
+def _hf_copy(model, torch, transformers):
+    """transformers' LlamaForCausalLM with the tiny jmem model's weights ([out, in] = kernel transposed)."""
+    c = model.config
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+        tie_word_embeddings=False, rope_theta=c.rope_base, rms_norm_eps=c.norm_eps)).float().eval()
+
+    def t(x):
+        return torch.tensor(np.ascontiguousarray(np.asarray(x.get_value())))
+
+    weights = {"model.embed_tokens.weight": t(model.embed.embedding), "lm_head.weight": t(model.head.kernel).T,
+               "model.norm.weight": t(model.norm.scale)}
+    for i in range(c.n_layers):
+        weights[f"model.layers.{i}.input_layernorm.weight"] = t(model.layers.attn_norm.scale)[i]
+        weights[f"model.layers.{i}.post_attention_layernorm.weight"] = t(model.layers.mlp_norm.scale)[i]
+        for target, module in HF.items():
+            weights[f"model.layers.{i}.{module}.weight"] = t(model.layers.weight_var(target))[i].T
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf
+
+
+def _peft_logits(hf, torch, peft, cfg, ids, path):
+    """The logits of `hf` with a random (nonzero) adapter of config `cfg`, which is saved to `path`."""
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(**cfg))
+    for name, p in adapted.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    adapted.save_pretrained(str(path))
+    with torch.no_grad():
+        want = adapted(torch.tensor([ids])).logits[0].float().numpy()
+    adapted.unload()  # the base model again, for the next adapter
+    return want
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(target_modules=["q_proj", "v_proj", "lm_head"], use_rslora=True, rank_pattern={"v_proj": 2},
+         alpha_pattern={"lm_head": 4}),  # peft saves a copy of the head beside its adapter
+    dict(target_modules="all-linear", alpha_pattern={"1.mlp.down_proj": 2}),
+    dict(target_modules=["o_proj", "gate_proj", "down_proj"], layers_to_transform=[1]),
+])
+def test_peft_made_adapters_match_transformers_and_peft(model, tmp_path, cfg):
+    """Adapters made and saved by peft itself on transformers' copy of the tiny model: jmem's logits with
+    them equal transformers' with them."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    ids = [5, 9, 77, 3, 200, 1, 2, 17]
+    hf = _hf_copy(model, torch, transformers)
+    want = _peft_logits(hf, torch, peft, dict(r=4, lora_alpha=8, task_type="CAUSAL_LM", **cfg), ids, tmp_path / "ad")
+    got = np.asarray(LM(load_adapters(model, tmp_path / "ad"), ByteTokenizer()).logits(jnp.asarray([ids])))[0]
+    base = np.asarray(LM(model, ByteTokenizer()).logits(jnp.asarray([ids])))[0]
+    assert np.abs(want - base).max() > 0.1  # the adapter changes the logits
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.slow
