@@ -31,7 +31,8 @@ def _ids(cfg, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
 
 
-@pytest.mark.parametrize("dropless, quantized", [(False, None), (True, None), (True, "nf4")])
+@pytest.mark.parametrize("dropless, quantized", [(False, None), pytest.param(True, None, marks=pytest.mark.slow),
+                                                 (True, "nf4")])
 def test_expert_adapters_compute_the_merged_model_and_its_gradients(dropless, quantized):
     """Capacity and dropless routing, float and NF4 experts (QLoRA): the adapted model's logits are those of
     the merged model, and the adapters' gradients those taken through the merged weights."""

@@ -57,7 +57,7 @@ def test_zero3_data_fsdp_tensor_accum_matches_single_device(tiny):
     assert trainer.bytes_per_device()["params"] < full / 4  # data x fsdp = 4, plus tensor on heads/mlp
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_galore_on_a_tensor_parallel_mesh_matches_single_device(tiny, zero):
     """GaLore's SVD refresh runs in a multi-device program (it deadlocked on the CPU), and its rank-3
     basis and moments keep their parameter's axes only on the dims they share with it (the rank dim

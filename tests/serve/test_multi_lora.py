@@ -318,7 +318,7 @@ def test_adapter_slots_evict_the_least_recently_used_idle_adapter():
         slots.assign(["x"])
 
 
-@pytest.mark.parametrize("max_loras", [1, 2])
+@pytest.mark.parametrize("max_loras", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_more_adapters_than_slots_swap_through_host_memory(model, adapters, expected, max_loras, tmp_path):
     """Three adapters in `max_loras` device slots: no step runs more adapters than slots, the others wait in
     host memory and are written into a slot when a step needs them, and every request's tokens equal its

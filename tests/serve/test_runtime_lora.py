@@ -1,5 +1,6 @@
 """LoRA adapters loaded and unloaded while serving: the engine, the slots, the HTTP routes."""
 
+import jax
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -219,12 +220,15 @@ def test_http_routes_load_and_unload(model, files, want):
 
 def test_runtime_loading_under_tensor_parallelism(model, files, want):
     """Adapters loaded into a tensor-parallel engine (tp=2) are split like the slots and give the merged
-    models' tokens."""
+    models' tokens, taking turns in its one slot (written into the split leaves, which keep their layout)."""
     engine = Engine(model, ByteTokenizer(), EngineConfig(**RUNTIME, tensor_parallel_size=2))
     engine.load_adapter("a", files["a"])
     engine.load_adapter("b", files["b"])
+    shardings = [x.sharding for x in jax.tree.leaves(engine.runner.state)]
     names = ["a", None, "b", "a", "b"]
     for i, o in enumerate(engine.generate(PROMPTS, greedy(), adapters=names)):
         assert o.token_ids == want(None if names[i] is None else files[names[i]])[i], names[i]
+    assert engine.runner.adapter_slots.num_loads > 0
+    assert [x.sharding for x in jax.tree.leaves(engine.runner.state)] == shardings
     w_up = engine.runner.state["layers"]["w_up"]["kernel"][...]
     assert w_up.lora_b.sharding.spec[-1] == "tensor"  # B of a column-parallel weight: split on its columns
