@@ -89,8 +89,7 @@ def read_peft(path, n_layers: int | None = None) -> tuple[dict, dict]:
     n_layers = top if n_layers is None else n_layers
     meta, arrays = {}, {}
     for target, per in modules.items():
-        meta[target], arrays[f"{target}.lora_a"], arrays[f"{target}.lora_b"] = _stack(path, config, target, per,
-                                                                                     n_layers)
+        meta[target], arrays[f"{target}.lora_a"], arrays[f"{target}.lora_b"] = _stack(path, config, per, n_layers)
     if head_base is not None and "head" in meta:  # checked against the model's head as jmem files are
         from jmem.lora import base_sample
 
@@ -207,7 +206,7 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def _stack(path, config: dict, target: str, per: dict, n_layers: int) -> tuple[dict, np.ndarray, np.ndarray]:
+def _stack(path, config: dict, per: dict, n_layers: int) -> tuple[dict, np.ndarray, np.ndarray]:
     """One target's metadata and arrays (`lora_a [L, in, R]`, `lora_b [L, R, out]`; the head unstacked)
     from its modules `per` {layer: (A, B, module key)}."""
     rslora = config.get("use_rslora", False)
