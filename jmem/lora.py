@@ -427,6 +427,18 @@ def save_adapters(model, path) -> None:
     np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
+def save_peft_adapters(model, folder) -> None:
+    """Write the adapters as a Hugging Face PEFT LoRA directory (`adapter_config.json` and
+    `adapter_model.safetensors`) that PEFT, transformers and vLLM load onto the base model in Hugging
+    Face's layout (`jmem.io.peft.write_peft`); adapters on the linears and the head."""
+    from jmem.io.peft import write_peft
+
+    loras = {name: var.get_value() for name, var in _lora_vars(model).items()}
+    if not loras:
+        raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
+    write_peft(loras, folder)
+
+
 def read_adapters(path, n_layers: int | None = None) -> tuple[dict, dict]:
     """(per-target metadata, arrays) of a file written by `save_adapters` or of a Hugging Face PEFT
     LoRA directory (`jmem.io.peft`; `n_layers`, the model's layer count, pads the layers it leaves

@@ -240,3 +240,52 @@ def _stack(path, config: dict, per: dict, n_layers: int) -> tuple[dict, np.ndarr
         return {**meta, "alpha": alphas[layer], "rank": R}, A, B
     # Scales folded into B: kept in float32, so a 16-bit adapter's B is not rounded a second time.
     return {**meta, "alpha": float(R), "rank": R, "rslora": False, "dtype_b": "float32"}, A, B
+
+
+def write_peft(loras: dict, folder) -> None:
+    """Write adapters `{target: jmem.lora.LoRA}` (linears over stacked layers, and "head") as the PEFT
+    directory `folder` (created if missing; its adapter files replaced), as `save_pretrained` writes it.
+
+    PEFT's config holds one rsLoRA flag: targets whose flag differs get the alpha that gives their own
+    scale under it. Ranks and alphas that differ from the first target's go to `rank_pattern` /
+    `alpha_pattern` by module name. Dropout (training only) is the largest of the targets'.
+    """
+    from safetensors.numpy import save_file
+
+    folder = os.path.expanduser(os.fspath(folder))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"PEFT adapter folder {folder!r} is a file; accepted: a directory (created if missing)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(folder))):
+        raise ValueError(f"PEFT adapter folder {folder!r}: its parent does not exist; accepted: a path in an "
+                         "existing folder")
+    modules = {target: module for module, target in MODULES.items()}  # jmem target -> "self_attn.q_proj"
+    names = {target: module.split(".")[1] for target, module in modules.items()} | {"head": "lm_head"}
+    bad = [t for t in loras if t not in names]
+    if bad:
+        raise ValueError(f"adapters on {', '.join(bad)} have no PEFT layout; accepted: adapters on "
+                         f"{', '.join(names)} (save the others with jmem.lora.save_adapters)")
+    rslora = all(lo.rslora for lo in loras.values())
+    tensors, ranks, alphas = {}, {}, {}
+    for target, lo in loras.items():
+        a, b = np.asarray(lo.lora_a), np.asarray(lo.lora_b)
+        ranks[names[target]] = lo.rank
+        alphas[names[target]] = lo.alpha if lo.rslora == rslora else lo.scale * (math.sqrt(lo.rank) if rslora
+                                                                                    else lo.rank)
+        layers = [(None, a, b)] if target == "head" else [(i, a[i], b[i]) for i in range(a.shape[0])]
+        for i, a_i, b_i in layers:
+            prefix = ("base_model.model.lm_head" if i is None else
+                      f"base_model.model.model.layers.{i}.{modules[target]}")
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_i.T)  # safetensors writes memory order
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_i.T)
+    first = next(iter(ranks))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ranks[first], "lora_alpha": alphas[first],
+              "target_modules": sorted(ranks), "use_rslora": rslora,
+              "rank_pattern": {m: r for m, r in ranks.items() if r != ranks[first]},
+              "alpha_pattern": {m: x for m, x in alphas.items() if x != alphas[first]},
+              "lora_dropout": max(lo.dropout for lo in loras.values()), "bias": "none", "fan_in_fan_out": False,
+              "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "use_dora": False,
+              "inference_mode": True, "base_model_name_or_path": None}
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS))
+    with open(os.path.join(folder, CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)

@@ -315,3 +315,71 @@ def test_smollm2_with_a_peft_adapter_matches_transformers_and_peft(tmp_path):
         hf = adapted.unload()  # the base model again, for the next adapter
         got = np.asarray(LM(load_adapters(lm.model, tmp_path / f"ad{i}"), lm.tokenizer).logits(jnp.asarray([ids])))[0]
         assert np.abs(want).max() > 1 and np.abs(got - want).max() < 1e-3, (i, np.abs(got - want).max())
+
+
+# target, rank, alpha, rslora, dtype
+ADAPTERS = [("wq", 4, 16.0, False, jnp.float32), ("wv", 8, 4.0, True, jnp.bfloat16),
+            ("w_down", 4, 16.0, False, jnp.float32), ("head", 2, 3.0, False, jnp.float32)]
+
+
+def _adapted(model):
+    """The tiny model with adapters of different ranks, alphas and rsLoRA flags (bf16 on wv) and one on the head."""
+    rng = np.random.default_rng(8)
+    m = nnx.clone(model)
+    for target, rank, alpha, rslora, dtype in ADAPTERS:
+        var = m.head.kernel if target == "head" else m.layers.weight_var(target)
+        *lead, n_in, n_out = var.get_value().shape
+        a = jnp.asarray(rng.normal(size=(*lead, n_in, rank)) * n_in ** -0.5, dtype)
+        b = jnp.asarray(rng.normal(size=(*lead, rank, n_out)) * 0.5, dtype)
+        var.set_value(LoRA(var.get_value(), a, b, alpha, rslora=rslora))
+    return m
+
+
+def test_saved_peft_adapters_read_back_as_the_same_adapters(model, tmp_path):
+    """save_peft_adapters then load_adapters: the same merged weights (one rsLoRA flag in PEFT's config: wv's
+    alpha is rewritten to keep its scale), the same dtypes; refusals for what PEFT cannot hold."""
+    from jmem.lora import save_peft_adapters
+
+    adapted = _adapted(model)
+    save_peft_adapters(adapted, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["rank_pattern"] == {"v_proj": 8, "lm_head": 2} and not config["use_rslora"]
+    assert config["alpha_pattern"] == {"v_proj": pytest.approx(4.0 / math.sqrt(8) * 8), "lm_head": 3.0}
+    loaded = load_adapters(model, tmp_path / "out")
+    for target in ("wq", "wv", "w_down", "head"):
+        np.testing.assert_allclose(base_weight(merge(loaded), target), base_weight(merge(adapted), target),
+                                   rtol=1e-5, atol=1e-6, err_msg=target)
+    assert loaded.layers.weight_var("wv").get_value().lora_a.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="the model has no LoRA adapters to save"):
+        save_peft_adapters(model, tmp_path / "none")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="PEFT adapter folder '.*file' is a file; accepted: a directory"):
+        save_peft_adapters(adapted, tmp_path / "file")
+
+
+def test_saved_peft_adapters_of_experts_are_refused(tmp_path):
+    from jmem.lora import apply_lora, save_peft_adapters
+
+    moe = Llama(LlamaConfig.tiny_moe(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"adapters on moe\.\w+ have no PEFT layout; accepted: adapters on wq"):
+        save_peft_adapters(apply_lora(moe, 2, targets=("wq", "moe.expert_up")), tmp_path / "out")
+
+
+def test_peft_loads_saved_adapters_as_jmem_runs_them(model, tmp_path):
+    """PEFT's own loader (PeftModel.from_pretrained on transformers' copy of the tiny model) reads
+    save_peft_adapters' directory: the same logits as jmem with the adapters."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from jmem.lora import save_peft_adapters
+
+    ids = [5, 9, 77, 3, 200, 1, 2, 17]
+    adapted = _adapted(model)
+    save_peft_adapters(adapted, tmp_path / "out")
+    hf = peft.PeftModel.from_pretrained(_hf_copy(model, torch, transformers), str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float().numpy()
+    got = np.asarray(LM(adapted, ByteTokenizer()).logits(jnp.asarray([ids])))[0]
+    base = np.asarray(LM(model, ByteTokenizer()).logits(jnp.asarray([ids])))[0]
+    assert np.abs(want - base).max() > 0.1
+    np.testing.assert_allclose(got, want, atol=1e-4)  # measured 4e-6
