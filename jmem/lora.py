@@ -429,7 +429,7 @@ def save_adapters(model, path) -> None:
 
 def save_peft_adapters(model, folder) -> None:
     """Write the adapters as a Hugging Face PEFT LoRA directory (`adapter_config.json` and
-    `adapter_model.safetensors`) that PEFT, transformers and vLLM load onto the base model in Hugging
+    `adapter_model.safetensors`) that PEFT and transformers load onto the base model in Hugging
     Face's layout (`jmem.io.peft.write_peft`); adapters on the linears and the head."""
     from jmem.io.peft import write_peft
 
