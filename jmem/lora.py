@@ -68,9 +68,7 @@ class LoRA:
     def init(cls, base, rank: int, alpha: float, key, dropout: float = 0.0, rslora: bool = False,
              dtype=jnp.float32) -> "LoRA":
         """A fresh adapter: A ~ N(0, 1/in), B = 0."""
-        rank = as_python_scalar(rank)
-        if not is_int(rank) or rank <= 0:
-            raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+        rank = check_rank(rank)
         alpha, dropout, dtype = check_settings(alpha, dropout, rslora, dtype)
         if len(base.shape) < 2:
             raise ValueError(f"LoRA base of shape {tuple(base.shape)}; accepted: a weight [..., in, out]")
@@ -162,6 +160,14 @@ jax.tree_util.register_pytree_with_keys_class(LoRA)
 
 
 
+def check_rank(rank) -> int:
+    """`rank` as a Python int (a 0-d NumPy/JAX integer too); ValueError unless a positive integer."""
+    rank = as_python_scalar(rank)
+    if not is_int(rank) or rank <= 0:
+        raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+    return rank
+
+
 def check_settings(alpha, dropout, rslora, dtype):
     """`(alpha, dropout, dtype)` of an adapter, checked (0-d arrays taken as their numbers): alpha finite
     and > 0, dropout in [0, 1), rslora a bool, dtype floating; else one ValueError naming the field."""
@@ -228,9 +234,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
             raise ValueError(f"target {name!r} already has a LoRA adapter")
-    rank = as_python_scalar(rank)
-    if not is_int(rank) or rank <= 0:
-        raise ValueError(f"LoRA rank={rank!r} must be a positive integer")
+    rank = check_rank(rank)
     sides = {name: min(_kernel_var(model, name).get_value().shape[-2:]) for name in targets}
     smallest = min(sides, key=sides.get)
     if rank > sides[smallest]:  # the bound of every target at once (one target at a time named only its own)

@@ -39,6 +39,7 @@ import numpy as np
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+FLOATS = ("float32", "float16", "bfloat16")  # the tensor dtypes read
 # Hugging Face Llama module -> jmem target.
 MODULES = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
@@ -123,7 +124,7 @@ def _read_config(path) -> dict:
     if not _positive(config.get("lora_alpha"), float):
         refuse("lora_alpha", "a positive number")
     dropout = config.get("lora_dropout")
-    if dropout is not None and not (_positive(dropout, float) or dropout == 0) or (dropout or 0) >= 1:
+    if dropout is not None and not (dropout == 0 or (_positive(dropout, float) and dropout < 1)):
         refuse("lora_dropout", "a number in [0, 1)")
     if not isinstance(config.get("use_rslora", False), bool):
         refuse("use_rslora", "true or false")
@@ -183,9 +184,6 @@ def _read_pairs(path) -> tuple[dict, np.ndarray | None]:
     except SafetensorError as e:
         raise ValueError(f"PEFT adapter {path!r}: {WEIGHTS} is not a readable safetensors file ({e})") from None
     return pairs, head_base
-
-
-FLOATS = ("float32", "float16", "bfloat16")
 
 
 def _target_of(path, name: str) -> tuple[str, int | None]:
