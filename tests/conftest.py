@@ -1,9 +1,15 @@
-"""Test setup: 8 simulated CPU devices, set before JAX is imported."""
+"""Test setup: 8 simulated CPU devices, set before JAX is imported.
+
+XLA:CPU compiles the tests' programs with LLVM's optimizations off (`--xla_backend_optimization_level=0`):
+their models are tiny, so LLVM's optimization passes, not running the code, took most of the suite's time.
+The flag changes only the machine code: the HLO passes, buffer assignment (`memory_analysis`) and
+`cost_analysis` FLOPs the memory tests assert are the same at every level. Subprocesses the tests start
+inherit it through the environment."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

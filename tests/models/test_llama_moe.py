@@ -43,7 +43,8 @@ def test_params_paths_counts_and_preset(model):
 def test_router_stats_leave_the_scan_and_match_a_layer_loop(model):
     b = _batch(1)
     h, stats = jax.jit(lambda ids: model.hidden_and_router_stats(ids))(b["inputs"])
-    np.testing.assert_array_equal(h, model.hidden(b["inputs"])[0])
+    # The same blocks in two compiled programs: equal up to the order XLA sums in.
+    np.testing.assert_allclose(h, model.hidden(b["inputs"])[0], rtol=1e-6, atol=1e-6)
     # Reference: the same blocks applied one layer at a time in Python.
     @jax.jit
     def layer_loop(ids, weights):
