@@ -1,9 +1,9 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported.
 
 XLA:CPU compiles the tests' programs with LLVM's optimizations off (`--xla_backend_optimization_level=0`):
-their models are tiny, so LLVM's optimization passes, not running the code, took most of the suite's time.
+their models are tiny, so compiling, not running, took most of the suite's time, most of it in those passes.
 The flag changes only the machine code: the HLO passes, buffer assignment (`memory_analysis`) and
-`cost_analysis` FLOPs the memory tests assert are the same at every level. Subprocesses the tests start
+`cost_analysis` FLOPs the memory tests assert are the same with it as without. Subprocesses the tests start
 inherit it through the environment."""
 
 import os
