@@ -159,7 +159,6 @@ class LoRA:
 jax.tree_util.register_pytree_with_keys_class(LoRA)
 
 
-
 def check_rank(rank) -> int:
     """`rank` as a Python int (a 0-d NumPy/JAX integer too); ValueError unless a positive integer."""
     rank = as_python_scalar(rank)
