@@ -528,9 +528,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
             raise APIError(400, f"{param} is empty; need at least one token", param)
         return ids
 
-    def resolve_max_tokens(value, param):
+    def resolve_max_tokens(value, param, echo_note=""):
         if value is not None and value < 1:
-            raise APIError(400, f"{param}={value} is out of range; accepted: >= 1 (0 only with echo)", param)
+            raise APIError(400, f"{param}={value} is out of range; accepted: >= 1{echo_note}", param)
         return value
 
     @app.post("/v1/completions")
@@ -542,7 +542,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         prompts = [prompt_ids_of(p, "prompt" if len(raw) == 1 else f"prompt[{k}]", body.add_special_tokens)
                    for k, p in enumerate(raw)]
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone, scored: nothing to generate
-        max_tokens = 1 if echo_only else resolve_max_tokens(body.max_tokens, "max_tokens") or 16
+        max_tokens = 1 if echo_only else \
+            resolve_max_tokens(body.max_tokens, "max_tokens", " (0 only with echo)") or 16
         params = body.sampling_params(max_tokens, body.logprobs)  # validated in every case
         for k, ids in enumerate(prompts if echo_only else ()):  # nothing to generate: the prompt alone must fit
             try:
@@ -558,7 +559,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, *,
         echo_k = body.logprobs if body.echo and body.logprobs is not None else None
         want = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
         scored = await prompt_logprobs(prompts, max(want), adapter) if want else [[] for _ in prompts]
-        echo_scored = [[(t, e if e is None else (e[0], e[1][:echo_k])) for t, e in sc] for sc in scored]
+        # Only an echoed prompt's tokens lead `logprobs`; prompt_logprobs alone has a field of its own.
+        echo_scored = [[(t, e if e is None else (e[0], e[1][:echo_k])) for t, e in sc] if body.echo else []
+                       for sc in scored]
         extra = [{"prompt_logprobs": vllm_prompt_logprobs(sc, body.prompt_logprobs)}
                  if body.prompt_logprobs is not None else {} for sc in scored]
         if echo_only:

@@ -2,7 +2,7 @@
 
 Field names, defaults and ranges follow the OpenAI API, plus vLLM's extras
 (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, ...). Unknown fields
-are ignored (as OpenAI does with `user`, `metadata`, ...); known fields are
+are ignored (as vLLM does; OpenAI answers them with a 400); known fields are
 strictly typed (no "5" for 5, no true for 1, no 4.0 for 4; a float field takes
 a JSON int) and a wrong type is a 400 naming the field. Known parameters the
 server does not implement (tools, response_format other than text, suffix,
@@ -234,11 +234,20 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict] | None = None
+    tool_calls: list | None = None  # an assistant's earlier calls: refused, the template cannot show them
+    function_call: dict | None = None
 
     def text(self, index: int) -> str:
-        if self.content is None:
-            return ""
+        for name in ("tool_calls", "function_call"):
+            if getattr(self, name):
+                raise _unsupported(f"messages[{index}].{name}", "[...]" if name == "tool_calls" else
+                                   getattr(self, name), "unset: tool calling is not implemented")
         param = f"messages[{index}].content"
+        if self.content is None:
+            if self.role != "assistant":  # OpenAI: only an assistant's turn may leave it out
+                raise APIError(400, f"{param} is missing; a {self.role} message needs content (a string or "
+                               "a list of text parts)", param)
+            return ""
         if isinstance(self.content, str):
             return check_text(self.content, param)
         parts = []

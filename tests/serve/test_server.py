@@ -461,16 +461,45 @@ def test_unimplemented_parameters_are_400(server, path, extra, param):
                                             "+ max_completion_tokens (100000)"))
 
 
+@pytest.mark.parametrize("message, param, words", [
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls", "tool calling is not implemented"),
+    ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}},
+     "messages[1].function_call", "tool calling is not implemented"),
+    ({"role": "user", "content": None}, "messages[1].content", "a user message needs content"),
+    ({"role": "tool"}, "messages[1].content", "a tool message needs content"),
+])
+def test_messages_the_template_cannot_show_are_400(server, message, param, words):
+    """An assistant turn's tool calls would vanish from the prompt, and a turn without content would
+    render empty: both refused, naming the message."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}, message]}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+    ok = post(server, "/v1/chat/completions", {**body, "messages": [body["messages"][0], {"role": "assistant"}]})
+    assert ok.status_code == 200, ok.text  # an assistant's turn may leave its content out
+
+
+def test_chat_max_tokens_error_does_not_offer_echo(server):
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "max_tokens": 0,
+                                              "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"] == "max_tokens=0 is out of range; accepted: >= 1"
+
+
 def test_prompt_logprobs_as_vllm(server, client):
     """vLLM's prompt_logprobs: per prompt token (the first None) a map of token ids to logprob, rank and
     decoded text, holding the token itself and the k most likely; equal to echo's scores. Chat puts
     it at the top level. Not with stream (as vLLM), and k in 0..20."""
     ids = list(b"scoring pr")
     echo = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=2, echo=True).choices[0]
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, n=2,
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, n=2, logprobs=1,
                                   extra_body={"prompt_logprobs": 2})
     for c in r.choices:
         assert c.model_extra["prompt_logprobs"] == r.choices[0].model_extra["prompt_logprobs"]
+        assert len(c.logprobs.tokens) == 2 and c.logprobs.text_offset[0] == 0  # no echo: the output's alone
     pl = r.choices[0].model_extra["prompt_logprobs"]
     assert pl[0] is None and len(pl) == len(ids)
     for t in range(1, len(ids)):
