@@ -43,7 +43,7 @@ from flax import nnx
 from jmem.checks import as_python_scalar, check_bool, check_optimizer, is_int, is_number
 from jmem.lora import combine, has_dropout, trainable_split
 from jmem.models.llama import Llama
-from jmem.train.loss import check_target_ids, check_token_ids, masked_nll, router_loss
+from jmem.train.loss import check_batch_ids, check_token_ids, masked_nll, router_loss, vocab_size_of
 
 KINDS = ("forward", "reverse")
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -126,10 +126,6 @@ def _frozen(teacher):
     return nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
 
 
-def _vocab(model) -> int | None:
-    return getattr(getattr(model, "config", None), "vocab_size", None)
-
-
 def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.0, alpha: float = 0.5,
                        kind: str = "forward", chunk: int | None = None):
     """The separate sums of `distill_loss_sum` (for logging).
@@ -139,12 +135,12 @@ def distill_loss_terms(student, teacher, batch: dict, *, temperature: float = 2.
         statistics of the student or None)
     """
     temperature, alpha = check_distill_args(temperature, alpha, kind)
-    vs, vt = _vocab(student), _vocab(teacher)
+    vs, vt = vocab_size_of(student), vocab_size_of(teacher)
     if alpha > 0 and vs is not None and vt is not None and vs != vt:
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; distillation compares "
                          "distributions over the same token ids: accepted: equal vocabularies")
     B, T = check_batch(batch)
-    check_target_ids(student, batch)
+    check_batch_ids(batch, vocab_size_of(student))
     inputs, targets_BT, mask_BT = batch["inputs"], batch["targets"], batch["mask"]
     chunk = _resolve_chunk(chunk, T, getattr(getattr(student, "config", None), "loss_chunk", 1024))
     need_kl = alpha > 0  # the cross-entropy is always computed: it is logged (`_weighted` leaves it out at alpha=1)
@@ -345,7 +341,7 @@ def make_distill_fns(student: nnx.Module, teacher: nnx.Module | None, tx: optax.
     check_bool("adapters_only", adapters_only)
     if chunk is not None and (not is_int(chunk) or chunk <= 0):
         raise ValueError(f"distillation chunk={chunk!r}; accepted: a positive integer, or None")
-    vs, vt = _vocab(student), _vocab(teacher)
+    vs, vt = vocab_size_of(student), vocab_size_of(teacher)
     if alpha > 0 and vs is not None and vt is not None and vs != vt:
         raise ValueError(f"student vocab_size={vs} differs from teacher vocab_size={vt}; accepted: equal vocabularies")
     if teacher is None and alpha > 0:

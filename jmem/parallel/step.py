@@ -369,6 +369,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     Raises:
         ZeroStageError, ShardingError, MeshError: bad stage, indivisible dims or batch, or a
             mesh that splits attention heads (`loss_fn.jmem_heads`, set by `model_loss_fn`).
+        ValueError (from `step`): token ids outside `loss_fn.jmem_vocab_size`, where set.
 
     Example:
         >>> trainer = make_sharded_train_step(loss_fn, optax.adam(1e-3), params, make_mesh("fsdp=8"), zero=3)
@@ -382,7 +383,9 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     heads = getattr(loss_fn, "jmem_heads", None)
     if heads is not None:
         check_heads(*heads, rules, mesh, logical_axes=logical_axes)
+    vocab_size = getattr(loss_fn, "jmem_vocab_size", None)
     from jmem.parallel.pipeline_1f1b import check_zero_fits_schedule
+    from jmem.train.loss import check_batch_ids
 
     check_zero_fits_schedule(loss_fn, stage, mesh)
     if group_accumulators is None and not getattr(loss_fn, "jmem_batch_additive", True):
@@ -440,6 +443,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     def step(state, batch):
         check_not_donated(state)
         check_batch(batch, mesh, rules, accum)
+        if vocab_size is not None:
+            check_batch_ids(batch, vocab_size)
         # Every process holds the full global batch; an array placed otherwise is resharded (the jitted
         # step refuses a committed argument of another sharding).
         batch = to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
@@ -515,8 +520,9 @@ def model_loss_fn(model, *, chunk: int | None = None):
     `{"inputs", "targets", "mask"}` batches, `params` the model's `nnx.Param` state as a pure dict.
 
     `loss_fn` carries what `make_sharded_train_step` checks: `jmem_heads` (the head counts,
-    refused when the mesh would split a head) and `jmem_batch_additive` (False for an MoE
-    model, whose gradient is then accumulated over the single-device microbatches)."""
+    refused when the mesh would split a head), `jmem_batch_additive` (False for an MoE
+    model, whose gradient is then accumulated over the single-device microbatches) and
+    `jmem_vocab_size` (each step's token ids are checked against it)."""
     from flax import nnx
 
     from jmem.train.loss import lm_loss_sum
@@ -536,9 +542,11 @@ def model_loss_fn(model, *, chunk: int | None = None):
 
 
 def mark_model_loss(loss_fn: Callable, model) -> Callable:
-    """Set `loss_fn.jmem_heads` and `loss_fn.jmem_batch_additive` from a jmem model's config."""
+    """Set `loss_fn.jmem_heads`, `loss_fn.jmem_batch_additive` and `loss_fn.jmem_vocab_size` from a jmem
+    model's config."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "n_heads"):
         loss_fn.jmem_heads = (cfg.n_heads, cfg.n_kv_heads)
     loss_fn.jmem_batch_additive = not getattr(cfg, "moe_experts", 0)
+    loss_fn.jmem_vocab_size = getattr(cfg, "vocab_size", None)  # the step checks the batch's ids against it
     return loss_fn

@@ -47,7 +47,8 @@ def masked_nll(lse_BT, logits_BTV, targets_BT, mask_BT):
     """`(lse - logit of the target) * mask` per position, 0 where the mask is 0 whatever the target
     there (out of range, it would read NaN, and NaN * 0 is NaN)."""
     counted_BT = mask_BT != 0
-    safe_BT = jnp.where(counted_BT, targets_BT, 0)
+    # A counted negative target reads NaN as one past the vocabulary does, never a wrapped-around id.
+    safe_BT = jnp.where(counted_BT, jnp.where(targets_BT < 0, logits_BTV.shape[-1], targets_BT), 0)
     tgt_BT = jnp.take_along_axis(logits_BTV, safe_BT[..., None], axis=-1)[..., 0]
     return jnp.where(counted_BT, (lse_BT - tgt_BT) * mask_BT, 0.0)
 
@@ -121,7 +122,7 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
         for a dense model)
     """
     check_lm_batch(batch)
-    check_target_ids(model, batch)
+    check_batch_ids(batch, vocab_size_of(model))
     if chunk is None:
         chunk = getattr(getattr(model, "config", None), "loss_chunk", 1024)
     if getattr(getattr(model, "config", None), "moe_experts", 0) and hasattr(model, "hidden_and_router_stats"):
@@ -134,19 +135,32 @@ def lm_loss_terms(model, batch: dict, *, chunk: int | None = None):
     return s, c, stats
 
 
-def check_target_ids(model, batch: dict) -> None:
-    """Counted targets (mask != 0) outside `model`'s vocabulary would read NaN logits: one ValueError naming
-    one. Where the mask is 0 any value is fine (an ignore index of -100). Checked on concrete arrays only (not
-    while tracing), and only for a model with `config.vocab_size`."""
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab_size is None or any(isinstance(batch[k], jax.core.Tracer) for k in ("targets", "mask")):
+def check_batch_ids(batch: dict, vocab_size: int | None) -> None:
+    """Ids outside the vocabulary read NaN (an input's embedding, a counted target's logit): one ValueError
+    naming one. Inputs are checked everywhere (a NaN embedding reaches every later position), targets only
+    where the mask counts them (any value elsewhere, e.g. an ignore index of -100). Checked on concrete
+    arrays only (not while tracing, nor a multi-process array this process sees part of)."""
+    if vocab_size is None:
         return
-    targets_BT, mask_BT = np.asarray(batch["targets"]), np.asarray(batch["mask"])
-    counted = targets_BT[mask_BT != 0]
-    if counted.size and not 0 <= counted.min() <= counted.max() < vocab_size:
-        bad = counted.min() if counted.min() < 0 else counted.max()
-        raise ValueError(f"batch['targets'] holds {bad} where the mask counts it; accepted: 0..{vocab_size - 1} "
-                         "(the model's vocabulary), or a mask of 0 there (e.g. for an ignore index of -100)")
+    for key, where in (("inputs", None), ("targets", "mask")):
+        if not all(_readable(batch[k]) for k in (key, where) if k):
+            continue
+        ids = np.asarray(batch[key])
+        ids = ids if where is None else ids[np.asarray(batch[where]) != 0]
+        if ids.size and not 0 <= ids.min() <= ids.max() < vocab_size:
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            counted = "" if where is None else " where the mask counts it"
+            ignore = "" if where is None else ", or a mask of 0 there (e.g. for an ignore index of -100)"
+            raise ValueError(f"batch[{key!r}] holds {bad}{counted}; accepted: 0..{vocab_size - 1} (the model's "
+                             f"vocabulary){ignore}")
+
+
+def vocab_size_of(model) -> int | None:
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _readable(x) -> bool:
+    return not isinstance(x, jax.core.Tracer) and (not isinstance(x, jax.Array) or x.is_fully_addressable)
 
 
 def check_lm_batch(batch) -> None:

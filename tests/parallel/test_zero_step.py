@@ -217,6 +217,15 @@ def test_bad_batch_and_stage(tiny):
     small = jax.tree.map(lambda x: x[:4], batches[0])
     with pytest.raises(par.ShardingError, match="batch size 4 is not divisible by data-parallel size 8"):
         trainer.step(None, small)
+    state = trainer.init(params)
+    for key, bad, message in [("targets", -100, r"batch\['targets'\] holds -100 where the mask counts it"),
+                              ("targets", 300, r"batch\['targets'\] holds 300 where the mask"),
+                              ("inputs", 259, r"batch\['inputs'\] holds 259; accepted: 0..258")]:
+        ids = np.array(batches[0][key])
+        ids[3, 5] = bad
+        for placed in (np.asarray, jnp.asarray):  # host data, or already on a device
+            with pytest.raises(ValueError, match=message):  # a NaN loss, or training toward a wrapped id
+                trainer.step(state, {**batches[0], key: placed(ids)})
 
 
 def test_zero_on_a_device_count_that_divides_nothing_warns(tiny):

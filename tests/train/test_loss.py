@@ -134,6 +134,12 @@ def test_a_counted_target_outside_the_vocabulary_is_named(bad):
     with pytest.raises(ValueError, match=rf"batch\['targets'\] holds {bad} where the mask counts it; accepted: "
                                          r"0..258 \(the model's vocabulary\)"):
         lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})
+    # Traced, where nothing can be refused: NaN, never the loss of a wrapped-around id.
+    total, _ = jax.jit(lm_loss_sum)(model, {"inputs": ids, "targets": targets, "mask": mask})
+    assert np.isnan(float(total))
     mask[1, 5] = 0
     total, count = lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})
     assert np.isfinite(float(total)) and float(count) == 15
+    ids[0, 2] = bad
+    with pytest.raises(ValueError, match=rf"batch\['inputs'\] holds {bad}; accepted: 0..258"):
+        lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})  # its NaN reaches later positions
