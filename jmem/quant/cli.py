@@ -36,6 +36,7 @@ METHOD_FLAGS = {
     "--act-order": ("act_order", ("gptq",), "only gptq orders columns"),
     "--calibration": ("calibration", ("gptq", "awq"), "it does not calibrate"),
     "--calibration-windows": ("calibration_windows", ("gptq", "awq"), "it does not calibrate"),
+    "--calibration-seq-len": ("calibration_seq_len", ("gptq", "awq"), "it does not calibrate"),
 }
 
 
@@ -61,7 +62,10 @@ class QuantizeArgs:
     calibration: str | None = None
     """Text file for gptq/awq calibration; the standard library's help text when unset."""
     calibration_windows: int = 16
-    """512-token calibration windows used by gptq/awq."""
+    """Calibration windows used by gptq/awq."""
+    calibration_seq_len: int | None = None
+    """Tokens per gptq/awq calibration window (at most the model's context); 512, or the context when shorter,
+    when unset."""
     store_type: str = "F16"
     """GGUF type that stores the dequantized weights of non-GGUF methods in a .gguf --out (F32, F16, Q8_0, ...);
     a k-quant falls back per tensor as the GGUF methods do."""
@@ -160,6 +164,8 @@ def _check_numbers(args: QuantizeArgs, method: str) -> None:
                              "--bits 8 (any size)")
     if method in ("gptq", "awq") and args.calibration_windows < 1:
         raise ValueError(f"--calibration-windows {args.calibration_windows}; accepted: a positive integer")
+    if method in ("gptq", "awq") and args.calibration_seq_len is not None and args.calibration_seq_len < 1:
+        raise ValueError(f"--calibration-seq-len {args.calibration_seq_len}; accepted: a positive integer")
 
 
 def check_group_fits(weights: dict, group_size: int | None, bits: int) -> None:
@@ -245,7 +251,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     from jmem.io.gguf import GGUFFile
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.quant import quantize
-    from jmem.quant.api import check_float_model, group_sizes, method_kwargs
+    from jmem.quant.api import CALIBRATED, check_float_model, group_sizes, method_kwargs
     from jmem.quant.ggml import block_format, fallback_lines, fitting_qtype, output_qtype
     from jmem.quant.ggml_weight import quantize_gguf_blocks
     from jmem.quant.saved import save_quantized
@@ -290,9 +296,14 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             return write(lm.model, method)
         qmodel, _ = quantize_gguf_blocks(lm.model, method, log=_say)
     else:
+        context = lm.config.max_seq_len
+        seq_len = min(512, context) if args.calibration_seq_len is None else args.calibration_seq_len
+        if method in CALIBRATED and seq_len > context:
+            raise ValueError(f"--calibration-seq-len {seq_len} exceeds the model's context of {context} tokens; "
+                             f"accepted: 1..{context}")
         qmodel = quantize(lm.model, method, bits=args.bits, log=_say, **method_kwargs(
             method, group_size=args.group_size, calibration=docs, tokenizer=lm.tokenizer, symmetric=args.symmetric,
-            act_order=args.act_order, max_seqs=args.calibration_windows))
+            act_order=args.act_order, max_seqs=args.calibration_windows, seq_len=seq_len))
         if kind == "gguf":
             return write(qmodel, args.store_type)
     save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,  # a GGUF tokenizer carries its own fields

@@ -60,6 +60,8 @@ def test_bad_input_one_line(tmp_path):
      "--calibration only with --method gptq / awq"),
     (["--method", "q4_k", "--calibration", "/nonexistent.txt"], "does not apply to --method q4_k"),
     (["--method", "nf4", "--calibration-windows", "4"], "--calibration-windows=4 does not apply to --method nf4"),
+    (["--method", "rtn", "--calibration-seq-len", "64"], "--calibration-seq-len=64 does not apply to --method rtn"),
+    (["--method", "awq", "--calibration-seq-len", "0"], "--calibration-seq-len 0; accepted: a positive integer"),
     (["--method", "int8", "--group-size", "32"], "--group-size=32 does not apply to --method int8"),
     (["--method", "q8_0", "--group-size", "32"], "--group-size=32 does not apply to --method q8_0"),
     (["--method", "awq", "--act-order"], "--act-order does not apply to --method awq (only gptq orders columns)"),
@@ -78,6 +80,30 @@ def test_flags_checked_before_the_model_loads(args, expected, tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "\n" not in err and expected in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_calibration_windows_fit_a_short_context(tmp_path, capsys):
+    """A model of 128 tokens of context: its windows default to 128 tokens (512 was refused, naming a
+    setting the command line lacked); a longer --calibration-seq-len is refused before any work."""
+    from flax import nnx
+
+    from jmem.cli import main
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from jmem.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(n_layers=1, max_seq_len=128)
+    src = str(tmp_path / "short.gguf")
+    write_gguf(src, cfg, Llama(cfg, rngs=nnx.Rngs(0)), tokenizer_metadata=byte_tokenizer_metadata())
+    out = tmp_path / "awq"
+    main(["quantize", "--model", src, "--method", "awq", "--calibration-windows", "2", "--out", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--model", src, "--method", "gptq", "--calibration-seq-len", "200",
+              "--out", str(tmp_path / "gptq")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--calibration-seq-len 200 exceeds the model's context of 128 tokens; " \
+        "accepted: 1..128" in err, err
+    assert not (tmp_path / "gptq").exists()
 
 
 def test_k_quant_falls_back_where_the_super_block_does_not_fit(tmp_path, capsys):
