@@ -253,6 +253,8 @@ def dequant_matmul(x: jax.Array, w: IntTensor | NF4Tensor, *, interpret: bool = 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
+    if M == 0:  # no row to tile: the grid would be empty and its blocks larger than the input
+        return jnp.zeros((*lead, N), x.dtype)
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, pl.next_power_of_2(M)))
     m_pad = -M % block_m
     x2 = jnp.pad(x2, ((0, m_pad), (0, 0)))

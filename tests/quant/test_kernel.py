@@ -39,6 +39,13 @@ def test_kernel_groups_that_are_not_one_tile(group, symmetric):
     np.testing.assert_allclose(dequant_matmul(x, q, interpret=True), reference_matmul(x, q), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(0, 256), (2, 0, 256)])
+def test_kernel_on_no_rows_gives_an_empty_result(shape):
+    q = IntTensor.quantize(np.random.default_rng(0).normal(size=(K, N)).astype(np.float32), 4, 128)
+    y = jax.jit(lambda x, q: dequant_matmul(x, q, interpret=True))(jnp.zeros(shape), q)
+    assert y.shape == (*shape[:-1], N) and y.shape == reference_matmul(jnp.zeros(shape), q).shape
+
+
 def test_kernel_rejects_other_formats():
     w = np.ones((64, 8), np.float32)
     with pytest.raises(ValueError, match="4-bit IntTensor or an NF4Tensor"):
