@@ -191,7 +191,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
             leaves: a quantized or layer-dropped draft of the target is the usual choice).
         prompts: one list of ids per row (any lengths, at least one token each).
         max_new_tokens: tokens to emit per row (fewer when a row emits `eos_id`).
-        k: proposals per round.
+        k: proposals per round (at most max_new_tokens of them are drafted).
         temperature: 0 is greedy (the target's greedy continuation, exactly in f32); > 0 samples,
             each emitted token distributed as the target's softmax(logits / temperature).
         seed: PRNG seed of the draws (an integer in [-2**63, 2**64); every bit counts).
@@ -210,6 +210,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     lengths, key = _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id)
     if max_new_tokens == 0:
         return [[] for _ in prompts], SpeculativeStats(0, 0, 0, 0, 0)
+    k = min(k, max_new_tokens)  # a row never keeps more; a larger k would only size the caches and the scan
     B, T = len(prompts), -(-int(lengths.max()) // 16) * 16
     ids = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
@@ -232,17 +233,17 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     rounds = proposed = accepted = emitted = row_passes = 0
 
     def settle(i) -> int:
-        """Cut row i at its EOS and at max_new_tokens; returns its tokens up to the cut, an EOS counted."""
+        """Cut row i at its EOS, at max_new_tokens and where `stop` says; returns the tokens it kept, an
+        EOS that ended it counted."""
         row = out[i]
-        ended = eos_id is not None and eos_id in row
-        produced = min(row.index(eos_id) + 1 if ended else len(row), max_new_tokens)
-        if ended:
-            out[i], done[i] = row[:row.index(eos_id)], True
+        eos_at = row.index(eos_id) if eos_id is not None and eos_id in row else None
+        if eos_at is not None:
+            out[i], done[i] = row[:eos_at], True
         if len(out[i]) >= max_new_tokens:
             out[i], done[i] = out[i][:max_new_tokens], True
         out[i], stopped = apply_stop(stop, i, out[i])
         done[i] = done[i] or stopped
-        return produced
+        return len(out[i]) + (eos_at is not None and eos_at < max_new_tokens and len(out[i]) == eos_at)
 
     for i in range(B):
         settle(i)

@@ -33,6 +33,14 @@ def test_greedy_equals_the_targets_greedy_generation(models):
     assert full.acceptance_rate == 1.0 and full.tokens_per_target_pass > 3.0
 
 
+def test_a_k_above_max_new_tokens_drafts_max_new_tokens(models):
+    """A k of a million sized the caches and the draft scan by k (an out-of-memory error); a row never
+    keeps more than max_new_tokens proposals, so no more are drafted."""
+    target, draft = models
+    out, stats = speculative_generate(target, draft, PROMPTS, 4, k=10**6)
+    assert out == generate_ids(target, PROMPTS, 4) and stats.proposed == 4 * stats.row_passes
+
+
 def test_a_draft_generates_up_to_the_context_as_plain_generation_does():
     """prompt + max_new_tokens may fill the context (a draft's k was added to the limit: refused there); the
     proposals past it are scored and dropped, so the tokens equal the target's own up to the last position."""
@@ -98,6 +106,24 @@ def test_acceptance_rule_keeps_the_targets_distribution():
     # Greedy: keep proposals equal to the argmax, then the argmax.
     n_g, next_g = accept(p_logits, q, jnp.array([[0, 1]], jnp.int32), None, 1.0, greedy=True)
     assert int(n_g[0]) == 1 and int(next_g[0]) == 2
+
+
+def test_sampled_tokens_follow_the_targets_tempered_distribution():
+    """End to end at temperature 0.5 (the draft's q tempered like the target's p): the token verified
+    after the first has the target's marginal (Pearson, 0.1% level) over many identical rows."""
+    from scipy.stats import chisquare
+
+    target = Llama(LlamaConfig.tiny(n_layers=2, vocab_size=12), rngs=nnx.Rngs(1))
+    draft = student_from_teacher(target, [0])
+    prompt, rows, temp = [3, 7, 5], 4000, 0.5
+    out, stats = speculative_generate(target, draft, [prompt] * rows, 2, k=2, temperature=temp, seed=0)
+    assert 0 < stats.accepted < stats.proposed
+    probs = lambda ids: np.asarray(jax.nn.softmax(target(jnp.asarray([ids]))[0][0, -1] / temp), np.float64)  # noqa
+    first = probs(prompt)
+    second = sum(first[x] * probs(prompt + [x]) for x in range(12))
+    for pos, want in ((0, first), (1, second)):
+        counts = np.bincount([r[pos] for r in out], minlength=12)
+        assert chisquare(counts, want / want.sum() * rows).pvalue > 1e-3, (pos, counts, want * rows)
 
 
 def test_sampling_runs_stops_at_eos_and_is_seeded(models):
@@ -177,5 +203,9 @@ def test_stop_strings_end_rows_early_and_the_text_streams(models):
     assert watch.finish(out[0]) == want == "".join(pieces) and len(pieces) >= 2
     _, full = speculative_generate(target, draft, [tok.encode("abc")], 40, k=3)
     assert stats.rounds < full.rounds
+    # emitted counts what the rounds left in the output: here the one token after the prefill's.
+    out, stats = speculative_generate(target, target, [[5, 6, 7]], 10, k=4,
+                                      stop=lambda row, ids: 2 if len(ids) >= 2 else None)
+    assert len(out[0]) == 2 and (stats.emitted, stats.tokens_per_target_pass) == (1, 1.0)
     with pytest.raises(ValueError, match=r"stop\(row=0, ids\) returned -1; accepted: None, or how many"):
         speculative_generate(target, draft, [[5, 6]], 8, k=3, stop=lambda row, ids: -1)

@@ -547,10 +547,19 @@ class Engine:
                 self._fail(seq.request.request_id, f"internal error: {e}")
             return
         now = time.monotonic()
+        before = {s.request.request_id: len(s.request.output_token_ids) for s in out.seqs}
         touched = self.scheduler.update_from_output(out, res.tokens, res.logprobs, res.accepted)
         if self.drafter is not None:
             self.drafter.update(out, res.accepted, self.scheduler.requests)
-        generated = len(res.tokens) + sum(len(toks) for toks, _ in res.accepted.values())
+        ready = []  # (stream, output): put once the stats count this step, so a reader of both agrees
+        for req in touched:
+            try:
+                ready.append(self._output(req))
+            except Exception as e:  # e.g. the tokenizer failing: the request ends, its stream hears of it
+                log.exception("engine output of request %r failed", req.request_id)
+                self._fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
+        # What the outputs grew by, once a stop has cut kept proposals after it (they were never output).
+        generated = sum(len(req.output_token_ids) - before.get(req.request_id, 0) for req in touched)
         with self._lock:
             self.stats["steps"] += 1
             self.stats["tokens_computed"] += out.num_tokens
@@ -561,18 +570,16 @@ class Engine:
             self._token_times.append((now, generated))
             while self._token_times and now - self._token_times[0][0] > 10.0:
                 self._token_times.popleft()
-        for req in touched:
-            try:
-                self._emit(req)
-            except Exception as e:  # e.g. the tokenizer failing: the request ends, its stream hears of it
-                log.exception("engine output of request %r failed", req.request_id)
-                self._fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
+        for stream, output in filter(None, ready):
+            stream.put(output)
 
-    def _emit(self, req: Request) -> None:
+    def _output(self, req: Request) -> tuple[RequestStream, RequestOutput] | None:
+        """The request's stream and its new output (text, ids, logprobs) since the last; a stop cuts
+        `req.output_token_ids` after the token that completes it. None without a stream."""
         rid = req.request_id
         stream, detok = self._streams.get(rid), self._detok.get(rid)
         if stream is None:
-            return
+            return None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         done = req.status.finished
@@ -608,7 +615,7 @@ class Engine:
             self._detok.pop(rid, None)
             with self._lock:
                 self.stats["requests_finished"] += 1
-        stream.put(out)
+        return stream, out
 
     def _fail(self, rid: str, message: str) -> None:
         self.scheduler.finish(rid, Status.FINISHED_ABORTED)

@@ -219,6 +219,8 @@ def test_stops_cut_inside_a_run_of_kept_proposals(model):
             assert m["engine_steps_total"] < len(script)  # several tokens per step
             # The second stop string, the stop token and EOS each fall before the end of a step's run.
             assert [reached[i] > len(outs[k][i].token_ids) for i in (1, 2, 4)] == [True, True, True]
+        # The tokens dropped after a stop were not generated output (as one token per step counts).
+        assert engine.metrics()["generation_tokens_total"] == sum(o.num_output_tokens for o in outs[k])
     for (p, reason), w, g in zip(cases, outs[0], outs[K]):
         assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason), (p, g.text)
         assert g.finish_reason == reason
