@@ -310,3 +310,21 @@ def test_flash_refuses_bad_num_warps(bad):
     q = jnp.zeros((1, 16, 2, 32), jnp.float32)
     with pytest.raises(ValueError, match=r"num_warps=.*accepted: None, 1, 2, 4, 8, 16"):
         flash_attention(q, q, q, num_warps=bad)
+
+
+def test_gradients_of_gradients_are_one_clear_error():
+    """Pallas cannot differentiate the kernels (it failed on a bare assertion); the reference can."""
+    from jmem.kernels.masks import Causal
+    from jmem.kernels.sparse_attention import sparse_attention, sparse_attention_reference
+
+    q, k = jax.random.normal(jax.random.key(0), (1, 16, 2, 16)), jax.random.normal(jax.random.key(1), (1, 16, 1, 16))
+    hvp = lambda f: jax.grad(lambda q: (jax.grad(lambda q: f(q, k, k).sum())(q) ** 2).sum())(q)  # noqa: E731
+    for kernel, reference in [(flash_attention, attention_reference),
+                              (lambda *a: sparse_attention(*a, Causal()),
+                               lambda *a: sparse_attention_reference(*a, Causal()))]:
+        with pytest.raises(NotImplementedError, match=r"has first-order gradients only .*accepted for gradients "
+                                                      r"of gradients: jmem\.kernels\."):
+            hvp(kernel)
+        assert np.isfinite(np.asarray(hvp(reference))).all()
+    assert np.allclose(jax.grad(lambda q: flash_attention(q, k, k).sum())(q),
+                       jax.grad(lambda q: attention_reference(q, k, k).sum())(q), atol=1e-5)

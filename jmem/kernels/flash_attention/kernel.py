@@ -434,18 +434,39 @@ def _bwd_call(q, k, v, o, lse, do, cfg: _Cfg):
     return per_platform(call, cfg.interpret, q, k, v, do, lse, delta)
 
 
+def first_order_only(name: str, reference: str, call):
+    """`call` (a custom_vjp's forward or backward kernels) with one clear error, instead of Pallas's bare
+    assertion, when it is differentiated (gradients of gradients: Hessian-vector products, gradient
+    penalties)."""
+
+    @jax.custom_jvp
+    def guarded(*args):
+        return call(*args)
+
+    @guarded.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError(f"{name} has first-order gradients only (its own backward kernels, which "
+                                  f"have no derivative); accepted for gradients of gradients: {reference}, or "
+                                  "LlamaConfig.attention_impl='xla' in a model")
+
+    return guarded
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _flash_bhtd(q, k, v, cfg):
     return _fwd_call(q, k, v, cfg)[0]
 
 
+_FLASH_GUARD = ("flash_attention", "jmem.kernels.flash_attention.attention_reference")
+
+
 def _flash_bhtd_fwd(q, k, v, cfg):
-    o, lse = _fwd_call(q, k, v, cfg)
+    o, lse = first_order_only(*_FLASH_GUARD, lambda *a: _fwd_call(*a, cfg))(q, k, v)
     return o, (q, k, v, o, lse)
 
 
 def _flash_bhtd_bwd(cfg, res, do):
-    return _bwd_call(*res, do, cfg)
+    return first_order_only(*_FLASH_GUARD, lambda *a: _bwd_call(*a, cfg))(*res, do)
 
 
 _flash_bhtd.defvjp(_flash_bhtd_fwd, _flash_bhtd_bwd)
@@ -470,7 +491,7 @@ def flash_attention(
     interpret: bool | None = None,
     num_warps: int | None = None,
 ):
-    """Memory-efficient exact attention with grouped-query heads; differentiable.
+    """Memory-efficient exact attention with grouped-query heads; differentiable (first order).
 
     Args:
         q: [batch, q_len, q_heads, head_dim], a floating dtype.

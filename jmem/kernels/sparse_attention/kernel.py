@@ -342,13 +342,16 @@ def _sparse_bhtd(q, k, v, cfg):
     return _fwd_call(q, k, v, cfg)[0]
 
 
+_SPARSE_GUARD = ("sparse_attention", "jmem.kernels.sparse_attention.sparse_attention_reference")
+
+
 def _sparse_bhtd_fwd(q, k, v, cfg):
-    o, lse, _ = _fwd_call(q, k, v, cfg)
+    o, lse, _ = fk.first_order_only(*_SPARSE_GUARD, lambda *a: _fwd_call(*a, cfg))(q, k, v)
     return o, (q, k, v, o, lse)
 
 
 def _sparse_bhtd_bwd(cfg, res, do):
-    return _bwd_call(*res, do, cfg)
+    return fk.first_order_only(*_SPARSE_GUARD, lambda *a: _bwd_call(*a, cfg))(*res, do)
 
 
 _sparse_bhtd.defvjp(_sparse_bhtd_fwd, _sparse_bhtd_bwd)
@@ -381,7 +384,8 @@ def _visits_jit(q, k, v, cfg: _Cfg):
 
 
 def sparse_attention(q, k, v, mask: Mask, *, sm_scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, interpret=None):
-    """Attention under a structured mask, visiting only the tiles the mask touches; differentiable.
+    """Attention under a structured mask, visiting only the tiles the mask touches; differentiable (first
+    order).
 
     Validation and the mask's block metadata (cached per shape) happen in Python;
     the kernel call is jitted with the mask as a static argument.
