@@ -33,6 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jmem.checks import check_int
 from jmem.kernels.dispatch import masked_softmax
 from jmem.kernels.paged_attention.checks import is_quantized
 from jmem.kernels.paged_attention.core import triton_fits
@@ -72,10 +73,10 @@ def kv_bytes_per_token(config, kv_dtype: str, page_size: int | None = None) -> i
     """
     dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
     values = 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype.itemsize
+    if page_size is not None:
+        check_int("page_size", page_size, 1)
     if page_size is None or not is_quantized(dtype):
         return values
-    if page_size < 1:
-        raise ValueError(f"page_size={page_size}; need >= 1")
     scales_per_page = 2 * config.n_layers * config.n_kv_heads * _SCALE_BYTES
     return values + -(-scales_per_page // page_size)
 
@@ -272,6 +273,8 @@ class PagedKVCache:
         each device then holds the pages of its own kv heads, created in place (the whole pool
         never exists on one device)."""
         dtype = kv_storage_dtype(kv_dtype, config.compute_dtype)
+        check_int("num_pages", num_pages, 1)
+        check_int("page_size", page_size, 1)
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"paged attention impl={impl!r}; accepted: {', '.join(ATTENTION_IMPLS)}")
         if impl == "auto":

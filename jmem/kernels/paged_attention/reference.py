@@ -43,8 +43,13 @@ def quantize_pages(pages_KNPD, dtype):
     Example:
         >>> k8, k_scale = quantize_pages(k_pages, jnp.int8)
     """
-    if jnp.dtype(dtype) not in QUANT_DTYPES:
-        raise ValueError(f"quantize_pages: dtype={jnp.dtype(dtype)}; accepted: int8, float8_e4m3fn")
+    try:
+        given = jnp.dtype(dtype) if dtype is not None else None  # (None would read as float64)
+    except TypeError:  # not a dtype at all ("foo")
+        given = None
+    if given not in QUANT_DTYPES:
+        shown = repr(dtype) if given is None else given
+        raise ValueError(f"quantize_pages: dtype={shown}; accepted: int8, float8_e4m3fn")
     amax_KN = jnp.max(jnp.abs(pages_KNPD.astype(jnp.float32)), axis=(2, 3))
     scale_KN = jnp.where(amax_KN > 0, amax_KN / qmax(dtype), 1.0)
     return quantize(pages_KNPD, scale_KN[:, :, None, None], dtype), scale_KN
