@@ -30,8 +30,8 @@ def test_param_shapes_match_the_model(cfg):
     ours = param_shapes(cfg)
     model_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
     est_shapes = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(ours)}
-    # Same leaves (the model's paths end in `.value`), same shapes.
-    assert sorted(model_shapes.values(), key=str) == sorted(est_shapes.values(), key=str)
+    # Same leaves (the model's paths end in `.value`), same shapes, path by path.
+    assert {k.removesuffix(".value"): v for k, v in model_shapes.items()} == est_shapes
     assert tree_bytes(params) == estimate(cfg, 2, 16)["params"] == 4 * cfg.num_params
 
 

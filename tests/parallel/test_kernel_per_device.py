@@ -54,7 +54,9 @@ def test_an_axis_that_does_not_divide_is_left_out():
         seen.append((q.shape, k.shape))
         return q * k.sum(axis=(1, 2, 3), keepdims=True)  # row by row, as attention is
 
-    q, k = jnp.ones((4, 8, 4, 2)), jnp.ones((4, 8, 2, 2))
+    # Distinct values: a device given another device's kv rows, or rows back out of order, shows.
+    q = jnp.arange(4 * 8 * 4 * 2, dtype=jnp.float32).reshape(4, 8, 4, 2)
+    k = jnp.arange(4 * 8 * 2 * 2, dtype=jnp.float32).reshape(4, 8, 2, 2) ** 2
     with activation_sharding(None, mesh):
         out = jax.jit(lambda q, k: kernel_per_device(fn, (q, k), (("batch", None, "heads", None),
                                                                   ("batch", None, "kv_heads", None)),

@@ -99,7 +99,8 @@ def test_residual_stream_is_sequence_sharded_in_hlo(tiny, sequence_parallel):
 
     plain = jax.jit(loss, in_shardings=(par.shardings(params, None, mesh), par.batch_sharding(mesh))) \
         .lower(params, batches[0]).compile().as_text()
-    assert all(whole in s and local not in s for s in _while_shapes(plain))
+    plain_loops = _while_shapes(plain)
+    assert plain_loops and all(whole in s and local not in s for s in plain_loops)
     assert "all-gather" not in par.collectives(plain, in_loops=True)
     assert par.collectives(plain, in_loops=True).get("all-reduce", 0) == 2  # wo, w_down
 

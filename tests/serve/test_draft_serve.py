@@ -60,7 +60,7 @@ def test_layer_dropped_draft_gives_the_targets_greedy_tokens(target):
     engine = Engine(target, ByteTokenizer(), EngineConfig(num_speculative_tokens=K, **SMALL), draft_model=draft)
     got = engine.generate(ps, greedy())
     runners = (engine.runner, engine.drafter.runner)
-    for (tokens, lps), g in zip(want, got):
+    for (tokens, lps), g in zip(want, got, strict=True):
         assert g.token_ids == tokens and g.finish_reason == "length"
         np.testing.assert_allclose([lp for lp, _ in g.logprobs], lps, atol=1e-4)
     m = engine.metrics()

@@ -274,7 +274,7 @@ def test_engine_quantized_kv_greedy_equals_full_precision(model):
         outs[name] = engine.generate(ps, params)
         assert engine.metrics()["kv_cache_blocks_in_use"] == 0
     for name in ("fp8_e4m3", "int8"):
-        for ref, got in zip(outs["auto"], outs[name]):
+        for ref, got in zip(outs["auto"], outs[name], strict=True):
             assert got.token_ids == ref.token_ids, name
             lp_ref = np.array([lp for lp, _ in ref.logprobs])
             lp_got = np.array([lp for lp, _ in got.logprobs])

@@ -211,7 +211,7 @@ def test_mixed_adapters_in_one_batch_match_each_adapter_alone(model, engine, exp
     engine.runner.step = spy
     outs = engine.generate(prompts, greedy(), adapters=names)
     want = {name: expected(name)[:4] for name in ("a", "b", None)}
-    for i, (name, o) in enumerate(zip(names, outs)):
+    for i, (name, o) in enumerate(zip(names, outs, strict=True)):
         assert o.token_ids == want[name][i], name
     assert max(len(m) for m in mixes) == 3, "adapters a, b and the base shared a step"
     # the adapters change the output (else the comparison above proves little)
@@ -221,7 +221,7 @@ def test_mixed_adapters_in_one_batch_match_each_adapter_alone(model, engine, exp
     outs = engine.generate(prompts[:2], greedy(), adapters=["b", "b"])
     outs += engine.generate(prompts[2:], greedy(), adapters=[None, "b"])
     assert _step_fn._cache_size() == compiled and engine.runner.num_compilations == shapes
-    for i, (name, o) in enumerate(zip(["b", "b", None, "b"], outs)):
+    for i, (name, o) in enumerate(zip(["b", "b", None, "b"], outs, strict=True)):
         assert o.token_ids == want[name][i]
 
 
@@ -358,7 +358,8 @@ def test_more_adapters_than_slots_swap_through_host_memory(model, adapters, expe
     lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(got, [lsm[t, PROMPTS[4][t + 1]] for t in range(len(PROMPTS[4]) - 1)], atol=1e-4)
     assert engine.runner.adapter_slots.resident == resident  # and the served weights are untouched:
-    assert all(np.array_equal(a, b) for a, b in zip(leaves, map(np.asarray, jax.tree.leaves(engine.runner.state))))
+    served = map(np.asarray, jax.tree.leaves(engine.runner.state))
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, served, strict=True))
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -381,7 +382,7 @@ def test_smollm2_packed_q4_base_with_two_adapters(tmp_path):
     prompts = [lm.tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):", "Once upon a time")]
     names = ["a", "b", None]
     outs = engine.generate(prompts, greedy(5), adapters=names)
-    for p, name, o in zip(prompts, names, outs):
+    for p, name, o in zip(prompts, names, outs, strict=True):
         assert o.token_ids == reference(lm.model, None if name is None else paths[name], [p], 5)[0], name
 
 

@@ -60,7 +60,7 @@ def test_paged_engine_matches_full_forward(model, reference):
     engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=12, **SMALL))
     ps = prompts(0, 6, shared_prefix=range(30, 46)) + prompts(1, 4)
     outs = engine.generate(ps, greedy())
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         want, want_lp = reference(tuple(p), 8)
         assert o.token_ids == want
         np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
@@ -89,7 +89,7 @@ def test_shared_prefix_submitted_together_matches_full_forward(model, reference)
     for want_cached in ([0, 8, 8], [8, 8, 8]):
         outs = engine.generate(ps, greedy(4))
         assert [o.num_cached_tokens for o in outs] == want_cached
-        for p, o in zip(ps, outs):
+        for p, o in zip(ps, outs, strict=True):
             want, want_lp = reference(tuple(p), 4)
             assert o.token_ids == want
             np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
@@ -110,7 +110,7 @@ def test_precompiled_engine_never_waits_for_a_compilation(model, reference):
     ps = prompts(5, 4)
     for round_ in range(2):
         ran.clear()
-        for p, o in zip(ps, engine.generate(ps, greedy(6))):
+        for p, o in zip(ps, engine.generate(ps, greedy(6)), strict=True):
             want, want_lp = reference(tuple(p), 6)
             assert o.token_ids == want
             np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)
@@ -217,7 +217,7 @@ def test_quantized_kv_close_to_full_precision(model, reference, kv_dtype, atol):
     assert engine.runner.cache.k_pages.dtype == {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}[kv_dtype]
     ps = prompts(3, 3)
     outs = engine.generate(ps, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5))
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         # One token: its logprob depends on the quantized cache of the whole prompt.
         want, want_lp = reference(tuple(p), 1)
         top = dict(o.logprobs[0][1])
@@ -383,7 +383,7 @@ def test_kernel_impl_matches_tiled(model, reference):
     engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16, attention_impl="kernel", **SMALL))
     assert engine.runner.cache.impl == "kernel"
     ps = prompts(4, 3)
-    for p, o in zip(ps, engine.generate(ps, greedy(max_tokens=3))):
+    for p, o in zip(ps, engine.generate(ps, greedy(max_tokens=3)), strict=True):
         want, want_lp = reference(tuple(p), 3)
         assert o.token_ids == want
         np.testing.assert_allclose([lp for lp, _ in o.logprobs], want_lp, atol=1e-4)

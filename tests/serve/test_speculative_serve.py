@@ -115,7 +115,7 @@ def test_greedy_speculation_matches_plain_decoding(model):
     got = spec.generate(prompts, _greedy())
     spec.runner.finish_compilations()
     assert spec.runner.num_blocking_compilations == 0
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids
         assert g.finish_reason == w.finish_reason == "length"
         np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
@@ -152,7 +152,7 @@ def test_stops_match_plain_decoding(model):
     prompts, params = prompts + prompts[1:2], params + [_greedy(5)]
     want = base.generate(prompts, params)
     got = spec.generate(prompts, params)
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert (g.text, g.token_ids, g.finish_reason, g.num_output_tokens, len(g.logprobs)) == \
             (w.text, w.token_ids, w.finish_reason, w.num_output_tokens, len(w.logprobs))
     assert [g.finish_reason for g in got] == ["stop"] * 4 + ["length"] and len(got[-1].token_ids) == 5
@@ -221,7 +221,7 @@ def test_stops_cut_inside_a_run_of_kept_proposals(model):
             assert [reached[i] > len(outs[k][i].token_ids) for i in (1, 2, 4)] == [True, True, True]
         # The tokens dropped after a stop were not generated output (as one token per step counts).
         assert engine.metrics()["generation_tokens_total"] == sum(o.num_output_tokens for o in outs[k])
-    for (p, reason), w, g in zip(cases, outs[0], outs[K]):
+    for (p, reason), w, g in zip(cases, outs[0], outs[K], strict=True):
         assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason), (p, g.text)
         assert g.finish_reason == reason
         assert len(g.logprobs) == len(w.logprobs) == (len(g.token_ids) if p.logprobs is not None else 0)

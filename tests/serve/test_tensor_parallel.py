@@ -51,14 +51,14 @@ def test_tp2_outputs_equal_tp1(runs):
     _, ref, ref_prompt = runs[1]
     _, got, got_prompt = runs[2]
     assert [len(a.token_ids) for a in ref] == [p.max_tokens for p in GREEDY]
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert a.finish_reason == b.finish_reason == "length"
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
-        for (_, top_a), (_, top_b) in zip(a.logprobs, b.logprobs):
+        for (_, top_a), (_, top_b) in zip(a.logprobs, b.logprobs, strict=True):
             assert [i for i, _ in top_a] == [i for i, _ in top_b]
     assert ref_prompt[0] is None and got_prompt[0] is None and len(got_prompt) == len(PROMPTS[4])
-    for (lp_a, top_a, rank_a), (lp_b, top_b, rank_b) in zip(ref_prompt[1:], got_prompt[1:]):
+    for (lp_a, top_a, rank_a), (lp_b, top_b, rank_b) in zip(ref_prompt[1:], got_prompt[1:], strict=True):
         assert abs(lp_a - lp_b) < 2e-5 and rank_a == rank_b
         assert [i for i, _ in top_a] == [i for i, _ in top_b]
 
@@ -286,7 +286,7 @@ def test_lora_adapters_split_and_match_tp1(model, tmp_path):
     L, F = CONFIG.n_layers, CONFIG.ffn_dim
     assert {s.data.shape for s in down.lora_a.addressable_shards} == {(L, 2, F // 2, 8)}  # [L, S, in, R]
     assert {s.data.shape for s in up.lora_b.addressable_shards} == {(L, 2, 8, F // 2)}    # [L, S, R, out]
-    for a, b in zip(out[1], out[2]):
+    for a, b in zip(out[1], out[2], strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
     for shape in engine.runner.compiled_shapes:
@@ -371,7 +371,7 @@ def test_smollm2_tp3_matches_tp1(packed):
     engines = {tp: Engine(lm.model, lm.tokenizer, EngineConfig(tensor_parallel_size=tp, **cfg)) for tp in (1, 3)}
     out = {tp: engine.generate(prompts, params) for tp, engine in engines.items()}
     assert "Paris" in out[1][0].text
-    for a, b in zip(out[1], out[3]):
+    for a, b in zip(out[1], out[3], strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=1e-4, rtol=0)
     if packed:
@@ -396,7 +396,7 @@ def test_int8_kv_pages_and_scales_split_on_heads(model):
 def _assert_same_outputs_and_two_all_reduces(ref, got, engine):
     """`got` (a tensor-parallel engine's outputs) equals `ref` (tokens; logprobs within 2e-5), and every
     step program the engine compiled holds two all-reduces per layer and no weight all-gather."""
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], atol=2e-5, rtol=0)
     weights = _weight_shapes(engine.runner.state)

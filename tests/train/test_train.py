@@ -409,6 +409,8 @@ def test_f16_with_dynamic_loss_scale_and_bf16_params_train(tmp_path):
     assert all("loss_scale" in x for x in recs) and recs[0]["loss_scale"] == 2.0**15
     assert np.isfinite([r.losses[k] for k in r.losses if recs[k]["finite"]]).all()
     assert r.skipped_steps == sum(not x["finite"] for x in recs)
+    applied = [r.losses[k] for k in sorted(r.losses) if recs[k]["finite"]]
+    assert len(applied) >= 6 and np.mean(applied[-3:]) < np.mean(applied[:3])  # the f16 steps train
     p = train(dataclasses.replace(BASE, steps=12, precision="bf16-pure"), out=io.StringIO())
     assert np.mean([p.losses[k] for k in (9, 10, 11)]) < np.mean([p.losses[k] for k in (0, 1, 2)])
 
