@@ -91,7 +91,9 @@ def test_only_adapters_train(trained):
     assert trained["losses"][-1] < trained["losses"][0]
     # The trained model's NF4 base is the one quantized (split_trainable/combine give it back whole).
     fresh = apply_lora(quantize(Llama(CFG, rngs=nnx.Rngs(0)), "nf4"), rank=4, alpha=8, targets=("wq", "wv"))
-    leaves = lambda m: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(m))}  # noqa
+    def leaves(m):
+        return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(m))}
+
     want = leaves(fresh)
     base = {path: x for path, x in leaves(trained["model"]).items() if "lora_a" not in path and "lora_b" not in path}
     assert any(x.dtype == np.uint8 for x in base.values())  # the packed NF4 codes are among them
