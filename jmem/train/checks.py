@@ -109,6 +109,10 @@ def _validate_outputs_apart(cfg: TrainConfig) -> None:
                              "run ends; accepted: a path outside it")
 
 
+FILE_SUFFIXES = (".npz", ".safetensors", ".pt", ".pth", ".bin", ".gguf", ".ckpt", ".h5")
+"""--save names ending so meant a file; the trained model is written as a directory."""
+
+
 def _validate_save(cfg: TrainConfig) -> None:
     """--save: a new adapters file (with LoRA, a path ending in .npz) or a new model directory (process 0
     writes it; with LoRA, the adapters merged into the weights)."""
@@ -118,6 +122,10 @@ def _validate_save(cfg: TrainConfig) -> None:
     if cfg.lora_rank > 0 and suffix not in ("", ".npz"):  # a typo would write the whole merged model
         raise ValueError(f"--save {cfg.save!r} with --lora-rank; accepted: a path ending in .npz (the adapters) or "
                          "a directory name without an extension (the model with its adapters merged)")
+    if cfg.lora_rank == 0 and suffix in FILE_SUFFIXES:  # a file was meant, not a model directory of that name
+        raise ValueError(f"--save {cfg.save!r} names a {suffix} file, but without --lora-rank the trained model "
+                         f"is saved as a directory; accepted: a directory name without {suffix} (a .npz file holds "
+                         "adapters, with --lora-rank)")
     if cfg.lora_rank > 0 and suffix == ".npz":
         if pathlib.Path(cfg.save).expanduser().exists():
             raise ValueError(f"--save {cfg.save!r} exists (nothing is overwritten); accepted: a new path")

@@ -132,9 +132,10 @@ RESUME_DATA_FLAGS = ("data", "seq", "batch")
 """Flags a resumed run may change (the train state does not depend on them) that change its batches."""
 
 RESUME_UPDATE_FLAGS = ("steps", "lr", "warmup", "precision", "weight_decay", "clip", "galore_gap", "galore_scale",
-                       "lora_dropout", "layerwise_period", "layerwise_schedule")
+                       "lora_dropout", "layerwise_period", "layerwise_schedule", "accum")
 """Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps; the
-layer-wise flags choose which layers train)."""
+layer-wise flags choose which layers train; --accum sums in another order, and an MoE model routes each
+microbatch on its own)."""
 
 RESUME_CHANGES = ((RESUME_DATA_FLAGS, "batches"), (("seed",), "batches, layer-wise draws and dropout masks"),
                   (RESUME_UPDATE_FLAGS, "updates"))
@@ -410,7 +411,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
           file=out)
     limit, holder = memory_limit()
     if report.total_bytes > limit:
-        raise ValueError(_out_of_memory(report, f"{holder} {limit / 2**20:.0f} MiB"))
+        raise ValueError(_out_of_memory(report, f"{holder} {limit / 2**20:.0f} MiB", cfg))
 
     # One log and one plot per job, by process 0 (the others hold the same replicated values).
     log_path = cfg.log if jax.process_index() == 0 else None
@@ -468,7 +469,7 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
                     break
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" in str(e):
-                raise ValueError(_out_of_memory(report, f"step {step + 1} ran out of memory")) from None
+                raise ValueError(_out_of_memory(report, f"step {step + 1} ran out of memory", cfg)) from None
             if jax.process_count() > 1:  # the others wait for this one, or this one for a stopped one
                 from jmem.parallel.distributed import DistributedRunError
 
@@ -516,10 +517,12 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
     return result
 
 
-def _out_of_memory(report, what: str) -> str:
+def _out_of_memory(report, what: str, cfg: TrainConfig) -> str:
+    advice = ["a smaller --batch or --seq", "--remat full" if cfg.remat != "full" else "",
+              "--accum" if cfg.accum < cfg.batch else "", "--zero with a --mesh over more devices",
+              "--offload-optimizer host" if cfg.offload_optimizer == "none" else ""]
     return (f"the train step needs {report.total_bytes / 2**20:.0f} MiB per device (compiler-measured, the "
-            f"memory table above) and {what}; accepted: settings that fit, e.g. a smaller --batch or --seq, "
-            f"--remat full, --accum, --zero with a --mesh over more devices, or --offload-optimizer host")
+            f"memory table above) and {what}; accepted: settings that fit, e.g. {', '.join(filter(None, advice))}")
 
 
 def _save_result(run: Run, state, out: TextIO) -> None:

@@ -93,6 +93,10 @@ def test_a_lora_run_saved_to_a_directory_is_the_merged_model(tmp_path):
     (dict(lora_rank=4, save="a.npz"), "--save 'a.npz' exists"),
     (dict(lora_rank=4, save="a.np"), "--save 'a.np' with --lora-rank; accepted: a path ending in .npz"),
     (dict(save="taken"), "--save 'taken' is a non-empty directory"),
+    # A file name without --lora-rank would have become a model directory of that name.
+    (dict(save="out.npz"), "--save 'out.npz' names a .npz file, but without --lora-rank the trained model is saved "
+                           "as a directory; accepted: a directory name without .npz"),
+    (dict(save="model.safetensors"), "--save 'model.safetensors' names a .safetensors file"),
     (dict(lora_rank=4, save="taken"), "--save 'taken' is a non-empty directory"),
 ])
 def test_bad_save_paths_are_refused_before_training(extra, expected, tmp_path, monkeypatch):

@@ -135,6 +135,8 @@ def test_resume_names_the_flags_it_changes():
         f"note: --precision f32 (checkpoint: {BASE.precision}), --weight-decay 0.5 (checkpoint: {BASE.weight_decay}), "
         f"--layerwise-period 3 (checkpoint: {BASE.layerwise_period}), --layerwise-schedule top-down (checkpoint: "
         f"{BASE.layerwise_schedule}): the updates differ from an uninterrupted run's"]
+    assert resume_notes(saved, dataclasses.replace(BASE, data="a.txt", accum=BASE.accum * 2)) == [
+        f"note: --accum {BASE.accum * 2} (checkpoint: {BASE.accum}): the updates differ from an uninterrupted run's"]
 
 
 def test_an_adam8bit_checkpoint_of_the_earlier_moment_format_is_refused(tmp_path):
@@ -522,6 +524,8 @@ def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "per device (compiler-measured, the memory table above) and the device holds 1 MiB" in lines[0]
+    # Advice the run already follows is left out: remat is full by default.
+    assert "--remat full" not in lines[0] and "--accum, " in lines[0] and "--offload-optimizer host" in lines[0]
     huge = tiny[:-3] + ["--seq", "100000", "--no-progress"]  # a 100k-token sequence: terabytes
     rc, err = run_train_script(huge, capsys)
     lines = err.strip().splitlines()
