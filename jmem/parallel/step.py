@@ -385,7 +385,7 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         check_heads(*heads, rules, mesh, logical_axes=logical_axes)
     vocab_size = getattr(loss_fn, "jmem_vocab_size", None)
     from jmem.parallel.pipeline_1f1b import check_zero_fits_schedule
-    from jmem.train.loss import check_batch_ids
+    from jmem.train.loss import check_batch_ids, check_lm_batch
 
     check_zero_fits_schedule(loss_fn, stage, mesh)
     if group_accumulators is None and not getattr(loss_fn, "jmem_batch_additive", True):
@@ -443,7 +443,8 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
     def step(state, batch):
         check_not_donated(state)
         check_batch(batch, mesh, rules, accum)
-        if vocab_size is not None:
+        if vocab_size is not None:  # a model's own loss: its batch layout first, then the ids
+            check_lm_batch(batch)
             check_batch_ids(batch, vocab_size)
         # Every process holds the full global batch; an array placed otherwise is resharded (the jitted
         # step refuses a committed argument of another sharding).
