@@ -397,3 +397,23 @@ def test_quantized_scales_must_be_float32():
     new = jnp.zeros((1, 2, 16))
     with pytest.raises(ValueError, match="write_pages: v_scale has dtype bfloat16; accepted: float32"):
         write_pages(k8, v8, new, new, jnp.zeros((1,), jnp.int32), k_scale=ks, v_scale=vs.astype(jnp.bfloat16))
+
+
+def test_a_page_read_under_a_negative_or_non_finite_scale_is_refused():
+    # Such a scale flipped or poisoned every value of its page without a word; a page no
+    # sequence reads may hold anything, and a zero scale (an empty or all-zero page) is valid.
+    q, _, _, kp, vp, lengths, table = decode_case(2, 2, 16, 4, 2, 16, 8, jnp.float32)
+    (k8, ks), (v8, vs) = quantize_pages(kp, jnp.int8), quantize_pages(vp, jnp.int8)
+    read, unread = int(table[1, 0]), int(np.setdiff1d(np.arange(ks.shape[1]), np.asarray(table))[0])
+    ragged = dict(kv_lens=lengths, block_tables=table, cu_q_lens=jnp.array([0, 0, 1], jnp.int32), num_seqs=2)
+    for bad in (np.nan, -0.5, np.inf):
+        with pytest.raises(ValueError, match=rf"^paged_attention: v_scale\[1, {read}\]={bad} on a page read; "
+                                             r"accepted: finite scales >= 0"):
+            paged_attention(q, k8, v8, lengths, table, k_scale=ks, v_scale=vs.at[1, read].set(bad))
+        with pytest.raises(ValueError, match=rf"^ragged_paged_attention: k_scale\[0, {read}\]={bad} on a page read"):
+            ragged_paged_attention(q, k8, v8, k_scale=ks.at[0, read].set(bad), v_scale=vs, **ragged)
+    for scale in (ks.at[:, unread].set(np.nan), ks.at[:, read].set(0.0)):
+        out = paged_attention(q, k8, v8, lengths, table, k_scale=scale, v_scale=vs)
+        np.testing.assert_allclose(out, paged_attention_reference(q, k8, v8, lengths, table, k_scale=scale,
+                                                                  v_scale=vs), atol=2e-5)
+        assert np.isfinite(np.asarray(ragged_paged_attention(q, k8, v8, k_scale=scale, v_scale=vs, **ragged))).all()

@@ -80,7 +80,7 @@ def as_array(x):
 
 
 def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: int, *, rows: int | None,
-                 lengths_name: str = "lengths"):
+                 lengths_name: str = "lengths", scales: dict | None = None):
     """Checks per-sequence lengths against the block tables and the page pool.
 
     Args:
@@ -88,6 +88,8 @@ def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: in
         block_tables: i32[n, pages_per_seq].
         rows: expected number of table rows (the batch), or None to skip.
         lengths_name: what the caller calls `lengths`, for error messages.
+        scales: {"k_scale": f32[kv_heads, num_pages] or None, ...}: where concrete,
+            the scales of every page read must be finite and >= 0 (0: an empty or all-zero page).
     """
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"{name}: block_tables must be int32[batch, pages_per_seq]; got {block_tables.dtype}{list(block_tables.shape)}")
@@ -122,3 +124,14 @@ def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: in
             f"{name}: block_tables[{r}, {c}]={int(table[r, c])} points outside the page pool of "
             f"{num_pages} pages (row {r} has length {int(lens[r])})"
         )
+    pages_read = np.unique(table[used])
+    for sname, scale in (scales or {}).items():
+        scale = concrete(scale)
+        if scale is None:
+            continue
+        read = scale[:, pages_read]
+        bad = np.argwhere(~(read >= 0) | ~np.isfinite(read))
+        if len(bad):
+            head, page = int(bad[0][0]), int(pages_read[bad[0][1]])
+            raise ValueError(f"{name}: {sname}[{head}, {page}]={scale[head, page]} on a page read; "
+                             "accepted: finite scales >= 0 (as write_pages and append_pages leave them)")

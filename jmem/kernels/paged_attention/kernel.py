@@ -104,7 +104,8 @@ def paged_attention(
 
     Raises:
         ValueError: mismatched shapes or heads; with concrete inputs also a
-            length past the table's pages or a used table entry outside the pool.
+            length past the table's pages, a used table entry outside the pool,
+            or a scale of a page read that is negative or not finite.
 
     Example:
         >>> o = paged_attention(q, k_pages, v_pages, lengths, block_tables)
@@ -117,7 +118,8 @@ def paged_attention(
     check_pages("paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
     lengths, block_tables = as_array(lengths), as_array(block_tables)
-    check_tables("paged_attention", lengths, block_tables, N, page, rows=B)
+    check_tables("paged_attention", lengths, block_tables, N, page, rows=B,
+                 scales={"k_scale": k_scale, "v_scale": v_scale})
     backend, interpret = core.resolve("paged_attention", backend, interpret)
     core.check_backend_shapes("paged_attention", backend, interpret, page, D)
     npages = block_tables.shape[1]

@@ -87,7 +87,7 @@ def _ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_s
     return out.astype(q.dtype)
 
 
-def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_pages: int, page_size: int):
+def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_pages: int, page_size: int, scales: dict):
     """Shapes and dtypes always; with concrete values, num_seqs, cu_q_lens, kv_lens and the tables."""
     name = "ragged_paged_attention"
     if block_tables.ndim != 2:
@@ -105,7 +105,7 @@ def _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_pages: int,
         raise ValueError(f"{name}: num_seqs={int(n)} outside [0, max_seqs={S_max}]")
     # Rows past num_seqs may hold anything: their lengths are not checked.
     live = kv_lens if n is None or kl is None else np.where(np.arange(S_max) < int(n), kl, 0)
-    check_tables(name, live, block_tables, num_pages, page_size, rows=None, lengths_name="kv_lens")
+    check_tables(name, live, block_tables, num_pages, page_size, rows=None, lengths_name="kv_lens", scales=scales)
     if n is None or cu is None:
         return
     n = int(n)
@@ -163,7 +163,7 @@ def ragged_paged_attention(
     check_pages("ragged_paged_attention", H, D, k_pages, v_pages, k_scale, v_scale)
     K, N, page, _ = k_pages.shape
     kv_lens, block_tables, cu_q_lens = as_array(kv_lens), as_array(block_tables), as_array(cu_q_lens)
-    _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, N, page)
+    _check_ragged(q, kv_lens, block_tables, cu_q_lens, num_seqs, N, page, {"k_scale": k_scale, "v_scale": v_scale})
     backend, interpret = core.resolve("ragged_paged_attention", backend, interpret)
     core.check_backend_shapes("ragged_paged_attention", backend, interpret, page, D)
     ppb = default_pages_per_block(page, block_tables.shape[1]) if pages_per_compute_block is None \
