@@ -8,6 +8,10 @@ A cache is a pytree with three methods:
   not per layer, such as block tables, are read from `self`);
 - `with_layers(new_arrays) -> cache`.
 
+A cache that counts what it holds also has `next_positions(batch, T)` (the positions a
+call without them continues at) and `advanced(positions_BT)` (itself after those
+positions were written); the model uses them when present.
+
 A cache may instead be in *per-layer form*: `layer_arrays()` returns a list with one
 pytree per layer, and `with_layers` takes such a list. The model runs its blocks as an
 unrolled loop over per-layer weights (`jmem.models.llama.unstack_layers`) with it, so
@@ -30,7 +34,9 @@ class ContiguousKVCache:
     """One contiguous slab per layer: k/v `[layers, batch, max_len, kv_heads, head_dim]`.
 
     Each row writes its tokens at their absolute positions; a query at position p sees
-    keys 0..p of its row. A negative position or one past `max_len` is one clear error
+    keys 0..p of its row. `lengths` counts, per row, one past the furthest position
+    written: a call without positions continues there (a prefill, then one decode
+    step after another, as with Hugging Face's caches). A negative position or one past `max_len` is one clear error
     when positions are concrete; under `jit` (traced positions) such a token writes
     nothing and its output is NaN. Padding written past a row's end is overwritten
     before any query can see it, because queries only look backwards.
@@ -43,6 +49,7 @@ class ContiguousKVCache:
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
     impl: str = flax.struct.field(pytree_node=False, default="xla")
+    lengths: jax.Array | None = None  # i32[batch]; None: not counted (calls without positions start at 0)
 
     @classmethod
     def create(cls, config, batch: int, max_len: int, dtype=None, per_layer: bool = False) -> "ContiguousKVCache":
@@ -56,11 +63,12 @@ class ContiguousKVCache:
         dtype = as_dtype(dtype or config.compute_dtype)
         shape = (batch, max_len, config.n_kv_heads, config.head_dim)
         impl = "xla" if config.attention_impl in ("auto", "pallas") else config.attention_impl
+        lengths = jnp.zeros((batch,), jnp.int32)
         if per_layer:
             zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
-            return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)), impl)
+            return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)), impl, lengths)
         shape = (config.n_layers, *shape)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), impl)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), impl, lengths)
 
     @property
     def per_layer(self) -> bool:
@@ -77,6 +85,20 @@ class ContiguousKVCache:
         if isinstance(arrays, list):
             return self.replace(k=tuple(k for k, _ in arrays), v=tuple(v for _, v in arrays))
         return self.replace(k=arrays[0], v=arrays[1])
+
+    def next_positions(self, batch: int, T: int):
+        """i32[batch, T]: T new tokens of each row right after the furthest position it has written."""
+        new_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
+        if self.lengths is None or self.lengths.shape != (batch,):  # another batch: `attend` names the mismatch
+            return new_BT
+        return self.lengths[:, None] + new_BT
+
+    def advanced(self, positions_BT) -> "ContiguousKVCache":
+        """This cache after `positions_BT` were written: `lengths` past the furthest of each row."""
+        if self.lengths is None or positions_BT.shape[1] == 0:
+            return self
+        furthest_B = jnp.clip(jnp.max(positions_BT, axis=1) + 1, 0, self.max_len).astype(jnp.int32)
+        return self.replace(lengths=jnp.maximum(self.lengths, furthest_B))
 
     def attend(self, layer_arrays, q_BTHD, k_BTKD, v_BTKD, positions_BT):
         k_BSKD, v_BSKD = layer_arrays

@@ -263,9 +263,10 @@ class Llama(nnx.Module):
     def hidden(self, ids_BT, positions=None, cache=None, layers=None, dropless: bool = False):
         """Final-normed hidden states `[batch, seq, dim]` in the compute dtype, and the cache.
 
-        `positions`: i32[batch, seq], each token's absolute position; None is 0..seq-1 in every row, a
-        prefill from the start. The cache does not count what it holds: every later call with it (a
-        decode step) passes its tokens' positions, or it writes over the cache's first slots.
+        `positions`: i32[batch, seq], each token's absolute position. None continues each row where
+        the cache left it (`ContiguousKVCache.lengths`: a prefill, then decode steps, need none), and
+        is 0..seq-1 without a cache or with one that does not count what it holds (a paged cache's
+        callers pass positions).
         `layers`: per-layer block weights from `unstack_layers(model)`; the blocks then run as
         an unrolled loop over them (inference; no remat) instead of a scan over the stacked
         weights. Pair it with a cache in per-layer form (`jmem.models.cache`).
@@ -291,7 +292,9 @@ class Llama(nnx.Module):
         if not isinstance(ids_BT, jax.core.Tracer):  # eager calls: the embedding lookup would clamp a bad id
             _check_ids(ids_BT, cfg.vocab_size)
         B, T = ids_BT.shape
-        if positions is None:
+        if positions is None and hasattr(cache, "next_positions"):
+            positions = cache.next_positions(B, T)
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         elif np.shape(positions) != (B, T) or not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
             raise ValueError(f"positions of {jnp.result_type(positions)}{list(np.shape(positions))}; accepted: "
@@ -317,6 +320,7 @@ class Llama(nnx.Module):
             x, (new_layers, stats_L) = jax.lax.scan(_remat(body, cfg.remat), x, (self.layers.weights(), layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
+            cache = cache.advanced(positions) if hasattr(cache, "advanced") else cache
         h = constrain(rms_norm(x, self.norm.scale.get_value(), cfg.norm_eps), ACTIVATION_AXES)
         return h, cache, stats_L
 
@@ -328,7 +332,7 @@ class Llama(nnx.Module):
         return dot(h_BTE, self.head.kernel.get_value()).astype(jnp.float32)
 
     def __call__(self, ids_BT, positions=None, cache=None):
-        """`(logits, cache)`; `positions` as in `hidden` (a decode step with a cache passes them). Without a
+        """`(logits, cache)`; `positions` as in `hidden` (None continues where the cache left off). Without a
         cache an MoE model routes with its capacity factor, as in training
         (a row's logits may depend on the rows batched with it); `hidden(..., dropless=True)` does not."""
         h, cache = self.hidden(ids_BT, positions, cache)

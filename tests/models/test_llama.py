@@ -42,6 +42,28 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     np.testing.assert_array_equal(after.k[:, 1], cache.k[:, 1])
 
 
+def test_calls_without_positions_continue_where_the_cache_left_off(tiny):
+    # A decode step without positions wrote over the cache's first slots and read the prompt back wrong.
+    cfg = tiny.config
+    ids = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
+    full, _ = tiny(ids)
+    step = jax.jit(lambda i, c: tiny(i, cache=c))
+    for per_layer in (False, True):
+        cache = ContiguousKVCache.create(cfg, 2, 16, per_layer=per_layer)
+        run = (lambda i, c: tiny.hidden(i, cache=c, layers=unstack_layers(tiny))) if per_layer else step
+        outs = []
+        for lo, hi in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 12)):
+            out, cache = run(ids[:, lo:hi], cache)
+            outs.append(tiny.logits_from_hidden(out) if per_layer else out)
+            np.testing.assert_array_equal(cache.lengths, [hi, hi])
+        np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5)
+    # Explicit positions move each row's count to one past its furthest write, never back.
+    cache = ContiguousKVCache.create(cfg, 2, 16)
+    _, cache = tiny(ids[:, :3], positions=jnp.array([[4, 5, 6], [0, 1, 2]], jnp.int32), cache=cache)
+    _, cache = tiny(ids[:, :1], positions=jnp.array([[1], [3]], jnp.int32), cache=cache)
+    np.testing.assert_array_equal(cache.lengths, [7, 4])
+
+
 def test_a_cache_that_does_not_fit_the_model_is_one_error(tiny):
     """A cache of another config (depth, heads, batch) or form was an error from inside JAX's scan or
     broadcasting; a negative position was written and read without a word; a dtype name was a TypeError."""
