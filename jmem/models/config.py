@@ -259,7 +259,7 @@ class LlamaConfig:
 
     @classmethod
     def small(cls, **overrides) -> "LlamaConfig":
-        """About 3.6M parameters: the default model trained from scratch by `experiments/train.py`."""
+        """About 3.2M parameters: the default model trained from scratch by `experiments/train.py`."""
         base = dict(vocab_size=259, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768,
                     rope_base=10000.0, max_seq_len=1024, tie_embeddings=True, loss_chunk=256)
         return cls(**{**base, **overrides})

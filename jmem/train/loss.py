@@ -58,7 +58,7 @@ def chunked_cross_entropy(
     targets_BT: jax.Array,
     mask_BT: jax.Array,
     logits_fn: Callable[[jax.Array], jax.Array],
-    chunk: int,
+    chunk: int | None,
 ):
     """Cross-entropy sum over sequence chunks; full logits never materialise.
 
@@ -68,8 +68,9 @@ def chunked_cross_entropy(
         mask_BT: [batch, seq] weights (1 = counted).
         logits_fn: `h[batch, c, embed] -> f32 logits[batch, c, vocab]`; may
             close over parameters (gradients flow through the closure).
-        chunk: sequence positions per chunk. When it does not divide `seq`, the
-            tail is a smaller last chunk (one more trace of the body).
+        chunk: sequence positions per chunk, an integer >= 1, or None for the whole
+            sequence at once. When it does not divide `seq`, the tail is a smaller
+            last chunk (one more trace of the body).
 
     Returns:
         (loss_sum f32[], count f32[])
@@ -78,9 +79,9 @@ def chunked_cross_entropy(
         >>> s, n = chunked_cross_entropy(h, tgt, mask, model.logits_from_hidden, 256)
     """
     B, T, E = h_BTE.shape
-    if chunk <= 0:
-        raise ValueError(f"loss chunk={chunk} must be a positive number of positions")
-    if chunk >= T:
+    if chunk is not None:
+        check_int("loss chunk", chunk, 1)
+    if chunk is None or chunk >= T:
         return cross_entropy_sum(logits_fn(h_BTE), targets_BT, mask_BT)
 
     # Recompute logits in the backward pass instead of keeping them per chunk.
@@ -170,7 +171,7 @@ def check_lm_batch(batch) -> None:
     if not isinstance(batch, dict) or any(k not in batch for k in keys):
         got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
         raise ValueError(f"language-model batch {got}; accepted: a dict with 'inputs', 'targets' and 'mask' "
-                         "arrays of shape [batch, seq] (jmem.data.Batches makes them)")
+                         "arrays of shape [batch, seq] (jmem.data.PackedDataset.batch makes them)")
     shapes = {k: tuple(jnp.shape(batch[k])) for k in keys}
     if len(shapes["inputs"]) != 2 or len(set(shapes.values())) != 1:
         raise ValueError(f"language-model batch shapes {shapes}; accepted: 'inputs', 'targets' and 'mask' all "

@@ -9,6 +9,7 @@ import pytest
 
 from jmem.kernels import xla_attention
 from jmem.kernels.paged_attention import (
+    append_pages,
     dequantize_pages,
     paged_attention,
     paged_attention_reference,
@@ -183,8 +184,12 @@ def test_bad_inputs_name_the_problem():
     k8, v8 = kp.astype(jnp.int8), vp.astype(jnp.int8)
     with pytest.raises(ValueError, match="k_scale is a list; accepted: an f32 array"):
         paged_attention(q, k8, v8, lengths, table, k_scale=[[1.0] * 8] * 2, v_scale=jnp.ones((2, 8)))
-    with pytest.raises(ValueError, match="slot_mapping is a list; accepted: an array"):
-        write_pages(kp, vp, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), [0])
+    # Slots may be a list, as lengths and tables may (refused before).
+    new = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 16)), jnp.float32)
+    for write in (write_pages, lambda *a: append_pages(*a[:2], None, None, *a[2:])[:2]):
+        for got, want in zip(write(kp, vp, new, new, [5, 9]), write(kp, vp, new, new, jnp.array([5, 9])), strict=True):
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got[:, 1, 1], new[1])
     # A list for q or a pool was an AttributeError ('list' object has no attribute 'ndim').
     with pytest.raises(ValueError, match="^paged_attention: q is a list; accepted: an array$"):
         paged_attention(q.tolist(), kp, vp, lengths, table)

@@ -8,7 +8,7 @@ import pytest
 from jmem.train.loss import chunked_cross_entropy, cross_entropy_sum, window_perplexity
 
 
-@pytest.mark.parametrize("chunk", [4, 5, 32])  # divides T, leaves a tail, larger than T
+@pytest.mark.parametrize("chunk", [4, 5, 32, None])  # divides T, leaves a tail, larger than T, the whole
 def test_chunked_matches_full(chunk):
     rng = np.random.default_rng(chunk)
     B, T, E, V = 2, 12, 16, 40
@@ -34,6 +34,14 @@ def test_chunked_matches_full(chunk):
     logp = jax.nn.log_softmax(h @ w, axis=-1)
     ref = -jnp.sum(jnp.take_along_axis(logp, tgt[..., None], -1)[..., 0] * mask) / jnp.sum(mask)
     np.testing.assert_allclose(v1, ref, rtol=1e-6)
+
+
+def test_a_chunk_that_is_not_a_positive_integer_is_one_error():
+    # None and 2.5 were TypeErrors from a comparison or a range deep inside.
+    h, tgt = jnp.zeros((1, 4, 2)), jnp.zeros((1, 4), jnp.int32)
+    for chunk in (0, 2.5, "2", True):
+        with pytest.raises(ValueError, match=rf"^loss chunk={chunk!r}; accepted: an integer >= 1$"):
+            chunked_cross_entropy(h, tgt, jnp.ones((1, 4)), lambda x: x @ jnp.zeros((2, 3)), chunk)
 
 
 @pytest.mark.parametrize("ignored", [0, -100, 40])  # in range, the usual ignore index, the vocabulary size

@@ -51,8 +51,9 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None, v
     Args:
         k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] pools.
         k_new, v_new: [tokens, kv_heads, head_dim] new keys/values (any float dtype).
-        slot_mapping: i32[tokens]; slot = page * page_size + offset. Negative
-            slots are padding and are skipped. Two tokens with one slot: one wins.
+        slot_mapping: i32[tokens] (an array or a list); slot = page * page_size +
+            offset. Negative slots are padding and are skipped. Two tokens with one
+            slot: one wins.
         k_scale, v_scale: f32[kv_heads, num_pages] scales of int8/fp8 pools; a
             token is stored as round(x / scale[head, page]), saturated. The
             pages written need finite scales > 0 (checked when concrete);
@@ -63,9 +64,11 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None, v
         update them in place.
 
     Example:
+        >>> pos = jnp.arange(start, start + T)  # k_new, v_new: [T, kv_heads, head_dim] of sequence b
         >>> slots = block_tables[b, pos // page_size] * page_size + pos % page_size
-        >>> k_pages, v_pages = write_pages(k_pages, v_pages, k_new, v_new, slots[None])
+        >>> k_pages, v_pages = write_pages(k_pages, v_pages, k_new, v_new, slots)
     """
+    slot_mapping = as_array(slot_mapping)
     _check_write("write_pages", k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale)
     if not is_quantized(k_pages.dtype):
         k_scale = v_scale = None
@@ -193,8 +196,8 @@ def append_pages(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
         k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] pools.
         k_scale, v_scale: f32[kv_heads, num_pages] for int8/float8_e4m3fn pools, else None.
         k_new, v_new: [tokens, kv_heads, head_dim] new keys/values (any float dtype).
-        slot_mapping: i32[tokens]; slot = page * page_size + offset; negative slots
-            are padding. Two tokens with one slot: one wins.
+        slot_mapping: i32[tokens] (an array or a list); slot = page * page_size +
+            offset; negative slots are padding. Two tokens with one slot: one wins.
 
     Returns:
         (k_pages, v_pages, k_scale, v_scale) updated.
@@ -203,6 +206,7 @@ def append_pages(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
         >>> k8 = jnp.zeros((K, N, P, D), jnp.int8); ks = jnp.zeros((K, N), jnp.float32)
         >>> k8, v8, ks, vs = append_pages(k8, v8, ks, vs, k_new, v_new, slots)
     """
+    slot_mapping = as_array(slot_mapping)
     _check_write("append_pages", k_pages, v_pages, k_new, v_new, slot_mapping, k_scale, v_scale)
     if not is_quantized(k_pages.dtype):
         return (*_write(k_pages, v_pages, k_new, v_new, slot_mapping, None, None), None, None)
