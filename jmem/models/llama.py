@@ -228,6 +228,8 @@ def _check_ids(ids_BT, vocab_size: int) -> None:
     ids = np.asarray(ids_BT)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"token ids of shape {ids.shape} and dtype {ids.dtype}; accepted: integers [batch, seq]")
+    if ids.shape[1] == 0:
+        raise ValueError(f"token ids of shape {ids.shape}; accepted: at least one token per row")
     if ids.size and not 0 <= ids.min() <= ids.max() < vocab_size:
         bad = ids.min() if ids.min() < 0 else ids.max()
         raise ValueError(f"token ids hold {bad}; accepted: 0..{vocab_size - 1} (the model's vocabulary)")
@@ -289,6 +291,10 @@ class Llama(nnx.Module):
 
     def _run(self, ids_BT, positions, cache, per_layer=None, token_mask_BT=None, dropless: bool = False):
         cfg = self.config.replace(moe_dropless=True) if dropless and self.config.moe_experts else self.config
+        if not hasattr(ids_BT, "shape"):  # a list
+            ids_BT = np.asarray(ids_BT)
+        if positions is not None and not hasattr(positions, "shape"):
+            positions = np.asarray(positions)
         if not isinstance(ids_BT, jax.core.Tracer):  # eager calls: the embedding lookup would clamp a bad id
             _check_ids(ids_BT, cfg.vocab_size)
         B, T = ids_BT.shape

@@ -64,6 +64,19 @@ def test_calls_without_positions_continue_where_the_cache_left_off(tiny):
     np.testing.assert_array_equal(cache.lengths, [7, 4])
 
 
+def test_lists_of_ids_and_positions_work_and_a_call_of_no_tokens_is_one_error(tiny):
+    cfg = tiny.config
+    ids = jax.random.randint(jax.random.key(3), (2, 3), 0, cfg.vocab_size)
+    # Lists of ids and positions work as arrays do (an AttributeError and a TypeError before); a call of
+    # no tokens is one error (NumPy's "zero-size array to reduction operation" with a cache).
+    want, _ = tiny(ids, positions=jnp.array([[2, 3, 4]] * 2), cache=ContiguousKVCache.create(cfg, 2, 8))
+    got, _ = tiny(ids.tolist(), positions=[[2, 3, 4]] * 2, cache=ContiguousKVCache.create(cfg, 2, 8))
+    np.testing.assert_array_equal(got, want)
+    for cache in (None, ContiguousKVCache.create(cfg, 2, 8)):
+        with pytest.raises(ValueError, match=r"^token ids of shape \(2, 0\); accepted: at least one token per row$"):
+            tiny(ids[:, :0], cache=cache)
+
+
 def test_a_cache_that_does_not_fit_the_model_is_one_error(tiny):
     """A cache of another config (depth, heads, batch) or form was an error from inside JAX's scan or
     broadcasting; a negative position was written and read without a word; a dtype name was a TypeError."""
