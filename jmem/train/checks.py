@@ -383,6 +383,7 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     par.check_stage(cfg.zero)
     mesh = par.parse_mesh(cfg.mesh)
     par.Rules.parse(cfg.rules)
+    rules_for(cfg)
     if cfg.rules.strip() and not cfg.distributed:  # it was ignored: one device, no mesh to place axes on
         raise ValueError(f"--rules {cfg.rules} needs a mesh (rules place logical axes on a mesh's axes); accepted: "
                          "--rules with --mesh, --zero or --pipeline-stages")
@@ -541,6 +542,23 @@ def check_batch_split(cfg: TrainConfig, sizes) -> None:
 
 
 def rules_for(cfg: TrainConfig) -> str:
-    """The sharding rules of a run: `layers=stage` under a pipeline, then --rules."""
-    parts = (["layers=stage"] if cfg.pipeline_stages > 1 else []) + ([cfg.rules] if cfg.rules else [])
-    return ",".join(parts)
+    """The sharding rules of a run: `layers=stage` under a pipeline (unless --rules says so itself),
+    then --rules. A pipeline's layers lie on its `stage` axis: --rules placing them elsewhere is a
+    ValueError."""
+    from jmem import parallel as par
+
+    if cfg.pipeline_stages == 1:
+        return cfg.rules
+    if "layers" not in [name for name, _ in _rule_items(cfg.rules)]:
+        return ",".join(["layers=stage"] + ([cfg.rules] if cfg.rules else []))
+    axes = tuple(par.Rules.parse(cfg.rules).mesh_axes("layers"))
+    if axes != ("stage",):
+        raise ValueError(f"--rules {cfg.rules} places 'layers' on {'+'.join(axes) or 'no axis'}, but "
+                         f"--pipeline-stages={cfg.pipeline_stages} runs each stage's layers on the 'stage' axis; "
+                         "accepted: layers=stage, or no 'layers' rule (it is added)")
+    return cfg.rules
+
+
+def _rule_items(rules: str) -> list[tuple[str, str]]:
+    """(logical name, axes) of each `name=axes` entry of a --rules string."""
+    return [tuple(s.strip() for s in part.split("=", 1)) for part in rules.split(",") if "=" in part]

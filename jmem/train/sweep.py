@@ -143,6 +143,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     if target is not None:
         _named("--target", target, parse_target, target, accepted="'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'")
     _named("--rules", rules, par.Rules.parse, rules, accepted="'logical=mesh_axes,...'")
+    rules_for(TrainConfig(rules=rules, pipeline_stages=pipeline_stages))  # a pipeline's layers on 'stage'
     if rules and None in meshes:
         raise ValueError(f"--rules={rules} needs --mesh (rules place logical axes on a mesh's axes); accepted: "
                          "--rules with --mesh, or no --rules")
@@ -194,13 +195,15 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     """
     from jmem import parallel as par
     from jmem.models.llama import Llama
+    from jmem.train.checks import rules_for
 
     policy = Policy.parse(precision)
     mc = mc.replace(param_dtype=_dtype_name(policy.param), compute_dtype=_dtype_name(policy.compute), remat=remat,
                     max_seq_len=max(mc.max_seq_len, seq), attention_impl=attention or mc.attention_impl)
     model = nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0)))
     tcfg = TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0, mesh=mesh, zero=zero,
-                       rules=rules)
+                       rules=rules, pipeline_stages=pipeline_stages)
+    rules = rules_for(tcfg)  # the run's rules, as train.py's: `layers=stage` under a pipeline
     dmesh = par.make_mesh(mesh) if mesh is not None else None
     tx = make_tx(tcfg, policy, dmesh)
     loss_fn = None

@@ -141,6 +141,9 @@ def _one_line_exit_2(argv, capsys) -> str:
     (["--moe-experts", "4", "--moe-aux-weight", "-1"], "LlamaConfig.moe_aux_weight=-1.0; accepted: a finite number"),
     (["--moe-experts", "-2"], "--moe-experts -2; accepted: an integer >= 1 (leave the flag out for the model's own "
                               "MLP)"),
+    (["--rules", "layers=data", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
+     "--rules layers=data places 'layers' on data, but --pipeline-stages=2 runs each stage's layers on the 'stage' "
+     "axis; accepted: layers=stage, or no 'layers' rule (it is added)"),
     (["--layerwise", "1", "--mesh", "stage=2,data=4", "--pipeline-stages", "2"],
      "--layerwise 1 runs in one process without pipeline stages; accepted: --pipeline-stages 1"),
     (["--layerwise", "1", "--offload-optimizer", "host"], "--layerwise 1 with --offload-optimizer host is not"),

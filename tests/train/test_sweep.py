@@ -3,8 +3,11 @@
 import json
 import re
 
+import jax
 import pytest
+from flax import nnx
 
+from jmem.models import Llama, get_config
 from jmem.train.sweep import RECORD_KEYS, parse_list
 from tests.helpers import experiment
 
@@ -119,6 +122,7 @@ _PIPE = {"--mesh": "stage=2,data=4", "--pipeline-stages": "2"}
     ({"--microbatches": "2,4"}, "--microbatches=2,4 needs --pipeline-stages > 1"),
     ({"--pipeline-schedule": "gpipe,1f1b"}, "--pipeline-schedule=gpipe,1f1b needs --pipeline-stages > 1"),
     ({"--rules": "length=tensor"}, "--rules=length=tensor needs --mesh"),  # was ignored
+    ({**_PIPE, "--rules": "layers=data"}, "--rules layers=data places 'layers' on data, but --pipeline-stages=2"),
 ])
 def test_a_bad_value_late_in_a_list_fails_before_the_first_compile(flags, expected, monkeypatch, capsys, tmp_path):
     """Each list value (and each combination) is checked with the train step's checks before
@@ -145,6 +149,12 @@ def test_sweep_checks_every_combination_before_compiling(monkeypatch):
     with pytest.raises(ValueError, match=r"^--microbatches=3: .*; accepted: --batch a multiple of 4 x 1 x 3 = 12$"):
         sweep_mod.sweep(PRESETS["tiny"](), batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1],
                         optimizers=["adamw"], meshes=["stage=2,data=4"], pipeline_stages=2, microbatches=[2, 3])
+    # A pipeline's own rule given in --rules is taken as it is (it was "given twice", under --mesh).
+    monkeypatch.setattr(sweep_mod, "compile_record", lambda mc, **kw: kw)
+    [kw] = sweep_mod.sweep(PRESETS["tiny"](), batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1],
+                           optimizers=["adamw"], meshes=["stage=2,data=4"], pipeline_stages=2, rules="layers=stage")
+    assert kw["rules"] == "layers=stage"
+    monkeypatch.setattr(sweep_mod, "compile_record", _no_compile)
     # Sizes and empty lists from Python (a ZeroDivisionError deep in the step, or no records and no word).
     one = dict(batch=8, seq=32, remats=["none"], precisions=["f32"], accums=[1], optimizers=["adamw"])
     for change, message in ((dict(batch=0), "--batch=0; accepted: an integer >= 1"),
@@ -222,7 +232,15 @@ def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):
                     capsys)
     assert rc == 0, cap.err
     gpipe, one_f_one_b = json.loads(out.read_text())
-    assert gpipe["rules"] == "kv_heads=none" and "rules kv_heads=none]" in (tmp_path / "p.md").read_text()
+    assert gpipe["rules"] == "layers=stage,kv_heads=none"
+    assert "rules kv_heads=none]" in (tmp_path / "p.md").read_text()  # the flag as given
+    # Each stage's devices hold their half of the layers, as in train.py (the sweep compiled every device
+    # with the whole stack).
+    model = nnx.eval_shape(lambda: Llama(get_config("tiny"), rngs=nnx.Rngs(0)))
+    layers = nnx.to_pure_dict(nnx.state(model, nnx.Param))["layers"]
+    layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layers))
+    for rec in (gpipe, one_f_one_b):
+        assert rec["param_bytes_per_device"] == rec["param_bytes"] - layer_bytes // 2
     assert gpipe["pipeline"] == "2 stages x 4 microbatches, gpipe"
     assert one_f_one_b["pipeline"] == "2 stages x 4 microbatches, 1f1b"
     assert one_f_one_b["temp_bytes"] < gpipe["temp_bytes"]  # at most S stage inputs held, not M
