@@ -123,8 +123,10 @@ def make_train_fns(
             where they are used (`jmem.parallel.gather_on_use`).
         rules: sharding rules (`jmem.parallel.Rules`, a string or None for the defaults).
         loss_fn: `(params, batch) -> (loss_sum, count)` replacing the model's own loss
-            (e.g. `jmem.parallel.pipeline_lm_loss_fn`); no router statistics or LoRA
-            dropout then (a model with adapter dropout is refused).
+            (e.g. `jmem.parallel.pipeline_lm_loss_fn`); the step minimises the loss sums
+            over the counts, both summed over microbatches and devices, and the batch is
+            any pytree of arrays with a leading batch dimension. No router statistics or
+            LoRA dropout then (a model with adapter dropout is refused).
         adapters_only: differentiate and update only LoRA adapter arrays (`jmem.lora`);
             the base (possibly quantized) gets neither gradients nor optimizer state.
         dropout_seed: adapters with dropout > 0 (`apply_lora(dropout=p)`) drop in `step`
@@ -173,10 +175,10 @@ def make_train_fns(
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(params, is_leaf=is_leaf)), rest)
 
     def loss_terms(params, mb, dropout_key=None):
-        """(objective sum, cross-entropy sum, router stats x count or {})."""
+        """(objective sum, cross-entropy sum, router stats x count or {}, count)."""
         if loss_fn is not None:
-            s, _ = loss_pair(loss_fn(params, mb))
-            return s, s, {}
+            s, c = loss_pair(loss_fn(params, mb))
+            return s, s, {}, c
         if gather:  # ZeRO-3: all-gather each layer's kernels right before their matmul
             params = par.gather_on_use(params, mesh, rules)
         m = merge(params)
@@ -186,12 +188,12 @@ def make_train_fns(
             set_dropout_key(m, jax.random.fold_in(dropout_key, mb["lora_row"][0]))
         s, c, stats = lm_loss_terms(m, mb, chunk=loss_chunk)
         if stats is None:
-            return s, s, {}
+            return s, s, {}, c
         # Router stats weighted by the microbatch's tokens: sums over microbatches / n_tokens
         # give the token-weighted mean, like the cross-entropy.
         extra = {"moe_aux_loss": stats.aux_loss * c, "moe_z_loss": stats.z_loss * c,
                  "moe_dropped": stats.dropped.astype(jnp.float32)}
-        return s + router_loss(m, stats) * c, s, extra
+        return s + router_loss(m, stats) * c, s, extra, c
 
     def init_state(m: nnx.Module) -> TrainState:
         params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
@@ -204,7 +206,13 @@ def make_train_fns(
     def grads_fn(state: TrainState, batch: dict):
         if loss_fn is None:  # the model's own loss reads this batch layout (a custom loss_fn reads its own)
             check_lm_batch(batch)
-        n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+        # What the objective divides by: the batch's tokens (the model's loss counts them; a loss_fn's
+        # own counts rescale the gradient below). Known before the microbatches run, so each adds its
+        # share of the mean, which keeps fp16 gradients in range.
+        if isinstance(batch, dict) and "mask" in batch:
+            n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+        else:
+            n_tokens = jnp.float32(1.0)
         ls = state.loss_scale
         dropout_key = None
         if lora_dropout:  # a pure function of (seed, step, row): a resumed run draws the same masks
@@ -212,10 +220,10 @@ def make_train_fns(
             batch = {**batch, "lora_row": jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)}
 
         def objective(params, mb):
-            total, ce, extra = loss_terms(params, mb, dropout_key)
+            total, ce, extra, count = loss_terms(params, mb, dropout_key)
             # Divide by the *global* token count so microbatch sums add up to
             # the full-batch mean loss (and its gradient).
-            return ls.scale(total / n_tokens), (ce, extra)
+            return ls.scale(total / n_tokens), (ce, extra, count)
 
         train, frozen = trainable_split(state.params, adapters_only)
 
@@ -223,15 +231,19 @@ def make_train_fns(
             return objective(combine(t, frozen), mb)
 
         if mesh is None:
-            (_, (loss_sum, extra)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch, accum,
-                                                                      has_aux=True)
+            (_, (loss_sum, extra, count)), grads = accumulate_value_and_grad(objective_of_trainable, train, batch,
+                                                                             accum, has_aux=True)
         else:
             # MoE routing is not additive over the batch (capacity, balancing statistics), and LoRA
             # dropout draws a microbatch's masks from its first row and shape: their microbatches
             # stay the single-device ones, not each data-parallel group's rows.
-            (_, (loss_sum, extra)), grads = par.dp_accumulate_value_and_grad(
+            (_, (loss_sum, extra, count)), grads = par.dp_accumulate_value_and_grad(
                 objective_of_trainable, train, batch, accum, mesh=mesh, zero=zero, rules=rules, has_aux=True,
                 group_accumulators=False if moe or lora_dropout else None)
+        if loss_fn is not None:  # the mean over what the loss function counted
+            count = jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
+            grads = jax.tree.map(lambda g: (g * (n_tokens / count)).astype(g.dtype), grads)
+            n_tokens = count
         metrics = {"loss": loss_sum / n_tokens}
         if moe:
             metrics.update({k: v / n_tokens for k, v in extra.items() if k != "moe_dropped"},

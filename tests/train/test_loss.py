@@ -151,3 +151,46 @@ def test_a_counted_target_outside_the_vocabulary_is_named(bad):
     ids[0, 2] = bad
     with pytest.raises(ValueError, match=rf"batch\['inputs'\] holds {bad}; accepted: 0..258"):
         lm_loss_sum(model, {"inputs": ids, "targets": targets, "mask": mask})  # its NaN reaches later positions
+
+
+@pytest.mark.parametrize("accum, mesh", [(1, None), (4, None), (1, "data=8"), (2, "data=4,tensor=2")])
+def test_train_fns_with_a_loss_fn_minimise_its_sum_over_its_own_count(accum, mesh):
+    """A loss_fn's count was thrown away: the step divided by batch['mask'].sum() (a KeyError without a
+    'mask'; a wrong loss and gradient where the two differ)."""
+    import optax
+    from flax import nnx
+
+    from jmem import parallel as par
+    from jmem.train import make_train_fns
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(6, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    model = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(4)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), "y": jnp.asarray(rng.normal(size=(8, 3)),
+                                                                                      jnp.float32),
+             "w": jnp.asarray([1, 1, 0, 1, 0, 1, 1, 1], jnp.float32)}  # rows counted: 6, unevenly per microbatch
+
+    def loss_fn(p, b):
+        err = (nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2
+        return jnp.sum(b["w"][:, None] * err), 3 * jnp.sum(b["w"]).astype(jnp.int32)
+
+    def mean(p):
+        s, c = loss_fn(p, batch)
+        return s / c
+
+    want_loss, want_grads = jax.value_and_grad(mean)(params)
+    fns = make_train_fns(model, optax.sgd(1.0), accum=accum, loss_fn=loss_fn,
+                         mesh=None if mesh is None else par.make_mesh(mesh))
+    state = fns.init_state(model)
+    new, metrics = jax.jit(fns.step)(state, batch)
+    np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
+    for old, now, g in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params),
+                           jax.tree.leaves(nnx.to_pure_dict(want_grads)), strict=True):
+        np.testing.assert_allclose(old - now, g, rtol=1e-5, atol=1e-7)
