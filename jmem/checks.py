@@ -87,6 +87,16 @@ def check_int(name: str, value, least: int) -> None:
         raise ValueError(f"{name}={value!r}; accepted: an integer >= {least}")
 
 
+def check_llama(name: str, model) -> None:
+    """ValueError naming `name` unless `model` is a jmem Llama (a model with a `LlamaConfig`)."""
+    from jmem.models.config import LlamaConfig
+
+    if not isinstance(getattr(model, "config", None), LlamaConfig):
+        shown = repr(model)
+        shown = f"={shown}" if len(shown) <= 60 and "\n" not in shown else f" is a {type(model).__name__}"
+        raise ValueError(f"{name}{shown}; accepted: a jmem.models.Llama model")
+
+
 def loss_pair(out, name: str = "loss_fn"):
     """`out` of a training loss function as (loss summed over the batch, count); one ValueError naming
     what came back otherwise (a mean alone, or a longer tuple)."""
@@ -95,6 +105,10 @@ def loss_pair(out, name: str = "loss_fn"):
                f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else f"a {type(out).__name__}")
         raise ValueError(f"{name} returned {got}; accepted: a pair (loss summed over the batch's "
                          "tokens, their count), e.g. `return jnp.sum(nll * mask), jnp.sum(mask)`")
+    for what, x in zip(("loss sum", "count"), out):
+        if np.ndim(x) != 0:
+            raise ValueError(f"{name} returned a {what} of shape {tuple(np.shape(x))}; accepted: a pair of scalars "
+                             "(loss summed over the batch's tokens, their count)")
     return out
 
 

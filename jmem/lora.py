@@ -33,7 +33,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jmem.checks import as_python_scalar, check_bool, check_targets, is_int, is_number
+from jmem.checks import as_python_scalar, check_bool, check_llama, check_targets, is_int, is_number
 from jmem.models.config import EXPERT_TARGETS, LINEARS, as_dtype
 from jmem.models.dot import dot, partition_specs
 from jmem.models.moe import expert_matmul
@@ -193,6 +193,7 @@ def _floating_dtype(dtype, name: str = "LoRA dtype"):
 
 
 def _kernel_var(model, name: str):
+    check_llama("model", model)
     if name == "head":
         if not hasattr(model, "head"):
             raise ValueError("target 'head' needs untied embeddings (the model ties its output to the embedding)")
@@ -252,6 +253,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
 
 
 def _lora_vars(model) -> dict:
+    check_llama("model", model)
     found = {}
     for name in TARGETS:
         try:

@@ -35,11 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmem.checks import as_python_scalar, check_int, is_int, is_number
+from jmem.checks import as_python_scalar, check_int, check_llama, is_int, is_number
 from jmem.generate import apply_stop, check_prompt_ids
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
-from jmem.models.config import LlamaConfig
 from jmem.sampling import GREEDY_BELOW, seed_key
 
 
@@ -158,8 +157,7 @@ def _round(t_def, t_state, d_def, d_state, t_cache, d_cache, prev_B, last_B, pos
 def _check(target, draft, prompts, max_new_tokens, k, temperature, seed, eos_id) -> tuple[np.ndarray, jax.Array]:
     """The prompts' lengths and the seed's key, once every argument is checked."""
     for name, model in (("target", target), ("draft", draft)):
-        if not isinstance(getattr(model, "config", None), LlamaConfig):
-            raise ValueError(f"{name}={model!r:.60}; accepted: a jmem.models.Llama model")
+        check_llama(name, model)
     tc, dc = target.config, draft.config
     if tc.vocab_size != dc.vocab_size:
         raise ValueError(f"draft vocab_size={dc.vocab_size} differs from target vocab_size={tc.vocab_size}; "

@@ -35,7 +35,7 @@ from flax import nnx
 
 from jmem.calibrate import (LINEARS, calibrate_layers, calibration_tokens, check_calibration_ids, expert_rows,
                             layer_weight, run_layer, stack_records, stages, with_weights)
-from jmem.checks import check_bool, is_int
+from jmem.checks import check_bool, check_llama, is_int
 from jmem.models.config import EXPERT_TARGETS
 from jmem.models.llama import Blocks
 from jmem.quant.awq import awq_clip, awq_scale
@@ -209,6 +209,7 @@ def _is(value, default) -> bool:
 
 
 def _check(model, method: str, bits, group_size, symmetric, act_order) -> QuantSpec:
+    check_llama("model", model)
     if method not in METHOD_BITS:
         raise ValueError(f"unknown quantization method {method!r}; accepted: {', '.join(METHOD_BITS)}")
     if symmetric is not None and not isinstance(symmetric, (bool, np.bool_)):

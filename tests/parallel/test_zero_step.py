@@ -270,10 +270,21 @@ def test_user_loss_and_batch_contract_errors():
     with pytest.raises(par.ShardingError, match=r"batch\['t'\] is a scalar; accepted: every batch leaf an array "
                                                  "with a leading batch dimension"):
         trainer.step(trainer.init(params), {"x": jnp.ones((8, 8)), "t": jnp.float32(1.0)})
-    for bad, got in ((lambda p, b: loss(p, b)[0], r"one array of shape \(\)"), (lambda p, b: (*loss(p, b), 0), "a 3-tuple")):
+    # A count per example, or an unsummed loss: JAX's broadcasting or "Gradient only defined for scalar-output
+    # functions" before.
+    for bad, got in ((lambda p, b: loss(p, b)[0], r"one array of shape \(\)"), (lambda p, b: (*loss(p, b), 0), "a 3-tuple"),
+                     (lambda p, b: (loss(p, b)[0], jnp.ones(b["x"].shape[0])), r"a count of shape \(8,\)"),
+                     (lambda p, b: ((b["x"] @ p["w"]) ** 2, 1.0), r"a loss sum of shape \(8, 8\)")):
         trainer = par.make_sharded_train_step(bad, optax.sgd(0.1), params, mesh)
-        with pytest.raises(ValueError, match=rf"loss_fn returned ({got}).*accepted: a pair \(loss summed over"):
+        with pytest.raises(ValueError, match=rf"loss_fn returned ({got}).*accepted: a pair"):
             trainer.step(trainer.init(params), {"x": jnp.ones((8, 8))})
+    # jmem's model-level entry points name the model a non-jmem model is (an AttributeError 'config' before).
+    from jmem.lora import apply_lora
+    from jmem.quant import quantize
+
+    for fn in (lambda m: apply_lora(m, 4), lambda m: quantize(m, "rtn")):
+        with pytest.raises(ValueError, match=r"^model is a Linear; accepted: a jmem.models.Llama model$"):
+            fn(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.slow
