@@ -272,7 +272,8 @@ def test_user_loss_and_batch_contract_errors():
         trainer.step(trainer.init(params), {"x": jnp.ones((8, 8)), "t": jnp.float32(1.0)})
     # A count per example, or an unsummed loss: JAX's broadcasting or "Gradient only defined for scalar-output
     # functions" before.
-    for bad, got in ((lambda p, b: loss(p, b)[0], r"one array of shape \(\)"), (lambda p, b: (*loss(p, b), 0), "a 3-tuple"),
+    for bad, got in ((lambda p, b: loss(p, b)[0], r"one array of shape \(\)"),
+                     (lambda p, b: (*loss(p, b), 0), "a 3-tuple"),
                      (lambda p, b: (loss(p, b)[0], jnp.ones(b["x"].shape[0])), r"a count of shape \(8,\)"),
                      (lambda p, b: ((b["x"] @ p["w"]) ** 2, 1.0), r"a loss sum of shape \(8, 8\)")):
         trainer = par.make_sharded_train_step(bad, optax.sgd(0.1), params, mesh)
