@@ -449,11 +449,28 @@ def make_sharded_train_step(loss_fn: Callable, optimizer: optax.GradientTransfor
         # Every process holds the full global batch; an array placed otherwise is resharded (the jitted
         # step refuses a committed argument of another sharding).
         batch = to_global(batch, jax.tree.map(lambda _: batch_sh, batch))
-        return compiled.get("step", step_jit)(state, batch)
+        try:
+            return compiled.get("step", step_jit)(state, batch)
+        except ValueError:  # jit's message dumps whole shardings: name the leaf instead (nothing ran yet)
+            _check_state_placement(state, state_sh)
+            raise
 
     return ShardedTrainStep(init=init, step=step, shardings=state_sh, zero=zs, batch_sharding=batch_sh,
                             abstract_state=abs_state, mesh=mesh, accum=accum, rules=rules, _jitted=step_jit,
                             _compiled=compiled)
+
+
+def _check_state_placement(state, state_sh) -> None:
+    """ShardingError naming the first state leaf placed otherwise than this step takes it (a state of
+    another trainer: another ZeRO stage, mesh or rules)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    for (path, leaf), want in zip(leaves, jax.tree.leaves(state_sh)):
+        got = getattr(leaf, "sharding", None)
+        if got is not None and not got.is_equivalent_to(want, np.ndim(leaf)):
+            shown = getattr(got, "spec", got)
+            raise ShardingError(f"state{jax.tree_util.keystr(path)} is placed as {shown}, this step takes it as "
+                                f"{want.spec} on mesh {dict(want.mesh.shape)}; accepted: a state from this "
+                                "trainer's init or step (not another ZeRO stage's, mesh's or rules')") from None
 
 
 def jit_train_step(step_fn: Callable, abstract_state, mesh: Mesh, *, zero: int = 0, rules=None,

@@ -279,6 +279,15 @@ def test_user_loss_and_batch_contract_errors():
         trainer = par.make_sharded_train_step(bad, optax.sgd(0.1), params, mesh)
         with pytest.raises(ValueError, match=rf"loss_fn returned ({got}).*accepted: a pair"):
             trainer.step(trainer.init(params), {"x": jnp.ones((8, 8))})
+    # A state of another trainer (another ZeRO stage) is one error naming the leaf (jit's message dumped whole
+    # shardings), and the state is still usable by its own trainer.
+    zero0, zero3 = (par.make_sharded_train_step(loss, optax.adam(0.1), params, mesh, zero=z) for z in (0, 3))
+    state = zero0.init(params)
+    with pytest.raises(par.ShardingError, match=r"^state.params\['w'\] is placed as P.*\(None.*\), this step "
+                                                 r"takes it as P.*\('data'.*\) on mesh .*; accepted: a state "
+                                                 "from this trainer's init or step"):
+        zero3.step(state, {"x": jnp.ones((8, 8))})
+    assert np.isfinite(zero0.step(state, {"x": jnp.ones((8, 8))})[1]["loss"])
     # jmem's model-level entry points name the model a non-jmem model is (an AttributeError 'config' before).
     from jmem.lora import apply_lora
     from jmem.quant import quantize
