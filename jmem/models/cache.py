@@ -36,10 +36,11 @@ class ContiguousKVCache:
     Each row writes its tokens at their absolute positions; a query at position p sees
     keys 0..p of its row. `lengths` counts, per row, one past the furthest position
     written: a call without positions continues there (a prefill, then one decode
-    step after another, as with Hugging Face's caches). A negative position or one past `max_len` is one clear error
-    when positions are concrete; under `jit` (traced positions) such a token writes
-    nothing and its output is NaN. Padding written past a row's end is overwritten
-    before any query can see it, because queries only look backwards.
+    step after another, as with Hugging Face's caches). A negative position or one
+    past `max_len` is one clear error when positions are concrete; under `jit`
+    (traced positions) such a token writes nothing and its output is NaN. Padding
+    written past a row's end is overwritten before any query can see it, because
+    queries only look backwards.
 
     Example:
         >>> cache = ContiguousKVCache.create(config, batch=2, max_len=128)
