@@ -375,8 +375,9 @@ def _validate_lora(cfg: TrainConfig) -> None:
                     from None
 
 
-def _validate_parallel(cfg: TrainConfig) -> None:
-    """The mesh, ZeRO, rules, pipeline and multi-host flags (no device is touched)."""
+def _validate_parallel(cfg: TrainConfig, mc: LlamaConfig | None = None) -> None:
+    """The mesh, ZeRO, rules, pipeline and multi-host flags (no device is touched). `mc`: the model's
+    config (a preset --model's when None; a model file's is checked once loaded)."""
     from jmem import parallel as par
     from jmem.parallel.distributed import check_args
 
@@ -402,7 +403,8 @@ def _validate_parallel(cfg: TrainConfig) -> None:
                          "--pipeline-schedule with a pipeline")
     if cfg.pipeline_stages == 1 and mesh.get("stage", 1) != 1:
         raise ValueError(f"--mesh {cfg.mesh!r} has a stage axis but --pipeline-stages is 1 (the stage axis would "
-                         f"only replicate work); give --pipeline-stages equal to its size, or drop stage")
+                         f"only replicate work); accepted: --pipeline-stages equal to its size, or a mesh "
+                         "without stage")
     if cfg.pipeline_stages > 1:
         if mesh.get("stage", cfg.pipeline_stages) not in (cfg.pipeline_stages, -1):
             raise ValueError(f"--mesh {cfg.mesh!r} has stage={mesh['stage']} but --pipeline-stages="
@@ -419,14 +421,13 @@ def _validate_parallel(cfg: TrainConfig) -> None:
         if (cfg.batch // cfg.accum) % cfg.microbatches:
             raise ValueError(f"--microbatches={cfg.microbatches} must divide the batch per accumulation "
                              f"step ({cfg.batch // cfg.accum})")
-        if cfg.model in PRESETS:
-            mc = preset_config(cfg)
-            if mc.n_layers % cfg.pipeline_stages:
-                raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
-                                 f"of --model {cfg.model}")
-            if mc.moe_experts:
-                moe = f"--moe-experts {cfg.moe_experts}" if cfg.moe_experts else f"the MoE model {cfg.model!r}"
-                raise ValueError(f"--pipeline-stages with {moe} is not supported; accepted: dense models")
+        mc = mc if mc is not None or cfg.model not in PRESETS else preset_config(cfg)
+        if mc is not None and mc.n_layers % cfg.pipeline_stages:
+            raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} must divide the {mc.n_layers} layers "
+                             f"of the model; accepted: a divisor of {mc.n_layers}")
+        if mc is not None and mc.moe_experts:
+            moe = f"--moe-experts {cfg.moe_experts}" if cfg.moe_experts else "a mixture-of-experts model"
+            raise ValueError(f"--pipeline-stages with {moe} is not supported; accepted: dense models")
 
 
 def preset_config(cfg: TrainConfig) -> LlamaConfig | None:

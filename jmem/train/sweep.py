@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import types
 from typing import Callable, Iterable
 
 import jax
@@ -32,6 +33,7 @@ from jmem.memory.precision import Policy, loss_scale_for
 from jmem.memory.remat import validate as validate_remat
 from jmem.models.config import LlamaConfig
 from jmem.train.config import OPTIMIZERS, TrainConfig
+from jmem.train.report import step_matmul_flops
 from jmem.train.setup import _dtype_name, make_tx
 from jmem.train.step import make_train_fns
 
@@ -100,7 +102,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     from jmem.memory.remat import POLICIES
     from jmem.parallel.mesh import resolve_shape
     from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
-    from jmem.train.checks import check_batch_split, rules_for, train_policy
+    from jmem.train.checks import _validate_parallel, check_batch_split, check_seq_split, rules_for, train_policy
 
     for name, value in (("batch", batch), ("seq", seq)):
         if not is_int(value) or value < 1:
@@ -164,12 +166,16 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
         if pipeline_stages > 1 and shape["stage"] != pipeline_stages:
             raise ValueError(f"--mesh={m} has stage={shape['stage']} but --pipeline-stages={pipeline_stages}; "
                              f"accepted: a mesh with stage={pipeline_stages}")
-        # The train step's checks, one combination at a time (`jmem.train.setup.mesh_for`).
-        for a, k in itertools.product(accums, microbatches if pipeline_stages > 1 else (1,)):
-            cfg = TrainConfig(batch=batch, accum=a, mesh=m, rules=rules, pipeline_stages=pipeline_stages,
-                              microbatches=k)
+        # The train step's checks, one combination at a time (`jmem.train.checks._validate_parallel`,
+        # `jmem.train.setup.mesh_for`).
+        for a, k, schedule, remat in itertools.product(accums, microbatches if pipeline_stages > 1 else (1,),
+                                                       schedules, remats):
+            cfg = TrainConfig(batch=batch, seq=seq, accum=a, mesh=m, rules=rules, pipeline_stages=pipeline_stages,
+                              microbatches=k, pipeline_schedule=schedule, remat=remat)
             _named("--mesh", m, check_batch_split, cfg, shape,
                    accepted=f"a mesh whose data-parallel size x --accum {a} divides --batch={batch}")
+            _validate_parallel(cfg, mc)
+            check_seq_split(cfg, types.SimpleNamespace(shape=shape))
             if mc is not None:
                 _named("--mesh", m, par.check_heads, mc.n_heads, mc.n_kv_heads, rules_for(cfg), shape,
                        accepted="a tensor axis that divides the head counts")
@@ -190,8 +196,8 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     from those shardings; the whole trees without a mesh). With `pipeline_stages` > 1 the
     loss runs the `schedule` ("gpipe" or "1f1b") over `microbatches` on the mesh's
     `stage` axis, and the record has `pipeline` = "S stages x M microbatches, schedule";
-    a 1F1B record's `matmul_flops` is its busiest stage's (`busiest_stage_matmul_flops`,
-    accumulation 1; None otherwise).
+    a 1F1B record's `matmul_flops` is its busiest stage's per step, as train.py's memory
+    table counts it (`jmem.train.report.step_matmul_flops`).
     """
     from jmem import parallel as par
     from jmem.models.llama import Llama
@@ -230,10 +236,9 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     r, compiled = measure_and_compile(step, state, batch_abs, target=target)
     if pipeline_stages > 1 and schedule == "1f1b":  # a program that would hang is no record
         par.check_tick_collectives(compiled.as_text(), dmesh)
-    matmul = r.matmul_flops
-    if pipeline_stages > 1 and schedule == "1f1b" and accum == 1 and not r.target.startswith("tpu"):
-        # Ticks choose their work at run time; the schedule knows how often each kind runs.
-        matmul = par.busiest_stage_matmul_flops(compiled.as_text(), microbatches)
+    # Under 1F1B ticks choose their work at run time; the schedule knows how often each kind runs.
+    _, matmul = step_matmul_flops(TrainConfig(accum=accum, pipeline_stages=pipeline_stages, microbatches=microbatches,
+                                              pipeline_schedule=schedule), r, compiled)
     per_device = par.model_state_bytes(state, state_mesh, stage=zero if dmesh is not None else 0,
                                        rules=rules or None)
     return {
@@ -331,6 +336,7 @@ def plot_records(records: list[dict], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     labels = [(f"{r['mesh']}/z{r['zero']}/" if r.get("mesh") else "")
+              + (f"{r['pipeline']}/" if r.get("pipeline") else "")
               + f"{r['remat']}/{r['precision']}/a{r['accum']}/{r['optimizer']}" for r in records]
     arg = np.array([r["argument_bytes"] for r in records]) / 2**20
     tmp = np.array([r["temp_bytes"] for r in records]) / 2**20

@@ -139,6 +139,27 @@ def test_a_bad_value_late_in_a_list_fails_before_the_first_compile(flags, expect
     assert "compilations" not in cap.out and not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ({"--mesh": "stage=2,data=4"}, "--mesh 'stage=2,data=4' has a stage axis but --pipeline-stages is 1"),
+    ({**_PIPE, "--remat": "none,offload", "--pipeline-schedule": "1f1b"},
+     "--remat offload with --pipeline-schedule 1f1b is not supported"),
+    ({"--mesh": "stage=4,data=2", "--pipeline-stages": "4"}, "--pipeline-stages=4 must divide the 2 layers"),
+    ({**_PIPE, "--preset": "tiny-moe"}, "--pipeline-stages with a mixture-of-experts model is not supported"),
+    ({"--seq": "31", "--mesh": "data=8;data=2,fsdp=2,tensor=2", "--rules": "length=tensor"},
+     "--seq=31: dim 1 (length) has size 31, not divisible by mesh axes tensor of size 2"),
+])
+def test_what_train_py_refuses_the_sweep_refuses_before_compiling(flags, expected, monkeypatch, capsys, tmp_path):
+    """The sweep compiled these (or some of the combinations before a late failure) where train.py
+    refuses them up front: the two now share the checks."""
+    import jmem.train.sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "compile_record", _no_compile)
+    argv = [x for kv in {**_TINY, **flags, "--out": str(tmp_path / "x.json")}.items() for x in kv]
+    rc, cap = _main(argv, capsys)
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), cap.err
+
+
 def test_sweep_checks_every_combination_before_compiling(monkeypatch):
     """The library entry point too: microbatches=3 does not split batch 8 over data=4, found before
     the microbatches=2 combination is compiled."""
@@ -227,11 +248,14 @@ def test_pipeline_schedules_are_swept_on_a_stage_mesh(tmp_path, capsys):
     out = tmp_path / "p.json"
     rc, cap = _main(["--preset", "tiny", "--mesh", "stage=2,data=4", "--pipeline-stages", "2", "--microbatches", "4",
                      "--pipeline-schedule", "gpipe,1f1b", "--batch", "32", "--seq", "32", "--remat", "full",
-                     "--precision", "f32", "--accum", "1", "--optimizer", "adamw", "--out", str(out),
+                     "--precision", "f32", "--accum", "1,2", "--optimizer", "adamw", "--out", str(out),
                      "--md", str(tmp_path / "p.md"), "--png", str(tmp_path / "p.png"), "--rules", "kv_heads=none"],
                     capsys)
     assert rc == 0, cap.err
-    gpipe, one_f_one_b = json.loads(out.read_text())
+    gpipe, gpipe_accum, one_f_one_b, one_f_one_b_accum = json.loads(out.read_text())
+    # The busiest stage's matmuls per step, as train.py counts them, whatever the accumulation (None before).
+    assert one_f_one_b_accum["matmul_flops"] == one_f_one_b["matmul_flops"] > 0
+    assert gpipe_accum["accum"] == 2
     assert gpipe["rules"] == "layers=stage,kv_heads=none"
     assert "rules kv_heads=none]" in (tmp_path / "p.md").read_text()  # the flag as given
     # Each stage's devices hold their half of the layers, as in train.py (the sweep compiled every device
