@@ -282,6 +282,13 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
     return out
 
 
+def _short_pipeline(pipeline: str) -> str:
+    """'2 stages x 4 microbatches, 1f1b' as '2x4 1f1b' (a chart label)."""
+    counts, schedule = pipeline.split(", ")
+    stages, micro = counts.split(" stages x ")
+    return f"{stages}x{micro.split()[0]} {schedule}"
+
+
 def _gflops(flops) -> str:
     return "-" if flops is None else f"{flops / 1e9:.1f}"
 
@@ -336,7 +343,7 @@ def plot_records(records: list[dict], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     labels = [(f"{r['mesh']}/z{r['zero']}/" if r.get("mesh") else "")
-              + (f"{r['pipeline']}/" if r.get("pipeline") else "")
+              + (_short_pipeline(r["pipeline"]) + "/" if r.get("pipeline") else "")
               + f"{r['remat']}/{r['precision']}/a{r['accum']}/{r['optimizer']}" for r in records]
     arg = np.array([r["argument_bytes"] for r in records]) / 2**20
     tmp = np.array([r["temp_bytes"] for r in records]) / 2**20

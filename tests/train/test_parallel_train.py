@@ -44,12 +44,24 @@ def test_script_mesh_zero3_matches_one_device(tmp_path, single_device_losses):
     np.testing.assert_allclose([r["loss"] for r in steps], single_device_losses, rtol=1e-5)
 
 
-def test_pipeline_stages_match_one_device(single_device_losses):
-    cfg = dataclasses.replace(REF, pipeline_stages=2, microbatches=2, mesh="stage=2,data=4", zero=1)
+def test_pipeline_stages_match_one_device(single_device_losses, tmp_path):
+    cfg = dataclasses.replace(REF, pipeline_stages=2, microbatches=2, mesh="stage=2,data=4", zero=1,
+                              log=str(tmp_path / "log.jsonl"))
     out = io.StringIO()
     result = train(cfg, out=out)
     assert "pipeline 2 stages x 2 microbatches" in out.getvalue()
     np.testing.assert_allclose([result.losses[k] for k in range(3)], single_device_losses, rtol=1e-5)
+    # memory_sweep compiles the step train.py runs (it held the whole layer stack on every device).
+    from jmem.models.config import PRESETS
+    from jmem.train.sweep import compile_record
+
+    [memory] = [r for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
+                if r.get("event") == "memory"]
+    record = compile_record(PRESETS["tiny"](), batch=cfg.batch, seq=cfg.seq, remat=cfg.remat, precision=cfg.precision,
+                            accum=cfg.accum, optimizer=cfg.optimizer, mesh=cfg.mesh, zero=cfg.zero,
+                            pipeline_stages=2, microbatches=2, schedule=cfg.pipeline_schedule)
+    for key in ("argument_bytes", "temp_bytes", "total_bytes"):
+        assert record[key] == memory[key], key
 
 
 def test_eval_runs_in_the_train_microbatches_split_over_the_data_axes(monkeypatch):
