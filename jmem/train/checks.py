@@ -81,7 +81,7 @@ def validate(cfg: TrainConfig) -> Policy:
     _validate_log(cfg)
     if cfg.data not in ("", "default"):
         check_text_file(cfg.data)
-    _validate_parallel(cfg)
+    check_parallel_flags(cfg)
     _validate_lora(cfg)
     _validate_offload(cfg, policy)
     _validate_layerwise(cfg)
@@ -375,7 +375,7 @@ def _validate_lora(cfg: TrainConfig) -> None:
                     from None
 
 
-def _validate_parallel(cfg: TrainConfig, mc: LlamaConfig | None = None) -> None:
+def check_parallel_flags(cfg: TrainConfig, mc: LlamaConfig | None = None) -> None:
     """The mesh, ZeRO, rules, pipeline and multi-host flags (no device is touched). `mc`: the model's
     config (a preset --model's when None; a model file's is checked once loaded)."""
     from jmem import parallel as par

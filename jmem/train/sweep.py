@@ -102,7 +102,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     from jmem.memory.remat import POLICIES
     from jmem.parallel.mesh import resolve_shape
     from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
-    from jmem.train.checks import _validate_parallel, check_batch_split, check_seq_split, rules_for, train_policy
+    from jmem.train.checks import check_batch_split, check_parallel_flags, check_seq_split, rules_for, train_policy
 
     for name, value in (("batch", batch), ("seq", seq)):
         if not is_int(value) or value < 1:
@@ -166,7 +166,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
         if pipeline_stages > 1 and shape["stage"] != pipeline_stages:
             raise ValueError(f"--mesh={m} has stage={shape['stage']} but --pipeline-stages={pipeline_stages}; "
                              f"accepted: a mesh with stage={pipeline_stages}")
-        # The train step's checks, one combination at a time (`jmem.train.checks._validate_parallel`,
+        # The train step's checks, one combination at a time (`jmem.train.checks.check_parallel_flags`,
         # `jmem.train.setup.mesh_for`).
         for a, k, schedule, remat in itertools.product(accums, microbatches if pipeline_stages > 1 else (1,),
                                                        schedules, remats):
@@ -174,7 +174,7 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
                               microbatches=k, pipeline_schedule=schedule, remat=remat)
             _named("--mesh", m, check_batch_split, cfg, shape,
                    accepted=f"a mesh whose data-parallel size x --accum {a} divides --batch={batch}")
-            _validate_parallel(cfg, mc)
+            check_parallel_flags(cfg, mc)
             check_seq_split(cfg, types.SimpleNamespace(shape=shape))
             if mc is not None:
                 _named("--mesh", m, par.check_heads, mc.n_heads, mc.n_kv_heads, rules_for(cfg), shape,
