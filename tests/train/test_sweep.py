@@ -87,6 +87,7 @@ def test_a_sweep_stopped_midway_keeps_what_it_compiled(tmp_path, capsys, monkeyp
      "array would hold 8e+17 elements, beyond the 7.21e+16 XLA can compile; accepted: a smaller --batch or --seq"),
     (["--pipeline-stages", "0"], "--pipeline-stages 0; accepted: a positive integer"),
     (["--mesh", "data=4,fsdp=2", "--pipeline-stages", "2"], "mesh 'data=4,fsdp=2' has none"),
+    (["--mesh", "data=4", "--pipeline-stages", "2"], "mesh 'data=4' has none"),  # was "needs 4 devices but there are 8"
     (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2"], "mesh 'data=8' has none"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
