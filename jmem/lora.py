@@ -193,7 +193,6 @@ def _floating_dtype(dtype, name: str = "LoRA dtype"):
 
 
 def _kernel_var(model, name: str):
-    check_llama("model", model)
     if name == "head":
         if not hasattr(model, "head"):
             raise ValueError("target 'head' needs untied embeddings (the model ties its output to the embedding)")
@@ -230,6 +229,7 @@ def apply_lora(model, rank: int = 8, alpha: float = 16.0, targets=("wq", "wv"), 
     Example:
         >>> model = apply_lora(quantize(model, "nf4"), rank=16, alpha=32, targets=("wq", "wv"))
     """
+    check_llama("model", model)
     targets = check_targets(targets, TARGETS)
     for name in targets:  # every name and setting checked before any work
         if isinstance(_kernel_var(model, name).get_value(), LoRA):
@@ -566,6 +566,7 @@ def load_adapters(model, path, *, inplace: bool = False):
     replaced, others are wrapped, and adapters on targets the file does not name are taken off
     (they belonged to another adapter). Every target is checked before anything changes.
     """
+    check_llama("model", model)
     meta, arrays = read_adapters(path, model.config.n_layers)
     check_bool("inplace", inplace)
     for name in meta:

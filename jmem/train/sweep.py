@@ -145,7 +145,6 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     if target is not None:
         _named("--target", target, parse_target, target, accepted="'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'")
     _named("--rules", rules, par.Rules.parse, rules, accepted="'logical=mesh_axes,...'")
-    rules_for(TrainConfig(rules=rules, pipeline_stages=pipeline_stages))  # a pipeline's layers on 'stage'
     if rules and None in meshes:
         raise ValueError(f"--rules={rules} needs --mesh (rules place logical axes on a mesh's axes); accepted: "
                          "--rules with --mesh, or no --rules")
@@ -208,7 +207,8 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
                     max_seq_len=max(mc.max_seq_len, seq), attention_impl=attention or mc.attention_impl)
     model = nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0)))
     tcfg = TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0, mesh=mesh, zero=zero,
-                       rules=rules, pipeline_stages=pipeline_stages)
+                       rules=rules, accum=accum, pipeline_stages=pipeline_stages, microbatches=microbatches,
+                       pipeline_schedule=schedule)
     rules = rules_for(tcfg)  # the run's rules, as train.py's: `layers=stage` under a pipeline
     dmesh = par.make_mesh(mesh) if mesh is not None else None
     tx = make_tx(tcfg, policy, dmesh)
@@ -237,8 +237,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     if pipeline_stages > 1 and schedule == "1f1b":  # a program that would hang is no record
         par.check_tick_collectives(compiled.as_text(), dmesh)
     # Under 1F1B ticks choose their work at run time; the schedule knows how often each kind runs.
-    _, matmul = step_matmul_flops(TrainConfig(accum=accum, pipeline_stages=pipeline_stages, microbatches=microbatches,
-                                              pipeline_schedule=schedule), r, compiled)
+    _, matmul = step_matmul_flops(tcfg, r, compiled)
     per_device = par.model_state_bytes(state, state_mesh, stage=zero if dmesh is not None else 0,
                                        rules=rules or None)
     return {

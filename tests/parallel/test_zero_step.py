@@ -289,10 +289,11 @@ def test_user_loss_and_batch_contract_errors():
         zero3.step(state, {"x": jnp.ones((8, 8))})
     assert np.isfinite(zero0.step(state, {"x": jnp.ones((8, 8))})[1]["loss"])
     # jmem's model-level entry points name the model a non-jmem model is (an AttributeError 'config' before).
-    from jmem.lora import apply_lora
+    from jmem.lora import apply_lora, load_adapters, merge
     from jmem.quant import quantize
 
-    for fn in (lambda m: apply_lora(m, 4), lambda m: quantize(m, "rtn")):
+    for fn in (lambda m: apply_lora(m, 4), lambda m: quantize(m, "rtn"), merge,
+               lambda m: load_adapters(m, "adapters.npz")):
         with pytest.raises(ValueError, match=r"^model is a Linear; accepted: a jmem.models.Llama model$"):
             fn(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
 

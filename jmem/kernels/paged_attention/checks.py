@@ -124,11 +124,11 @@ def check_tables(name: str, lengths, block_tables, num_pages: int, page_size: in
             f"{name}: block_tables[{r}, {c}]={int(table[r, c])} points outside the page pool of "
             f"{num_pages} pages (row {r} has length {int(lens[r])})"
         )
-    pages_read = np.unique(table[used])
     for sname, scale in (scales or {}).items():
         scale = concrete(scale)
         if scale is None:
             continue
+        pages_read = np.unique(table[used])
         read = scale[:, pages_read]
         bad = np.argwhere(~(read >= 0) | ~np.isfinite(read))
         if len(bad):
