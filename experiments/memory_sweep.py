@@ -60,7 +60,9 @@ class SweepConfig:
     target: str | None = None
     """Compile for a TPU topology such as tpu:v5e:2x2 (needs libtpu); the local backend when unset."""
     mesh: str | None = None
-    """Semicolon-separated device meshes, e.g. 'data=8' or 'data=8;data=2,fsdp=2,tensor=2' (per-device bytes); one device when unset."""
+    """Semicolon-separated device meshes, e.g. 'data=8' or 'data=8;data=2,fsdp=2,tensor=2' (per-device bytes).
+    As in train.py: one device when unset (all devices on 'data' with --zero > 0), and a pipeline adds a 'stage'
+    axis to a mesh without one."""
     zero: str = "0"
     """Comma-separated ZeRO stages (0-3) compiled on each --mesh."""
     rules: str = ""
@@ -80,15 +82,6 @@ class SweepConfig:
     """Markdown table."""
     png: str = "docs/memory_sweep.png"
     """Bar chart."""
-
-
-def has_stage_axis(mesh: str) -> bool:
-    """Whether a mesh spec names a 'stage' axis of more than one device group (-1: the rest of the
-    devices). Read from the spec alone: a spec that does not fit the devices is refused later, by
-    name (checking the fit here reported that instead of the missing axis)."""
-    from jmem.parallel.mesh import parse_mesh
-
-    return parse_mesh(mesh).get("stage", 1) not in (0, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,19 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         meshes = [m.strip() for m in cfg.mesh.split(";") if m.strip()] if cfg.mesh else [None]
         if cfg.mesh is not None and not meshes:
             raise ValueError("--mesh is empty; give a mesh such as 'data=8'")
-        if meshes == [None] and zeros != [0]:
-            raise ValueError(f"--zero {cfg.zero} needs --mesh (ZeRO shards over the data axes of a mesh)")
         micros = []
         for m in parse_list(cfg.microbatches, "microbatches"):
             if not m.isdigit() or int(m) < 1:
                 raise ValueError(f"--microbatches {m!r} is not a positive integer")
             micros.append(int(m))
-        if cfg.pipeline_stages > 1:
-            for m in meshes:
-                if m is None or not has_stage_axis(m):
-                    where = f"mesh {m!r} has none" if m is not None else "no --mesh given"
-                    raise ValueError(f"--pipeline-stages {cfg.pipeline_stages} needs --mesh with a 'stage' axis "
-                                     f"(e.g. 'stage={cfg.pipeline_stages},data=4'); {where}")
         grid = dict(microbatches=micros, schedules=parse_list(cfg.pipeline_schedule, "pipeline-schedule"),
                     remats=parse_list(cfg.remat, "remat"), precisions=parse_list(cfg.precision, "precision"),
                     accums=accums, optimizers=parse_list(cfg.optimizer, "optimizer"), meshes=meshes, zeros=zeros)

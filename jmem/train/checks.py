@@ -542,6 +542,28 @@ def check_batch_split(cfg: TrainConfig, sizes) -> None:
                      f"accepted: --batch a multiple of {d} x {cfg.accum} x {m} = {d * cfg.accum * m}")
 
 
+def mesh_spec(cfg: TrainConfig) -> str | None:
+    """The device-mesh spec a run builds from its flags: None on one device, --mesh as given, all
+    devices on `data` for --zero without --mesh, and a `stage=--pipeline-stages` axis added to a
+    pipeline mesh that has none (on top of `data=-1` without --mesh).
+
+    Raises:
+        ValueError: --pipeline-stages that does not divide the devices, where the axis is added.
+    """
+    if not cfg.distributed:
+        return None
+    import jax
+
+    from jmem.parallel.mesh import parse_mesh
+
+    if cfg.pipeline_stages == 1 or "stage" in parse_mesh(cfg.mesh):
+        return cfg.mesh or "data=-1"
+    if jax.device_count() % cfg.pipeline_stages:
+        raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} needs a multiple of {cfg.pipeline_stages} "
+                         f"devices, one stage per device group; there are {jax.device_count()}")
+    return ",".join([f"stage={cfg.pipeline_stages}", cfg.mesh or "data=-1"])
+
+
 def rules_for(cfg: TrainConfig) -> str:
     """The sharding rules of a run: `layers=stage` under a pipeline (unless --rules says so itself),
     then --rules. A pipeline's layers lie on its `stage` axis: --rules placing them elsewhere is a

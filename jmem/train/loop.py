@@ -519,7 +519,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
 
 def _out_of_memory(report, what: str, cfg: TrainConfig) -> str:
     advice = ["a smaller --batch or --seq", "--remat full" if cfg.remat != "full" else "",
-              "--accum" if cfg.accum < cfg.batch else "", "--zero with a --mesh over more devices",
+              "--accum" if cfg.accum < cfg.batch else "",
+              "--zero 3 with a --mesh over more devices" if cfg.zero < 3 else "a --mesh over more devices",
               "--offload-optimizer host" if cfg.offload_optimizer == "none" else ""]
     return (f"the train step needs {report.total_bytes / 2**20:.0f} MiB per device (compiler-measured, the "
             f"memory table above) and {what}; accepted: settings that fit, e.g. {', '.join(filter(None, advice))}")

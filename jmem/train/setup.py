@@ -19,8 +19,7 @@ from jmem.io.checkpoint import structure_fingerprint
 from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_master_weights
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_moe_flags,
-                               check_params_fit,
-                               check_seq, check_seq_split, rules_for, validate)
+                               check_params_fit, check_seq, check_seq_split, mesh_spec, rules_for, validate)
 from jmem.train.config import TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
 
@@ -64,16 +63,11 @@ def mesh_for(cfg: TrainConfig):
         return None
     from jmem import parallel as par
 
-    spec = cfg.mesh
-    if cfg.pipeline_stages > 1 and "stage" not in par.parse_mesh(spec):
-        spec = ",".join([f"stage={cfg.pipeline_stages}"] + ([spec] if spec else ["data=-1"]))
-        if jax.device_count() % cfg.pipeline_stages:
-            raise ValueError(f"--pipeline-stages={cfg.pipeline_stages} needs a multiple of {cfg.pipeline_stages} "
-                             f"devices, one stage per device group; there are {jax.device_count()}")
+    spec = mesh_spec(cfg)
     try:
         mesh = par.make_mesh(spec)
     except par.MeshError as e:
-        if spec == cfg.mesh:
+        if cfg.mesh is None or spec == cfg.mesh:
             raise
         raise par.MeshError(f"--mesh {cfg.mesh!r} with --pipeline-stages={cfg.pipeline_stages} adds the stage "
                             f"axis: {e}") from None

@@ -102,7 +102,8 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     from jmem.memory.remat import POLICIES
     from jmem.parallel.mesh import resolve_shape
     from jmem.parallel.pipeline_1f1b import SCHEDULES, check_schedule
-    from jmem.train.checks import check_batch_split, check_parallel_flags, check_seq_split, rules_for, train_policy
+    from jmem.train.checks import (check_batch_split, check_parallel_flags, check_seq_split, mesh_spec, rules_for,
+                                   train_policy)
 
     for name, value in (("batch", batch), ("seq", seq)):
         if not is_int(value) or value < 1:
@@ -145,32 +146,29 @@ def validate_grid(batch: int, remats, precisions, accums, optimizers, target: st
     if target is not None:
         _named("--target", target, parse_target, target, accepted="'tpu:CHIP:TOPOLOGY' such as 'tpu:v5e:2x2'")
     _named("--rules", rules, par.Rules.parse, rules, accepted="'logical=mesh_axes,...'")
-    if rules and None in meshes:
-        raise ValueError(f"--rules={rules} needs --mesh (rules place logical axes on a mesh's axes); accepted: "
-                         "--rules with --mesh, or no --rules")
     off_default = [f"--{flag}={','.join(map(str, values))}" for flag, values, default in (
         ("microbatches", microbatches, [1]), ("pipeline-schedule", schedules, ["gpipe"])) if list(values) != default]
     if pipeline_stages == 1 and off_default:
         raise ValueError(f"{' and '.join(off_default)} needs --pipeline-stages > 1 (without a pipeline each value "
                          "would compile the same step again); accepted: the default (--microbatches 1, "
                          "--pipeline-schedule gpipe) with --pipeline-stages 1")
-    if pipeline_stages > 1 and None in meshes:
-        raise ValueError(f"--pipeline-stages={pipeline_stages} needs --mesh with a 'stage' axis; accepted: "
-                         f"e.g. --mesh stage={pipeline_stages},data=4")
-    for m in meshes:
-        if m is None:
-            continue
-        shape = _named("--mesh", m, resolve_shape, m, jax.device_count(),
-                       accepted=f"axis sizes that multiply to the {jax.device_count()} devices")
-        if pipeline_stages > 1 and shape["stage"] != pipeline_stages:
-            raise ValueError(f"--mesh={m} has stage={shape['stage']} but --pipeline-stages={pipeline_stages}; "
-                             f"accepted: a mesh with stage={pipeline_stages}")
-        # The train step's checks, one combination at a time (`jmem.train.checks.check_parallel_flags`,
-        # `jmem.train.setup.mesh_for`).
+    # The train step's checks, one combination at a time, on the mesh train.py would build from the same
+    # flags (`jmem.train.checks.check_parallel_flags`, `mesh_spec`, `jmem.train.setup.mesh_for`).
+    for m, z in itertools.product(meshes, zeros):
         for a, k, schedule, remat in itertools.product(accums, microbatches if pipeline_stages > 1 else (1,),
                                                        schedules, remats):
-            cfg = TrainConfig(batch=batch, seq=seq, accum=a, mesh=m, rules=rules, pipeline_stages=pipeline_stages,
-                              microbatches=k, pipeline_schedule=schedule, remat=remat)
+            cfg = TrainConfig(batch=batch, seq=seq, accum=a, mesh=m, zero=z, rules=rules,
+                              pipeline_stages=pipeline_stages, microbatches=k, pipeline_schedule=schedule, remat=remat)
+            spec = mesh_spec(cfg)
+            if spec is None:
+                check_parallel_flags(cfg, mc)
+                continue
+            shape = _named("--mesh", m if spec == m else f"{m} (as {spec}, the stage axis added)", resolve_shape,
+                           spec, jax.device_count(),
+                           accepted=f"axis sizes that multiply to the {jax.device_count()} devices")
+            if pipeline_stages > 1 and shape["stage"] != pipeline_stages:
+                raise ValueError(f"--mesh={m} has stage={shape['stage']} but --pipeline-stages={pipeline_stages}; "
+                                 f"accepted: a mesh with stage={pipeline_stages}")
             _named("--mesh", m, check_batch_split, cfg, shape,
                    accepted=f"a mesh whose data-parallel size x --accum {a} divides --batch={batch}")
             check_parallel_flags(cfg, mc)
@@ -187,7 +185,9 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     """Memory and FLOPs of one jitted train step (donated state), compiled only.
 
     With `mesh` (e.g. "data=8") the step is compiled with the ZeRO-`zero` shardings of
-    `jmem.parallel.jit_train_step` (byte counts are then per device). `attention`
+    `jmem.parallel.jit_train_step` (byte counts are then per device), on the mesh train.py builds
+    from the same flags (`jmem.train.checks.mesh_spec`: all devices on `data` for a `zero` > 0
+    without a mesh, a `stage` axis added under a pipeline). `attention`
     overrides the model's attention implementation (`jmem.kernels.IMPLS`); with a TPU
     `target`, "pallas" (and "auto") compile the Mosaic flash kernel. Every record
     also has `attention`, `mesh`, `zero` and the per-device model-state bytes
@@ -200,7 +200,7 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     """
     from jmem import parallel as par
     from jmem.models.llama import Llama
-    from jmem.train.checks import rules_for
+    from jmem.train.checks import mesh_spec, rules_for
 
     policy = Policy.parse(precision)
     mc = mc.replace(param_dtype=_dtype_name(policy.param), compute_dtype=_dtype_name(policy.compute), remat=remat,
@@ -209,13 +209,14 @@ def compile_record(mc: LlamaConfig, *, batch: int, seq: int, remat: str, precisi
     tcfg = TrainConfig(optimizer=optimizer, precision=precision, steps=1000, warmup=0, mesh=mesh, zero=zero,
                        rules=rules, accum=accum, pipeline_stages=pipeline_stages, microbatches=microbatches,
                        pipeline_schedule=schedule)
-    rules = rules_for(tcfg)  # the run's rules, as train.py's: `layers=stage` under a pipeline
-    dmesh = par.make_mesh(mesh) if mesh is not None else None
+    # The run's rules and mesh, as train.py's: `layers=stage` and a stage axis under a pipeline, all devices
+    # on `data` for ZeRO without a mesh.
+    rules = rules_for(tcfg)
+    spec = mesh_spec(tcfg)
+    dmesh = par.make_mesh(spec) if spec is not None else None
     tx = make_tx(tcfg, policy, dmesh)
     loss_fn = None
     if pipeline_stages > 1:
-        if dmesh is None:
-            raise ValueError(f"pipeline_stages={pipeline_stages} needs a --mesh with a 'stage' axis")
         loss_fn, _ = par.schedule_lm_loss_fn(schedule, model, n_stages=pipeline_stages,
                                              n_microbatches=microbatches, mesh=dmesh, chunk=mc.loss_chunk)
     fns = make_train_fns(model, tx, accum=accum, loss_chunk=mc.loss_chunk, loss_scale=loss_scale_for(policy),
@@ -267,7 +268,8 @@ def sweep(mc: LlamaConfig, *, batch: int, seq: int, remats: Iterable[str], preci
         list, (remats, precisions, accums, optimizers, meshes, zeros, microbatches, schedules))
     # Every combination before the first compile: a late bad value would lose the compiles before it.
     validate_grid(batch, remats, precisions, accums, optimizers, target, meshes, zeros, seq=seq,
-                  microbatches=microbatches, schedules=schedules, pipeline_stages=pipeline_stages, rules=rules, attention=attention, mc=mc)
+                  microbatches=microbatches, schedules=schedules, pipeline_stages=pipeline_stages, rules=rules,
+                  attention=attention, mc=mc)
     out = []
     for mesh, zero, micro, schedule, remat, precision, accum, optimizer in itertools.product(
             meshes, zeros, microbatches, schedules, remats, precisions, accums, optimizers):

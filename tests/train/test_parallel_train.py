@@ -57,9 +57,11 @@ def test_pipeline_stages_match_one_device(single_device_losses, tmp_path):
 
     [memory] = [r for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
                 if r.get("event") == "memory"]
+    # Given without its stage axis, the mesh is train.py's all the same (the sweep refused it).
     record = compile_record(PRESETS["tiny"](), batch=cfg.batch, seq=cfg.seq, remat=cfg.remat, precision=cfg.precision,
-                            accum=cfg.accum, optimizer=cfg.optimizer, mesh=cfg.mesh, zero=cfg.zero,
+                            accum=cfg.accum, optimizer=cfg.optimizer, mesh="data=4", zero=cfg.zero,
                             pipeline_stages=2, microbatches=2, schedule=cfg.pipeline_schedule)
+    assert record["mesh"] == "stage=2,data=4"
     for key in ("argument_bytes", "temp_bytes", "total_bytes"):
         assert record[key] == memory[key], key
 
@@ -144,6 +146,19 @@ def test_memory_sweep_mesh_and_zero_lists_write_per_device_bytes(tmp_path, capsy
         assert z3[k] == pytest.approx(z0[k] / 8, rel=0.01), k
     assert z3["argument_bytes"] < z0["argument_bytes"] / 4
     assert "| data=8 | 3 | - | full | f32 | 1 | adamw |" in md.read_text()
+
+
+def test_memory_sweep_zero_without_a_mesh_compiles_train_py_mesh(tmp_path, capsys):
+    """--zero > 0 without --mesh: all devices on 'data', as train.py runs it (the sweep refused it)."""
+    memory_sweep = experiment("memory_sweep")
+    out = tmp_path / "s.json"
+    rc = memory_sweep.main(["--preset", "tiny", "--batch", "8", "--seq", "32", "--remat", "full", "--precision",
+                            "f32", "--accum", "1", "--optimizer", "adamw", "--zero", "0,1", "--out", str(out),
+                            "--md", str(tmp_path / "s.md"), "--png", str(tmp_path / "s.png")])
+    assert rc == 0, capsys.readouterr().err
+    one, z1 = json.loads(out.read_text())
+    assert (one["mesh"], z1["mesh"], z1["zero"]) == (None, "data=8", 1)
+    assert z1["opt_bytes_per_device"] == pytest.approx(one["opt_bytes_per_device"] / 8, rel=0.01)
 
 
 TWO_PROCESS_BASE = [sys.executable, str(ROOT / "experiments" / "train.py"), "--model", "tiny", "--steps", "3",

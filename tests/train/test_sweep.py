@@ -74,7 +74,6 @@ def test_a_sweep_stopped_midway_keeps_what_it_compiled(tmp_path, capsys, monkeyp
     (["--target", "tpu:v5e"], "target 'tpu:v5e'"),
     (["--accum", "two"], "--accum 'two' is not a positive integer"),
     (["--attention", "flash"], "--attention=flash: unknown attention; accepted: auto,"),
-    (["--pipeline-stages", "2"], "needs --mesh with a 'stage' axis"),
     (["--mesh", "stage=2,data=4", "--accum", "1", "--pipeline-stages", "2", "--pipeline-schedule", "zb"],
      "unknown pipeline schedule 'zb'"),
     (["--microbatches", "0"], "--microbatches '0' is not a positive integer"),
@@ -86,9 +85,11 @@ def test_a_sweep_stopped_midway_keeps_what_it_compiled(tmp_path, capsys, monkeyp
     (["--preset", "tiny", "--seq", "10000000", "--batch", "2000"], "--batch=2000 --seq=10000000: the step's largest "
      "array would hold 8e+17 elements, beyond the 7.21e+16 XLA can compile; accepted: a smaller --batch or --seq"),
     (["--pipeline-stages", "0"], "--pipeline-stages 0; accepted: a positive integer"),
-    (["--mesh", "data=4,fsdp=2", "--pipeline-stages", "2"], "mesh 'data=4,fsdp=2' has none"),
-    (["--mesh", "data=4", "--pipeline-stages", "2"], "mesh 'data=4' has none"),  # was "needs 4 devices but there are 8"
-    (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2"], "mesh 'data=8' has none"),
+    # As train.py, a pipeline adds the stage axis to a mesh without one.
+    (["--mesh", "data=4,fsdp=2", "--pipeline-stages", "2"], "--mesh=data=4,fsdp=2 (as stage=2,data=4,fsdp=2, the "
+     "stage axis added): mesh stage=2,data=4,fsdp=2 needs 16 devices but there are 8"),
+    (["--mesh", "stage=2,data=4;data=8", "--pipeline-stages", "2", "--accum", "1"], "--mesh=data=8 (as stage=2,data=8, the stage "
+     "axis added): mesh stage=2,data=8 needs 16 devices"),
 ])
 def test_bad_lists_are_one_line_before_compiling(argv, expected, capsys, tmp_path):
     outputs = [f"--{k}={tmp_path / 'new' / ('x.' + k.replace('out', 'json'))}" for k in ("out", "md", "png")]
@@ -122,7 +123,7 @@ _PIPE = {"--mesh": "stage=2,data=4", "--pipeline-stages": "2"}
     # Without a pipeline these compiled the same step once per value.
     ({"--microbatches": "2,4"}, "--microbatches=2,4 needs --pipeline-stages > 1"),
     ({"--pipeline-schedule": "gpipe,1f1b"}, "--pipeline-schedule=gpipe,1f1b needs --pipeline-stages > 1"),
-    ({"--rules": "length=tensor"}, "--rules=length=tensor needs --mesh"),  # was ignored
+    ({"--rules": "length=tensor"}, "--rules length=tensor needs a mesh"),  # was ignored
     ({**_PIPE, "--rules": "layers=data"}, "--rules layers=data places 'layers' on data, but --pipeline-stages=2"),
 ])
 def test_a_bad_value_late_in_a_list_fails_before_the_first_compile(flags, expected, monkeypatch, capsys, tmp_path):

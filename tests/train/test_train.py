@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -537,6 +538,10 @@ def test_a_step_that_does_not_fit_is_one_line_exit_2(monkeypatch, capsys):
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "and step 1 ran out of memory; accepted: settings that fit, e.g. a smaller --batch or --seq" in lines[0]
+    assert "--zero 3 with a --mesh over more devices" in lines[0]
+    # A run at ZeRO-3 already shards all it can over its devices (--zero was offered there too).
+    at_zero3 = loop._out_of_memory(types.SimpleNamespace(total_bytes=2**30), "x", TrainConfig(mesh="data=8", zero=3))
+    assert "--zero" not in at_zero3 and "a --mesh over more devices" in at_zero3
 
 
 def test_moe_flags_make_and_shape_the_experts(tmp_path):
