@@ -182,14 +182,14 @@ def check_settings(alpha, dropout, rslora, dtype):
 def _floating_dtype(dtype, name: str = "LoRA dtype"):
     """`dtype` as a floating dtype; else one ValueError naming it."""
     try:
-        as_float = as_dtype(dtype)
-    except (TypeError, ValueError):  # not a dtype, or a name as_dtype does not know
-        as_float = None
-    if as_float is None or not jnp.issubdtype(as_float, jnp.floating):
-        shown = dtype if as_float is None else jnp.dtype(as_float).name
+        return as_dtype(dtype)  # f32, bf16 or f16
+    except ValueError:
+        try:
+            shown = jnp.dtype(dtype).name
+        except TypeError:  # not a dtype
+            shown = dtype
         raise ValueError(f"{name}={shown}; accepted: a floating dtype (float32, bfloat16, float16; or their names "
-                         "f32, bf16, f16)")
-    return as_float
+                         "f32, bf16, f16)") from None
 
 
 def _kernel_var(model, name: str):

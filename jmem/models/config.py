@@ -29,7 +29,14 @@ def as_dtype(name_or_dtype):
         if name_or_dtype not in DTYPES:
             raise ValueError(f"dtype {name_or_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         return DTYPES[name_or_dtype]
-    return jnp.dtype(name_or_dtype).type
+    try:
+        dtype = jnp.dtype(name_or_dtype).type
+    except TypeError:
+        dtype = None
+    if dtype not in DTYPES.values():  # an int8 model was all zeros
+        raise ValueError(f"dtype {name_or_dtype!r} is not supported; accepted: {', '.join(DTYPES)} (or their "
+                         "jnp dtypes)")
+    return dtype
 
 
 def normal_init(stddev: float):
@@ -120,11 +127,19 @@ class LlamaConfig:
     """Weight of the router z-loss added to the training loss (MoE only)."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig.{name}={getattr(self, name)} must be a positive integer")
-        if not is_int(self.loss_chunk) or self.loss_chunk <= 0:  # None failed inside the train step
-            raise ValueError(f"LlamaConfig.loss_chunk={self.loss_chunk!r} must be a positive integer")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len",
+                     "loss_chunk", "rope_original_context"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:  # a float failed in JAX; True built a width-1 model
+                raise ValueError(f"LlamaConfig.{name}={value!r} must be a positive integer")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim}; accepted: an even number (RoPE rotates pairs)")
+        for name in ("rope_base", "norm_eps"):
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and (value > 0 if name == "rope_base" else value >= 0)):
+                raise ValueError(f"LlamaConfig.{name}={value!r}; accepted: a finite number "
+                                 f"{'> 0' if name == 'rope_base' else '>= 0'}")  # NaN logits before
+        check_bool("LlamaConfig.tie_embeddings", self.tie_embeddings)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
@@ -141,7 +156,7 @@ class LlamaConfig:
             validate_remat(self.remat)
         except ValueError as e:
             raise ValueError(f"LlamaConfig.remat: {e}") from None
-        if self.moe_experts < 0:
+        if not is_int(self.moe_experts) or self.moe_experts < 0:
             raise ValueError(f"LlamaConfig.moe_experts={self.moe_experts} must be >= 0 (0: dense MLP)")
         if self.moe_experts:
             from jmem.models.moe import check_moe
@@ -156,16 +171,17 @@ class LlamaConfig:
     def _check_rope(self) -> None:
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r}; accepted: {', '.join(ROPE_SCALINGS)}")
-        if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
-            raise ValueError(f"LlamaConfig.rope_factor={self.rope_factor} must be >= 1 with rope_scaling="
-                             f"{self.rope_scaling!r}")
+        if self.rope_scaling != "none" and not (is_number(self.rope_factor) and 1.0 <= self.rope_factor < math.inf):
+            raise ValueError(f"LlamaConfig.rope_factor={self.rope_factor!r} must be a finite number >= 1 with "
+                             f"rope_scaling={self.rope_scaling!r}")
         if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(f"LlamaConfig.rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
                              f"{self.rope_high_freq_factor} must satisfy 0 < low < high")
-        if self.rope_original_context <= 0:
-            raise ValueError(f"LlamaConfig.rope_original_context={self.rope_original_context} must be a positive "
-                             "integer")
-        if self.rope_dim < 0 or self.rope_dim % 2 or self.rope_dim > self.head_dim:
+        if self.rope_scaling == "yarn" and not (is_number(self.rope_beta_slow) and is_number(self.rope_beta_fast)
+                                                and 0 < self.rope_beta_slow < self.rope_beta_fast < math.inf):
+            raise ValueError(f"LlamaConfig.rope_beta_slow={self.rope_beta_slow!r} and rope_beta_fast="
+                             f"{self.rope_beta_fast!r}; accepted: finite numbers with 0 < slow < fast")
+        if not is_int(self.rope_dim) or self.rope_dim < 0 or self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"LlamaConfig.rope_dim={self.rope_dim}; accepted: 0 (whole head) or an even number "
                              f"<= head_dim={self.head_dim}")
         if self.rope_freq_factors is not None:

@@ -235,6 +235,21 @@ def _check_ids(ids_BT, vocab_size: int) -> None:
         raise ValueError(f"token ids hold {bad}; accepted: 0..{vocab_size - 1} (the model's vocabulary)")
 
 
+def _check_weights(cfg: LlamaConfig, embedding, stacked: dict) -> None:
+    """The embedding and stacked block weights have this config's shapes (a state merged from a model
+    of another config ran its layer count, or failed in a reshape); weight-leaf pytrees (quantized,
+    adapted) are not read."""
+    hd, L = cfg.head_dim, cfg.n_layers
+    want = {"embedding": (cfg.vocab_size, cfg.dim), "attn_norm": (L, cfg.dim), "wq": (L, cfg.dim, cfg.n_heads * hd),
+            "wk": (L, cfg.dim, cfg.n_kv_heads * hd), "wo": (L, cfg.n_heads * hd, cfg.dim)}
+    got = {"embedding": embedding, **{n: stacked[n] for n in want if n in stacked}}
+    for name, w in got.items():
+        if isinstance(w, (jax.Array, np.ndarray)) and tuple(w.shape) != want[name]:
+            raise ValueError(f"the model's {name} weight has shape {tuple(w.shape)}, its config's is {want[name]}; "
+                             "accepted: the state of a model built from this config (these are another "
+                             "config's weights)")
+
+
 def _remat(fn, spec: str | None):
     from jmem.memory.remat import get_policy
 
@@ -305,7 +320,9 @@ class Llama(nnx.Module):
         elif np.shape(positions) != (B, T) or not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
             raise ValueError(f"positions of {jnp.result_type(positions)}{list(np.shape(positions))}; accepted: "
                              f"integers [batch, seq] = {[B, T]}, the ids' shape")
-        x = jnp.take(self.embed.embedding.get_value(), ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
+        embedding, stacked = self.embed.embedding.get_value(), self.layers.weights()
+        _check_weights(cfg, embedding, stacked)
+        x = jnp.take(embedding, ids_BT, axis=0).astype(as_dtype(cfg.compute_dtype))
 
         # The residual stream between blocks follows the active sharding rules (sequence
         # sharding with `length=tensor`); a no-op outside `jmem.parallel.activation_sharding`.
@@ -323,7 +340,7 @@ class Llama(nnx.Module):
         if per_layer is not None:
             x, (new_layers, stats_L) = _unrolled(body, x, per_layer, layers)
         else:
-            x, (new_layers, stats_L) = jax.lax.scan(_remat(body, cfg.remat), x, (self.layers.weights(), layers))
+            x, (new_layers, stats_L) = jax.lax.scan(_remat(body, cfg.remat), x, (stacked, layers))
         if cache is not None:
             cache = cache.with_layers(new_layers)
             cache = cache.advanced(positions) if hasattr(cache, "advanced") else cache

@@ -1,5 +1,7 @@
 """The decoder: cache consistency, functional form, dtypes, configuration errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +171,52 @@ def test_config_errors():
         LlamaConfig.tiny(param_dtype="f8")
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_config("huge")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # Each was accepted: an int8 model of zeros (zero logits), a width-1 model, NaN logits, tied embeddings
+    # from a truthy string; or it failed later inside JAX or NumPy.
+    (dict(param_dtype=np.int8), "dtype <class 'numpy.int8'> is not supported; accepted: f32,"),
+    (dict(compute_dtype=jnp.int32), "is not supported; accepted: f32,"),
+    (dict(dim=True), "LlamaConfig.dim=True must be a positive integer"),
+    (dict(dim=64.0), "LlamaConfig.dim=64.0 must be a positive integer"),
+    (dict(n_layers=None), "LlamaConfig.n_layers=None must be a positive integer"),
+    (dict(vocab_size="259"), "LlamaConfig.vocab_size='259' must be a positive integer"),
+    (dict(head_dim=15), "LlamaConfig.head_dim=15; accepted: an even number"),
+    (dict(rope_dim=8.0), "LlamaConfig.rope_dim=8.0; accepted: 0"),
+    (dict(rope_base=-1.0), "LlamaConfig.rope_base=-1.0; accepted: a finite number > 0"),
+    (dict(rope_base=float("nan")), "LlamaConfig.rope_base=nan; accepted: a finite number > 0"),
+    (dict(rope_base=None), "LlamaConfig.rope_base=None; accepted: a finite number > 0"),
+    (dict(norm_eps=-1.0), "LlamaConfig.norm_eps=-1.0; accepted: a finite number >= 0"),
+    (dict(tie_embeddings="no"), "LlamaConfig.tie_embeddings='no'; accepted: True or False"),
+    (dict(rope_scaling="yarn", rope_factor=4.0, rope_beta_fast=float("nan")), "rope_beta_fast=nan; accepted"),
+    (dict(rope_scaling="linear", rope_factor="2"), "LlamaConfig.rope_factor='2' must be a finite number >= 1"),
+    (dict(rope_original_context=8192.0), "LlamaConfig.rope_original_context=8192.0 must be a positive integer"),
+    (dict(moe_experts=2.0), "LlamaConfig.moe_experts=2.0 must be >= 0"),
+])
+def test_bad_config_fields_are_one_clear_error(overrides, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        LlamaConfig.tiny(**overrides)
+    # NumPy scalars, as read from a model file, and jnp dtypes are accepted.
+    cfg = LlamaConfig.tiny(dim=np.int64(64), rope_base=np.float32(1e4), param_dtype=jnp.bfloat16)
+    assert cfg.param_dtype == jnp.bfloat16
+    assert Llama(cfg, rngs=nnx.Rngs(0))(jnp.array([[1, 2]]))[0].shape == (1, 2, 259)
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(n_layers=3), r"attn_norm weight has shape \(3, 64\), its config's is \(2, 64\)"),  # ran 3 layers
+    (dict(n_kv_heads=4), r"wk weight has shape \(2, 64, 64\), its config's is \(2, 64, 32\)"),  # a reshape error
+    (dict(vocab_size=300), r"embedding weight has shape \(300, 64\)"),  # logits 300 wide
+])
+def test_a_state_of_another_config_is_one_error(tiny, other, message):
+    from jmem.generate import generate_ids
+
+    graphdef, _ = nnx.split(tiny)
+    _, state = nnx.split(Llama(LlamaConfig.tiny(**other), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=message + ".*accepted: the state of a model built from this config"):
+        forward(graphdef, state, jnp.array([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=message):
+        generate_ids(nnx.merge(graphdef, state), [[1, 2, 3]], 4)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
