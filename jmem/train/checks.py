@@ -236,10 +236,12 @@ def _validate_log(cfg: TrainConfig) -> None:
 
 
 def check_steps_left(cfg: TrainConfig, checkpoint_step: int) -> None:
-    """A resumed run must end after its checkpoint (--steps counts the steps done before)."""
-    if cfg.steps <= checkpoint_step:
+    """A resumed run must end after its checkpoint (--steps counts the steps done before), or at it
+    with --save: a finished run's model is then written (and evaluated) without training."""
+    if cfg.steps < checkpoint_step or (cfg.steps == checkpoint_step and not cfg.save):
         raise ValueError(f"--steps={cfg.steps} is not beyond the checkpoint's step {checkpoint_step} in "
-                         f"{cfg.ckpt_dir}: nothing to train; accepted: --steps > {checkpoint_step}")
+                         f"{cfg.ckpt_dir}: nothing to train; accepted: --steps > {checkpoint_step}, or --steps "
+                         f"{checkpoint_step} with --save to write the checkpoint's model")
 
 
 def _make_output_dirs(cfg: TrainConfig) -> None:

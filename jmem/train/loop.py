@@ -132,10 +132,11 @@ RESUME_DATA_FLAGS = ("data", "seq", "batch")
 """Flags a resumed run may change (the train state does not depend on them) that change its batches."""
 
 RESUME_UPDATE_FLAGS = ("steps", "lr", "warmup", "precision", "weight_decay", "clip", "galore_gap", "galore_scale",
-                       "lora_dropout", "layerwise_period", "layerwise_schedule", "accum")
+                       "lora_dropout", "layerwise_period", "layerwise_schedule", "accum", "moe_capacity_factor",
+                       "moe_dropless", "moe_aux_weight", "moe_z_weight")
 """Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps; the
 layer-wise flags choose which layers train; --accum sums in another order, and an MoE model routes each
-microbatch on its own)."""
+microbatch on its own; the router's capacity and loss weights)."""
 
 RESUME_CHANGES = ((RESUME_DATA_FLAGS, "batches"), (("seed",), "batches, layer-wise draws and dropout masks"),
                   (RESUME_UPDATE_FLAGS, "updates"))
@@ -503,7 +504,8 @@ def _train(cfg: TrainConfig, out: TextIO, on_step: Callable[[dict], None] | None
         if ev is not None:
             evals[final] = ev
             log.write({"step": final, "eval_loss": ev})
-            print(f"final eval loss {ev:.4f} (train loss {losses.get(final - 1, float('nan')):.4f})", file=out)
+            trained = f" (train loss {losses[final - 1]:.4f})" if final - 1 in losses else ""  # none: a --save export
+            print(f"final eval loss {ev:.4f}{trained}", file=out)
     skipped = _skipped(state.opt_state)
     if skipped:
         print(f"{skipped} non-finite steps skipped (loss scale {float(state.loss_scale.scale_value):g})", file=out)

@@ -23,8 +23,10 @@ from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, che
 from jmem.train.config import TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
 
-# Config fields that do not change the parameters (free to differ on resume).
-_NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_dtype")
+# Config fields that do not change the parameters (free to differ on resume; the router's loss weights and
+# capacity change the updates, noted as `RESUME_UPDATE_FLAGS`).
+_NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_dtype", "moe_capacity_factor",
+              "moe_dropless", "moe_aux_weight", "moe_z_weight")
 _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 

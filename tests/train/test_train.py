@@ -190,9 +190,37 @@ def test_checkpoint_dir_of_another_run_is_refused_untouched(tmp_path):
     with pytest.raises(ValueError, match=r"different train state \(--clip: checkpoint 1.0 vs run 0.0\)"):
         train(dataclasses.replace(BASE, ckpt_dir=str(d), resume=True, clip=0.0), out=io.StringIO())
     # A resume with no steps left is an error naming both steps, not an empty run.
-    with pytest.raises(ValueError, match=r"--steps=2 is not beyond the checkpoint's step 2 in .*accepted: --steps > 2"):
+    with pytest.raises(ValueError, match=r"--steps=2 is not beyond the checkpoint's step 2 in .*accepted: --steps > 2, "
+                                         "or --steps 2 with --save"):
         train(dataclasses.replace(BASE, ckpt_dir=str(d), resume=True, steps=2), out=io.StringIO())
     assert _files(d) == before
+
+
+def test_a_finished_runs_checkpoint_is_exported_with_save_at_its_step(tmp_path):
+    """--resume --save with --steps at the checkpoint's step writes its model and evaluates it, training
+    nothing (it was "nothing to train": a finished run's model could not be written without more steps)."""
+    from flax import nnx
+
+    import jmem
+    from jmem.io.checkpoint import Checkpointer
+    from jmem.train.setup import build
+
+    d = tmp_path / "ck"
+    cfg = dataclasses.replace(BASE, steps=2, ckpt_dir=str(d))
+    train(cfg, out=io.StringIO())
+    out = io.StringIO()
+    result = train(dataclasses.replace(cfg, resume=True, save=str(tmp_path / "model")), out=out)
+    assert result.losses == {} and result.final_step == 2 and 2 in result.eval_losses
+    assert "wrote the trained model to" in out.getvalue() and "final eval loss" in out.getvalue()
+    assert "train loss" not in out.getvalue()
+    run = build(cfg)
+    ckpt = Checkpointer(str(d))
+    state = ckpt.restore(run.fns.init_state(run.model), 2)
+    ckpt.close()
+    want = nnx.state(run.fns.merge(state.params), nnx.Param)
+    got = nnx.state(jmem.load(str(tmp_path / "model")).model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_resume_with_another_lora_alpha_is_refused(tmp_path):
@@ -205,6 +233,21 @@ def test_resume_with_another_lora_alpha_is_refused(tmp_path):
     Checkpointer(cfg.ckpt_dir).save(2, run.fns.init_state(run.model), run.meta)
     with pytest.raises(CheckpointMismatchError, match="--lora-alpha: checkpoint 16.0 vs run 32.0"):
         train(dataclasses.replace(cfg, resume=True, lora_alpha=32.0), out=io.StringIO())
+
+
+def test_resume_may_change_the_routers_capacity_and_loss_weights(tmp_path):
+    """They add no state; the checkpoint was refused as "a different run" (model.moe_aux_weight ...)."""
+    from jmem.io.checkpoint import Checkpointer
+    from jmem.train.setup import build
+
+    cfg = dataclasses.replace(BASE, model="tiny-moe", steps=3, ckpt_dir=str(tmp_path / "ck"))
+    run = build(cfg)
+    Checkpointer(cfg.ckpt_dir).save(2, run.fns.init_state(run.model), run.meta)
+    out = io.StringIO()
+    result = train(dataclasses.replace(cfg, resume=True, moe_aux_weight=0.5, moe_capacity_factor=2.0), out=out)
+    assert result.final_step == 3
+    assert ("note: --moe-capacity-factor 2.0 (checkpoint: None), --moe-aux-weight 0.5 (checkpoint: None): the "
+            "updates differ from an uninterrupted run's") in out.getvalue()
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -445,15 +488,15 @@ def test_checkpoint_of_a_version_without_a_newer_model_field_resumes(tmp_path):
     policy = validate(cfg)
     state = {"w": np.zeros((2, 3), np.float32)}
     meta = meta_for(cfg, LlamaConfig.tiny(), policy, state)
-    assert meta["model"]["moe_dropless"] is False
-    older = {**meta, "model": {k: v for k, v in meta["model"].items() if k != "moe_dropless"}}
+    assert meta["model"]["rope_dim"] == 0
+    older = {**meta, "model": {k: v for k, v in meta["model"].items() if k != "rope_dim"}}
     ckpt = Checkpointer(cfg.ckpt_dir)
     ckpt.save(3, state, older)
-    with pytest.raises(CheckpointMismatchError, match="model.moe_dropless: checkpoint null vs run false"):
+    with pytest.raises(CheckpointMismatchError, match="model.rope_dim: checkpoint null vs run 0"):
         ckpt.check(meta, resume=True)  # compared as written
     assert ckpt.check(meta, resume=True, upgrade=upgrade_meta) == 3
-    other = meta_for(cfg, LlamaConfig.tiny(moe_dropless=True), policy, state)
-    with pytest.raises(CheckpointMismatchError, match="model.moe_dropless: checkpoint false vs run true"):
+    other = meta_for(cfg, LlamaConfig.tiny(rope_dim=8), policy, state)
+    with pytest.raises(CheckpointMismatchError, match="model.rope_dim: checkpoint 0 vs run 8"):
         ckpt.check(other, resume=True, upgrade=upgrade_meta)
 
 
