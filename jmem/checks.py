@@ -26,11 +26,12 @@ def check_seed(name: str, value) -> None:
 
 
 def check_arrays(name: str, **arrays) -> None:
-    """ValueError `name: arg is a list; accepted: an array` unless every given value has a shape
-    (a NumPy or JAX array, a tracer or a ShapeDtypeStruct); None values are skipped."""
+    """ValueError `name: arg is a list; accepted: an array` (`name: arg=None; ...` for None) unless every
+    given value has a shape (a NumPy or JAX array, a tracer or a ShapeDtypeStruct); pass required arrays only."""
     for arg, x in arrays.items():
-        if x is not None and not hasattr(x, "shape"):
-            raise ValueError(f"{name}: {arg} is a {type(x).__name__}; accepted: an array")
+        if not hasattr(x, "shape"):
+            shown = f"{arg}=None" if x is None else f"{arg} is a {type(x).__name__}"
+            raise ValueError(f"{name}: {shown}; accepted: an array")
 
 
 def check_bool(name: str, value) -> None:
@@ -88,10 +89,13 @@ def check_int(name: str, value, least: int) -> None:
 
 
 def check_llama(name: str, model) -> None:
-    """ValueError naming `name` unless `model` is a jmem Llama (a model with a `LlamaConfig`)."""
+    """ValueError naming `name` unless `model` is a jmem Llama (a module with a `LlamaConfig`; a `jmem.LM`
+    has one too but is not the module: its `.model` is)."""
+    from flax import nnx
+
     from jmem.models.config import LlamaConfig
 
-    if not isinstance(getattr(model, "config", None), LlamaConfig):
+    if not isinstance(model, nnx.Module) or not isinstance(getattr(model, "config", None), LlamaConfig):
         shown = repr(model)
         shown = f"={shown}" if len(shown) <= 60 and "\n" not in shown else f" is a {type(model).__name__}"
         raise ValueError(f"{name}{shown}; accepted: a jmem.models.Llama model")

@@ -35,7 +35,7 @@ import pathlib
 
 import numpy as np
 
-from jmem.checks import check_int
+from jmem.checks import check_int, is_number
 from jmem.io.tokenizer import ByteTokenizer, GGUFTokenizer
 
 BYTE_VOCAB = ByteTokenizer.vocab_size
@@ -173,7 +173,8 @@ _PROBE = ("The quick brown fox; 12345 67.890 Ünïcödé 漢字 🙂\n\tTab  two
 """Text whose encoding tells tokenizers apart that share a name and vocabulary size."""
 
 
-def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int | None, cache: bool = True) -> np.ndarray:
+def tokenize_documents(docs: list[str] | str, tokenizer, *, bos: int | None, eos: int | None,
+                       cache: bool = True) -> np.ndarray:
     """One stream ``[BOS] doc [EOS] ...`` of token ids, cached under `cache_dir()/tokens`: uint16
     when every id fits (two bytes per token in memory and on disk), else int32.
 
@@ -183,6 +184,14 @@ def tokenize_documents(docs: list[str], tokenizer, *, bos: int | None, eos: int 
     ids, none at all, negative ids), is rebuilt; a cache folder that cannot
     be written is skipped.
     """
+    docs = [docs] if isinstance(docs, str) else docs  # one document, not one per character
+    if not isinstance(docs, (list, tuple)) or not all(isinstance(d, str) for d in docs):
+        bad = docs if not isinstance(docs, (list, tuple)) else next(d for d in docs if not isinstance(d, str))
+        raise ValueError(f"docs holds {bad!r:.60} ({type(bad).__name__}); accepted: a str or a list of str documents "
+                         "(token ids: PackedDataset.from_tokens)")
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise ValueError(f"tokenizer={tokenizer!r:.60}; accepted: a tokenizer with encode(text) -> ids, e.g. "
+                         "jmem.io.tokenizer.ByteTokenizer() or a jmem.LM's .tokenizer")
     key = f"{_text_digest(docs)[:24]}-{tokenizer_id(tokenizer)}-{bos}-{eos}.npy"
     path = cache_dir() / "tokens" / key
     if cache:
@@ -257,8 +266,11 @@ class PackedDataset:
         if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
             raise ValueError(f"stream of dtype {stream.dtype} and shape {stream.shape}; accepted: a 1-D sequence of "
                              "integer token ids")
-        if not 0 <= valid_fraction < 1:
-            raise ValueError(f"valid_fraction={valid_fraction}; accepted: 0 <= valid_fraction < 1")
+        if not is_number(valid_fraction) or not 0 <= valid_fraction < 1:
+            raise ValueError(f"valid_fraction={valid_fraction!r}; accepted: 0 <= valid_fraction < 1")
+        if stream.size and (stream.min() < 0 or stream.max() >= 2**31):  # batches hold int32 ids
+            i = int(np.argmax((stream < 0) | (stream >= 2**31)))
+            raise ValueError(f"stream[{i}]={stream[i]} is not a token id; accepted: integer ids in [0, 2**31)")
         n = (len(stream) - 1) // seq
         if n < 2:
             text, seq_name = names

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jmem import sampling
-from jmem.checks import as_python_scalar, check_int, check_seed, is_int, is_number
+from jmem.checks import as_python_scalar, check_int, check_llama, check_seed, is_int, is_number
 from jmem.lora import has_dropout_keys, without_dropout
 from jmem.models.cache import ContiguousKVCache
 from jmem.models.llama import unstack_layers
@@ -134,6 +134,10 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, params: S
             returning how many ids to keep when a stop condition was met.
         chunk: decode steps per device call.
     """
+    check_llama("model", model)
+    if stop is not None and not callable(stop):
+        raise ValueError(f"stop={stop!r:.80}; accepted: None or a callable stop(row, ids) -> int | None "
+                         "(how many ids to keep); for stop strings: jmem.LM.generate(..., stop=...)")
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("chunk", chunk, 1)  # 0 decode steps per call would never finish
     max_new_tokens, chunk = int(max_new_tokens), int(chunk)  # NumPy integers have no bit_length

@@ -1,6 +1,7 @@
 """Data: byte tokenizer, cached tokens, packing, deterministic batches."""
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -200,6 +201,30 @@ def test_batch_arguments_are_checked():
         with pytest.raises(ValueError, match=f"valid_fraction={fraction}; accepted: 0 <= valid_fraction < 1"):
             PackedDataset.from_tokens(np.arange(200) % 7, 8, valid_fraction=fraction)
     assert ds.batch(3, 2)["inputs"].shape == (2, 8)
+
+
+def test_token_ids_outside_int32_and_a_string_fraction_are_refused():
+    """Ids >= 2**31 wrapped to int32 in batches (2**33 became 0) and negative ids packed; valid_fraction="0.1"
+    was a raw comparison TypeError."""
+    for stream, bad in ((np.array([2**33] * 100), f"stream[0]={2**33}"),
+                        (np.r_[np.arange(50), -3, np.arange(50)], "stream[50]=-3"),
+                        (np.r_[np.arange(50), 2**31], f"stream[50]={2**31}")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(bad)} is not a token id; accepted: integer ids in "
+                                             r"\[0, 2\*\*31\)$"):
+            PackedDataset.from_tokens(stream, 8)
+    assert PackedDataset.from_tokens(np.r_[np.arange(50), 2**31 - 1], 8).num_tokens == 49
+    for fraction in ("0.1", True, None):
+        with pytest.raises(ValueError, match=rf"^valid_fraction={re.escape(repr(fraction))}; accepted: 0 <= "):
+            PackedDataset.from_tokens(np.arange(200) % 7, 8, valid_fraction=fraction)
+
+
+def test_from_text_refuses_what_is_not_text_or_a_tokenizer():
+    """`from_text(text, None, 8)` and `from_text([1, 2], tok, 8)` were AttributeErrors inside."""
+    with pytest.raises(ValueError, match=r"^tokenizer=None; accepted: a tokenizer with encode\(text\) -> ids"):
+        PackedDataset.from_text("some text", None, 8, cache=False)
+    for docs, shown in (([1, 2], "1 (int)"), (b"text", "b'text' (bytes)"), (["a", None], "None (NoneType)")):
+        with pytest.raises(ValueError, match=rf"^docs holds {re.escape(shown)}; accepted: a str or a list of str"):
+            PackedDataset.from_text(docs, ByteTokenizer(), 8, cache=False)
 
 
 def test_a_text_file_that_cannot_be_opened_is_one_error(tmp_path):

@@ -269,6 +269,18 @@ def test_stop_callback_result_is_checked_and_chunks_end_near_the_last_token(lm, 
     assert generate_ids(lm.model, [[1, 2]], 3, chunk=4000) == want and calls == [4, 4]
 
 
+def test_bad_model_or_stop_is_one_clear_error(lm):
+    """`stop="x"` failed with 'str' object is not callable after the prefill; `model=None` with an AttributeError."""
+    for stop in ("x", ["x"], 3):
+        with pytest.raises(ValueError, match=re.escape(f"stop={stop!r}; accepted: None or a callable stop(row, ids) -> "
+                                                       "int | None (how many ids to keep); for stop strings: "
+                                                       "jmem.LM.generate(..., stop=...)")):
+            generate_ids(lm.model, [[1, 2]], 3, stop=stop)
+    for model in (None, "tiny", lm):
+        with pytest.raises(ValueError, match=r"^model(=| is a ).*; accepted: a jmem.models.Llama model$"):
+            generate_ids(model, [[1]], 4)
+
+
 def test_completion_watch_decodes_a_short_tail_per_call():
     """`CompletionWatch.stop` decodes each row's text incrementally (`IncrementalDecoder`): over a
     completion fed one id at a time it decodes O(length) ids in all, where decoding the whole

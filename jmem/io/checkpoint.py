@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmem.checks import check_int
+from jmem.checks import check_bool, check_int
 from jmem.io.paths import lock_directory
 
 # Meta fields that must agree between a checkpoint and the run restoring it.
@@ -91,6 +91,8 @@ class Checkpointer:
                  this_process_only: bool = False):
         if max_to_keep is not None:
             check_int("max_to_keep", max_to_keep, 1)
+        check_bool("read_only", read_only)
+        check_bool("this_process_only", this_process_only)
         self.directory = pathlib.Path(directory).expanduser().resolve()
         if self.directory.exists() and not self.directory.is_dir():  # check() read it as empty, save() failed raw
             raise ValueError(f"checkpoint directory {str(directory)!r} is a file; accepted: a directory path")
@@ -158,6 +160,8 @@ class Checkpointer:
         return ours[-1] if ours else None
 
     def read_meta(self, step: int | None = None) -> dict | None:
+        if step is not None:
+            check_int("step", step, 0)
         step = self.latest_step() if step is None else step
         if step is None:
             return None
@@ -212,7 +216,7 @@ class Checkpointer:
             )
         return step
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict | None = None) -> None:
         """Write `state` and `meta` as step `step` (blocking until on disk).
 
         Raises:
@@ -226,6 +230,9 @@ class Checkpointer:
             raise CheckpointWriteError(f"checkpoint step {step} was not written: {self.directory} was opened "
                                        "read_only; accepted: Checkpointer(directory) to save")
         check_int("step", step, 0)
+        meta = {} if meta is None else meta
+        if not isinstance(meta, dict):
+            raise ValueError(f"checkpoint meta is a {type(meta).__name__}; accepted: None or a dict of JSON values")
         flat = flatten_state(state)
         if not flat:
             raise ValueError(f"checkpoint: the state {type(state).__name__} holds no arrays; "
@@ -299,6 +306,8 @@ class Checkpointer:
         Leaves come back with the template's shardings, so a state saved on one
         mesh restores onto another.
         """
+        if step is not None:
+            check_int("step", step, 0)
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")

@@ -15,7 +15,7 @@ from typing import Any
 import jinja2.ext
 import jinja2.sandbox
 
-from jmem.checks import is_int
+from jmem.checks import check_bool, is_int
 
 # llama.cpp pre-tokenizer names -> the regex split used before byte-level BPE.
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -76,6 +76,17 @@ def _render_chat(template: str, messages: list[dict[str, str]], add_generation_p
                                                **extra)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _check_encode(text, add_bos) -> None:
+    """One ValueError for what `encode` cannot take: text that is not a str (bytes included), an add_bos
+    that is not None, True or False."""
+    if not isinstance(text, str):
+        shown = f"={text!r:.60}" if text is None or isinstance(text, bytes) else f" is a {type(text).__name__}"
+        raise ValueError(f"encode: text{shown}; accepted: a str (bytes: decode them first, e.g. "
+                         "data.decode('utf-8'))")
+    if add_bos is not None:
+        check_bool("add_bos", add_bos)
 
 
 def _non_negative(ids) -> list[int]:
@@ -185,6 +196,7 @@ class GGUFTokenizer:
         self._unused = {i for i, ty in enumerate(types) if ty == _UNUSED}
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        _check_encode(text, add_bos)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
@@ -254,6 +266,7 @@ class ByteTokenizer:
                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        _check_encode(text, add_bos)
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if add_bos else ids
 

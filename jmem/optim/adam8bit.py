@@ -69,12 +69,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem.checks import check_bool
 from jmem.optim import checks
 
 CODES = ("dynamic", "linear")
 
 
-@functools.lru_cache(maxsize=None)
 def dynamic_code(signed: bool) -> np.ndarray:
     """The sorted 256-entry dynamic code in [-1, 1] (signed) or [0, 1] (unsigned).
 
@@ -82,6 +82,12 @@ def dynamic_code(signed: bool) -> np.ndarray:
     (127 magnitudes; the smallest positive one gives way to -1). Unsigned: 0, 1,
     and 2^i midpoints scaled by 10^(i-7), i=1..7 (254 magnitudes).
     """
+    check_bool("signed", signed)  # 0 or "x" picked a code silently
+    return _dynamic_code(bool(signed))
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_code(signed: bool) -> np.ndarray:
     decades = range(0, 7) if signed else range(1, 8)
     top = 6 if signed else 7
     mags = []

@@ -106,12 +106,14 @@ def galore_plan(tree, rank: int, *, exclude: "str | tuple[str, ...]" = DEFAULT_E
     `exclude` is one path key (a string) or a tuple of them; `rule` replaces it.
 
     Raises:
-        ValueError: `exclude` is neither a string nor a sequence of strings.
+        ValueError: `rank` is not an integer >= 1 (as `galore`), or `exclude` is neither a string nor a
+            sequence of strings.
 
     Example:
         >>> plans, _ = galore_plan(params, rank=4)
         >>> sum(p.side is not None for p in plans)   # projected matrices
     """
+    rank = checks.integer("galore", "rank", rank, 1, shapes=True)
     rule = default_rule(exclude) if rule is None else rule
     leaves, treedef = leaf_paths(tree)
     return [leaf_plan(path, tuple(x.shape), rank, rule) for path, x in leaves], treedef

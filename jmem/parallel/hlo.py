@@ -32,6 +32,9 @@ _REF = re.compile(r"%([\w.\-]+)")
 
 
 def _computations(text: str) -> dict[str, list[str]]:
+    if not isinstance(text, str):  # the public functions' one check (a Compiled, not its text, or None)
+        shown = f"={text!r}" if text is None else f" is a {type(text).__name__}"
+        raise ValueError(f"hlo_text{shown}; accepted: HLO text (a str), e.g. jax.jit(f).lower(x).compile().as_text()")
     comps: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():

@@ -163,10 +163,13 @@ def make_mesh(spec: "str | Mapping[str, int] | None" = None, devices: Sequence |
 
 
 def data_parallel_size(mesh: Mesh, axes: Sequence[str] = DATA_AXES) -> int:
-    """Product of the sizes of `axes` in `mesh` (1 for axes it lacks)."""
+    """Product of the sizes of `axes` (one name or a sequence of them) in `mesh` (1 for axes it lacks)."""
+    check_mesh(mesh)
+    axes = (axes,) if isinstance(axes, str) else axes  # not its letters
     return math.prod(mesh.shape.get(a, 1) for a in axes)
 
 
 def mesh_summary(mesh: Mesh) -> str:
     """`"data=2,fsdp=2,tensor=2"` for a mesh (the inverse of `make_mesh`'s spec)."""
+    check_mesh(mesh)
     return format_mesh(dict(mesh.shape))

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem.parallel.mesh import AXES
+from jmem.parallel.mesh import AXES, check_mesh
 from jmem.pytree import key_name
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
@@ -332,7 +332,9 @@ def shardings(tree, rules: "Rules | str | None", mesh: Mesh, logical_axes: Mappi
 
     Raises:
         ShardingError: a dim not divisible by its mesh axes (names the path, dim, size and axes).
+        MeshError: `mesh` is not a `jax.sharding.Mesh` (e.g. a spec string).
     """
+    check_mesh(mesh)
     rules = Rules.parse(rules)
     table = default_logical_axes() if logical_axes is None else logical_axes
 

@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem.checks import check_int, is_int
+from jmem.checks import check_int, is_int, is_number
 from jmem.memory.measure import bytes_per_device
 from jmem.parallel.mesh import ZERO_AXES
 from jmem.parallel.rules import Rules, default_logical_axes, lookup_axes, path_str
@@ -289,6 +289,10 @@ def zero_model_bytes(n_params: int, *, stage: int, n: int, param_bytes: int = 4,
     """The ZeRO paper's per-device model-state bytes: Psi=n_params, K=opt_bytes, N=n devices."""
     stage = check_stage(stage)
     check_int("n", n, 1)
+    for name, value in (("n_params", n_params), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("opt_bytes", opt_bytes)):
+        if not is_number(value) or not 0 <= value < math.inf:
+            raise ValueError(f"{name}={value!r}; accepted: a finite number >= 0")
     return {
         "params": n_params * param_bytes / (n if stage >= 3 else 1),
         "grads": n_params * grad_bytes / (n if stage >= 2 else 1),

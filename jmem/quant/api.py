@@ -458,7 +458,8 @@ def _calibrated(model, weights: dict, ids_BT, spec: QuantSpec, log=None) -> dict
 
 def _weights(model, names) -> dict:
     """The quantizable weights of `model` (`quant_targets`) among `names` (one string is one name; None:
-    all of them); a ValueError naming unknown ones."""
+    all of them); a ValueError naming unknown ones, or a `model` that is not a Llama."""
+    check_llama("model", model)
     weights = {n: v.get_value() for n, v in quant_targets(model).items()}
     if names is None:
         return weights

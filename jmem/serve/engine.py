@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flax import nnx
 
-from jmem.checks import check_bool, check_int, is_int
+from jmem.checks import check_bool, check_int, is_int, is_number
 from jmem.memory import bytes_per_device
 from jmem.io.tokenizer import IncrementalDecoder
 from jmem.models import LlamaConfig
@@ -102,6 +102,11 @@ class EngineConfig:
         if self.max_model_len is not None and not is_int(self.max_model_len):  # its range: the model's (Engine)
             raise ValueError(f"max_model_len={self.max_model_len!r}; accepted: an integer in 1..the model's "
                              "max_seq_len, or None")
+        mu, kv = self.memory_utilization, self.kv_cache_memory
+        if mu is not None and not (is_number(mu) and 0 < mu <= 1):  # True counted as 1.0
+            raise ValueError(f"memory_utilization={mu!r}; accepted: a fraction in (0, 1], or None")
+        if kv is not None and not (is_number(kv) and 0 < kv < float("inf")):
+            raise ValueError(f"kv_cache_memory={kv!r}; accepted: a number of bytes > 0, or None")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("prompt_lookup_max", self.prompt_lookup_max, 0)  # >= 1 with speculation (Engine checks)
         # The adapter settings are checked with or without adapters: a typo would otherwise wait for the first one.

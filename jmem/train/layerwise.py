@@ -63,7 +63,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmem.checks import check_bool, check_optimizer, check_seed, is_int
+from jmem.checks import as_python_scalar, check_bool, check_int, check_optimizer, check_seed, is_int
 from jmem.lora import LoRA, combine, set_dropout_key, trainable_split, with_dropout
 from jmem.memory.accumulate import accumulate_value_and_grad
 from jmem.memory.measure import tree_bytes
@@ -113,6 +113,12 @@ def active_layers(step, *, n_layers: int, n_active: int, period: int, schedule: 
         Array([4, 5], dtype=int32)
     """
     _check_schedule(n_layers, n_active, period, schedule)
+    step = as_python_scalar(step)  # a concrete 0-d array (a state's step counter) as its value
+    if not isinstance(step, jax.core.Tracer):
+        check_int("step", step, 0)  # -1, 2.5 or "3" drew some period's layers
+    elif step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise ValueError(f"step is traced {step.dtype}{list(step.shape)}; accepted: an integer >= 0 or a traced "
+                         "integer scalar")
     p = jnp.asarray(step, jnp.int32) // period
     if schedule == "random":
         key = jax.random.fold_in(seed_key(seed), p)

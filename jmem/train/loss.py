@@ -23,20 +23,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem.checks import check_int
+from jmem.checks import check_arrays, check_int
 
 
 def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
     """Masked token cross-entropy, summed (f32), without chunking.
 
+    Jittable: the target values are not checked. Where the mask is nonzero a target must lie in
+    [0, vocab), else the loss is NaN (`lm_loss_sum` checks concrete batches); where it is 0 any id
+    counts nothing (e.g. Hugging Face's ignore index -100).
+
     Args:
         logits_BTV: f32[batch, seq, vocab].
-        targets_BT: i32[batch, seq]; where the mask is 0 any value (e.g. an ignore index of -100).
+        targets_BT: i32[batch, seq]; in [0, vocab) where the mask is nonzero, any value where it is 0.
         mask_BT: f32[batch, seq], 1 where the token counts.
 
     Returns:
         (loss_sum f32[], count f32[])
     """
+    check_arrays("cross_entropy_sum", logits_BTV=logits_BTV, targets_BT=targets_BT, mask_BT=mask_BT)
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     mask_BT = mask_BT.astype(jnp.float32)
@@ -62,9 +67,13 @@ def chunked_cross_entropy(
 ):
     """Cross-entropy sum over sequence chunks; full logits never materialise.
 
+    Jittable: the target values are not checked. Where the mask is nonzero a target must lie in
+    [0, vocab), else the loss is NaN; where it is 0 any id counts nothing (e.g. -100).
+
     Args:
         h_BTE: final hidden states [batch, seq, embed] (any float dtype).
-        targets_BT: i32[batch, seq] next-token ids.
+        targets_BT: i32[batch, seq] next-token ids; in [0, vocab) where the mask is nonzero, any
+            value where it is 0.
         mask_BT: [batch, seq] weights (1 = counted).
         logits_fn: `h[batch, c, embed] -> f32 logits[batch, c, vocab]`; may
             close over parameters (gradients flow through the closure).
@@ -78,6 +87,7 @@ def chunked_cross_entropy(
     Example:
         >>> s, n = chunked_cross_entropy(h, tgt, mask, model.logits_from_hidden, 256)
     """
+    check_arrays("chunked_cross_entropy", h_BTE=h_BTE, targets_BT=targets_BT, mask_BT=mask_BT)
     B, T, E = h_BTE.shape
     if chunk is not None:
         check_int("loss chunk", chunk, 1)

@@ -227,3 +227,24 @@ def test_a_directory_another_running_process_writes_is_refused(tmp_path):
     assert ck.check({"model": "m"}, resume=True) == 1
     ck.save(2, {"w": jnp.ones(1)}, {"model": "m"})
     ck.close()
+
+
+def test_bad_restore_step_read_only_or_meta_is_one_clear_error(tmp_path):
+    """`restore(state, True)` passed the step check (True in [1]) and orbax called folder "True" damaged;
+    `read_only="no"` opened read-only; `save(step, state, None)` failed inside on None.get."""
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, {"w": jnp.ones(3)}, None)  # None is no metadata
+    assert ck.read_meta(1)["step"] == 1
+    for step in (True, 1.0, "1", -1):
+        with pytest.raises(ValueError, match=rf"^step={step!r}; accepted: an integer >= 0$"):
+            ck.restore({"w": jnp.zeros(3)}, step)
+        with pytest.raises(ValueError, match=rf"^step={step!r}; accepted: an integer >= 0$"):
+            ck.read_meta(step)
+    with pytest.raises(ValueError, match=r"^checkpoint meta is a list; accepted: None or a dict of JSON values$"):
+        ck.save(2, {"w": jnp.ones(3)}, [1])
+    np.testing.assert_array_equal(ck.restore({"w": jnp.zeros(3)}, np.int64(1))["w"], np.ones(3))
+    ck.close()
+    for kwargs in ({"read_only": "no"}, {"read_only": 0}, {"this_process_only": "yes"}):
+        name, value = next(iter(kwargs.items()))
+        with pytest.raises(ValueError, match=rf"^{name}={value!r}; accepted: True or False$"):
+            Checkpointer(tmp_path / "ck", **kwargs)

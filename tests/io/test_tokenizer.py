@@ -199,3 +199,15 @@ def test_chat_templates_have_the_helpers_hf_gives_them(template, expected):
     """Templates other models ship (Llama 3, Qwen) use these; each rendered as transformers renders it."""
     tok = GGUFTokenizer({**byte_tokenizer_metadata(), "tokenizer.chat_template": template})
     assert tok.apply_chat_template([{"role": "user", "content": "日本 <b>&'x'"}]) == expected
+
+
+def test_encode_refuses_what_is_not_text_alike_in_both_tokenizers():
+    """`ByteTokenizer().encode(None)` and `.encode(b"hi")` were AttributeErrors; the GGUF tokenizer's a
+    TypeError from the tokenizers library ("TextInputSequence must be str")."""
+    for tok in (ByteTokenizer(), GGUFTokenizer(byte_tokenizer_metadata())):
+        for text, shown in ((None, "=None"), (b"hi", "=b'hi'"), (3, " is a int"), (["a"], " is a list")):
+            with pytest.raises(ValueError, match=rf"^encode: text{re.escape(shown)}; accepted: a str \(bytes: "):
+                tok.encode(text)
+        with pytest.raises(ValueError, match=r"^add_bos='yes'; accepted: True or False$"):
+            tok.encode("a", add_bos="yes")
+        assert tok.encode("hi", add_bos=None) == [104, 105]

@@ -172,6 +172,19 @@ def test_sizes_and_counts_must_be_integers_and_lists_are_arrays():
         ragged_paged_attention(qr, kp, vp, kvl, table, cu, n, block_q=3, interpret=True)
 
 
+def test_none_for_an_array_is_one_clear_error():
+    """`attention(None, k, v)` was an AttributeError ('NoneType' has no ndim): `check_arrays` skipped None."""
+    q, k, v = _dense(seed=13)
+    for args, arg in (((None, k, v), "q"), ((q, None, v), "k"), ((q, k, None), "v")):
+        with pytest.raises(ValueError, match=rf"^attention: {arg}=None; accepted: an array$"):
+            attention(*args)
+        with pytest.raises(ValueError, match=rf"^flash_attention: {arg}=None; accepted: an array$"):
+            flash_attention(*args, interpret=True)
+    qd, _, _, kp, vp, lengths, table = decode_case(11, 2, 16, 4, 2, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"^paged_attention: q=None; accepted: an array$"):
+        paged_attention(None, kp, vp, lengths, table, interpret=True)
+
+
 @pytest.fixture
 def x64():
     before = jax.config.jax_enable_x64

@@ -1,5 +1,7 @@
 """Bad optimizer settings raise one clear ValueError when the optimizer is built; good ones of any scalar kind pass."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,26 @@ def test_a_single_exclude_string_is_one_name():
     for bad in (3, ("embed", 3), None):
         with pytest.raises(ValueError, match=r"exclude=.*; accepted: a string or a tuple of strings"):
             galore(1e-3, exclude=bad)
+
+
+def test_galore_plan_checks_rank_as_galore_does():
+    """`galore_plan(params, rank=0)` and `rank=2.0` returned Plan(rank=0) / Plan(rank=2.0) that galore refuses."""
+    params = {"w": jnp.ones((8, 16))}
+    for rank in (0, 2.0, True, "2"):
+        for build in (lambda: galore(1e-3, rank=rank), lambda: galore_plan(params, rank=rank)):
+            with pytest.raises(ValueError, match=rf"^galore rank={rank!r}; accepted: an integer >= 1$"):
+                build()
+    assert galore_plan(params, rank=np.int64(2))[0][0].rank == 2
+
+
+def test_dynamic_code_takes_a_bool():
+    """`dynamic_code(0)` or `dynamic_code("x")` picked a code by truthiness; a list was a TypeError (unhashable)."""
+    from jmem.optim import dynamic_code
+
+    for bad in (0, 1, "x", None, []):
+        with pytest.raises(ValueError, match=rf"^signed={re.escape(repr(bad))}; accepted: True or False$"):
+            dynamic_code(bad)
+    np.testing.assert_array_equal(dynamic_code(np.bool_(True)), dynamic_code(True))
 
 
 def test_quantize_and_dequantize_check_block_size_and_shape():

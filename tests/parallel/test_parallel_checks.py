@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmem import parallel as par
 from jmem.models import Llama, LlamaConfig
-from jmem.parallel.hlo import device_groups
+from jmem.parallel.hlo import collective_shapes, device_groups
 from jmem.parallel.pipeline_1f1b import TICK_SCOPE
 from jmem.train import make_train_fns
 
@@ -290,3 +290,41 @@ def test_a_logical_axis_typo_or_count_is_one_sharding_error():
     rules = par.Rules.parse("ffn=data", extra_names=("ffn", "own"))
     assert par.Rules.parse(None, extra_names=("own",)).spec(("own", None)) == P(None, None)
     assert rules.spec(("ffn", "own"), (8, 4), mesh) == P("data", None)
+
+
+def test_mesh_helpers_refuse_what_is_not_a_mesh():
+    """`data_parallel_size(None)` and `mesh_summary(None)` were AttributeErrors; axes="data" counted its letters."""
+    for fn in (par.data_parallel_size, par.mesh_summary):
+        for bad in (None, "data=8"):
+            with pytest.raises(par.MeshError, match=re.escape(f"mesh={bad!r}; accepted: a jax.sharding.Mesh")):
+                fn(bad)
+    mesh = par.make_mesh("data=2,fsdp=4")
+    assert par.data_parallel_size(mesh, "data") == 2 and par.data_parallel_size(mesh) == 8
+
+
+def test_shard_refuses_a_mesh_spec_string():
+    """`shard(state, rules, "data=8")` was an AttributeError inside the sharding lookup."""
+    for fn in (par.shard, par.shardings):
+        with pytest.raises(par.MeshError, match=re.escape("mesh='data=8'; accepted: a jax.sharding.Mesh, e.g. "
+                                                          "jmem.parallel.make_mesh('data=8')")):
+            fn({"w": jnp.ones((8, 4))}, None, "data=8")
+
+
+def test_collectives_refuse_what_is_not_hlo_text():
+    """`collectives(None)` was an AttributeError ('NoneType' has no splitlines)."""
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()
+    for bad, shown in ((None, "=None"), (compiled, " is a Compiled"), (b"HloModule", " is a bytes")):
+        for fn in (par.collectives, lambda t: collective_shapes(t, "all-gather")):
+            with pytest.raises(ValueError, match=rf"^hlo_text{shown}; accepted: HLO text \(a str\), e.g. "):
+                fn(bad)
+    assert par.collectives(compiled.as_text()) == {}
+
+
+def test_zero_model_bytes_refuses_negative_counts():
+    """`zero_model_bytes(-5, ...)` and `param_bytes=-1` returned negative byte counts."""
+    for kwargs in ({"n_params": -5}, {"n_params": True}, {"n_params": "5"}, {"n_params": 5, "param_bytes": -1},
+                   {"n_params": 5, "opt_bytes": float("inf")}):
+        name, value = [(k, v) for k, v in kwargs.items() if k != "n_params" or len(kwargs) == 1][0]
+        with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))}; accepted: a finite number >= 0$"):
+            par.zero_model_bytes(stage=1, n=2, **kwargs)
+    assert par.zero_model_bytes(10, stage=3, n=2, param_bytes=0.5)["params"] == 2.5

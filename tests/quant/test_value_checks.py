@@ -170,6 +170,13 @@ def test_names_take_one_string_and_refuse_unknown(model):
         weight_bytes(model, names=["wq", "bogus"])
 
 
+def test_weight_bytes_and_group_sizes_refuse_a_non_model(w):
+    """`weight_bytes(None)`, `weight_bytes({"w": w})` and `group_sizes(None)` were AttributeErrors inside."""
+    for fn, model in ((weight_bytes, None), (weight_bytes, {"w": w}), (group_sizes, None)):
+        with pytest.raises(ValueError, match=r"^model(=| is a ).*; accepted: a jmem.models.Llama model$"):
+            fn(model)
+
+
 def test_bits_must_be_an_int(w, model):
     with pytest.raises(ValueError, match=r"bits=4.0 is not supported for integer quantization; accepted: an int"):
         rtn_quantize(w, 4.0, 32)

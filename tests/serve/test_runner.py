@@ -492,7 +492,13 @@ def test_engine_arguments_of_the_wrong_kind_are_one_error(model):
                         (dict(max_lora_rank=0), "max_lora_rank=0; accepted: an integer >= 1"),
                         (dict(lora_impl="dense"), "lora_impl='dense'; accepted: onehot, ragged"),
                         (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'; accepted: True or False"),
-                        (dict(static_batching=1), "static_batching=1; accepted: True or False")):
+                        (dict(static_batching=1), "static_batching=1; accepted: True or False"),
+                        # memory_utilization=True was accepted as 1.0; a string failed a comparison at Engine.
+                        (dict(memory_utilization=True), "memory_utilization=True; accepted: a fraction in (0, 1]"),
+                        (dict(memory_utilization="0.5"), "memory_utilization='0.5'; accepted: a fraction in (0, 1]"),
+                        (dict(memory_utilization=1.5), "memory_utilization=1.5; accepted: a fraction in (0, 1]"),
+                        (dict(kv_cache_memory=True), "kv_cache_memory=True; accepted: a number of bytes > 0"),
+                        (dict(kv_cache_memory=0), "kv_cache_memory=0; accepted: a number of bytes > 0")):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             EngineConfig(**kw)
     with pytest.raises(ValueError, match="^LoRA module 'a' path 5; accepted: a path to an .npz"):  # a TypeError before

@@ -3,6 +3,7 @@ plain step at n_active = L, LoRA, and the compiler-measured memory of the step."
 
 import dataclasses
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,20 @@ def test_schedules_are_deterministic_distinct_and_cover_every_layer(schedule):
         assert len({tuple(d) for d in draws}) > 2
         other = jax.vmap(lambda s: active_layers(s, **{**kw, "seed": 8}))(jnp.arange(0, 40, 5))
         assert not np.array_equal(np.asarray(other), draws)
+
+
+def test_active_layers_takes_a_step_counter_only():
+    """`active_layers(-1)`, `(2.5)` and `("3")` drew some period's layers; a traced float step ran too."""
+    kw = dict(n_layers=8, n_active=3, period=5, schedule="bottom-up")
+    for step in (-1, 2.5, "3", True, None):
+        with pytest.raises(ValueError, match=rf"^step={re.escape(repr(step))}; accepted: an integer >= 0$"):
+            active_layers(step, **kw)
+    with pytest.raises(ValueError, match=r"^step is traced float32\[\]; accepted: an integer >= 0 or a traced"):
+        jax.jit(lambda s: active_layers(s, **kw))(jnp.float32(3))
+    want = np.asarray(active_layers(7, **kw))
+    for step in (np.int64(7), jnp.asarray(7), jnp.asarray(7, jnp.uint32)):  # a state's counter, concrete or traced
+        np.testing.assert_array_equal(np.asarray(active_layers(step, **kw)), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda s: active_layers(s, **kw))(step)), want)
 
 
 def test_bad_settings_are_refused_before_any_work(model):

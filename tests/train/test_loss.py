@@ -64,6 +64,24 @@ def test_masked_positions_count_nothing_whatever_their_target(ignored):
         np.testing.assert_allclose(grad, ref[1], rtol=1e-5, atol=1e-7)
 
 
+def test_a_list_for_an_array_is_one_error_and_masked_ignore_ids_stay_finite_under_jit():
+    """`cross_entropy_sum(list, ...)` was an AttributeError ('list' has no astype). The targets are not
+    checked (jittable): a masked -100 counts nothing under jit too."""
+    logits, tgt, mask = jnp.zeros((1, 4, 3)), jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4))
+    for args, arg in (((logits.tolist(), tgt, mask), "logits_BTV is a list"),
+                      ((logits, None, mask), "targets_BT=None"), ((logits, tgt, 1.0), "mask_BT is a float")):
+        with pytest.raises(ValueError, match=rf"^cross_entropy_sum: {arg}; accepted: an array$"):
+            cross_entropy_sum(*args)
+    with pytest.raises(ValueError, match=r"^chunked_cross_entropy: h_BTE is a list; accepted: an array$"):
+        chunked_cross_entropy([[[0.0]]], tgt, mask, lambda x: x, 2)
+    ignored = jnp.asarray([[1, 2, -100, -100]])
+    half = jnp.asarray([[1.0, 1.0, 0.0, 0.0]])
+    for fn in (jax.jit(cross_entropy_sum),
+               jax.jit(lambda h, t, m: chunked_cross_entropy(h, t, m, lambda x: x @ jnp.eye(3), 2))):
+        total, count = fn(logits, ignored, half)
+        np.testing.assert_allclose([total, count], [2 * np.log(3), 2], rtol=1e-6)
+
+
 def test_chunking_bounds_logits_memory():
     """Full logits f32[B, T, V] are never materialised: temp memory of the
     chunked gradient is far below one copy of the logits."""
