@@ -80,9 +80,10 @@ class QuantSpec:
 def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
     """The group size a model-level `quantize` uses for a matrix with `n_in` input rows.
 
-    `group_size` itself when it divides `n_in`; otherwise the largest multiple
-    of 32 below it that does (llama.cpp likewise swaps the block type of rows
-    its super-block does not divide). None means per channel (`n_in`).
+    `group_size` itself when it divides `n_in`; `n_in` (one group: per channel) when the matrix
+    has fewer rows than one group, as GPTQ's `g_idx = row // group_size` groups them; otherwise
+    the largest multiple of 32 below it that divides `n_in` (llama.cpp likewise swaps the block
+    type of rows its super-block does not divide). None means per channel (`n_in`).
 
     Raises:
       ValueError: bad bits, a group size that is not a positive integer (a multiple of 8 below
@@ -99,6 +100,8 @@ def resolve_group_size(n_in: int, group_size: int | None, bits: int = 4) -> int:
         # Bits 8 store a byte per weight: any group size (and input dimension) packs.
         if not is_int(group_size) or group_size <= 0 or (bits != 8 and (group_size % PACK_ROWS or n_in % PACK_ROWS)):
             raise
+    if n_in < group_size:  # 48 rows at 128 were refused, while 64 took one group of 64
+        return n_in
     for g in range((group_size - 1) // SUBSTITUTE_MULTIPLE * SUBSTITUTE_MULTIPLE, 0, -SUBSTITUTE_MULTIPLE):
         if n_in % g == 0:
             return g

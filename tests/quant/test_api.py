@@ -246,6 +246,12 @@ def test_group_size_substitution():
     # SmolLM2's widths: 576 takes 96 for 128; 1536 keeps 128.
     assert resolve_group_size(576, 128) == 96 and resolve_group_size(1536, 128) == 128
     assert resolve_group_size(576, None) == 576
+    # A matrix of fewer rows than one group is one group, whatever its width (48 at 128 was refused, 64 not).
+    assert resolve_group_size(48, 128) == 48 and resolve_group_size(64, 128) == 64 and resolve_group_size(16, 32) == 16
+    small = Llama(LlamaConfig.tiny(n_heads=2, n_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))  # wo: 16 rows
+    q = quantize(small, "rtn", group_size=32)
+    assert group_sizes(q)["wo"] == 16
+    np.testing.assert_array_equal(q.layers.weights()["wo"].packed, quantize(small, "rtn").layers.weights()["wo"].packed)
     # 8 bits take any group size, so one that is no multiple of 8 is substituted too (100 was refused, 104 not).
     assert resolve_group_size(64, 100, 8) == resolve_group_size(64, 104, 8) == 64
 
