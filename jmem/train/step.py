@@ -125,8 +125,11 @@ def make_train_fns(
         loss_fn: `(params, batch) -> (loss_sum, count)` replacing the model's own loss
             (e.g. `jmem.parallel.pipeline_lm_loss_fn`); the step minimises the loss sums
             over the counts, both summed over microbatches and devices, and the batch is
-            any pytree of arrays with a leading batch dimension. No router statistics or
-            LoRA dropout then (a model with adapter dropout is refused).
+            any pytree of arrays with a leading batch dimension. A batch dict's 'mask' sum
+            divides the sums before the gradient is rescaled to the counts (without one, 1
+            does: under fp16 loss scaling, large sums may then overflow until the scale backs
+            off). No router statistics or LoRA dropout then (a model with adapter dropout is
+            refused).
         adapters_only: differentiate and update only LoRA adapter arrays (`jmem.lora`);
             the base (possibly quantized) gets neither gradients nor optimizer state.
         dropout_seed: adapters with dropout > 0 (`apply_lora(dropout=p)`) drop in `step`
