@@ -62,9 +62,10 @@ class Config:
     model: str = "smollm2-135m"
     """Model name or GGUF path for `jmem.load`."""
     group_size: int = 128
-    """Input rows per scale of rtn, gptq and awq: a positive multiple of 8. A matrix whose input dimension it does
-    not divide gets the largest multiple of 32 below it that does (SmolLM2's width 576 with 128: 96), recorded in
-    each record's `group_sizes`; a value that fits no input dimension this way is refused before the model loads."""
+    """Input rows per scale of rtn, gptq and awq: a positive multiple of 8. A matrix of fewer input rows is one
+    group; one whose input dimension it does not divide gets the largest multiple of 32 below it that does
+    (SmolLM2's width 576 with 128: 96), recorded in each record's `group_sizes`; a value that fits no input
+    dimension this way is refused before the model loads."""
     calib_windows: int = 16
     """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
     symmetric: bool = False

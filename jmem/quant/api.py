@@ -14,9 +14,10 @@ float) and each expert's down scale and clips on its own rows. An expert that
 no calibration token reaches is rounded to nearest, with one logged line (under
 AWQ its gate/up take the shared scale, its down none, and nothing is clipped).
 
-Group-size substitution: a requested group size that does not divide a
-matrix's input dimension is replaced, for that matrix only, by the largest
-multiple of 32 below it that does (SmolLM2's width 576 takes 96 when 128 is
+Group-size substitution: a matrix of fewer input rows than the requested
+group size is one group (per channel); a requested group size that does not
+divide a matrix's input dimension is replaced, for that matrix only, by the
+largest multiple of 32 below it that does (SmolLM2's width 576 takes 96 when 128 is
 asked; its MLP width 1536 keeps 128), with one logged line per input
 dimension; `group_sizes(qmodel)` reports what each matrix got. The
 single-matrix functions (`IntTensor.quantize`, `gptq_quantize`, ...) stay
@@ -377,8 +378,8 @@ def quantize(model, method: str, bits: int | None = None, group_size: int | None
       bits: rtn/gptq/awq: 2, 3, 4 or 8 (default 4); nf4: 4; int8, fp8: 8.
       group_size: input rows per scale for rtn/gptq/awq; None or -1 for per
         channel (-1 is how GPTQ checkpoints write per channel).
-        A matrix whose input dimension it does not divide gets the largest
-        multiple of 32 below it that does (one logged line per input
+        A matrix of fewer input rows is one group; one whose input dimension
+        it does not divide gets the largest multiple of 32 below it that does (one logged line per input
         dimension; `group_sizes(result)` lists what each matrix got); an
         error only when there is none.
       calibration: gptq/awq only (refused for the other methods): text(s)

@@ -53,8 +53,9 @@ class QuantizeArgs:
     bits: int | None = None
     """Bits for rtn/gptq/awq (2, 3, 4, 8); the method's own width when unset."""
     group_size: int | None = 128
-    """Input rows per scale for rtn/gptq/awq (a multiple of 8; -1 for per channel). A matrix whose input dimension
-    it does not divide gets the largest multiple of 32 below it that does (printed, and recorded in the output)."""
+    """Input rows per scale for rtn/gptq/awq (a multiple of 8; -1 for per channel). A matrix of fewer input rows
+    is one group; one whose input dimension it does not divide gets the largest multiple of 32 below it that does
+    (printed, and recorded in the output)."""
     symmetric: bool = True
     """rtn/int8/gptq/awq: scale only (zero point 2**(bits-1)); --no-symmetric adds a u8 zero point per group."""
     act_order: bool = False

@@ -199,13 +199,16 @@ give updates far from the run's."""
 def upgrade_meta(old: dict) -> dict:
     """Checkpoint metadata of an older version as this version writes it: model config
     fields it did not record yet (added since) take their defaults, which reproduce the
-    older version's model, so such a checkpoint is not refused as another model."""
+    older version's model, and fields it recorded that this version does not (`_NOT_STATE`,
+    such as the router's loss weights) are dropped, so such a checkpoint is not refused as
+    another model."""
     model = old.get("model")
     if not isinstance(model, dict):
         return old
     defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
                 if f.default is not dataclasses.MISSING and f.name not in _NOT_STATE}
-    return {**old, "model": {**{k: v for k, v in defaults.items() if k not in model}, **model}}
+    kept = {k: v for k, v in model.items() if k not in _NOT_STATE}
+    return {**old, "model": {**{k: v for k, v in defaults.items() if k not in kept}, **kept}}
 
 
 def _loss_scaling(precision) -> bool:

@@ -498,6 +498,12 @@ def test_checkpoint_of_a_version_without_a_newer_model_field_resumes(tmp_path):
     other = meta_for(cfg, LlamaConfig.tiny(rope_dim=8), policy, state)
     with pytest.raises(CheckpointMismatchError, match="model.rope_dim: checkpoint 0 vs run 8"):
         ckpt.check(other, resume=True, upgrade=upgrade_meta)
+    # Fields an older version recorded and this one does not (the router's loss weights and capacity, which
+    # add no state) are dropped: such a checkpoint was refused as another run.
+    recorded = {"moe_capacity_factor": 1.25, "moe_dropless": False, "moe_aux_weight": 0.01, "moe_z_weight": 1e-3}
+    assert not set(recorded) & set(meta["model"])
+    ckpt.save(4, state, {**meta, "model": {**meta["model"], **recorded}})
+    assert ckpt.check(meta, resume=True, upgrade=upgrade_meta) == 4
 
 
 def test_layerwise_run_resumes_with_the_same_layer_draws(tmp_path):
