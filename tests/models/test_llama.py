@@ -197,7 +197,10 @@ def test_config_errors():
 def test_bad_config_fields_are_one_clear_error(overrides, expected):
     with pytest.raises(ValueError, match=re.escape(expected)):
         LlamaConfig.tiny(**overrides)
-    # NumPy scalars, as read from a model file, and jnp dtypes are accepted.
+
+
+def test_config_fields_from_model_files_are_accepted():
+    """NumPy scalars, as read from a model file, and jnp dtypes."""
     cfg = LlamaConfig.tiny(dim=np.int64(64), rope_base=np.float32(1e4), param_dtype=jnp.bfloat16)
     assert cfg.param_dtype == jnp.bfloat16
     assert Llama(cfg, rngs=nnx.Rngs(0))(jnp.array([[1, 2]]))[0].shape == (1, 2, 259)
