@@ -64,7 +64,7 @@ class SweepConfig:
     As in train.py: one device when unset (all devices on 'data' with --zero > 0), and a pipeline adds a 'stage'
     axis to a mesh without one."""
     zero: str = "0"
-    """Comma-separated ZeRO stages (0-3) compiled on each --mesh."""
+    """Comma-separated ZeRO stages (0-3) compiled on each --mesh (without one, on all devices on 'data')."""
     rules: str = ""
     """Sharding-rule overrides 'logical=mesh_axes,...' (with --mesh)."""
     pipeline_stages: int = 1

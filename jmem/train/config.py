@@ -14,9 +14,12 @@ OFFLOAD_SNAPSHOTS = "offload_optimizer"
 
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "galore", "sgd")
 DEFAULT_WARMUP = 20
+"""Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
 # The --moe-* flags that take a value (unset: the model's own); --moe-dropless is a switch.
 MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_capacity_factor", "moe_aux_weight", "moe_z_weight")
-"""Warmup steps when --warmup is unset (capped at a fifth of --steps)."""
+ROUTER_SETTINGS = ("moe_capacity_factor", "moe_dropless", "moe_aux_weight", "moe_z_weight")
+"""The router's capacity and loss weights: model-config fields and flags of the same names that add no
+state (a resumed run may change them; they change its updates)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from jmem.io.checkpoint import CheckpointMismatchError, Checkpointer
 from jmem.io.paths import new_dirs_removed_if_left_empty
 from jmem.memory.measure import MemoryReport, measure_and_compile, memory_limit
 from jmem.train.checks import check_steps_left, rules_for
-from jmem.train.config import OFFLOAD_SNAPSHOTS, TrainConfig
+from jmem.train.config import OFFLOAD_SNAPSHOTS, ROUTER_SETTINGS, TrainConfig
 from jmem.train.report import count_text, estimate_bytes, memory_table, step_matmul_flops
 from jmem.train.setup import MEANING_SETTINGS, Run, build, state_settings_diff, upgrade_meta
 
@@ -132,8 +132,7 @@ RESUME_DATA_FLAGS = ("data", "seq", "batch")
 """Flags a resumed run may change (the train state does not depend on them) that change its batches."""
 
 RESUME_UPDATE_FLAGS = ("steps", "lr", "warmup", "precision", "weight_decay", "clip", "galore_gap", "galore_scale",
-                       "lora_dropout", "layerwise_period", "layerwise_schedule", "accum", "moe_capacity_factor",
-                       "moe_dropless", "moe_aux_weight", "moe_z_weight")
+                       "lora_dropout", "layerwise_period", "layerwise_schedule", "accum") + ROUTER_SETTINGS
 """Flags a resumed run may change that change its updates (the learning-rate schedule spans --steps; the
 layer-wise flags choose which layers train; --accum sums in another order, and an MoE model routes each
 microbatch on its own; the router's capacity and loss weights)."""

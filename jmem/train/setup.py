@@ -20,13 +20,12 @@ from jmem.memory.precision import Policy, loss_scale_for, skip_nonfinite, with_m
 from jmem.models.config import PRESETS, LlamaConfig
 from jmem.train.checks import (DECAYING, check_batch_split, check_heads_fit, check_layerwise_fits, check_moe_flags,
                                check_params_fit, check_seq, check_seq_split, mesh_spec, rules_for, validate)
-from jmem.train.config import TrainConfig
+from jmem.train.config import ROUTER_SETTINGS, TrainConfig
 from jmem.train.step import TrainFns, make_train_fns
 
-# Config fields that do not change the parameters (free to differ on resume; the router's loss weights and
-# capacity change the updates, noted as `RESUME_UPDATE_FLAGS`).
-_NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_dtype", "moe_capacity_factor",
-              "moe_dropless", "moe_aux_weight", "moe_z_weight")
+# Config fields that do not change the parameters (free to differ on resume; the router's settings change
+# the updates, noted as `RESUME_UPDATE_FLAGS`).
+_NOT_STATE = ("remat", "attention_impl", "loss_chunk", "max_seq_len", "compute_dtype") + ROUTER_SETTINGS
 _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
