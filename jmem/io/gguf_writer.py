@@ -44,7 +44,7 @@ _FILE_TYPES = {
 }
 _FLOAT_BY_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 # `general.*` fields that describe the written file itself: set here, never copied from the source.
-_GENERAL_SET_HERE = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
+FILE_GENERAL_FIELDS = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 # Integer value types, narrowest first, with their ranges [lo, hi).
 _INT_TYPES = (("UINT32", 0, 2**32), ("INT32", -2**31, 2**31), ("UINT64", 0, 2**64), ("INT64", -2**63, 2**63))
 # Fields whose type llama.cpp fixes: (kind of value, GGUF type of the value or of its items).
@@ -388,7 +388,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     if bad_keys:
         raise ValueError(f"metadata key {bad_keys[0]!r} is not a str; accepted: str keys such as 'general.name'")
     general = {"general.name": "jmem-llama", **{k: v for k, v in (general_metadata or {}).items()
-                                                if k.startswith("general.") and k not in _GENERAL_SET_HERE}}
+                                                if k.startswith("general.") and k not in FILE_GENERAL_FIELDS}}
     # An empty array is dropped (an absent field reads the same), but for the keys llama.cpp requires.
     typed = {k: _typed_field(k, v, config.vocab_size) for k, v in {**general, **tok}.items()
              if not (isinstance(v, (list, tuple)) and not v and k not in _EMPTY_ARRAYS)}

@@ -17,6 +17,9 @@ llama.cpp's quantize keeps them.
 `--out DIR`: a jmem quantized model directory (`jmem.quant.saved`) that keeps every
 quantized leaf exactly (packed codes, scales, zero points), for `jmem.load(DIR)`.
 GGUF block methods become packed `GGMLWeight` leaves there.
+
+`--method f32|f16|bf16` quantizes nothing: it converts a float model (a GGUF file, a preset or a directory
+written by `experiments/train.py --save`) into a .gguf of that float type, as llama.cpp's converter does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 
 
 GGUF_METHODS = ("q2_k", "q3_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0", "iq4_nl")
+FLOAT_TYPES = ("f32", "f16", "bf16")  # no quantization: every matrix converted to this GGUF float type
 FLOAT_METHODS = ("rtn", "int8", "nf4", "fp8", "gptq", "awq")
 # Flags only some methods read: flag -> (field, the methods that read it, why another method does not).
 METHOD_FLAGS = {
@@ -47,9 +51,11 @@ class QuantizeArgs:
     out: str
     """Output: a path ending in .gguf, or a directory (new or empty; a path without a file extension)."""
     model: str = "smollm2-135m"
-    """The float source: the packaged smollm2-135m, a random-init preset (tiny, ...) or a .gguf path."""
+    """The float source: the packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a float
+    model directory (`experiments/train.py --save DIR`)."""
     method: str = "gptq"
-    """rtn, int8, nf4, fp8, gptq, awq, or a GGUF block type (q4_0, q4_k, q6_k, q8_0, ...)."""
+    """rtn, int8, nf4, fp8, gptq, awq, a GGUF block type (q4_0, q4_k, q6_k, q8_0, ...), or f32 / f16 / bf16 (a
+    .gguf of float matrices, nothing quantized)."""
     bits: int | None = None
     """Bits for rtn/gptq/awq (2, 3, 4, 8); the method's own width when unset."""
     group_size: int | None = 128
@@ -127,7 +133,7 @@ def check_flags_apply(args: QuantizeArgs, method: str, kind: str) -> None:
             shown = flag if isinstance(value, bool) else f"{flag}={value}"
             raise ValueError(f"{shown} does not apply to --method {method} ({why}); accepted: {flag} only with "
                              f"--method {' / '.join(methods)}")
-    if args.store_type.upper() != defaults["store_type"] and (kind == "dir" or method in GGUF_METHODS):
+    if args.store_type.upper() != defaults["store_type"] and (kind == "dir" or method in (*GGUF_METHODS, *FLOAT_TYPES)):
         target = f"--method {method} (written in its own block type)" if kind == "gguf" else \
             "--out DIR (a directory keeps the quantized weights as they are)"
         raise ValueError(f"--store-type={args.store_type} does not apply to {target}; accepted: --store-type only "
@@ -152,7 +158,7 @@ def _check_numbers(args: QuantizeArgs, method: str) -> None:
     """The numeric flags the method reads, before the model loads."""
     from jmem.quant.qtensor import PACK_ROWS
 
-    if method in GGUF_METHODS:
+    if method in (*GGUF_METHODS, *FLOAT_TYPES):
         return
     g, bits = args.group_size, _bits(args, method)
     if method in ("rtn", "gptq", "awq") and g is not None and g != -1:
@@ -217,8 +223,12 @@ def quantize_to_file(args: QuantizeArgs) -> dict[str, str]:
     model_source(args.model, "--model")  # a missing model named as the flag, before the other checks
     kind = out_kind(args.out)
     method = args.method.lower()
-    if method not in (*METHOD_BITS, *GGUF_METHODS):
-        raise ValueError(f"--method {args.method!r}; accepted: {', '.join((*METHOD_BITS, *GGUF_METHODS))}")
+    methods = (*METHOD_BITS, *GGUF_METHODS, *FLOAT_TYPES)
+    if method not in methods:
+        raise ValueError(f"--method {args.method!r}; accepted: {', '.join(methods)}")
+    if method in FLOAT_TYPES and kind == "dir":
+        raise ValueError(f"--method {method} writes a .gguf file; accepted with --out PATH.gguf (a directory keeps "
+                         f"the float weights of `--save` as they are)")
     check_flags_apply(args, method, kind)
     if method in METHOD_BITS and args.bits is not None and args.bits not in METHOD_BITS[method]:
         raise ValueError(f"--bits={args.bits} is not supported by --method {method}; accepted: "
@@ -249,7 +259,6 @@ def _say(line: str) -> None:
 
 def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dict[str, str]:
     import jmem
-    from jmem.io.gguf import GGUFFile
     from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
     from jmem.quant import quantize
     from jmem.quant.api import CALIBRATED, check_float_model, group_sizes, method_kwargs
@@ -262,6 +271,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
     if method in ("rtn", "gptq", "awq"):
         check_group_fits(weights, args.group_size, _bits(args, method))
     tok_meta = lm.source.tokenizer_metadata() if lm.source is not None else byte_tokenizer_metadata()
+    general = getattr(lm.source, "metadata", None)  # a GGUF file's or a directory's general.* fields
 
     # The output head, or the token embedding that is also the head: llama.cpp keeps it at Q6_K or above.
     head = "token_embd.weight" if lm.config.tie_embeddings else "output.weight"
@@ -283,7 +293,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
             return fitting.name
 
         types = write_gguf(args.out, lm.config, params, tokenizer_metadata=tok_meta, qtype_by_tensor=qtype_of,
-                           general_metadata=lm.source.metadata if isinstance(lm.source, GGUFFile) else None,
+                           general_metadata=general,
                            file_type=qtype)
         for line in fallback_lines(qtype, {n: (r, types[n]) for n, r in rows.items()}):
             _say(line)
@@ -292,6 +302,9 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
                  f"(Q8_0 where 256 does not divide its rows, F16 where 32 does not either)")
         return types
 
+    if method in FLOAT_TYPES:
+        return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=method.upper(),
+                          general_metadata=general, file_type=method.upper())
     if method in GGUF_METHODS:
         if kind == "gguf":
             return write(lm.model, method)
@@ -308,7 +321,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
         if kind == "gguf":
             return write(qmodel, args.store_type)
     save_quantized(args.out, qmodel, tokenizer=lm.tokenizer,  # a GGUF tokenizer carries its own fields
-                   quantization=quantization_spec(args, method, group_sizes(qmodel)))
+                   quantization=quantization_spec(args, method, group_sizes(qmodel)), general_metadata=general)
     return _leaf_kinds(qmodel)
 
 

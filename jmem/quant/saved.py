@@ -286,8 +286,20 @@ def _quant_entry(quantization) -> dict | None:
     return {k: quantization.get(k) for k in QUANT_FIELDS}
 
 
+def _general_entry(general_metadata: Mapping | None) -> dict:
+    """The source's `general.*` fields that JSON holds (strings, numbers, lists of them), without those that
+    describe the source file itself (its architecture key, file type, ...)."""
+    from jmem.io.gguf_writer import FILE_GENERAL_FIELDS
+
+    def plain(v) -> bool:
+        return isinstance(v, (str, int, float, bool)) or (isinstance(v, (list, tuple)) and all(map(plain, v)))
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in (general_metadata or {}).items()
+            if isinstance(k, str) and k.startswith("general.") and k not in FILE_GENERAL_FIELDS and plain(v)}
+
+
 def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_metadata: Mapping | None = None,
-                   quantization: Mapping | Any | None = None) -> dict:
+                   quantization: Mapping | Any | None = None, general_metadata: Mapping | None = None) -> dict:
     """Write a (quantized) jmem Llama model to a new directory; returns the manifest.
 
     Args:
@@ -300,6 +312,8 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
         quantization: method, bits, group_size, symmetric, act_order (a mapping or
             `jmem.quant.api.QuantSpec`), recorded in the manifest; `jmem quantize` records the
             group size each linear got (a mapping from linear to size when they differ).
+        general_metadata: the source's fields to keep (e.g. `GGUFFile.metadata`): its `general.*` keys
+            (name, license, organization, ...), written again when the directory becomes a GGUF file.
 
     The calling process writes it alone: in a multi-process run, call it on one process with
     the weights on its host (e.g. gathered by `jax.experimental.multihost_utils.process_allgather`).
@@ -320,6 +334,7 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
     check_new_dir(path, "path")
     tok = _tokenizer_entry(tokenizer, tokenizer_metadata)
     quant = _quant_entry(quantization)
+    general = _general_entry(general_metadata)
     arrays: dict[str, Any] = {}
     leaves = {}
     for var_path, var in nnx.to_flat_state(nnx.state(model)):
@@ -336,6 +351,7 @@ def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_
                    for k, a in arrays.items()},
         "bytes": n_bytes,
         "tokenizer": tok,
+        **({"general": general} if general else {}),
     }
     with undo_on_failure(path, "path", directory=True) as out:  # a failed write leaves no partial directory
         ckpt = Checkpointer(out / ARRAYS, max_to_keep=1, this_process_only=True)
@@ -478,6 +494,12 @@ class QuantizedModelDir:
 
         tok = self.manifest["tokenizer"]
         return dict(tok["metadata"]) if tok["kind"] == "gguf" else byte_tokenizer_metadata()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The source model's `general.*` fields (as `GGUFFile.metadata` holds them), {} when none were kept."""
+        general = self.manifest.get("general")
+        return dict(general) if isinstance(general, dict) else {}
 
 
 def load_quantized(path: str | os.PathLike, **config_overrides):

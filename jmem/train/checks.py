@@ -65,8 +65,9 @@ def validate(cfg: TrainConfig) -> Policy:
     validate_remat(cfg.remat)
     policy = train_policy(cfg.precision)
     check_divisible(cfg.batch, cfg.accum)
-    if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().is_file():
-        raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+    if cfg.model not in PRESETS and not pathlib.Path(cfg.model).expanduser().exists():
+        raise ValueError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}), a GGUF file or a model "
+                         f"directory")
     preset_config(cfg)  # the --moe-* flags against a preset (a model file's once it loads)
     _validate_model_file(cfg)
     if cfg.stop_after is not None and cfg.stop_after < 1:
@@ -165,15 +166,22 @@ def _validate_floats(cfg: TrainConfig) -> None:
 
 
 def _validate_model_file(cfg: TrainConfig) -> None:
-    """A model read from a file must be a GGUF file (its context length is checked once it is
-    loaded, `check_seq`)."""
+    """A model read from disk must be a GGUF file or a directory written by `--save` / `jmem quantize --out`
+    (its context length is checked once it is loaded, `check_seq`)."""
+    from jmem.quant.saved import is_quantized_dir
+
     path = model_file(cfg.model)
     if path is None:
         return
+    accepted = f"accepted: a .gguf path, a directory written by --save or `jmem quantize --out DIR`, or a preset " \
+               f"({', '.join(PRESETS)})"
+    if pathlib.Path(path).is_dir():
+        if not is_quantized_dir(path):
+            raise ValueError(f"--model {cfg.model!r} is a directory without a jmem model manifest; {accepted}")
+        return
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"--model {cfg.model!r} is not a GGUF file; accepted: a .gguf path or a preset "
-                             f"({', '.join(PRESETS)})")
+            raise ValueError(f"--model {cfg.model!r} is not a GGUF file; {accepted}")
 
 
 def check_seq(cfg: TrainConfig, context: int) -> None:

@@ -29,7 +29,8 @@ class TrainConfig:
     help text for 200 steps with remat, bf16 compute and Adafactor."""
 
     model: str = "small"
-    """Model preset (tiny, small, bench-8l, tiny-moe), `smollm2-135m` to fine-tune the real model, or a GGUF path."""
+    """Model preset (tiny, small, bench-8l, tiny-moe), `smollm2-135m` to fine-tune the real model, a GGUF path, or a
+    directory written by --save (training goes on from its weights) or `jmem quantize --out DIR` (adapters only)."""
     data: str = "default"
     """Training text: 'default' (pydoc_data.topics) or a path to a UTF-8 text file."""
     steps: int = 200
@@ -87,7 +88,7 @@ class TrainConfig:
     """Write a PNG of the loss curve and the memory table to this file (by process 0 alone). The curve holds the
     steps this invocation trained; a resumed run's --log holds the whole run's."""
     save: str | None = None
-    """When the run finishes: with --lora-rank and a path ending in .npz, the adapters (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`), with --lora-rank its adapters merged into its weights (a quantized base comes back as float)."""
+    """When the run finishes: with --lora-rank and a path ending in .npz, the adapters (`jmem serve --lora-modules NAME=FILE`); otherwise the trained model to this new directory (`jmem generate/serve --model DIR`, `jmem.load(DIR)`), with --lora-rank its adapters merged into its weights (a quantized base comes back as float). It computes in f32 as every model file loads (`jmem.load(DIR, compute_dtype=...)` to change), and keeps a GGUF source's general.* fields (license, ...); `jmem quantize --model DIR --method f16 --out F.gguf` converts it to GGUF."""
     loss_chunk: int | None = None
     """Sequence chunk of the cross-entropy (the preset's when unset)."""
 

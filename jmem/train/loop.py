@@ -546,6 +546,7 @@ def _save_result(run: Run, state, out: TextIO) -> None:
         save_adapters(model, run.cfg.save)
         print(f"wrote the adapters to {run.cfg.save}", file=out)
     else:
+        from jmem.lm import DEFAULT_DTYPES, general_metadata
         from jmem.quant.saved import save_quantized
 
         what = "trained model"
@@ -553,7 +554,9 @@ def _save_result(run: Run, state, out: TextIO) -> None:
             from jmem.lora import merge
 
             model, what = merge(model), "model with its adapters merged into its weights"
-        save_quantized(run.cfg.save, model, tokenizer=run.tokenizer)
+        # Computed as every model file loads (f32, XLA attention) whatever this run trained with.
+        model.config = model.config.replace(**{k: DEFAULT_DTYPES[k] for k in ("compute_dtype", "attention_impl")})
+        save_quantized(run.cfg.save, model, tokenizer=run.tokenizer, general_metadata=general_metadata(run.cfg.model))
         print(f"wrote the {what} to {run.cfg.save}", file=out)
 
 

@@ -120,16 +120,34 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
             raise ValueError(f"--model {cfg.model}: vocab {mc.vocab_size} < {BYTE_VOCAB} byte-level ids")
         check_params_fit(cfg, mc)
         return mc, Llama(mc, rngs=nnx.Rngs(cfg.seed)), ByteTokenizer()
-    # A real model: float weights and tokenizer from its GGUF file.
+    # A real model: weights and tokenizer from its GGUF file or model directory.
     import jmem
 
     lm = jmem.load(cfg.model, param_dtype=overrides["param_dtype"], compute_dtype=overrides["compute_dtype"])
     check_seq(cfg, lm.config.max_seq_len)
+    _check_trainable(cfg, lm.model)
     check_moe_flags(cfg, lm.config)
     mc = lm.config.replace(**overrides)
     # The loaded module keeps its weights; this run's remat and loss chunk are config.
     lm.model.config = mc
     return mc, lm.model, lm.tokenizer
+
+
+def _check_trainable(cfg: TrainConfig, model) -> None:
+    """A model directory of quantized weights trains adapters on its frozen base (QLoRA), never the codes."""
+    from jmem.quant.api import describe_quantized, quant_targets
+
+    kinds = {n: describe_quantized(v.get_value()) for n, v in quant_targets(model).items()}
+    quantized = {n: k for n, k in kinds.items() if k is not None}
+    if not quantized:
+        return
+    name, kind = next(iter(quantized.items()))
+    if not cfg.lora_rank:
+        raise ValueError(f"--model {cfg.model}: its weights are quantized ({name}: {kind}) and cannot be trained; "
+                         f"accepted: --lora-rank R (adapters on the frozen quantized base), or the float model")
+    if cfg.quantize_base:
+        raise ValueError(f"--quantize-base {cfg.quantize_base}: --model {cfg.model} is already quantized "
+                         f"({name}: {kind}); accepted: no --quantize-base with a quantized model")
 
 
 def needs_master_weights(cfg: TrainConfig, policy: Policy) -> bool:

@@ -67,6 +67,8 @@ def test_bad_input_one_line(tmp_path):
     (["--method", "awq", "--act-order"], "--act-order does not apply to --method awq (only gptq orders columns)"),
     (["--method", "fp8", "--no-symmetric"], "--no-symmetric does not apply to --method fp8"),
     (["--method", "q4_0", "--store-type", "Q8_0"], "--store-type=Q8_0 does not apply to --method q4_0"),
+    (["--method", "f16", "--store-type", "Q8_0"], "--store-type=Q8_0 does not apply to --method f16"),
+    (["--method", "bf16", "--bits", "8"], "--bits=8 does not apply to --method bf16"),
     (["--method", "nf4", "--bits", "8"], "--bits=8 is not supported by --method nf4; accepted: 4"),
     (["--method", "rtn", "--store-type", "Q9"], "--store-type 'Q9': unsupported GGML tensor type 'Q9'"),
     (["--method", "rtn", "--model", "nosuch"], "--model 'nosuch' is neither a file nor a directory"),
@@ -201,6 +203,44 @@ def test_gguf_source_keeps_its_general_metadata(tmp_path, capsys):
                      for p in (src, out))
     assert after == {**before, "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q8_0),
                      "general.quantization_version": gguf.GGML_QUANT_VERSION}
+    # A quantized model directory records them too (tests/train/test_save.py: a trained model's, into a GGUF).
+    main(["quantize", "--model", str(src), "--method", "int8", "--out", str(tmp_path / "dir")])
+    capsys.readouterr()
+    assert jmem.load(str(tmp_path / "dir")).source.metadata == general
+
+
+@pytest.mark.parametrize("method, dtype", [("f32", np.float32), ("f16", np.float16), ("bf16", "bfloat16")])
+def test_float_types_convert_every_matrix(method, dtype, tmp_path, capsys):
+    """--method f32/f16/bf16: no quantization, every matrix stored in that float type (norms in F32), equal to
+    the source's weights rounded to it."""
+    import gguf
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jmem.cli import main
+    from jmem.io.gguf import llama_weights, read_gguf
+
+    out = tmp_path / f"{method}.gguf"
+    main(["quantize", "--model", "tiny", "--method", method, "--out", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert {t for n, t in types.items() if "norm" not in n} == {method.upper()}
+    assert {t for n, t in types.items() if "norm" in n} == {"F32"}
+    lm = jmem.load("tiny")
+    read = llama_weights(read_gguf(out), lm.config)
+    source = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(lm.model))}
+    for name in ("layers.wq.kernel", "layers.w_down.kernel", "embed.embedding"):
+        expected = np.asarray(jnp.asarray(source[name]).astype(dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(read[name]), expected)
+
+
+def test_float_type_into_a_directory_is_refused(tmp_path, capsys):
+    from jmem.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", "tiny", "--method", "f16", "--out", str(tmp_path / "d")])
+    assert "--method f16 writes a .gguf file; accepted with --out PATH.gguf" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow

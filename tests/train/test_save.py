@@ -37,8 +37,11 @@ def test_saved_model_is_the_trained_model(tmp_path):
     out = io.StringIO()
     train(dataclasses.replace(cfg, resume=True), out=out)
     assert f"wrote the trained model to {tmp_path / 'model'}" in out.getvalue()
-    saved, trained = _params(jmem.load(str(tmp_path / "model")).model), _params(_final_params(cfg))
+    loaded = jmem.load(str(tmp_path / "model"))
+    saved, trained = _params(loaded.model), _params(_final_params(cfg))
     jax.tree.map(np.testing.assert_array_equal, saved, trained)
+    # Trained with bf16 compute, it computes as every model file loads (f32), like its base with adapters.
+    assert (cfg.precision, loaded.config.compute_dtype, loaded.config.attention_impl) == ("bf16", "f32", "xla")
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(saved),
                                                          jax.tree.leaves(_params(jmem.load("tiny").model))))
 
@@ -108,3 +111,33 @@ def test_bad_save_paths_are_refused_before_training(extra, expected, tmp_path, m
     (tmp_path / "a.npz").write_text("x")
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         validate(TrainConfig(**{**BASE, **extra}))
+
+
+def test_a_saved_model_trains_on_and_converts_to_gguf_with_its_sources_fields(tmp_path, capsys):
+    """--model DIR continues from a --save directory's weights; the directory keeps the source GGUF's general.*
+    fields (its license, ...) into `jmem quantize --method bf16`'s file. A directory of quantized weights trains
+    adapters only."""
+    import gguf
+
+    from jmem.cli import main
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+
+    lm = jmem.load("tiny")
+    general = {"general.name": "Tiny", "general.license": "apache-2.0", "general.languages": ["en"]}
+    write_gguf(tmp_path / "src.gguf", lm.config, lm.model, tokenizer_metadata=byte_tokenizer_metadata(),
+               general_metadata=general)
+    first = TrainConfig(**{**BASE, "model": str(tmp_path / "src.gguf"), "steps": 1}, save=str(tmp_path / "a"))
+    train(first, out=io.StringIO())
+    assert jmem.load(str(tmp_path / "a")).source.metadata == general
+    main(["quantize", "--model", str(tmp_path / "a"), "--method", "bf16", "--out", str(tmp_path / "a.gguf")])
+    fields = gguf.GGUFReader(tmp_path / "a.gguf").fields
+    assert {k: fields[k].contents() for k in general} == general
+
+    second = build(TrainConfig(**{**BASE, "model": str(tmp_path / "a")}))
+    jax.tree.map(np.testing.assert_array_equal, _params(second.model), _params(jmem.load(str(tmp_path / "a")).model))
+    main(["quantize", "--model", str(tmp_path / "a"), "--method", "int8", "--out", str(tmp_path / "q")])
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="its weights are quantized .* accepted: --lora-rank R"):
+        build(TrainConfig(**{**BASE, "model": str(tmp_path / "q")}))
+    qlora = build(TrainConfig(**{**BASE, "model": str(tmp_path / "q")}, lora_rank=2))
+    assert type(qlora.model.layers.wq.kernel.get_value()).__name__ == "LoRA"
