@@ -34,12 +34,16 @@ def test_gguf_method_and_rtn_written_and_loadable(tmp_path):
     assert errors["rtn2"] > 3 * max(errors["q8_08"], errors["rtn8"]), errors
 
 
-def test_bad_input_one_line(tmp_path):
+def test_bad_input_one_line(tmp_path, capsys):
+    from jmem.cli import main
+
     for args in (["--method", "q9_9", "--out", str(tmp_path / "a.gguf")],
                  ["--method", "rtn", "--out", str(tmp_path / "a.bin")],
                  ["--method", "rtn", "--bits", "5", "--out", str(tmp_path / "a.gguf")]):
-        r = _quantize("--model", "tiny", *args)
-        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+        with pytest.raises(SystemExit) as exc:
+            main(["quantize", "--model", "tiny", *args])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("jmem quantize: error: ") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())
 
 
