@@ -553,7 +553,10 @@ def describe(path: str | os.PathLike) -> str:
         raise QuantizedDirError(f"{MANIFEST}: a leaf entry is malformed ({type(e).__name__}: {e}); "
                                 "write the directory again") from None
     n_params = c.num_params
-    spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None) or "not recorded"
+    general = QuantizedModelDir(str(path), m).metadata
+    spec = ", ".join(f"{k}={_spec_value(q[k])}" for k in QUANT_FIELDS if q.get(k) is not None)
+    if not spec:  # a trained model's --save, or a directory written without its quantization spec
+        spec = "none (float weights)" if all("type" not in n for n in m["leaves"].values()) else "not recorded"
     return "\n".join([
         f"directory:     {path} ({FORMAT} v{m['format_version']})",
         f"layers:        {c.shape_line()}",
@@ -562,4 +565,6 @@ def describe(path: str | os.PathLike) -> str:
         f"tokenizer:     {m['tokenizer']['kind']}",
         f"parameters:    {n_params:,} ({n_params / 1e6:.1f}M)",
         f"stored bytes:  {m['bytes']:,} ({8 * m['bytes'] / n_params:.2f} bits/parameter)",
+        *([f"source:        {general.get('general.name', '?')} (license: {general.get('general.license', '?')})"]
+          if general else []),
     ])

@@ -129,6 +129,9 @@ def test_a_saved_model_trains_on_and_converts_to_gguf_with_its_sources_fields(tm
     first = TrainConfig(**{**BASE, "model": str(tmp_path / "src.gguf"), "steps": 1}, save=str(tmp_path / "a"))
     train(first, out=io.StringIO())
     assert jmem.load(str(tmp_path / "a")).source.metadata == general
+    main(["info", str(tmp_path / "a")])
+    printed = capsys.readouterr().out
+    assert "quantization:  none (float weights)" in printed and "source:        Tiny (license: apache-2.0)" in printed
     main(["quantize", "--model", str(tmp_path / "a"), "--method", "bf16", "--out", str(tmp_path / "a.gguf")])
     fields = gguf.GGUFReader(tmp_path / "a.gguf").fields
     assert {k: fields[k].contents() for k in general} == general
