@@ -1,11 +1,11 @@
 """Perplexity and linear-weight bytes of SmolLM2-135M under magnitude and Wanda pruning.
 
-    python experiments/eval_prune.py --windows 16 --calibration 32 \
+    python experiments/eval_prune.py --windows 16 --calibration-windows 32 \
         --methods float,magnitude,wanda,magnitude-2:4,wanda-2:4,wanda-4:8 --sparsity 0.5 --out prune.json
 
-Evaluation: the first `windows` non-overlapping 512-token windows of the text;
-Wanda's calibration: the `calibration` windows after them, so the two never
-overlap. Default text: the standard library's `pydoc_data.topics`. A method is
+Evaluation: the first `--windows` non-overlapping 512-token windows of the text;
+Wanda's calibration: the `--calibration-windows` windows after them, so the two
+never overlap. Default text: the standard library's `pydoc_data.topics`. A method is
 `magnitude` or `wanda` (unstructured, `--sparsity` zeros per output column),
 or `magnitude-N:M` / `wanda-N:M` (keep N of every M consecutive input weights;
 N:M kernels are stored packed, `jmem.prune.NMSparse`). Embeddings, norms and
@@ -42,7 +42,7 @@ class Config:
     """Text file to evaluate and calibrate on (default: pydoc_data.topics)."""
     windows: int = 4
     """Non-overlapping 512-token evaluation windows."""
-    calibration: int = 8
+    calibration_windows: int = 8
     """512-token calibration windows for wanda (taken after the evaluation windows)."""
     methods: str = ",".join(DEFAULT_METHODS)
     """Comma-separated: float, magnitude, wanda (unstructured), or magnitude-N:M, wanda-N:M (e.g. wanda-2:4)."""
@@ -86,14 +86,14 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         raise ValueError(f"--sparsity {cfg.sparsity}; accepted: a fraction of zeros in [0, 1)") from None
     positive = [("--windows", cfg.windows), ("--batch", cfg.batch)]
     if any(m.startswith("wanda") for m in methods):
-        positive.append(("--calibration", cfg.calibration))
-    elif cfg.calibration < 0:
-        raise ValueError(f"--calibration {cfg.calibration}; accepted: a non-negative integer")
+        positive.append(("--calibration-windows", cfg.calibration_windows))
+    elif cfg.calibration_windows < 0:
+        raise ValueError(f"--calibration-windows {cfg.calibration_windows}; accepted: a non-negative integer")
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
     check_flags_read(cfg, methods, {
-        "--calibration": ("calibration", lambda m: m.startswith("wanda"), "wanda or wanda-N:M", 0),
+        "--calibration-windows": ("calibration_windows", lambda m: m.startswith("wanda"), "wanda or wanda-N:M", 0),
         "--sparsity": ("sparsity", lambda m: m in METHODS, "magnitude or wanda (N:M patterns fix their sparsity)"),
     })
     check_dense(cfg.model, "pruning")
@@ -115,9 +115,9 @@ def main(cfg: Config) -> list[dict]:
     methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
-    n_calib = cfg.calibration if any(m.startswith("wanda") for m in methods) else 0
+    n_calib = cfg.calibration_windows if any(m.startswith("wanda") for m in methods) else 0
     need = (cfg.windows + n_calib) * WINDOW
-    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration", WINDOW)
+    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration-windows", WINDOW)
     for name in methods:
         if name != "float":
             method, sparsity, pattern = parse_method(name, cfg.sparsity)

@@ -3,11 +3,11 @@
     python experiments/eval_quant.py --text FILE --windows 16 \
         --methods float,int8,rtn4,rtn3,nf4,gptq4,gptq3,awq4,awq3,fp8,q4_0,q4_k,q6_k,q8_0 --out quant.json
 
-Evaluation: the first `windows` non-overlapping 512-token windows of the text;
-calibration (gptq, awq): the windows after them, so the two never overlap.
-Default text: the standard library's `pydoc_data.topics`. `float` is the
-dequantized source model (its stored types are printed first: the packaged
-SmolLM2 file stores its layer matrices as Q4_1, so `q4_1` reproduces `float`).
+Evaluation: the first `--windows` non-overlapping 512-token windows of the text;
+calibration (gptq, awq): the `--calibration-windows` windows after them, so the
+two never overlap. Default text: the standard library's `pydoc_data.topics`.
+`float` is the dequantized source model (its stored types are printed first: the
+packaged SmolLM2 file stores its layer matrices as Q4_1, so `q4_1` reproduces `float`).
 GGUF block formats use llama.cpp's own fallback for
 matrices whose input dimension is not a multiple of 256 (Q4_K -> Q5_0,
 Q6_K -> Q8_0; SmolLM2's width 576 needs it; `jmem.quant.ggml_weight.quantize_gguf_blocks`),
@@ -66,7 +66,7 @@ class Config:
     group; one whose input dimension it does not divide gets the largest multiple of 32 below it that does
     (SmolLM2's width 576 with 128: 96), recorded in each record's `group_sizes`; a value that fits no input
     dimension this way is refused before the model loads."""
-    calib_windows: int = 16
+    calibration_windows: int = 16
     """512-token calibration windows for gptq/awq (taken after the evaluation windows)."""
     symmetric: bool = False
     """Scale-only grids for rtn/int8/gptq/awq; the default adds a zero point per group (per channel for int8), as
@@ -87,9 +87,9 @@ def validate(cfg: Config) -> tuple[list[str], str]:
         raise ValueError(f"--methods: unknown methods {bad}; accepted: {', '.join(ALL)}")
     positive = [("--windows", cfg.windows), ("--batch", cfg.batch), ("--group-size", cfg.group_size)]
     if any(m in CALIBRATED for m in methods):
-        positive.append(("--calib-windows", cfg.calib_windows))
-    elif cfg.calib_windows < 0:
-        raise ValueError(f"--calib-windows {cfg.calib_windows}; accepted: a non-negative integer")
+        positive.append(("--calibration-windows", cfg.calibration_windows))
+    elif cfg.calibration_windows < 0:
+        raise ValueError(f"--calibration-windows {cfg.calibration_windows}; accepted: a non-negative integer")
     for flag, v in positive:
         if v < 1:
             raise ValueError(f"{flag} {v}; accepted: a positive integer")
@@ -100,7 +100,7 @@ def validate(cfg: Config) -> tuple[list[str], str]:
 
     check_flags_read(cfg, methods, {
         "--group-size": ("group_size", lambda m: kind(m) in GROUPED, "rtn4, rtn3, gptq4, gptq3, awq4, awq3"),
-        "--calib-windows": ("calib_windows", lambda m: m in CALIBRATED, "gptq4, gptq3, awq4, awq3", 0),
+        "--calibration-windows": ("calibration_windows", lambda m: m in CALIBRATED, "gptq4, gptq3, awq4, awq3", 0),
         "--symmetric": ("symmetric", lambda m: kind(m) in ("int8", *GROUPED), "int8, rtn, gptq and awq methods"),
         "--no-act-order": ("act_order", lambda m: kind(m) == "gptq", "gptq4, gptq3"),
     })
@@ -163,9 +163,9 @@ def main(cfg: Config) -> list[dict]:
     methods, text = validate(cfg)
     lm = jmem.load(cfg.model)
     tokens = np.asarray(lm.tokenizer.encode(text), np.int32)
-    n_calib = cfg.calib_windows if any(m in CALIBRATED for m in methods) else 0  # only gptq and awq calibrate
+    n_calib = cfg.calibration_windows if any(m in CALIBRATED for m in methods) else 0  # only gptq and awq calibrate
     need = (cfg.windows + n_calib) * WINDOW
-    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calib-windows", WINDOW)
+    check_windows_fit(int(tokens.size), cfg.windows, n_calib, "--calibration-windows", WINDOW)
     windows = tokens[: cfg.windows * WINDOW].reshape(cfg.windows, WINDOW)
     calib = tokens[cfg.windows * WINDOW: need].reshape(n_calib, WINDOW)
     base = lm.model
@@ -191,7 +191,7 @@ def main(cfg: Config) -> list[dict]:
             method, bits = CALIBRATED[m]
             model = quantize(base, method, bits=bits, log=lambda line: print(line, flush=True), **method_kwargs(
                 method, group_size=cfg.group_size, calibration=calib, symmetric=cfg.symmetric,
-                act_order=cfg.act_order, max_seqs=cfg.calib_windows))
+                act_order=cfg.act_order, max_seqs=cfg.calibration_windows))
             extra["group_sizes"] = group_sizes(model)
         else:
             model, used = quantize_gguf_blocks(base, GGUF[m], log=print)

@@ -52,8 +52,8 @@ def test_bench_generate_help_has_a_description(capsys):
      "error: --group-size=100 does not fit the input dimensions 64, 128 of --model tiny; accepted: a positive "
      "multiple of 8 that divides each input dimension (64, 128) or has a multiple of 32 below it that does"),
     # 24 divides neither and has no multiple of 32 below it.
-    (["--group-size", "24", "--methods", "gptq3", "--calib-windows", "1"], "error: --group-size=24 does not fit"),
-    (["--group-size", "20", "--methods", "awq4", "--calib-windows", "1"], "error: --group-size=20 does not fit"),
+    (["--group-size", "24", "--methods", "gptq3", "--calibration-windows", "1"], "error: --group-size=24 does not fit"),
+    (["--group-size", "20", "--methods", "awq4", "--calibration-windows", "1"], "error: --group-size=20 does not fit"),
 ])
 def test_eval_quant_checks_group_size_on_the_model_dims_before_loading(argv, expected, tmp_path, monkeypatch,
                                                                        capsys):
@@ -73,7 +73,7 @@ def test_eval_quant_flags_no_chosen_method_reads_are_refused(tmp_path):
                         (dict(symmetric=True, methods="float,nf4"), "--symmetric is read by none of --methods "
                                                                     "float,nf4; accepted: --symmetric with int8, rtn, "
                                                                     "gptq and awq methods"),
-                        (dict(calib_windows=4), "--calib-windows 4 is read by none of"),
+                        (dict(calibration_windows=4), "--calibration-windows 4 is read by none of"),
                         (dict(act_order=False), "--no-act-order is read by none of")):
         cfg = script.Config(text=str(text), **{"methods": "float,int8,nf4,q4_k", **kw}, model="tiny",
                             out=str(tmp_path / "q.json"))
@@ -107,13 +107,14 @@ def _stub_lm(n_tokens):
     ("eval_prune", ["--windows", "100000", "--methods", "float,magnitude"],
      "error: --windows=100000: 100000 evaluation + 0 calibration windows of 512 tokens need 51200000 tokens and the "
      "text has 112955; accepted: --windows <= 220, or a longer --text"),
-    ("eval_prune", ["--windows", "200", "--calibration", "30", "--methods", "wanda"],
-     "error: --windows=200 with --calibration=30: 200 evaluation + 30 calibration windows of 512 tokens need 117760 "
-     "tokens and the text has 112955; accepted: --windows <= 190 (--windows + --calibration <= 220), or a longer "
-     "--text"),
-    ("eval_prune", ["--windows", "1", "--calibration", "300", "--methods", "wanda"],
-     "error: --windows=1 with --calibration=300: 1 evaluation + 300 calibration windows of 512 tokens need 154112 "
-     "tokens and the text has 112955; accepted: a --text of at least 154112 tokens, or a smaller --calibration"),
+    ("eval_prune", ["--windows", "200", "--calibration-windows", "30", "--methods", "wanda"],
+     "error: --windows=200 with --calibration-windows=30: 200 evaluation + 30 calibration windows of 512 tokens "
+     "need 117760 tokens and the text has 112955; accepted: --windows <= 190 (--windows + --calibration-windows "
+     "<= 220), or a longer --text"),
+    ("eval_prune", ["--windows", "1", "--calibration-windows", "300", "--methods", "wanda"],
+     "error: --windows=1 with --calibration-windows=300: 1 evaluation + 300 calibration windows of 512 tokens need "
+     "154112 tokens and the text has 112955; accepted: a --text of at least 154112 tokens, or a smaller "
+     "--calibration-windows"),
     ("eval_quant", ["--windows", "300", "--methods", "float"],
      "error: --windows=300: 300 evaluation + 0 calibration windows of 512 tokens need 153600 tokens and the text "
      "has 112955; accepted: --windows <= 220, or a longer --text"),
@@ -207,7 +208,7 @@ def test_a_mixture_of_experts_model_is_refused_where_the_method_reads_dense_laye
                    "weights; accepted: a dense model")
     monkeypatch.undo()
     rows = experiment("eval_quant").main(experiment("eval_quant").Config(
-        model="tiny-moe", methods="float,int8,gptq4", windows=1, calib_windows=1, batch=1,
+        model="tiny-moe", methods="float,int8,gptq4", windows=1, calibration_windows=1, batch=1,
         out=str(tmp_path / "q.json")))
     assert [r["method"] for r in rows] == ["float", "int8", "gptq4"]
     assert all(r["bytes_ratio"] < 0.3 for r in rows[1:])

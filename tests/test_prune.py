@@ -301,10 +301,11 @@ def _eval_script():
     (["--methods", "magnitude-"], "error: --methods: unknown method 'magnitude-'; accepted: float, "),
     (["--windows", "0"], "error: --windows 0"),
     (["--sparsity", "1.0"], "error: --sparsity 1.0"),
-    (["--methods", "wanda", "--calibration", "0"], "error: --calibration 0"),
+    (["--methods", "wanda", "--calibration-windows", "0"], "error: --calibration-windows 0"),
     # Flags no chosen method reads were ignored without a word.
-    (["--methods", "float,magnitude", "--calibration", "4"], "error: --calibration 4 is read by none of --methods "
-                                                             "float,magnitude; accepted: --calibration with wanda"),
+    (["--methods", "float,magnitude", "--calibration-windows", "4"],
+     "error: --calibration-windows 4 is read by none of --methods float,magnitude; accepted: --calibration-windows "
+     "with wanda"),
     (["--methods", "wanda-2:4", "--sparsity", "0.7"], "error: --sparsity 0.7 is read by none of --methods wanda-2:4; "
                                                       "accepted: --sparsity with magnitude or wanda (N:M patterns"),
 ])

@@ -13,10 +13,10 @@ def script():
 
 @pytest.mark.parametrize("argv, expected", [
     (["--text", "/nonexist"], "--text '/nonexist': no such file"),
-    (["--windows", "0", "--calib-windows", "0"], "--windows 0; accepted: a positive integer"),
+    (["--windows", "0", "--calibration-windows", "0"], "--windows 0; accepted: a positive integer"),
     (["--windows", "-1"], "--windows -1; accepted: a positive integer"),
     (["--batch", "0"], "--batch 0; accepted: a positive integer"),
-    (["--methods", "gptq4", "--calib-windows", "0"], "--calib-windows 0; accepted: a positive integer"),
+    (["--methods", "gptq4", "--calibration-windows", "0"], "--calibration-windows 0; accepted: a positive integer"),
     (["--methods", "rtn4,q9"], "unknown methods ['q9']"),
     (["--group-size", "0"], "--group-size 0; accepted: a positive integer"),
 ])
@@ -37,16 +37,16 @@ def test_empty_text_file(script, tmp_path, monkeypatch, capsys):
 
 
 def test_float_only_needs_no_calibration_windows(script, tmp_path):
-    """`--calib-windows 0` is fine when no method calibrates: validation passes (no model is loaded here)."""
+    """`--calibration-windows 0` is fine when no method calibrates: validation passes (no model is loaded here)."""
     text = tmp_path / "t.txt"
     text.write_text("hello world\n")
-    methods, got = script.validate(script.Config(text=str(text), methods="float,rtn4,q4_k", calib_windows=0,
+    methods, got = script.validate(script.Config(text=str(text), methods="float,rtn4,q4_k", calibration_windows=0,
                                                  out=str(tmp_path / "q.json")))
     assert methods == ["float", "rtn4", "q4_k"] and got == "hello world\n"
 
 
 def test_methods_without_calibration_need_no_calibration_text(script, tmp_path):
-    """float and int8 on a text of one evaluation window run with the default --calib-windows (only gptq and
+    """float and int8 on a text of one evaluation window run with the default --calibration-windows (only gptq and
     awq reserve calibration windows)."""
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 14)  # 630 bytes: one 512-token window
