@@ -102,10 +102,11 @@ class Checkpointer:
             me = jax.process_index()
             extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
                 primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}")
-        self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if max_to_keep is None else int(max_to_keep), create=False,
-            enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only, **extra,
-        )
+        with _quiet_read_only_notes():
+            self._options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if max_to_keep is None else int(max_to_keep), create=False,
+                enable_async_checkpointing=False, cleanup_tmp_directories=not read_only, read_only=read_only, **extra,
+            )
         self._manager: ocp.CheckpointManager | None = None
         # One writer per directory: process 0 of a run holds its lock from `check` or the first `save` until
         # `close` (a this_process_only directory is a new one, written once: `jmem.quant.saved`).
@@ -120,7 +121,8 @@ class Checkpointer:
                 self.directory.mkdir(parents=True, exist_ok=True)
             # Handlers named up front so the stored array metadata is readable before any restore.
             handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-            self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+            with _quiet_read_only_notes():
+                self._manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
         return self._manager
 
     def _steps(self) -> tuple[list[int], list[int]]:
@@ -383,6 +385,23 @@ def _quiet_orbax_threads():
     """Hold back the tracebacks Orbax's writer threads log for a failed write: `save` raises one error."""
     def drop(record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and "raised an exception" in record.getMessage())
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notes():
+    """Hold back the warnings Orbax logs for a manager opened read-only (that it will not save or clean up):
+    every `jmem.load(DIR)` opens one, and what it notes is what was asked for."""
+    def drop(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (record.levelno == logging.WARNING and ("read_only=True, setting" in message
+                                                          or "Given directory is read only" in message))
 
     logger = logging.getLogger("absl")
     logger.addFilter(drop)

@@ -127,16 +127,19 @@ def test_cli_out_dir_generates_like_in_memory_model(tiny, tmp_path, capsys, case
     assert f"layers:        {cfg.n_layers}" in printed and "IntTensor x7" in printed, printed
 
 
-def test_loading_leaves_the_directory_as_it_is(tiny, tmp_path):
+def test_loading_leaves_the_directory_as_it_is(tiny, tmp_path, caplog):
     """A model directory is read, never written: even a leftover partial write stays (a shared or
-    read-only directory loads the same)."""
+    read-only directory loads the same), and the read logs no warning of its own (Orbax noted the
+    read-only mode asked for in three warnings on every load)."""
     cfg, model, _ = tiny
     out = tmp_path / "q"
     save_quantized(out, quantize(model, "int8"), tokenizer=ByteTokenizer())
     leftover = out / "arrays" / "5.orbax-checkpoint-tmp-123"
     leftover.mkdir()
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    jmem.load(str(out))
+    with caplog.at_level("WARNING"):
+        jmem.load(str(out))
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
