@@ -152,7 +152,10 @@ def _narrow_form(a: np.ndarray, form: str) -> np.ndarray | None:
     else:
         if a.shape[-1] % FORMATS[resolve_qtype(form)].block_size:
             return None
-        stored = quantize(a.astype(np.float32), form)
+        try:
+            stored = quantize(a.astype(np.float32), form)
+        except ValueError:  # a value the block's f16 scale cannot hold (|w| > 65504): not this form
+            return None
     back = _decode_narrow(stored, form, a.shape, a.dtype)
     return stored if np.array_equal(_bits(back), _bits(a)) else None
 

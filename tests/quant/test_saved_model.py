@@ -397,3 +397,15 @@ def test_a_mixture_of_experts_model_quantizes_to_a_directory(tmp_path, capsys, m
     np.testing.assert_array_equal(logits_of(lm.model, ids), logits_of(qmodel, ids))
     info(str(out))
     assert "experts: 4 (top 2)" in capsys.readouterr().out
+
+
+def test_a_weight_beyond_the_f16_range_is_saved_as_float(tiny, tmp_path):
+    """A float weight no narrow form can hold (|w| > 65504, past a block's f16 scale) is stored as it is: the
+    save raised the block encoder's range error, and a trained model with one large weight was not written."""
+    cfg, _, _ = tiny
+    model = random_model(cfg, 0)  # its own: the fixture's model is shared by the module's tests
+    emb = np.asarray(model.embed.embedding.get_value()).copy()
+    emb[3, 5] = 7e4
+    model.embed.embedding.set_value(jax.numpy.asarray(emb))
+    save_quantized(tmp_path / "big", model, tokenizer=ByteTokenizer())
+    np.testing.assert_array_equal(np.asarray(jmem.load(str(tmp_path / "big")).model.embed.embedding.get_value()), emb)
