@@ -195,8 +195,9 @@ def run(cfg: Config, layers: list[int] | None, docs: list[str], undo: contextlib
 
 
 def save_student(path: str, student, lm) -> None:
-    """`student` with the teacher's tokenizer in a new model directory (`jmem.quant.saved`, float leaves)."""
-    save_quantized(path, student, tokenizer=lm.tokenizer)
+    """`student` with the teacher's tokenizer and general.* fields (name, license) in a new model directory
+    (`jmem.quant.saved`, float leaves)."""
+    save_quantized(path, student, tokenizer=lm.tokenizer, general_metadata=getattr(lm.source, "metadata", None))
 
 
 def markdown(cfg: Config, student_blocks: int, r: dict) -> str:

@@ -21,8 +21,8 @@ def generate(prompt: str = "The capital of France is", model: str = "smollm2-135
 
     Args:
         prompt: Text to continue; `-` reads it from standard input.
-        model: The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a `jmem quantize
-            --out DIR` directory.
+        model: The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a model directory
+            (`jmem quantize --out DIR`, `experiments/train.py --save DIR`).
         max_new_tokens: Upper bound on generated tokens.
         temperature: 0 is greedy; higher samples more freely.
         top_k: Keep only the k most likely tokens (off when unset, 0 or -1, as in the server and vLLM).

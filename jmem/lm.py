@@ -212,21 +212,6 @@ def model_source(name_or_path: str, flag: str = "model") -> tuple[str, str]:
                      f"{', '.join(dict.fromkeys([*PACKAGED_MODELS, *PRESETS]))}")
 
 
-def general_metadata(name_or_path: str) -> dict:
-    """The `general.*` fields (name, license, ...) of what `load(name_or_path)` reads, without loading its
-    weights; {} for a preset."""
-    kind, path = model_source(name_or_path)
-    if kind == "gguf":
-        from jmem.io.gguf import read_gguf
-
-        return {k: v for k, v in read_gguf(path).metadata.items() if k.startswith("general.")}
-    if kind == "directory":
-        from jmem.quant.saved import QuantizedModelDir, read_manifest
-
-        return QuantizedModelDir(path, read_manifest(path)).metadata
-    return {}
-
-
 def check_packed(packed: bool, kind: str, name: str, flag: str = "packed=True") -> None:
     """ValueError naming `flag` when `packed` asks to keep blocks packed for a model that is not a GGUF file
     (`kind` from `model_source`): a preset or a quantized directory loads as it is."""

@@ -50,7 +50,7 @@ def test_serve_help_names_every_model_source():
     r = _jmem("serve", "--help")
     text = " ".join(r.stdout.replace("│", " ").split())  # the help as one line, whatever the terminal's width
     assert "The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a model directory written " \
-        "by `jmem quantize --out DIR`" in text, text
+        "by `jmem quantize --out DIR` or `experiments/train.py --save DIR`" in text, text
 
 
 def test_serve_subcommand_runs_the_server_checks():

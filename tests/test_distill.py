@@ -564,3 +564,19 @@ def test_script_held_out_ce_of_an_moe_teacher_leaves_out_its_router_losses(capsy
     with_router = lm_loss_sum(lm.model, batch)
     assert abs(result["teacher_ce"] - float(s / c)) < 1e-4
     assert abs(float(with_router[0] / with_router[1]) - float(s / c)) > 1e-4  # the two differ for this teacher
+
+
+def test_the_saved_student_keeps_the_teachers_general_fields(tmp_path):
+    """--save-student writes the teacher's general.* fields (its license) with its tokenizer, as train.py --save
+    and jmem quantize keep their source's."""
+    import jmem
+    from jmem.io.gguf_writer import byte_tokenizer_metadata, write_gguf
+    from tests.helpers import experiment
+
+    tiny = jmem.load("tiny")
+    general = {"general.name": "Teacher", "general.license": "apache-2.0"}
+    write_gguf(tmp_path / "t.gguf", tiny.config, tiny.model, tokenizer_metadata=byte_tokenizer_metadata(),
+               general_metadata=general)
+    teacher = jmem.load(str(tmp_path / "t.gguf"))
+    experiment("distill").save_student(str(tmp_path / "s"), teacher.model, teacher)
+    assert jmem.load(str(tmp_path / "s")).source.metadata == general

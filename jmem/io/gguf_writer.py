@@ -112,7 +112,7 @@ def _writer(path: str, arch: str):
     return Writer(path, arch)
 
 
-def _typed_field(key: str, value, n_tokens: int):
+def typed_field(key: str, value, n_tokens: int):
     """(value, GGUF value type, array item type or None) of a metadata field, as llama.cpp reads it.
 
     Integers get the narrowest of u32, i32, u64, i64 that holds them, token ids (`*_token_id`) u32,
@@ -390,7 +390,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, params, *, tokenize
     general = {"general.name": "jmem-llama", **{k: v for k, v in (general_metadata or {}).items()
                                                 if k.startswith("general.") and k not in FILE_GENERAL_FIELDS}}
     # An empty array is dropped (an absent field reads the same), but for the keys llama.cpp requires.
-    typed = {k: _typed_field(k, v, config.vocab_size) for k, v in {**general, **tok}.items()
+    typed = {k: typed_field(k, v, config.vocab_size) for k, v in {**general, **tok}.items()
              if not (isinstance(v, (list, tuple)) and not v and k not in _EMPTY_ARRAYS)}
 
     # Plan every tensor (types and shapes) before any heavy work.

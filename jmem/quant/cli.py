@@ -302,6 +302,11 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
                  f"(Q8_0 where 256 does not divide its rows, F16 where 32 does not either)")
         return types
 
+    c = lm.config
+    if kind == "gguf" and c.moe_experts and not c.moe_dropless:
+        _say(f"note: a GGUF file records no expert capacity and loads routing every token (dropless, as llama.cpp "
+             f"routes); this model's full-sequence forward drops tokens past capacity factor "
+             f"{c.moe_capacity_factor}, so its logits there differ (cached generation is dropless in both)")
     if method in FLOAT_TYPES:
         return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=method.upper(),
                           general_metadata=general, file_type=method.upper())

@@ -290,15 +290,23 @@ def _quant_entry(quantization) -> dict | None:
 
 
 def _general_entry(general_metadata: Mapping | None) -> dict:
-    """The source's `general.*` fields that JSON holds (strings, numbers, lists of them), without those that
-    describe the source file itself (its architecture key, file type, ...)."""
-    from jmem.io.gguf_writer import FILE_GENERAL_FIELDS
+    """The source's `general.*` fields as GGUF holds them (`typed_field`: str, bool, int, float or a list of one
+    of them), without those that describe the source file itself (its architecture key, file type, ...).
 
-    def plain(v) -> bool:
-        return isinstance(v, (str, int, float, bool)) or (isinstance(v, (list, tuple)) and all(map(plain, v)))
+    Raises:
+        QuantizedDirError: a value GGUF cannot hold, naming the field (it would be refused when the
+            directory is written to GGUF).
+    """
+    from jmem.io.gguf_writer import FILE_GENERAL_FIELDS, typed_field
 
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in (general_metadata or {}).items()
-            if isinstance(k, str) and k.startswith("general.") and k not in FILE_GENERAL_FIELDS and plain(v)}
+    entry = {}
+    for key, value in (general_metadata or {}).items():
+        if isinstance(key, str) and key.startswith("general.") and key not in FILE_GENERAL_FIELDS:
+            try:
+                entry[key] = typed_field(key, value, 0)[0]
+            except ValueError as e:
+                raise QuantizedDirError(f"general_metadata: {e}") from None
+    return entry
 
 
 def save_quantized(path: str | os.PathLike, model, *, tokenizer=None, tokenizer_metadata: Mapping | None = None,

@@ -34,7 +34,7 @@ class ServeArgs:
 
     model: str = "smollm2-135m"
     """The packaged smollm2-135m, a random-init preset (tiny, ...), a .gguf path or a model directory written by
-    `jmem quantize --out DIR`."""
+    `jmem quantize --out DIR` or `experiments/train.py --save DIR`."""
     host: str = "127.0.0.1"
     """Interface to bind (127.0.0.1: this machine only)."""
     port: int = 8000

@@ -546,7 +546,7 @@ def _save_result(run: Run, state, out: TextIO) -> None:
         save_adapters(model, run.cfg.save)
         print(f"wrote the adapters to {run.cfg.save}", file=out)
     else:
-        from jmem.lm import DEFAULT_DTYPES, general_metadata
+        from jmem.lm import DEFAULT_DTYPES
         from jmem.quant.saved import save_quantized
 
         what = "trained model"
@@ -556,7 +556,7 @@ def _save_result(run: Run, state, out: TextIO) -> None:
             model, what = merge(model), "model with its adapters merged into its weights"
         # Computed as every model file loads (f32, XLA attention) whatever this run trained with.
         model.config = model.config.replace(**{k: DEFAULT_DTYPES[k] for k in ("compute_dtype", "attention_impl")})
-        save_quantized(run.cfg.save, model, tokenizer=run.tokenizer, general_metadata=general_metadata(run.cfg.model))
+        save_quantized(run.cfg.save, model, tokenizer=run.tokenizer, general_metadata=run.general_metadata)
         print(f"wrote the {what} to {run.cfg.save}", file=out)
 
 

@@ -99,6 +99,7 @@ class Run:
     fns: TrainFns
     meta: dict
     mesh: object = None  # jax.sharding.Mesh of a distributed run
+    general_metadata: dict = dataclasses.field(default_factory=dict)  # the source file's general.* fields
 
 
 def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
@@ -119,7 +120,7 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
         if mc.vocab_size < BYTE_VOCAB:
             raise ValueError(f"--model {cfg.model}: vocab {mc.vocab_size} < {BYTE_VOCAB} byte-level ids")
         check_params_fit(cfg, mc)
-        return mc, Llama(mc, rngs=nnx.Rngs(cfg.seed)), ByteTokenizer()
+        return mc, Llama(mc, rngs=nnx.Rngs(cfg.seed)), ByteTokenizer(), {}
     # A real model: weights and tokenizer from its GGUF file or model directory.
     import jmem
 
@@ -130,7 +131,9 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
     mc = lm.config.replace(**overrides)
     # The loaded module keeps its weights; this run's remat and loss chunk are config.
     lm.model.config = mc
-    return mc, lm.model, lm.tokenizer
+    # Its general.* fields (name, license) for --save, read now: the file may be gone when the run ends.
+    general = {k: v for k, v in getattr(lm.source, "metadata", {}).items() if k.startswith("general.")}
+    return mc, lm.model, lm.tokenizer, general
 
 
 def _check_trainable(cfg: TrainConfig, model) -> None:
@@ -279,7 +282,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
     a test or a notebook) reuse the compiled step instead of compiling again.
     """
     policy = Policy.parse(cfg_key.precision)
-    mc, model, tok = _model_and_tokenizer(cfg_key, policy)
+    mc, model, tok, general = _model_and_tokenizer(cfg_key, policy)
     if mesh is not None:  # a model read from a file: its head counts are known now
         check_heads_fit(cfg_key, mesh, mc)
     model = _with_adapters(cfg_key, model)
@@ -310,7 +313,7 @@ def _cached_fns(cfg_key: TrainConfig, mesh=None):
                              mesh=mesh, zero=cfg_key.zero, rules=rules_for(cfg_key) if mesh is not None else None,
                              adapters_only=cfg_key.lora_rank > 0, dropout_seed=cfg_key.seed,
                              loss_fn=loss_fn)
-    return mc, model, tok, tx, fns
+    return mc, model, tok, tx, fns, general
 
 
 def _program_key(cfg: TrainConfig) -> TrainConfig:
@@ -346,7 +349,7 @@ def build(cfg: TrainConfig) -> Run:
         # Before the first collective: processes on different flags would wait on each other forever.
         par.check_same_settings(shared_flags(cfg), "flags")
     mesh = mesh_for(cfg)
-    mc, model, tok, tx, fns = _cached_fns(_program_key(cfg), mesh)
+    mc, model, tok, tx, fns, general = _cached_fns(_program_key(cfg), mesh)
     vocab = getattr(tok, "vocab_size", None)
     if vocab is not None and vocab > mc.vocab_size:
         raise ValueError(f"tokenizer vocab {vocab} exceeds the model's {mc.vocab_size}")
@@ -358,4 +361,4 @@ def build(cfg: TrainConfig) -> Run:
     meta = meta_for(cfg, mc, policy, abstract)
     if digest is not None:  # a resumed run notes a text that changed under its path (jmem.train.loop.resume_notes)
         meta["data_digest"] = digest
-    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta, mesh)
+    return Run(cfg, policy, mc, model, tok, data, tx, fns, meta, mesh, general)

@@ -361,3 +361,14 @@ def test_file_type_names_the_requested_type(tmp_path, capsys):
           "--out", str(out)])
     assert file_type(out) == gguf.LlamaFileType.MOSTLY_Q3_K_S
     capsys.readouterr()
+
+
+def test_a_capacity_routed_moe_model_written_to_gguf_says_it_loads_dropless(tmp_path, capsys):
+    """GGUF has no expert-capacity field: the file loads dropless, so a model whose full-sequence forward drops
+    tokens past its capacity computes other logits there; the command says so instead of converting silently."""
+    from jmem.cli import main
+
+    main(["quantize", "--model", "tiny-moe", "--method", "f32", "--out", str(tmp_path / "moe.gguf")])
+    assert "note: a GGUF file records no expert capacity and loads routing every token" in capsys.readouterr().out
+    assert jmem.load("tiny-moe").config.moe_dropless is False
+    assert jmem.load(str(tmp_path / "moe.gguf")).config.moe_dropless is True

@@ -409,3 +409,19 @@ def test_a_weight_beyond_the_f16_range_is_saved_as_float(tiny, tmp_path):
     model.embed.embedding.set_value(jax.numpy.asarray(emb))
     save_quantized(tmp_path / "big", model, tokenizer=ByteTokenizer())
     np.testing.assert_array_equal(np.asarray(jmem.load(str(tmp_path / "big")).model.embed.embedding.get_value()), emb)
+
+
+def test_general_fields_are_kept_as_gguf_holds_them(tiny, tmp_path):
+    """general_metadata: NumPy scalars are kept as the numbers they are (they were dropped), the source file's own
+    fields (file type, architecture) and other keys are left out, and a value GGUF cannot hold is refused
+    naming its field before anything is written (it failed later, when the directory became a GGUF file)."""
+    cfg, model, _ = tiny
+    meta = {"general.name": "Tiny ©", "general.count": np.int64(3), "general.ratio": np.float32(1.5),
+            "general.flag": np.bool_(True), "general.languages": ["en"], "general.file_type": 3, "tokenizer.x": 1}
+    save_quantized(tmp_path / "a", model, tokenizer=ByteTokenizer(), general_metadata=meta)
+    assert jmem.load(str(tmp_path / "a")).source.metadata == {
+        "general.name": "Tiny ©", "general.count": 3, "general.ratio": 1.5, "general.flag": True,
+        "general.languages": ["en"]}
+    with pytest.raises(QuantizedDirError, match=r"general_metadata: metadata general.tags=\[\['a'\]\] is not a GGUF"):
+        save_quantized(tmp_path / "b", model, tokenizer=ByteTokenizer(), general_metadata={"general.tags": [["a"]]})
+    assert not (tmp_path / "b").exists()

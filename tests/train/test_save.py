@@ -127,7 +127,9 @@ def test_a_saved_model_trains_on_and_converts_to_gguf_with_its_sources_fields(tm
     write_gguf(tmp_path / "src.gguf", lm.config, lm.model, tokenizer_metadata=byte_tokenizer_metadata(),
                general_metadata=general)
     first = TrainConfig(**{**BASE, "model": str(tmp_path / "src.gguf"), "steps": 1}, save=str(tmp_path / "a"))
-    train(first, out=io.StringIO())
+    # The source read once, when the run starts: gone by the time it saves, it re-read nothing (it was read again,
+    # and the trained model was lost).
+    train(first, out=io.StringIO(), on_step=lambda rec: (tmp_path / "src.gguf").unlink())
     assert jmem.load(str(tmp_path / "a")).source.metadata == general
     main(["info", str(tmp_path / "a")])
     printed = capsys.readouterr().out
