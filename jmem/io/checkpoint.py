@@ -381,34 +381,28 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def _quiet_orbax_threads():
-    """Hold back the tracebacks Orbax's writer threads log for a failed write: `save` raises one error."""
-    def drop(record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "raised an exception" in record.getMessage())
+def _holding_back(level: int, *fragments: str):
+    """Drop Orbax's log records (absl logger) at `level` and above whose message holds one of `fragments`."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.levelno >= level and any(f in record.getMessage() for f in fragments))
 
     logger = logging.getLogger("absl")
-    logger.addFilter(drop)
+    logger.addFilter(keep)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        logger.removeFilter(keep)
 
 
-@contextlib.contextmanager
+def _quiet_orbax_threads():
+    """Hold back the tracebacks Orbax's writer threads log for a failed write: `save` raises one error."""
+    return _holding_back(logging.ERROR, "raised an exception")
+
+
 def _quiet_read_only_notes():
     """Hold back the warnings Orbax logs for a manager opened read-only (that it will not save or clean up):
     every `jmem.load(DIR)` opens one, and what it notes is what was asked for."""
-    def drop(record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (record.levelno == logging.WARNING and ("read_only=True, setting" in message
-                                                          or "Given directory is read only" in message))
-
-    logger = logging.getLogger("absl")
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
+    return _holding_back(logging.WARNING, "read_only=True, setting", "Given directory is read only")
 
 
 def _is_key(x: Any) -> bool:
