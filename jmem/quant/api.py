@@ -151,6 +151,16 @@ def describe_quantized(leaf) -> str | None:
     return None
 
 
+def first_quantized(model) -> tuple[str, str] | None:
+    """(name, format) of the first quantized weight among `quant_targets` (`describe_quantized`), None for a
+    float model."""
+    for name, var in quant_targets(model).items():
+        kind = describe_quantized(var.get_value())
+        if kind is not None:
+            return name, kind
+    return None
+
+
 def check_float_model(model) -> dict:
     """The weights `quantize` replaces (`quant_targets`), by name; a ValueError when one is already
     quantized or holds a non-finite value.
@@ -165,10 +175,10 @@ def check_float_model(model) -> dict:
         if hasattr(w, "lora_a"):
             raise ValueError(f"{name} carries a LoRA adapter; accepted: a model without adapters (quantize "
                              "before apply_lora, or merge or remove_adapters first)")
-        kind = describe_quantized(w)
-        if kind is not None:
-            raise ValueError(f"the model is already quantized ({name}: {kind}); accepted: the float model "
-                             "(quantize the model as loaded, before any quantization)")
+    found = first_quantized(model)
+    if found is not None:
+        raise ValueError(f"the model is already quantized ({found[0]}: {found[1]}); accepted: the float model "
+                         "(quantize the model as loaded, before any quantization)")
     for name, w in weights.items():
         check_finite(w, f"layers.{name}", lead="layer")
     return weights

@@ -308,7 +308,7 @@ def _quantize_and_write(args: QuantizeArgs, method: str, kind: str, docs) -> dic
              f"routes); this model's full-sequence forward drops tokens past capacity factor "
              f"{c.moe_capacity_factor}, so its logits there differ (cached generation is dropless in both)")
     if method in FLOAT_TYPES:
-        return write_gguf(args.out, lm.config, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=method.upper(),
+        return write_gguf(args.out, c, lm.model, tokenizer_metadata=tok_meta, qtype_by_tensor=method.upper(),
                           general_metadata=general, file_type=method.upper())
     if method in GGUF_METHODS:
         if kind == "gguf":

@@ -138,13 +138,12 @@ def _model_and_tokenizer(cfg: TrainConfig, policy: Policy):
 
 def _check_trainable(cfg: TrainConfig, model) -> None:
     """A model directory of quantized weights trains adapters on its frozen base (QLoRA), never the codes."""
-    from jmem.quant.api import describe_quantized, quant_targets
+    from jmem.quant.api import first_quantized
 
-    kinds = {n: describe_quantized(v.get_value()) for n, v in quant_targets(model).items()}
-    quantized = {n: k for n, k in kinds.items() if k is not None}
-    if not quantized:
+    found = first_quantized(model)
+    if found is None:
         return
-    name, kind = next(iter(quantized.items()))
+    name, kind = found
     if not cfg.lora_rank:
         raise ValueError(f"--model {cfg.model}: its weights are quantized ({name}: {kind}) and cannot be trained; "
                          f"accepted: --lora-rank R (adapters on the frozen quantized base), or the float model")
